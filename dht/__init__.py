@@ -1,0 +1,1 @@
+"""Kademlia DHT records for meshd: signed capability records and their validator."""

@@ -1,0 +1,5 @@
+import sys
+
+from meshd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Shard runtime: layer-range execution, per-session KV, the ShardRuntime gRPC worker."""
