@@ -115,6 +115,9 @@ class ShardAd:
     issued_at_ms: int = 0
     sequence: int = 0
     grpc_endpoint: str = ""
+    # Runtime recipe (backend, dtype, ...) digest: a route must not mix recipes,
+    # or the split model stops reproducing the whole model's tokens.
+    recipe_digest: str = ""
 
     def __post_init__(self) -> None:
         _check_id(self.peer_id, "peer_id", MAX_PEER_ID_LEN)
@@ -134,6 +137,8 @@ class ShardAd:
         if not isinstance(self.grpc_endpoint, str) or len(self.grpc_endpoint) > MAX_ENDPOINT_LEN:
             raise PlanInputError("grpc_endpoint must be a string of at most "
                                  f"{MAX_ENDPOINT_LEN} characters")
+        if self.recipe_digest:
+            _check_id(self.recipe_digest, "recipe_digest", MAX_DIGEST_LEN)
 
     @property
     def span(self) -> Span:
@@ -186,6 +191,7 @@ class ShardAd:
                 issued_at_ms=payload.issued_at_unix_ms,
                 sequence=payload.sequence,
                 grpc_endpoint=reach.grpc_endpoint,
+                recipe_digest=payload.runtime_recipe_digest,
             )
         except PlanInputError as exc:
             raise AdvertRejected(f"capability advert from {payload.peer_id!r}: {exc}") from exc

@@ -76,15 +76,17 @@ class MissingLayersError(PlanningError):
     """No route: nobody live serves ``spans`` of the model."""
 
     def __init__(self, spans: Sequence[Span], *, model_digest: str, num_layers: int,
-                 excluded: Sequence[str] = ()) -> None:
+                 excluded: Sequence[str] = (), recipe_digest: str = "") -> None:
         self.spans = tuple(spans)
         self.model_digest = model_digest
         self.num_layers = num_layers
         self.excluded = tuple(excluded)
+        self.recipe_digest = recipe_digest
         listed = ", ".join(str(s) for s in self.spans)
+        recipe = f" with runtime recipe {recipe_digest}" if recipe_digest else ""
         note = f" (after excluding failed peers {', '.join(self.excluded)})" if self.excluded else ""
         super().__init__(
-            f"no live peer serves layer(s) {listed} of model {model_digest} "
+            f"no live peer serves layer(s) {listed} of model {model_digest}{recipe} "
             f"({num_layers} layers){note}. Start a node for them with "
             "`meshd join --layers auto` (the tracker assigns the gap), or wait for the "
             "DHT to refresh if a node is restarting."

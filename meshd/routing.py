@@ -20,9 +20,13 @@ Determinism: ads are put in a canonical order and the heap breaks ties by
 Every hop ends at its ad's end, so a model whose layers are all covered
 always has a route; when some are not, ``MissingLayersError`` lists them.
 
+A route never mixes runtime recipes (exactness holds only within one
+numeric path): ads are grouped by recipe digest and searched per group.
+
 ``replacement_route`` keeps the hops before a failed one (their sessions and
 KV stay valid) and re-plans from the failed hop's effective start, avoiding
-the failed peer; the route driver re-prefills only the hops that changed.
+the failed peer; the route driver re-prefills only the hops that
+``hops_to_reprefill`` names.
 
 State: none. Clock, RTTs and ads are arguments.
 """
@@ -101,6 +105,7 @@ class Route:
     model_digest: str
     num_layers: int
     hops: tuple[Hop, ...]
+    recipe_digest: str = ""  # every hop runs this runtime recipe
 
     def __post_init__(self) -> None:
         if not self.hops:
@@ -178,27 +183,60 @@ def _candidates(ads: Iterable[ShardAd], *, model_digest: str, num_layers: int, n
                  if ad.num_layers == num_layers and ad.peer_id not in avoid)
 
 
-def _missing(cands: tuple[ShardAd, ...], model_digest: str, num_layers: int, from_layer: int,
-             avoid: frozenset[str]) -> MissingLayersError:
+def _missing(cands: Iterable[ShardAd], model_digest: str, num_layers: int, from_layer: int,
+             avoid: frozenset[str], recipe_digest: str) -> MissingLayersError:
     gaps = CoverageMap.build(cands, model_digest=model_digest, num_layers=num_layers).gaps()
     spans = [Span(max(g.start, from_layer), g.end) for g in gaps if g.end > from_layer]
     return MissingLayersError(spans, model_digest=model_digest, num_layers=num_layers,
-                              excluded=sorted(avoid))
+                              excluded=sorted(avoid), recipe_digest=recipe_digest)
+
+
+def _plan(cands: tuple[ShardAd, ...], *, model_digest: str, num_layers: int,
+          recipe_digest: str | None, origin: tuple[int, str], entry: str, rtt: RttMap,
+          needed_tokens: int, costs: RouteCosts, avoid: frozenset[str]) -> tuple[str, list[Hop]]:
+    """Cheapest hops from ``origin`` that never mix runtime recipes.
+
+    Ads are grouped by recipe digest (only ``recipe_digest``'s group when it
+    is given); each group is searched alone and the cheapest route wins (ties:
+    fewer hops, then the smaller digest). With no route in any group, the
+    error lists the layers missing in the group that comes closest.
+    """
+    groups: dict[str, list[ShardAd]] = {}
+    for ad in cands:
+        if recipe_digest is None or ad.recipe_digest == recipe_digest:
+            groups.setdefault(ad.recipe_digest, []).append(ad)
+    found = []
+    for recipe in sorted(groups):
+        hops = _search(tuple(groups[recipe]), num_layers=num_layers, origin=origin, entry=entry,
+                       rtt=rtt, needed_tokens=needed_tokens, costs=costs)
+        if hops is not None:
+            found.append((sum(h.cost_ms for h in hops), len(hops), recipe, hops))
+    if found:
+        _, _, recipe, hops = min(found, key=lambda f: f[:3])
+        return recipe, hops
+    errors = [_missing(groups[r], model_digest, num_layers, origin[0], avoid, r) for r in sorted(groups)]
+    if not errors:
+        errors = [_missing((), model_digest, num_layers, origin[0], avoid, recipe_digest or "")]
+    raise min(errors, key=lambda e: sum(span.length for span in e.spans))
 
 
 def plan_route(ads: Iterable[ShardAd], *, model_digest: str, num_layers: int, now_ms: int,
                entry_peer_id: str, rtt: RttMap | None = None, needed_tokens: int = 0,
-               costs: RouteCosts = RouteCosts(), avoid: Iterable[str] = ()) -> Route:
-    """Cheapest route over the live ads of one model; ``MissingLayersError`` if none."""
+               costs: RouteCosts = RouteCosts(), avoid: Iterable[str] = (),
+               recipe_digest: str | None = None) -> Route:
+    """Cheapest route over the live ads of one model; ``MissingLayersError`` if none.
+
+    ``recipe_digest`` pins the runtime recipe (the entry passes its own);
+    without it the cheapest single-recipe route is chosen.
+    """
     if not 1 <= num_layers or not entry_peer_id or needed_tokens < 0:
         raise PlanInputError("plan_route needs num_layers >= 1, an entry peer id, needed_tokens >= 0")
     gone = frozenset(avoid)
     cands = _candidates(ads, model_digest=model_digest, num_layers=num_layers, now_ms=now_ms, avoid=gone)
-    hops = _search(cands, num_layers=num_layers, origin=(0, entry_peer_id), entry=entry_peer_id,
-                   rtt=rtt or {}, needed_tokens=needed_tokens, costs=costs)
-    if hops is None:
-        raise _missing(cands, model_digest, num_layers, 0, gone)
-    return Route(model_digest, num_layers, tuple(hops))
+    recipe, hops = _plan(cands, model_digest=model_digest, num_layers=num_layers,
+                         recipe_digest=recipe_digest, origin=(0, entry_peer_id), entry=entry_peer_id,
+                         rtt=rtt or {}, needed_tokens=needed_tokens, costs=costs, avoid=gone)
+    return Route(model_digest, num_layers, tuple(hops), recipe)
 
 
 def replacement_route(route: Route, failed_peer: str, ads: Iterable[ShardAd], *, now_ms: int,
@@ -207,22 +245,33 @@ def replacement_route(route: Route, failed_peer: str, ads: Iterable[ShardAd], *,
     """Re-plan ``route`` after ``failed_peer`` died, keeping the hops before it.
 
     The new route shares the prefix of hops that ran before the failed one;
-    from the failed hop's effective start it is the cheapest continuation that
-    uses neither the failed peer, nor ``avoid`` (earlier failures), nor a
-    prefix peer again.
+    from the failed hop's effective start it is the cheapest continuation, in
+    the route's runtime recipe, that uses neither the failed peer, nor
+    ``avoid`` (earlier failures), nor a prefix peer again.
     """
     index = next((i for i, h in enumerate(route.hops) if h.peer_id == failed_peer), None)
     if index is None:
         raise PlanInputError(f"{failed_peer!r} is not a hop of this route ({', '.join(route.peers)})")
     prefix = route.hops[:index]
     gone = frozenset(avoid) | {failed_peer}
+    used = {h.peer_id for h in prefix}
     cands = tuple(ad for ad in _candidates(ads, model_digest=route.model_digest,
                                            num_layers=route.num_layers, now_ms=now_ms, avoid=gone)
-                  if ad.peer_id not in {h.peer_id for h in prefix})
-    from_layer = route.hops[index].effective_start
-    origin = (from_layer, prefix[-1].peer_id if prefix else entry_peer_id)
-    hops = _search(cands, num_layers=route.num_layers, origin=origin, entry=entry_peer_id,
-                   rtt=rtt or {}, needed_tokens=needed_tokens, costs=costs)
-    if hops is None:
-        raise _missing(cands, route.model_digest, route.num_layers, from_layer, gone)
-    return Route(route.model_digest, route.num_layers, prefix + tuple(hops))
+                  if ad.peer_id not in used)
+    origin = (route.hops[index].effective_start, prefix[-1].peer_id if prefix else entry_peer_id)
+    recipe, hops = _plan(cands, model_digest=route.model_digest, num_layers=route.num_layers,
+                         recipe_digest=route.recipe_digest, origin=origin, entry=entry_peer_id,
+                         rtt=rtt or {}, needed_tokens=needed_tokens, costs=costs, avoid=gone)
+    return Route(route.model_digest, route.num_layers, prefix + tuple(hops), recipe)
+
+
+def hops_to_reprefill(old: Route, new: Route) -> tuple[int, ...]:
+    """Indices of ``new``'s hops that need a fresh session (and a re-prefill).
+
+    A hop of ``new`` equal in peer, range and effective start to a hop of
+    ``old`` keeps its session and KV; every other hop is opened anew and fed
+    the token history by the route driver.
+    """
+    kept = {(h.peer_id, h.start, h.end, h.effective_start) for h in old.hops}
+    return tuple(i for i, h in enumerate(new.hops)
+                 if (h.peer_id, h.start, h.end, h.effective_start) not in kept)

@@ -19,7 +19,7 @@ def make_ad(peer: str, start: int, end: int, n: int = 8, **overrides) -> ShardAd
 
 @st.composite
 def swarms(draw, *, min_layers: int = 1, max_layers: int = 12, max_peers: int = 8,
-           covered: bool = False):
+           covered: bool = False, recipes: tuple[str, ...] = ("",)):
     """(num_layers, ads) with distinct peer ids; ``covered`` adds a backbone."""
     n = draw(st.integers(min_layers, max_layers))
     count = draw(st.integers(0, max_peers))
@@ -31,10 +31,12 @@ def swarms(draw, *, min_layers: int = 1, max_layers: int = 12, max_peers: int = 
             f"p{i:02d}", start, end, n,
             decode_ms_per_layer=draw(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.5])),
             relayed=draw(st.booleans()),
-            free_kv_tokens=draw(st.sampled_from([0, 100, 5000]))))
+            free_kv_tokens=draw(st.sampled_from([0, 100, 5000])),
+            recipe_digest=draw(st.sampled_from(recipes))))
     if covered:
         cut = draw(st.integers(1, n))
-        ads.append(make_ad("backbone-a", 0, cut, n, decode_ms_per_layer=4.0))
+        recipe = recipes[0]
+        ads.append(make_ad("backbone-a", 0, cut, n, decode_ms_per_layer=4.0, recipe_digest=recipe))
         if cut < n:
-            ads.append(make_ad("backbone-b", cut, n, n, decode_ms_per_layer=4.0))
+            ads.append(make_ad("backbone-b", cut, n, n, decode_ms_per_layer=4.0, recipe_digest=recipe))
     return n, ads

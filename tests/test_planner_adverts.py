@@ -22,7 +22,8 @@ def payload(**overrides) -> pb.CapabilityPayload:
         throughput=pb.Throughput(decode_ms_per_layer=1.5, prefill_tokens_per_s=900.0),
         reachability=pb.Reachability(direct_addrs=["/ip4/127.0.0.1/tcp/4001"],
                                      grpc_endpoint="127.0.0.1:5000"),
-        issued_at_unix_ms=1_000, expires_at_unix_ms=61_000, sequence=7)
+        issued_at_unix_ms=1_000, expires_at_unix_ms=61_000, sequence=7,
+        runtime_recipe_digest="sha256:" + "22" * 32)
     for key, value in overrides.items():
         if isinstance(value, dict):
             sub = getattr(p, key)
@@ -45,6 +46,7 @@ def test_from_payload_reads_every_field():
     assert (ad.free_kv_tokens, ad.memory_budget_bytes, ad.sequence) == (4096, 4 << 30, 7)
     assert (ad.issued_at_ms, ad.expires_at_ms, ad.grpc_endpoint) == (1_000, 61_000, "127.0.0.1:5000")
     assert ad.relayed is False and ad.span == Span(2, 6) and ad.layers == 4
+    assert ad.recipe_digest == "sha256:" + "22" * 32
 
 
 def test_relayed_only_when_no_direct_way_in():

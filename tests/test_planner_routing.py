@@ -11,7 +11,7 @@ from meshd.adverts import CoverageMap, Span
 from meshd.benchmarks import route_plan
 from meshd.planning_errors import MissingLayersError, PlanInputError, PlanningError
 from meshd.routing import (DEFAULT_RTT_MS, NO_KV_PENALTY_MS, RELAY_PENALTY_MS, Hop, Route,
-                           RouteCosts, link_rtt, plan_route, replacement_route)
+                           RouteCosts, hops_to_reprefill, link_rtt, plan_route, replacement_route)
 from tests._planner_helpers import MODEL, make_ad, swarms
 
 ENTRY = "entry"
@@ -107,6 +107,37 @@ def test_replacement_keeps_the_prefix_and_avoids_the_failed_peer():
     assert shape(again) == [("a", 0, 3), ("e", 3, 8)]
     head = replacement_route(r, "a", ads + [make_ad("f", 0, 2)], now_ms=0, entry_peer_id=ENTRY)
     assert head.hops[0].peer_id == "f"
+
+
+def test_hops_to_reprefill_names_only_changed_hops():
+    ads = [make_ad("a", 0, 3), make_ad("b", 3, 6), make_ad("c", 6, 8),
+           make_ad("d", 2, 7, decode_ms_per_layer=3.0), make_ad("e", 3, 6, decode_ms_per_layer=4.0)]
+    r = route(ads)
+    assert hops_to_reprefill(r, r) == ()
+    via_d = replacement_route(r, "b", ads, now_ms=0, entry_peer_id=ENTRY)
+    assert shape(via_d) == [("a", 0, 3), ("d", 3, 7), ("c", 7, 8)]
+    assert hops_to_reprefill(r, via_d) == (1, 2)      # c now starts at 7: new session
+    via_e = replacement_route(r, "b", ads, now_ms=0, entry_peer_id=ENTRY, avoid=["d"])
+    assert hops_to_reprefill(r, via_e) == (1,)         # c keeps its session and KV
+
+
+def test_routes_never_mix_runtime_recipes():
+    torch_ads = [make_ad("t1", 0, 4, recipe_digest="torch"), make_ad("t2", 4, 8, recipe_digest="torch",
+                                                                        decode_ms_per_layer=5.0)]
+    cpp_ads = [make_ad("c1", 0, 4, recipe_digest="cpp", decode_ms_per_layer=3.0),
+               make_ad("c2", 4, 8, recipe_digest="cpp")]
+    r = route(torch_ads + cpp_ads)
+    assert r.recipe_digest == "cpp" and shape(r) == [("c1", 0, 4), ("c2", 4, 8)]  # 16 < 24 ms
+    pinned = route(torch_ads + cpp_ads, recipe_digest="torch")
+    assert pinned.recipe_digest == "torch" and pinned.peers == ("t1", "t2")
+    replaced = replacement_route(pinned, "t2", torch_ads + cpp_ads + [
+        make_ad("t3", 2, 8, recipe_digest="torch")], now_ms=0, entry_peer_id=ENTRY)
+    assert replaced.peers == ("t1", "t3") and replaced.recipe_digest == "torch"
+    with pytest.raises(MissingLayersError, match="recipe cpp") as info:
+        route([torch_ads[0], cpp_ads[1]])   # every layer is served, but by two recipes
+    assert info.value.spans == (Span(0, 4),)  # a tie between recipes: the smaller digest
+    with pytest.raises(MissingLayersError, match="recipe cpp"):
+        replacement_route(r, "c2", torch_ads + cpp_ads, now_ms=0, entry_peer_id=ENTRY)
 
 
 def test_replacement_reports_what_nobody_else_serves():
@@ -218,6 +249,17 @@ def test_replacement_routes_keep_the_prefix_and_skip_the_dead(swarm, data):
         return
     assert new.hops[:index] == r.hops[:index]
     assert failed not in new.peers and new.hops[-1].end == n
+
+
+@settings(max_examples=150, deadline=None)
+@given(swarms(max_layers=8, max_peers=6, covered=True, recipes=("r1", "r2")))
+def test_mixed_recipe_swarms_get_the_cheapest_single_recipe_route(swarm):
+    n, ads = swarm
+    r = route(ads, n)
+    assert {by.recipe_digest for by in ads if by.peer_id in r.peers} == {r.recipe_digest}
+    best = min(brute_force_cost([a for a in ads if a.recipe_digest == recipe], n, {}, 0, RouteCosts())
+               for recipe in ("r1", "r2"))
+    assert r.cost_ms == pytest.approx(best)
 
 
 def test_route_plan_benchmark_returns_its_numbers():
