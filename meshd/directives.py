@@ -61,7 +61,11 @@ MAX_SEEN_DIRECTIVES = 1024
 def build_directive(intent: DirectiveIntent, *, tracker_peer_id: str, model_digest: str,
                     epoch: int, now_ms: int, rng: random.Random,
                     ttl_ms: int = DEFAULT_DIRECTIVE_TTL_MS) -> pb.RebalanceDirective:
-    """The unsigned payload for one intent (the daemon signs and sends it)."""
+    """The unsigned payload for one intent (the daemon signs and sends it).
+
+    ``epoch`` is the one whose ranking made the sender tracker (by default
+    ``tracker.epoch_at(now_ms)``); nodes check it against their own view.
+    """
     if not 0 < ttl_ms <= MAX_DIRECTIVE_TTL_MS:
         raise PlanInputError(f"ttl_ms={ttl_ms} outside (0, {MAX_DIRECTIVE_TTL_MS}]")
     if not tracker_peer_id or not model_digest or now_ms < 0 or epoch < 0:
@@ -98,6 +102,9 @@ class NodeView:
             raise PlanInputError("NodeView needs a peer id, a model digest and num_layers >= 1")
         if not isinstance(self.ads, tuple) or self.active_sessions < 0 or self.skew_ms < 0:
             raise PlanInputError("NodeView.ads must be a tuple; sessions and skew >= 0")
+        if self.epoch_ms <= 0 or self.skew_ms >= self.epoch_ms:
+            raise PlanInputError(f"NodeView needs 0 <= skew_ms < epoch_ms, got {self.skew_ms}, "
+                                 f"{self.epoch_ms}")
 
 
 @dataclass(frozen=True, slots=True)

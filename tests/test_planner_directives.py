@@ -156,6 +156,8 @@ def test_the_ledger_forgets_expired_ids_and_keeps_the_epoch():
         DirectiveIntent(LOAD, "x", Span(0, 1)), tracker_peer_id="t", model_digest=MODEL, epoch=0,
         now_ms=0, rng=random.Random(0), ttl_ms=0),
     lambda: NodeView("", MODEL, 8, ()), lambda: NodeView("a", MODEL, 8, [], active_sessions=0),
+    lambda: NodeView("a", MODEL, 8, (), epoch_ms=0), lambda: NodeView("a", MODEL, 8, (), skew_ms=-1),
+    lambda: NodeView("a", MODEL, 8, (), epoch_ms=1000, skew_ms=1000),
 ])
 def test_misuse_is_a_local_error(call):
     with pytest.raises(PlanInputError):
