@@ -141,11 +141,13 @@ class FrameReader:
         self._check_head()
         if self._need is None and len(self._buf) < PREFIX_BYTES:
             # Take only the prefix first, so a bad length is refused before the body is kept.
+            view = memoryview(data)
             take = PREFIX_BYTES - len(self._buf)
-            self._buf += data[:take]
-            data = data[take:]
+            self._buf += view[:take]
             self._check_head()
-        self._buf += data
+            self._buf += view[take:]
+        else:
+            self._buf += data
 
     def next_frame(self) -> bytes | None:
         """The next complete frame body, or None until more bytes arrive."""

@@ -156,6 +156,8 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
     name_utf8 = name.encode("utf-8")
     if len(name_utf8) > limits.max_name_len:
         raise LocalError(f"tensor name {name[:16]!r}... longer than {limits.max_name_len} bytes")
+    if isinstance(array, np.generic):                     # a numpy scalar: rank 0
+        array = np.asarray(array)
     if not isinstance(array, np.ndarray):
         raise LocalError(f"tensor {name!r}: expected a numpy array, got {type(array).__name__}")
     if compression not in _COMPRESSIONS:
