@@ -53,6 +53,7 @@ PB_TO_NUMPY: dict[int, np.dtype] = {
     pb.DTYPE_BOOL: np.dtype("?"),
 }
 _NUMPY_TO_PB = {dt: code for code, dt in PB_TO_NUMPY.items()}
+_BOOL = PB_TO_NUMPY[pb.DTYPE_BOOL]
 _FLOAT_DTYPES = frozenset({pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16, pb.DTYPE_FLOAT32})
 _COMPRESSIONS = frozenset({pb.COMPRESSION_NONE, pb.COMPRESSION_ZSTD})
 _ENCODINGS = frozenset({pb.TENSOR_ENCODING_RAW, pb.TENSOR_ENCODING_Q8_BLOCK32})
@@ -164,10 +165,11 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
         raise LocalError(f"tensor {name!r}: compression must be COMPRESSION_NONE or _ZSTD")
     if encoding not in _ENCODINGS:
         raise LocalError(f"tensor {name!r}: encoding must be TENSOR_ENCODING_RAW or _Q8_BLOCK32")
-    if (not isinstance(max_fragment_bytes, int) or isinstance(max_fragment_bytes, bool)
-            or not 1 <= max_fragment_bytes <= limits.max_fragment_bytes):
-        raise LocalError(f"max_fragment_bytes must be in 1..{limits.max_fragment_bytes}")
-    dtype = pb_dtype_of(array.dtype)
+    if type(max_fragment_bytes) is not int or not 1 <= max_fragment_bytes <= limits.max_fragment_bytes:
+        raise LocalError(f"max_fragment_bytes must be an int in 1..{limits.max_fragment_bytes}")
+    dtype = _NUMPY_TO_PB.get(array.dtype)
+    if dtype is None:
+        dtype = pb_dtype_of(array.dtype)
     if array.ndim > limits.max_rank or (array.ndim and max(array.shape) > limits.max_dim):
         raise LocalError(f"tensor {name!r}: shape {array.shape} exceeds rank {limits.max_rank}"
                          f" / dim {limits.max_dim}")
@@ -176,7 +178,9 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
             raise LocalError(f"tensor {name!r}: q8 needs a floating dtype, not {array.dtype}")
         encoded: bytes | memoryview = encode_q8(array)
     else:
-        le = np.ascontiguousarray(array, dtype=PB_TO_NUMPY[dtype])
+        le = array
+        if not (array.flags.c_contiguous and array.dtype is PB_TO_NUMPY[dtype]):
+            le = np.ascontiguousarray(array, dtype=PB_TO_NUMPY[dtype])
         encoded = memoryview(le.reshape(-1).view(np.uint8)).toreadonly()
     total = len(encoded)
     if total > limits.max_tensor_bytes:
@@ -239,46 +243,54 @@ def encode_bundle(tensors: Mapping[str, np.ndarray], **kwargs) -> pb.TensorBundl
 # --------------------------------------------------------------------------- decode
 
 
+_LE = pb.BYTE_ORDER_LITTLE_ENDIAN
+_CRC32C = pb.CHECKSUM_ALGORITHM_CRC32C
+_Q8 = pb.TENSOR_ENCODING_Q8_BLOCK32
+
+
 def _declared_size(t: pb.NamedTensor, limits: Limits) -> tuple[np.dtype, tuple[int, ...], int]:
     """Check a tensor's declarations; return (numpy dtype, shape, element count)."""
     name = t.name
     if not name:
         raise ProtocolViolation("tensor without a name")
-    if len(name.encode("utf-8")) > limits.max_name_len:
+    if len(name) > limits.max_name_len or len(name.encode("utf-8")) > limits.max_name_len:
         raise LimitExceeded(f"tensor name longer than {limits.max_name_len} bytes")
-    if len(t.shape) > limits.max_rank:
-        raise LimitExceeded(f"tensor {name!r} has rank {len(t.shape)} > {limits.max_rank}")
     shape = tuple(t.shape)
+    if len(shape) > limits.max_rank:
+        raise LimitExceeded(f"tensor {name!r} has rank {len(shape)} > {limits.max_rank}")
     count = 1
+    max_dim = limits.max_dim
     for d in shape:
         if d < 0:
             raise PayloadCorrupt(f"tensor {name!r} has a negative dimension in {shape}")
-        if d > limits.max_dim:
-            raise LimitExceeded(f"tensor {name!r} dimension {d} > {limits.max_dim}")
+        if d > max_dim:
+            raise LimitExceeded(f"tensor {name!r} dimension {d} > {max_dim}")
         count *= d
-    if t.dtype not in PB_TO_NUMPY:
-        raise ProtocolViolation(f"tensor {name!r} has unspecified or unknown dtype {t.dtype}")
-    if t.byte_order != pb.BYTE_ORDER_LITTLE_ENDIAN:
+    code, encoding, total = t.dtype, t.encoding, t.total_bytes
+    dtype = PB_TO_NUMPY.get(code)
+    if dtype is None:
+        raise ProtocolViolation(f"tensor {name!r} has unspecified or unknown dtype {code}")
+    if t.byte_order != _LE:
         raise ProtocolViolation(f"tensor {name!r}: byte order must be little-endian")
-    if t.encoding not in _ENCODINGS:
+    if encoding not in _ENCODINGS:
         raise ProtocolViolation(f"tensor {name!r} has unspecified or unknown encoding")
     if t.compression not in _COMPRESSIONS:
         raise ProtocolViolation(f"tensor {name!r} has unspecified or unknown compression")
-    if t.checksum.algorithm != pb.CHECKSUM_ALGORITHM_CRC32C or len(t.checksum.value) != 4:
+    checksum = t.checksum
+    if checksum.algorithm != _CRC32C or len(checksum.value) != 4:
         raise ProtocolViolation(f"tensor {name!r}: a 4-byte CRC32C checksum is required")
-    dtype = PB_TO_NUMPY[t.dtype]
-    if t.encoding == pb.TENSOR_ENCODING_Q8_BLOCK32:
-        if t.dtype not in _FLOAT_DTYPES:
+    if encoding == _Q8:
+        if code not in _FLOAT_DTYPES:
             raise ProtocolViolation(f"tensor {name!r}: q8 encoding of a non-float dtype")
         expected = q8_encoded_size(count)
     else:
         expected = count * dtype.itemsize
-    if t.total_bytes > limits.max_tensor_bytes or expected > limits.max_tensor_bytes:
-        raise LimitExceeded(f"tensor {name!r} declares {max(expected, t.total_bytes)} bytes"
+    if total > limits.max_tensor_bytes or expected > limits.max_tensor_bytes:
+        raise LimitExceeded(f"tensor {name!r} declares {max(expected, total)} bytes"
                             f" > {limits.max_tensor_bytes}")
-    if expected != t.total_bytes:
+    if expected != total:
         raise PayloadCorrupt(f"tensor {name!r}: shape {list(shape)} needs {expected} bytes, "
-                             f"total_bytes says {t.total_bytes}")
+                             f"total_bytes says {total}")
     return dtype, shape, count
 
 
@@ -366,9 +378,9 @@ def decode_tensor(t: pb.NamedTensor, limits: Limits = DEFAULT_LIMITS, *,
         data = _decompress(t.name, data, t.total_bytes, limits)
     if crc32c(data).to_bytes(4, "big") != t.checksum.value:
         raise PayloadCorrupt(f"tensor {t.name!r} failed its CRC32C check")
-    if t.encoding == pb.TENSOR_ENCODING_Q8_BLOCK32:
+    if t.encoding == _Q8:
         return decode_q8(data, count, dtype).reshape(shape)
-    if t.dtype == pb.DTYPE_BOOL and count and np.frombuffer(data, np.uint8).max() > 1:
+    if dtype is _BOOL and count and np.frombuffer(data, np.uint8).max() > 1:
         raise PayloadCorrupt(f"tensor {t.name!r}: bool bytes must be 0 or 1")
     return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
 
@@ -382,16 +394,19 @@ def decode_bundle(b: pb.TensorBundle, limits: Limits = DEFAULT_LIMITS, *,
     if b.bundle_version != BUNDLE_VERSION:
         raise VersionUnsupported(f"bundle version {b.bundle_version} is not supported "
                                  f"(this build speaks {BUNDLE_VERSION})")
-    if len(b.tensors) > limits.max_tensors_per_bundle:
-        raise LimitExceeded(f"bundle has {len(b.tensors)} tensors > {limits.max_tensors_per_bundle}")
-    declared = sum(t.total_bytes for t in b.tensors)
+    tensors = b.tensors
+    if len(tensors) > limits.max_tensors_per_bundle:
+        raise LimitExceeded(f"bundle has {len(tensors)} tensors > {limits.max_tensors_per_bundle}")
+    tensors = list(tensors)
+    declared = sum(t.total_bytes for t in tensors)
     if declared > limits.max_bundle_bytes:
         raise LimitExceeded(f"bundle declares {declared} bytes > {limits.max_bundle_bytes}")
-    if views is not None and len(views) != len(b.tensors):
+    if views is not None and len(views) != len(tensors):
         raise PayloadCorrupt("non-canonical bundle layout")
     out: dict[str, np.ndarray] = {}
-    for i, t in enumerate(b.tensors):
-        if t.name in out:
-            raise ProtocolViolation(f"bundle names tensor {t.name!r} twice")
-        out[t.name] = decode_tensor(t, limits, views=None if views is None else views[i])
+    for i, t in enumerate(tensors):
+        name = t.name
+        if name in out:
+            raise ProtocolViolation(f"bundle names tensor {name!r} twice")
+        out[name] = decode_tensor(t, limits, views=None if views is None else views[i])
     return out
