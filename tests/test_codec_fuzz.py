@@ -350,3 +350,36 @@ def test_oversized_frame_length_is_refused_before_buffering():
         with pytest.raises(LimitExceeded):
             reader.feed(data)
     assert _peak_during(feed) < 64 * 1024 and reader.buffered == 4
+
+
+def _chunk_with_tensor_bytes(tensor_body: bytes) -> bytes:
+    """SessionRequest{chunk{envelope, bundle{version 1, tensors: [raw tensor body]}}}."""
+    from proto.tensors import varint
+    env = ENV.SerializeToString()
+    bundle = b"\x08\x01\x12" + varint(len(tensor_body)) + tensor_body
+    chunk = b"\x0a" + varint(len(env)) + env + b"\x12" + varint(len(bundle)) + bundle
+    return b"\x12" + varint(len(chunk)) + chunk
+
+
+@pytest.mark.parametrize("reader", [parse_request, read_request])
+def test_element_count_amplification_is_refused_before_protobuf_allocates(reader):
+    # 8 MiB of empty fragments would be ~4 M protobuf objects (~200 MB); the scan
+    # stops at MAX_WIRE_FIELDS, so the peak does not grow with the input.
+    many_fragments = _chunk_with_tensor_bytes(b"\x0a\x01h" + b"\x42\x00" * (4 << 20))
+    long_shape = _chunk_with_tensor_bytes(b"\x0a\x01h\x12\x80\x80\x80\x04" + b"\x01" * (8 << 20))
+    for data in (many_fragments, long_shape):
+        def parse():
+            with pytest.raises(LimitExceeded):
+                reader(data)
+        assert _peak_during(parse) < 8 << 20
+
+
+def test_control_frames_are_small():
+    huge_open = pb.SessionRequest(open=pb.SessionOpen(
+        schema_version=1, accepted_compression=[1] * 100_000)).SerializeToString()
+    with pytest.raises(LimitExceeded):
+        parse_request(huge_open)
+    two_kinds = (pb.SessionRequest(flow_control=pb.FlowControl()).SerializeToString()
+                 + pb.SessionRequest(release=pb.ReleaseSignal()).SerializeToString())
+    with pytest.raises(ProtocolError):
+        parse_request(two_kinds)
