@@ -50,12 +50,15 @@ class TensorHeader:
         self.fragments = [] if fragments is None else fragments
 
 
-def header_of(t: pb.NamedTensor) -> TensorHeader:
-    """The declared values of a protobuf NamedTensor."""
+def header_of(t: pb.NamedTensor, limits: Limits = DEFAULT_LIMITS) -> TensorHeader:
+    """The declared values of a protobuf NamedTensor (at most one fragment over the
+    limit is read, so the count check still fires without touching the rest)."""
     checksum = t.checksum
-    return TensorHeader(t.name, tuple(t.shape), t.dtype, t.byte_order, t.total_bytes,
-                        t.compression, checksum.algorithm, checksum.value, t.encoding,
-                        [(f.fragment_index, f.fragment_count, f.byte_offset) for f in t.fragments])
+    frags = t.fragments[:limits.max_fragments_per_tensor + 1]
+    return TensorHeader(t.name, tuple(t.shape[:limits.max_rank + 1]), t.dtype, t.byte_order,
+                        t.total_bytes, t.compression, checksum.algorithm, checksum.value,
+                        t.encoding, [(f.fragment_index, f.fragment_count, f.byte_offset)
+                                     for f in frags])
 
 
 def _declared_size(h: TensorHeader, limits: Limits) -> tuple[np.dtype, int]:
@@ -187,7 +190,8 @@ def decode_tensor(t: pb.NamedTensor, limits: Limits = DEFAULT_LIMITS) -> np.ndar
 
     Raw arrays are read-only views over the message's payload bytes.
     """
-    return decode_header(header_of(t), [f.payload for f in t.fragments[:limits.max_fragments_per_tensor + 1]], limits)
+    cap = limits.max_fragments_per_tensor + 1
+    return decode_header(header_of(t, limits), [f.payload for f in t.fragments[:cap]], limits)
 
 
 def decode_headers(bundle_version: int, tensors: list, limits: Limits = DEFAULT_LIMITS
@@ -216,4 +220,4 @@ def decode_bundle(b: pb.TensorBundle, limits: Limits = DEFAULT_LIMITS) -> dict[s
         raise LimitExceeded(f"bundle has {len(tensors)} tensors > {limits.max_tensors_per_bundle}")
     cap = limits.max_fragments_per_tensor + 1
     return decode_headers(b.bundle_version, [
-        (header_of(t), [f.payload for f in t.fragments[:cap]]) for t in tensors], limits)
+        (header_of(t, limits), [f.payload for f in t.fragments[:cap]]) for t in tensors], limits)

@@ -48,7 +48,7 @@ def _decode(bundle_version: int, messages, scanned: list, limits: Limits) -> dic
     if len(scanned) > limits.max_tensors_per_bundle:
         raise LimitExceeded(f"bundle has {len(scanned)} tensors > {limits.max_tensors_per_bundle}")
     return decode_headers(bundle_version, [
-        (header if header is not None else header_of(messages[i]), views)
+        (header if header is not None else header_of(messages[i], limits), views)
         for i, (header, views) in enumerate(scanned)], limits)
 
 
