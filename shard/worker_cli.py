@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-tokens", type=int, default=DEFAULT_KV_BUDGET_TOKENS)
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session is kept")
+    parser.add_argument("--min-idle-evict", type=float, default=2.0,
+                        help="seconds a session must be idle before a newcomer may evict it")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="compute threads")
     parser.add_argument("--tls-listen", help="HOST:PORT for the TLS port peers dial")
     parser.add_argument("--tls-cert", help="PEM certificate for --tls-listen")
@@ -106,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"cannot load {args.model} layers {args.layers}: {exc}", file=sys.stderr)
         return 1
-    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions)
+    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
+                           min_idle_before_evict_s=args.min_idle_evict)
     service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name)
     print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)
     report = service.validate()
