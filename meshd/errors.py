@@ -3,7 +3,8 @@
     MeshdError
     ├── ProtocolError                  a remote peer's fault (proto.errors)
     │   └── ProtocolViolation
-    │       └── RecordRejected         a DHT record failed validation; .reason says why
+    │       ├── RecordRejected         a DHT record failed validation; .reason says why
+    │       └── CertificateMismatch    a gRPC peer's certificate is not the pinned one
     ├── LocalError                     our own misuse (proto.errors)
     │   └── ConfigError                the user's configuration or command line
     │       ├── ModelPathMissing
@@ -71,3 +72,7 @@ class WorkerFailed(DaemonError):
 
 class ControlUnavailable(DaemonError):
     pass
+
+
+class CertificateMismatch(ProtocolViolation):
+    """A gRPC peer presented a certificate other than the one its signed record pins."""

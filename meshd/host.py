@@ -71,9 +71,10 @@ def _parse_listen(listen: Sequence[str]) -> list:
 
 def _bind_error(addr) -> str:
     """Reproduce the bind failure the library swallowed, for a precise message."""
-    host = addr.value_for_protocol("ip4") or addr.value_for_protocol("ip6")
-    port = int(addr.value_for_protocol("tcp"))
-    family = socket.AF_INET6 if addr.value_for_protocol("ip6") else socket.AF_INET
+    values = {p.name: addr.value_for_protocol(p.code) for p in addr.protocols()}
+    host = values.get("ip4") or values.get("ip6")
+    port = int(values["tcp"])
+    family = socket.AF_INET6 if "ip6" in values else socket.AF_INET
     try:
         with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.bind((host, port))
@@ -89,13 +90,18 @@ async def running_host(identity: Identity, listen: Sequence[str]) -> AsyncIterat
     """Run a host listening on exactly ``listen``; yields the host."""
     addrs = _parse_listen(listen)
     host = build_host(identity)
+    failure: PortInUse | None = None
     async with host.run(addrs):
         bound = host.get_transport_addrs()
         if len(bound) < len(addrs):
             bound_text = {str(a) for a in bound}
             missing = [a for a in addrs if str(a) not in bound_text and not str(a).endswith("/tcp/0")]
-            raise PortInUse(_bind_error(missing[0] if missing else addrs[0]))
-        yield host
+            failure = PortInUse(_bind_error(missing[0] if missing else addrs[0]))
+        else:
+            yield host
+    if failure is not None:
+        # raised outside the library's nursery so the caller sees one plain error
+        raise failure
 
 
 async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float) -> list[str]:
