@@ -145,6 +145,7 @@ class Node:
                     "num_layers": r.num_layers, "sequence": r.sequence,
                     "expires_in_s": round((r.expires_at_ms - now) / 1000, 1),
                     "grpc_endpoint": r.payload.reachability.grpc_endpoint,
+                    "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
                     "model_id": r.payload.model_id,
                 } for r in live(records, now)]
 

@@ -229,9 +229,12 @@ class WorkerProcess:
         ready_file.unlink(missing_ok=True)
         log_path = spec.run_dir / "worker.log"
         ready_line = trio.Event()
+        # Own session: a terminal's Ctrl-C reaches the daemon, which stops the
+        # worker in order. Parent-death signal: a daemon killed with SIGKILL
+        # does not leave an orphan worker holding the model in memory.
         proc = await trio.lowlevel.open_process(spec.command(ready_file), env=spec.env(),
                                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                start_new_session=True)
+                                                start_new_session=True, preexec_fn=_die_with_parent)
         state.pid = proc.pid
         try:
             async with trio.open_nursery() as nursery:
@@ -287,7 +290,7 @@ class WorkerProcess:
                     log_file.write(raw + b"\n")
                     log_file.flush()
                     line = raw.decode("utf-8", "replace").rstrip()[:MAX_LINE_CHARS]
-                    if ready_line is not None and line == "ready":
+                    if ready_line is not None and (line == "ready" or line.startswith("ready ")):
                         ready_line.set()
                     elif line:
                         state.stderr_tail.append(line)
@@ -312,6 +315,14 @@ class WorkerProcess:
             failures = 0
             state.health = {"state": pb.ServingState.Name(report.state).removeprefix("SERVING_STATE_").lower(),
                             "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3)}
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _stop(proc) -> None:
