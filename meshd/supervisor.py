@@ -229,12 +229,7 @@ class WorkerProcess:
         ready_file.unlink(missing_ok=True)
         log_path = spec.run_dir / "worker.log"
         ready_line = trio.Event()
-        # Own session: a terminal's Ctrl-C reaches the daemon, which stops the
-        # worker in order. Parent-death signal: a daemon killed with SIGKILL
-        # does not leave an orphan worker holding the model in memory.
-        proc = await trio.lowlevel.open_process(spec.command(ready_file), env=spec.env(),
-                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                start_new_session=True, preexec_fn=_die_with_parent)
+        proc = _ChildProcess.spawn(spec.command(ready_file), spec.env())
         state.pid = proc.pid
         try:
             async with trio.open_nursery() as nursery:
@@ -317,20 +312,84 @@ class WorkerProcess:
                             "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3)}
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        import ctypes
+_PR_SET_PDEATHSIG = 1
+if sys.platform.startswith("linux"):
+    import ctypes
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now, not in the forked child
+else:  # pragma: no cover - the parent-death signal is a Linux feature
+    _prctl = None
 
 
-async def _stop(proc) -> None:
-    if proc.returncode is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    with trio.move_on_after(STOP_GRACE_S):
-        await proc.wait()
-        return
-    proc.kill()
-    await proc.wait()
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM me when my parent thread dies."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _ChildProcess:
+    """A subprocess spawned from the trio thread itself, awaited through a pidfd.
+
+    trio.lowlevel.open_process forks from a worker thread, and Linux delivers
+    the parent-death signal when the *thread* that forked exits -- trio's idle
+    threads exit after seconds, killing a healthy worker. Forking here, from
+    the thread that runs the daemon, ties the worker's life to the daemon's:
+    a daemon killed with SIGKILL leaves no orphan worker holding the model.
+    Its own session keeps a terminal's Ctrl-C away from the worker; the daemon
+    stops it in order.
+    """
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.stdout = trio.lowlevel.FdStream(os.dup(popen.stdout.fileno()))
+        self.stderr = trio.lowlevel.FdStream(os.dup(popen.stderr.fileno()))
+        popen.stdout.close()
+        popen.stderr.close()
+
+    @classmethod
+    def spawn(cls, cmd: list[str], env: dict[str, str]) -> "_ChildProcess":
+        popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
+        return cls(popen)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        while self.popen.poll() is None:
+            try:
+                pidfd = os.pidfd_open(self.pid)
+            except ProcessLookupError:
+                continue  # exited between poll() and pidfd_open(): poll() reaps it
+            try:
+                await trio.lowlevel.wait_readable(pidfd)
+            finally:
+                os.close(pidfd)
+        return self.popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+async def _stop(proc: _ChildProcess) -> None:
+    """SIGTERM (the worker drains), SIGKILL after STOP_GRACE_S; always reaps and closes pipes."""
+    try:
+        if proc.returncode is None:
+            proc.terminate()
+            with trio.move_on_after(STOP_GRACE_S):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        await proc.stdout.aclose()
+        await proc.stderr.aclose()
