@@ -8,6 +8,8 @@ from __future__ import annotations
 
 # Bars wider than this are scaled down so a 120-layer model fits a terminal.
 MAX_BAR_CHARS = 64
+# Connected peers listed by name; the rest are counted.
+MAX_PEERS_LISTED = 8
 
 
 def _short(peer_id: str) -> str:
@@ -65,6 +67,10 @@ def render_status(s: dict) -> str:
     for i, addr in enumerate(s["addresses"] or ["(none)"]):
         lines.append(f"{'addresses' if i == 0 else '':<11}{addr}")
     lines.append(f"peers      {len(s['peers'])} connected, routing table {s['routing_table']}")
+    for peer in s["peers"][:MAX_PEERS_LISTED]:
+        lines.append(f"           {peer}")
+    if len(s["peers"]) > MAX_PEERS_LISTED:
+        lines.append(f"           ... and {len(s['peers']) - MAX_PEERS_LISTED} more (meshd status --json)")
     if own["layers"]:
         state = "advertising" if own["advertising"] else "not advertising"
         extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, {own['acks']} remote stores acked"
