@@ -70,7 +70,8 @@ class WorkerSpec:
                "--layers", f"{self.layers[0]}:{self.layers[1]}", "--listen", "127.0.0.1:0",
                "--dtype", self.dtype, "--backend", self.backend,
                "--tls-listen", f"{self.tls_host}:0", "--tls-cert", str(self.tls.cert_path),
-               "--tls-key", str(self.tls.key_path), "--ready-file", str(ready_file)]
+               "--tls-key", str(self.tls.key_path), "--ready-file", str(ready_file),
+               "--threads", str(self.torch_threads)]
         if self.kv_budget_tokens is not None:
             cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
         return cmd
