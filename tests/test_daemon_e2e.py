@@ -114,6 +114,9 @@ def test_four_daemon_swarm(tmp_path):
         # the TLS endpoint advertised in the DHT is reachable only through its pin
         _check_pinned_endpoint(daemons[0].status(), daemons[1])
 
+        # forgeries of daemon 1's record pushed straight to daemon 0 are all refused
+        _push_forgeries(daemons[0], daemons[1])
+
         # kill daemon 1's worker: withdrawn meanwhile, restarted, advertised again
         victim = daemons[1]
         worker_pid = victim.status()["worker"]["pid"]
@@ -176,3 +179,49 @@ def _check_pinned_endpoint(status: dict, other: Daemon) -> None:
     with pytest.raises(CertificateMismatch):  # another node's pin: refused before any RPC
         pinned_channel(advertised["grpc_endpoint"], bytes.fromhex(entries[0]["tls_cert_sha256"])
                        if entries[0]["peer_id"] != advertised["peer_id"] else bytes(32))
+
+
+def _push_forgeries(target: Daemon, victim: Daemon) -> None:
+    """A separate (Noise) libp2p host sends raw PUT_VALUEs of forged records to ``target``."""
+    import trio
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+    from libp2p.kad_dht.value_store import ValueStore
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    import multiaddr
+
+    from dht import keys as K
+    from meshd.host import running_host
+    from meshd.identity import Identity
+    from tests._daemon_helpers import as_record_set, forged_records, identity
+
+    before = target.status()
+    (digest,) = before["coverage"]
+    victim_id = Identity.from_seed((victim.data_dir / "identity.key").read_bytes())
+    seq_before = next(e["sequence"] for e in before["coverage"][digest] if e["peer_id"] == victim_id.peer_id)
+    table = forged_records(victim_id, identity(97), now=int(time.time() * 1000), digest=digest,
+                           high_seq=seq_before + 10**9, replay_seq=seq_before - 1)
+    results: dict[str, bool] = {}
+
+    async def main():
+        with trio.fail_after(60):
+            async with running_host(identity(98), ["/ip4/127.0.0.1/tcp/0"]) as host:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(before["addresses"][0]))
+                await host.connect(info)
+                store = ValueStore(host, host.get_id())
+                for name, raw in table.items():
+                    for key, value in ((K.peer_key(victim_id.peer_id), raw),
+                                       (K.model_key(digest), as_record_set(raw)),
+                                       (K.span_key(digest, *SPANS[1]), as_record_set(raw))):
+                        kb = key.encode()
+                        ok = await store._store_at_peer(ID.from_base58(before["peer_id"]), kb, value,
+                                                        record=Record(key=kb, value=value))
+                        results[f"{name} {key.split('/')[2]}"] = ok
+
+    trio.run(main)
+    print("pushed forgeries, accepted?", results)
+    assert not any(results.values()), results
+    after = target.status()
+    entry = next(e for e in after["coverage"][digest] if e["peer_id"] == victim_id.peer_id)
+    assert (entry["start"], entry["end"]) == SPANS[1]
+    assert seq_before <= entry["sequence"] < seq_before + 10**9  # only the victim's own republishes
