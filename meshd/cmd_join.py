@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
         from meshd.daemon import run_daemon
 
+        setup_logging(args.verbose)  # again: importing libp2p reset its logger
         trio.run(run_daemon, config, _progress)
     except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
