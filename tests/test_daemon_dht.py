@@ -14,7 +14,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from dht import keys as K
 from dht.node import DhtNode
-from dht.records import encode_record_set, validate_capability
+from dht.records import validate_capability
 from meshd.errors import RecordRejected
 from meshd.host import connect_bootstrap, running_host
 from tests._daemon_helpers import DIGEST, as_record_set, forged_records, good, identity

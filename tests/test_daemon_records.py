@@ -154,3 +154,19 @@ def test_store_refuses_new_keys_beyond_its_bound(monkeypatch):
     assert len(decode_record_set(store.get(mk).value)) == 2
     store.clock = lambda: NOW_MS + TTL_MS
     assert store.get(mk) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([K.peer_key(A.peer_id), K.model_key(DIGEST), K.span_key(DIGEST, 0, 4)]),
+       st.lists(st.binary(max_size=300), min_size=1, max_size=4))
+def test_fuzz_validator_typed_errors_and_total_select(key, values):
+    v = MeshdValidator(lambda: NOW_MS)
+    for value in values:
+        try:
+            v.validate(key, value)
+        except RecordRejected:
+            pass
+    assert 0 <= v.select(key, values) < len(values)
+    # a valid value among garbage always wins
+    valid = good(A) if "/peer/" in key else encode_record_set([validate_capability(good(A), NOW_MS)])
+    assert v.select(key, values + [valid]) == len(values)
