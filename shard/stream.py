@@ -11,11 +11,13 @@ States and transitions (one table, the rules of the stream):
     OPEN --chunk | decode | flow_control--> OPEN
     OPEN --frame-level error--> CLOSED (terminal ShardStatus)
 
-Frame-level errors (unparseable or oversized bytes, a chunk without credit,
+Frame-level errors (unparseable or oversized bytes, tensors whose bytes fail
+to decode -- checksum, declared sizes over a limit --, a chunk without credit,
 a message the state does not allow, identity fields that contradict the
 SessionOpen) end the stream with a terminal ShardStatus: the peer's framing
 can no longer be trusted. Work-level refusals (CACHE_MISS, EPOCH_STALE,
-DEADLINE_EXCEEDED, bad tensor payload, INTERNAL...) answer that one piece of
+DEADLINE_EXCEEDED, a tensor of the wrong name/shape/dtype/token range,
+INTERNAL...) answer that one piece of
 work with a non-terminal ShardStatus and the stream stays usable. Nothing a
 peer sends here touches another stream's sessions.
 

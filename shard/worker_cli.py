@@ -18,10 +18,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 # Idle sessions are swept this often even when no request arrives.
 SWEEP_INTERVAL_S = 5.0
+# How quickly SIGTERM is noticed by the main thread.
+STOP_POLL_S = 0.2
 DEFAULT_KV_BUDGET_TOKENS = 16384
 DEFAULT_THREADS = 2
 
@@ -130,10 +133,17 @@ def run(args: argparse.Namespace) -> int:
         _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid()})
     print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
     try:
-        while not stop.wait(SWEEP_INTERVAL_S):
-            with service.lock:
-                service.manager.expire()
+        last_sweep = time.monotonic()
+        while not stop.wait(STOP_POLL_S):  # short waits: signals are handled between them
+            if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
+                with service.lock:
+                    service.manager.expire()
+                last_sweep = time.monotonic()
     finally:
         server.stop(grace=1.0).wait()
         print("[worker] stopped", file=sys.stderr, flush=True)
-    return 0
+    # Every stream is closed and nothing is left to flush; the interpreter's
+    # teardown of grpc and torch threads takes seconds on a busy machine, so
+    # leave at once with our status.
+    sys.stdout.flush()
+    os._exit(0)
