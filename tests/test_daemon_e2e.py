@@ -114,6 +114,9 @@ def test_four_daemon_swarm(tmp_path):
         # the TLS endpoint advertised in the DHT is reachable only through its pin
         _check_pinned_endpoint(daemons[0].status(), daemons[1])
 
+        # a route planned from daemon 0's view of the DHT, over pinned TLS, is exact
+        _generate_over_pinned_route(daemons[0].status(), model)
+
         # forgeries of daemon 1's record pushed straight to daemon 0 are all refused
         _push_forgeries(daemons[0], daemons[1])
 
@@ -225,3 +228,26 @@ def _push_forgeries(target: Daemon, victim: Daemon) -> None:
     entry = next(e for e in after["coverage"][digest] if e["peer_id"] == victim_id.peer_id)
     assert (entry["start"], entry["end"]) == SPANS[1]
     assert seq_before <= entry["sequence"] < seq_before + 10**9  # only the victim's own republishes
+
+
+def _generate_over_pinned_route(status: dict, model: Path) -> None:
+    """Hops 0:2 -> 2:4 -> 4:6 from the coverage map; every channel pinned by the DHT record."""
+    from meshd.tls import pinned_channel_factory
+    from shard.backend import LayerRange
+    from shard.driver import Hop, RouteDriver
+    from shard.reference import WholeModel
+
+    (entries,) = status["coverage"].values()
+    by_span = {(e["start"], e["end"]): e for e in entries}
+    chain = [by_span[s] for s in [(0, 2), (2, 4), (4, 6)]]
+    hops = [Hop(e["grpc_endpoint"], LayerRange(e["start"], e["end"], e["num_layers"]), e["start"]) for e in chain]
+    pins = {e["grpc_endpoint"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain}
+    prompt = [1, 5, 9, 13, 17, 21]
+    driver = RouteDriver(hops, channel_factory=pinned_channel_factory(pins))
+    try:
+        split = driver.generate(prompt, 6)
+    finally:
+        driver.close()
+    whole = WholeModel(model).generate(prompt, 6)
+    print("pinned route tokens", split.tokens, "whole model", whole.tokens)
+    assert split.tokens == whole.tokens
