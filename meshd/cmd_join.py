@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, KeyboardInterrupt) or (
+                isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None):
+            print("meshd: interrupted", file=sys.stderr)
             return 130
         raise
     return 0
