@@ -124,6 +124,9 @@ def test_four_daemon_swarm(tmp_path):
         victim = daemons[1]
         worker_pid = victim.status()["worker"]["pid"]
         os.kill(worker_pid, signal.SIGKILL)
+        # withdrawn while the worker reloads (a restart imports torch and reloads: seconds)
+        wait_for(lambda: (seen := spans_seen(daemons[0])) is not None and SPANS[1] not in seen,
+                 "daemon 1's withdrawal while its worker restarts", 30)
         wait_for(lambda: (victim.status() or {}).get("worker", {}).get("restarts") == 1, "a worker restart", 60, victim)
         wait_for(lambda: (s := victim.status()) and s["worker"]["state"] == "ready"
                  and s["worker"]["pid"] != worker_pid, "the restarted worker ready", CONVERGE_TIMEOUT_S, victim)
