@@ -73,7 +73,11 @@ class RelayedFrameChannel:
                 raise RelayUnreachable(f"relayed stream closed while sending: {exc}") from exc
 
     async def receive(self) -> bytes | None:
-        """The next frame body; None at a clean end. ProtocolError for bad framing."""
+        """The next frame body; None when the far side ended the stream.
+
+        py-libp2p reports a reset by the far side as end-of-stream too, so None
+        without a terminal ShardStatus first means the hop failed (the driver's rule).
+        ProtocolError for bad framing; RelayUnreachable when a local read fails."""
         while True:
             body = self._core.next_frame()
             if body is not None:
@@ -158,22 +162,23 @@ class RelayedSessionServer:
         self.active += 1
         channel = RelayedFrameChannel(stream, budget=self.budget)
         try:
-            async with WorkerSession.open(self._grpc) as worker:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._uplink, channel, worker)
-                    while (body := await worker.receive()) is not None:
-                        await channel.send(body)
-                    await channel.close()
-                    nursery.cancel_scope.cancel()   # the worker ended the session
+            await self._serve(channel)
             self.served += 1
-        except ProtocolError as exc:
-            log.info("relayed session from %s ended: %s", _peer(stream), exc)
-            await channel.reset()
-        except (RelayUnreachable, WorkerUnavailable) as exc:
-            log.info("relayed session from %s ended: %s", _peer(stream), exc)
+        except* (ProtocolError, RelayUnreachable, WorkerUnavailable) as group:
+            # The peer's bad framing, a vanished peer or our worker: this session only.
+            log.info("relayed session from %s ended: %s", _peer(stream), group.exceptions[0])
             await channel.reset()
         finally:
             self.active -= 1
+
+    async def _serve(self, channel: RelayedFrameChannel) -> None:
+        async with WorkerSession.open(self._grpc) as worker:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._uplink, channel, worker)
+                while (body := await worker.receive()) is not None:
+                    await channel.send(body)
+                await channel.close()
+                nursery.cancel_scope.cancel()   # the worker ended the session
 
     @staticmethod
     async def _uplink(channel: RelayedFrameChannel, worker: WorkerSession) -> None:
