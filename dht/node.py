@@ -11,6 +11,9 @@ Data flow:
   there is one, which would freeze an index, hence our own read.
 * ``sync_peers()``: add every connected peer to the routing table.
 
+Every node holds the keys it is among the closest peers of; in a home swarm
+(fewer than REPLICATION peers) that is every node, so a read sees everything.
+
 State: the KadDHT (routing table, value store) is owned here; records are
 owned by their signers. Concurrency of network calls is bounded by
 ``MAX_PARALLEL_RPCS``; each RPC is bounded by ``RPC_TIMEOUT_S``.
@@ -113,11 +116,19 @@ class DhtNode:
         return acked
 
     async def _closest(self, kb: bytes) -> list:
+        """The REPLICATION closest peers we know, connected ones included.
+
+        py-libp2p answers FIND_NODE only for keys that are peer ids, so an
+        iterative network lookup of a /meshd/ key stops at our own routing
+        table anyway; we use that table (kept fresh by the DHT's refresh and
+        ``sync_peers``) plus every connected peer.
+        """
         me = self.host.get_id()
-        with trio.move_on_after(RPC_TIMEOUT_S * 2):
-            found = await self.kad.peer_routing.find_closest_peers_network(kb, REPLICATION)
-            return [p for p in found if p != me]
-        return [p for p in self.host.get_connected_peers() if p != me]
+        found = list(self.kad.routing_table.find_local_closest_peers(kb, REPLICATION))
+        for peer in self.host.get_connected_peers():
+            if peer not in found:
+                found.append(peer)
+        return [p for p in found if p != me][:REPLICATION * 2]
 
     # ------------------------------------------------------------------ reads
 

@@ -64,14 +64,33 @@ def _public_bytes(seed: bytes) -> bytes:
     return key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
 
 
-def peer_id_from_public_key(public_key: bytes) -> str:
-    """The libp2p peer id (identity multihash, base58) of a raw Ed25519 public key."""
-    from libp2p.crypto.ed25519 import Ed25519PublicKey
-    from libp2p.peer.id import ID
+# libp2p PublicKey protobuf of an Ed25519 key: field 1 (KeyType) = 1 (Ed25519),
+# field 2 (Data) = 32 bytes. Keys of at most 42 bytes are embedded in the peer
+# id with the identity multihash (code 0x00, then the length), not hashed.
+_ED25519_PUBKEY_PROTO_PREFIX = b"\x08\x01\x12\x20"
+_IDENTITY_MULTIHASH_PREFIX = b"\x00\x24"
+_B58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
 
+
+def _b58encode(data: bytes) -> str:
+    n = int.from_bytes(data, "big")
+    out = []
+    while n:
+        n, rem = divmod(n, 58)
+        out.append(_B58_ALPHABET[rem])
+    pad = len(data) - len(data.lstrip(b"\x00"))
+    return "1" * pad + "".join(reversed(out))
+
+
+def peer_id_from_public_key(public_key: bytes) -> str:
+    """The libp2p peer id (identity multihash, base58) of a raw Ed25519 public key.
+
+    Computed here rather than through libp2p.peer.id (same bytes, checked by a
+    test) so that record validation and ``meshd id`` do not import libp2p.
+    """
     if len(public_key) != 32:
         raise IdentityError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
-    return ID.from_pubkey(Ed25519PublicKey.from_bytes(public_key)).to_base58()
+    return _b58encode(_IDENTITY_MULTIHASH_PREFIX + _ED25519_PUBKEY_PROTO_PREFIX + public_key)
 
 
 def load_or_create_identity(data_dir: Path) -> Identity:

@@ -92,3 +92,16 @@ def test_port_in_use_is_one_clear_error():
 
         with pytest.raises(PortInUse, match=f"port {port} on 127.0.0.1 is already in use"):
             trio.run(main)
+
+
+def test_peer_id_matches_libp2p():
+    from libp2p.crypto.ed25519 import Ed25519PublicKey
+    from libp2p.peer.id import ID
+
+    from meshd.identity import peer_id_from_public_key
+
+    for seed in range(1, 40):
+        ident = identity(seed)
+        expected = ID.from_pubkey(Ed25519PublicKey.from_bytes(ident.public_key)).to_base58()
+        assert peer_id_from_public_key(ident.public_key) == expected == ident.peer_id
+        assert ID.from_base58(ident.peer_id).to_bytes()[:2] == b"\x00\x24"
