@@ -71,3 +71,45 @@ async def triangle(limits=DEFAULT_HOP_LIMITS, tap=None, reserve_home=True, conne
             if connect:
                 await dial_relayed(dialer, info(relay), home.get_id())
             yield Triangle(relay, hop, home, dialer)
+
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+@contextmanager
+def relay_process(data_dir, listen="/ip4/127.0.0.1/tcp/0", extra=(), netns=None, timeout_s=60.0):
+    """Run `meshd relay` in a subprocess; yields its ready JSON ({peer_id, addrs, pid})."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    ready = os.path.join(str(data_dir), "relay-ready.json")
+    cmd = [sys.executable, "-m", "meshd", "relay", "--listen", listen, "--data-dir", str(data_dir),
+           "--ready-file", ready, *extra]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(ready):
+            if proc.poll() is not None:
+                raise RuntimeError(f"meshd relay exited: {proc.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("meshd relay did not become ready")
+            time.sleep(0.1)
+        with open(ready) as f:
+            yield json.load(f)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
