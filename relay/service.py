@@ -27,6 +27,7 @@ from meshd.config import DaemonConfig
 from meshd.host import connect_bootstrap, running_host
 from meshd.identity import load_or_create_identity
 from relay.hop import DEFAULT_HOP_LIMITS, HopLimits, HopService
+from relay.reachability import serve_dialback
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
     progress(f"peer id {identity.peer_id}")
     async with running_host(identity, config.listen) as host:
         hop = HopService(host, limits)
+        serve_dialback(host)   # home nodes ask us whether they can be dialed
         async with background_trio_service(hop):
             await hop.event_started.wait()
             dht = DhtNode(host, _wall_ms) if with_dht else None
