@@ -158,27 +158,32 @@ def renew_delay(reservation: Reservation, now_unix: float) -> float:
 
 async def keep_reserved(host, relays: Callable[[], Sequence[PeerInfo]],
                         on_addrs: Callable[[tuple[str, ...]], None], *,
-                        wall: Callable[[], float], task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        wall: Callable[[], float], reserve_fn=reserve,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Hold a reservation on one of ``relays()`` forever; report relayed addrs on change.
 
     ``relays`` is re-read on every attempt (a DHT lookup or a fixed list);
-    ``wall`` is the unix clock (injected for tests). Started once the first
+    ``wall`` is the unix clock and ``reserve_fn`` the RESERVE call (both injected
+    for the fake-clock schedule test). Started once the first
     attempt finished, successful or not.
     """
     own = host.get_id().to_base58()
     current: tuple[str, ...] | None = None
+    holder = None          # the relay that holds our reservation: renew there first
     started = False
     while True:
         delay = RETRY_DELAY_S
         addrs: tuple[str, ...] = ()
-        for relay in relays():
+        for relay in sorted(relays(), key=lambda r: r.peer_id != holder):
+            holder = None
             try:
-                reservation = await reserve(host, relay)
+                reservation = await reserve_fn(host, relay)
             except RelayError as exc:
                 log.info("reservation on %s failed: %s", relay.peer_id, exc)
                 continue
             addrs = relayed_addrs(reservation, own)
             delay = renew_delay(reservation, wall())
+            holder = relay.peer_id
             break
         if addrs != current:
             current = addrs
