@@ -124,7 +124,7 @@ def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, work
 
 # ------------------------------------------------------------------ the entry node
 
-def _recording_factory(factory, sent: list[bytes]):
+def _recording_factory(factory, sent: list[bytes], on_sent=None):
     """Wrap a channel factory so relayed hops keep their first request bodies (bounded)."""
     def wrap(endpoint: str):
         channel = factory(endpoint)
@@ -137,9 +137,11 @@ def _recording_factory(factory, sent: list[bytes]):
 
             def start(requests, timeout=None):
                 def tee():
-                    for body in requests:
+                    for count, body in enumerate(requests, start=1):
                         if len(sent) < KEEP_SENT_BODIES:
                             sent.append(bytes(body))
+                        if on_sent is not None:
+                            on_sent(count)
                         yield body
                 return call(tee(), timeout=timeout)
             return start
@@ -166,13 +168,14 @@ def capability_fingerprint(endpoint: str):
     return report.fingerprint
 
 
-def drive(spec: dict) -> dict:
+def drive(spec: dict, on_sent=None) -> dict:
     """Run one generation as the entry node. ``spec``:
 
     {"hops": [{"endpoint": "127.0.0.1:P" | "p2p:<peer id>", "start", "end", "num_layers"}],
      "relayed": {"<peer id>": "<relayed multiaddr>"},
      "prompt": [ids], "max_new_tokens": n, "chunk_tokens": c}
     Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "sent_bodies_hex"}.
+    ``on_sent(n)`` is called as the n-th request body leaves for a relayed hop (fault injection).
     """
     import functools
 
@@ -199,7 +202,8 @@ def drive(spec: dict) -> dict:
     direct = [h for h in hops if not h.endpoint.startswith("p2p:")]
     sent: list[bytes] = []
     with TrioPortal(setup) as portal:
-        factory = _recording_factory(relayed_channel_factory(portal, portal.value, _default_channel), sent)
+        factory = _recording_factory(relayed_channel_factory(portal, portal.value, _default_channel), sent,
+                                     on_sent)
         fingerprint = capability_fingerprint(direct[0].endpoint)
         with RouteDriver(hops, fingerprint=fingerprint, channel_factory=factory,
                          chunk_tokens=spec.get("chunk_tokens", 128)) as driver:

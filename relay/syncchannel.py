@@ -110,6 +110,7 @@ class _RelayedCall:
     def __init__(self, portal: TrioPortal, channel: RelayedFrameChannel, requests: Iterator[bytes]) -> None:
         self._portal, self._channel = portal, channel
         self._done = False
+        self._sent_all = False      # we half-closed: an end of stream is now the normal end
         self._pump = threading.Thread(target=self._send_all, args=(requests,), daemon=True,
                                       name="relayed-call-pump")
         self._pump.start()
@@ -120,6 +121,7 @@ class _RelayedCall:
                 if self._done:
                     return
                 self._portal.run(self._channel.send, body)
+            self._sent_all = True
             self._portal.run(self._channel.close)
         except RelayError:
             self.cancel()   # the driver sees the failure on its next read
@@ -137,6 +139,10 @@ class _RelayedCall:
             raise RelayedRpcError(exc) from exc
         if body is None:
             self._done = True
+            if not self._sent_all:
+                # The server never ends a session first (a terminal ShardStatus would
+                # have come before): the circuit or the relay went away.
+                raise RelayedRpcError(RelayUnreachable("the relayed stream ended before our half-close"))
             raise StopIteration
         return body
 

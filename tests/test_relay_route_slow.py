@@ -42,3 +42,44 @@ def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
     finally:
         for kid in reversed(kids):
             kid.stop()
+
+
+def test_a_relay_that_dies_mid_generation_fails_the_hop_promptly(tmp_path):
+    """The driver gets a HopError for the relayed hop (to re-plan), never a hang."""
+    import os
+    import signal
+    import time
+
+    from shard.driver import HopError
+    from shard.testmodels import build_random_llama
+
+    model = build_random_llama(seed=0)
+    kids: list[H.Child] = []
+    try:
+        relay = H.spawn_relay(tmp_path, "/ip4/127.0.0.1/tcp/0")
+        kids.append(relay)
+        workers = [H.spawn_worker(tmp_path, model, r, wait=False) for r in ("0:3", "3:6")]
+        kids += workers
+        head, tail = (H.wait_ready(w) for w in workers)
+        node = H.spawn_home_node(tmp_path, "home", "/ip4/127.0.0.1/tcp/0", relay.ready["addrs"][0],
+                                 tail.ready["listen"])
+        kids.append(node)
+        peer = node.ready["peer_id"]
+        spec = {"hops": [{"endpoint": head.ready["listen"], "start": 0, "end": 3, "num_layers": 6},
+                         {"endpoint": "p2p:" + peer, "start": 3, "end": 6, "num_layers": 6}],
+                "relayed": {peer: node.ready["relayed_addrs"][0]}, "prompt": list(range(5, 25)),
+                "max_new_tokens": 200, "chunk_tokens": 16}
+
+        def kill_relay(count: int) -> None:
+            if count == 8:
+                os.kill(relay.proc.pid, signal.SIGKILL)
+
+        started = time.monotonic()
+        with pytest.raises(HopError) as err:
+            H.drive(spec, on_sent=kill_relay)
+        print(f"hop failed after {time.monotonic() - started:.1f} s: {err.value}")
+        assert err.value.hop == 1
+        assert err.value.error.retryable   # a transport failure: re-plan, do not give up
+    finally:
+        for kid in reversed(kids):
+            kid.stop()
