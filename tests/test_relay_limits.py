@@ -101,3 +101,36 @@ def test_a_frame_over_the_nodes_buffer_budget_ends_only_that_session():
                     server.close()
 
     trio.run(main)
+
+
+def test_a_destination_that_never_reads_cannot_make_the_relay_buffer():
+    """Back-pressure: the end-to-end yamux window stops the sender; the relay holds no backlog."""
+    from relay.transport import SESSION_PROTOCOL
+
+    stalled = trio.Event()
+
+    async def never_read(stream):
+        stalled.set()
+        await trio.sleep_forever()
+
+    async def main():
+        async with triangle() as t:
+            t.home.set_stream_handler(SESSION_PROTOCOL, never_read)
+            stream = await t.dialer.new_stream(t.home.get_id(), [SESSION_PROTOCOL])
+            chunk = b"h" * 65536
+            pushed = 0
+            stopped = False
+            with trio.move_on_after(10) as blocked:
+                try:
+                    while pushed < 64 * 1024 * 1024:
+                        await stream.write(chunk)
+                        pushed += len(chunk)
+                except Exception:  # py-libp2p gives up after 5 s without a window update
+                    stopped = True
+            forwarded = t.hop.snapshot()["bytes_forwarded"]
+            print(f"dialer pushed {pushed} bytes before blocking, relay forwarded {forwarded}")
+            assert stalled.is_set() and (stopped or blocked.cancelled_caught), "the sender was never stopped"
+            assert pushed <= 16 * 1024 * 1024            # yamux's largest window, not 64 MiB
+            assert forwarded <= pushed + 64 * 1024        # the relay forwarded, it did not hoard
+
+    trio.run(main)
