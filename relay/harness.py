@@ -177,7 +177,6 @@ def drive(spec: dict, on_sent=None) -> dict:
     Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "sent_bodies_hex"}.
     ``on_sent(n)`` is called as the n-th request body leaves for a relayed hop (fault injection).
     """
-    import functools
 
     import multiaddr
     import trio

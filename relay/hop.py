@@ -25,6 +25,7 @@ parses a frame.
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -214,5 +215,4 @@ def _trio_deadline(monotonic_deadline: float | None) -> float:
     """The library passes time.monotonic() deadlines; trio wants its own clock."""
     if monotonic_deadline is None:
         return float("inf")
-    import time
     return trio.current_time() + (monotonic_deadline - time.monotonic())

@@ -4,7 +4,6 @@ from __future__ import annotations
 import queue
 
 import grpc
-import multiaddr
 import pytest
 import trio
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 MIB = 1024 * 1024
