@@ -7,7 +7,7 @@
                 ├── peer sync   (routing table <- connected peers, re-bootstrap)
                 ├── advertiser  (publish / republish / withdraw)   meshd/advertiser.py
                 ├── control API (unix socket, JSON)                meshd/control.py
-                ├── supervisor  (worker subprocess)                meshd/supervisor.py
+                ├── supervisor  (worker subprocess)  meshd/supervisor.py, worker_process.py
                 └── signals     (SIGINT/SIGTERM -> graceful leave)
 
 Graceful leave: stop advertising and publish the withdrawal (bounded), then
@@ -34,8 +34,9 @@ from meshd.config import DaemonConfig
 from meshd.control import serve_control
 from meshd.host import connect_bootstrap, running_host
 from meshd.identity import Identity, load_or_create_identity
-from meshd.supervisor import Backoff, Supervisor, WorkerProcess, WorkerReady, WorkerSpec
+from meshd.supervisor import Backoff, Supervisor, WorkerReady
 from meshd.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from meshd.worker_process import WorkerProcess, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,9 @@ class Node:
         self.tls_bind_host = listen_ip
         unspecified = listen_ip in ("0.0.0.0", "::")
         self.advertise_host = config.advertise_host or ("127.0.0.1" if unspecified else listen_ip)
+        if unspecified and not config.advertise_host:
+            progress("note: listening on all interfaces but no --advertise-host given; peers are told "
+                     "127.0.0.1 for our TLS gRPC endpoint (set advertise_host to a reachable address)")
 
     # ------------------------------------------------------------------ addresses
 
@@ -145,6 +149,7 @@ class Node:
                     "num_layers": r.num_layers, "sequence": r.sequence,
                     "expires_in_s": round((r.expires_at_ms - now) / 1000, 1),
                     "grpc_endpoint": r.payload.reachability.grpc_endpoint,
+                    "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
                     "model_id": r.payload.model_id,
                 } for r in live(records, now)]
 
