@@ -16,7 +16,8 @@ Graph (Dijkstra, the petals sequence-manager shape, without its state)::
     goal   any state at layer n.
 
 Determinism: ads are put in a canonical order and the heap breaks ties by
-(cost, hops, peer id), so equal inputs in any order give the same route.
+(cost, hops, layer, peer id), so equal inputs in any order give the same
+route; on equal cost the route with fewer hops wins.
 Every hop ends at its ad's end, so a model whose layers are all covered
 always has a route; when some are not, ``MissingLayersError`` lists them.
 
