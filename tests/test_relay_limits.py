@@ -134,3 +134,16 @@ def test_a_destination_that_never_reads_cannot_make_the_relay_buffer():
             assert forwarded <= pushed + 64 * 1024        # the relay forwarded, it did not hoard
 
     trio.run(main)
+
+
+def test_reservations_over_the_relays_total_are_refused_and_renewal_keeps_the_slot():
+    async def main():
+        async with triangle(limits=HopLimits(reservations_total=1), connect=False) as t:  # home holds the slot
+            again = await reserve(t.home, info(t.relay))        # renewal in place, same slot
+            assert again.relay_peer_id == t.relay.get_id().to_base58()
+            with pytest.raises(RelayRefused) as err:
+                await reserve(t.dialer, info(t.relay))
+            assert err.value.status == "RESOURCE_LIMIT_EXCEEDED"
+            assert t.hop.snapshot()["reservations_active"] == 1
+
+    trio.run(main)
