@@ -129,7 +129,8 @@ class HopService(CircuitV2Protocol):
         super().__init__(host, limits.library_limits(), allow_hop=True)
         self.hop_limits = limits
         self.counters = RelayCounters()
-        self._by_source: Counter = Counter()
+        self._by_source: Counter = Counter()   # admitted circuits per source peer
+        self._by_dest: Counter = Counter()     # admitted circuits per destination peer
         self._tap = tap
 
     # ---------------------------------------------------------------- admission
@@ -138,8 +139,10 @@ class HopService(CircuitV2Protocol):
         dest = ID(msg.peer.id)
         source = stream.muxed_conn.peer_id
         reservation = self.resource_manager.get_reservation(dest)
+        # Count circuits at admission (the library counts only after the STOP handshake,
+        # so two concurrent CONNECTs could both pass a cap of one).
         status = admit(self.hop_limits, dest_reserved=reservation is not None,
-                       dest_circuits=reservation.active_connections if reservation else 0,
+                       dest_circuits=self._by_dest[dest],
                        source_circuits=self._by_source[source],
                        total_circuits=self.counters.circuits_active)
         if status != StatusCode.OK:
@@ -149,15 +152,17 @@ class HopService(CircuitV2Protocol):
             await self._close_stream(stream)
             return
         self._by_source[source] += 1
+        self._by_dest[dest] += 1
         self.counters.circuits_active += 1
         self.counters.circuits_opened += 1
         try:
             await super()._handle_connect(stream, msg)
         finally:
             self.counters.circuits_active -= 1
-            self._by_source[source] -= 1
-            if self._by_source[source] <= 0:
-                del self._by_source[source]
+            for counter, key in ((self._by_source, source), (self._by_dest, dest)):
+                counter[key] -= 1
+                if counter[key] <= 0:
+                    del counter[key]
 
     # --------------------------------------------------------------- forwarding
 

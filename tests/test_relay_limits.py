@@ -147,3 +147,25 @@ def test_reservations_over_the_relays_total_are_refused_and_renewal_keeps_the_sl
             assert t.hop.snapshot()["reservations_active"] == 1
 
     trio.run(main)
+
+
+def test_concurrent_circuits_cannot_race_past_a_destinations_cap():
+    async def main():
+        async with triangle(limits=HopLimits(circuits_per_destination=1), connect=False) as t:
+            second = new_host()
+            async with second.run(LOOPBACK):
+                outcomes: list[str] = []
+
+                async def dial(host):
+                    try:
+                        await dial_relayed(host, info(t.relay), t.home.get_id())
+                        outcomes.append("ok")
+                    except RelayRefused as exc:
+                        outcomes.append(exc.status)
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(dial, t.dialer)
+                    nursery.start_soon(dial, second)
+                assert sorted(outcomes) == ["RESOURCE_LIMIT_EXCEEDED", "ok"]
+
+    trio.run(main)
