@@ -39,7 +39,7 @@ BRIDGE_QUEUE_FRAMES = 2
 # Threads used by all bridges of a node: two per session (pump + grpc's
 # request consumer) for MAX_RELAYED_SESSIONS sessions, plus slack.
 BRIDGE_THREADS = 40
-_LIMITER: trio.CapacityLimiter | None = None
+_LIMITER: trio.lowlevel.RunVar = trio.lowlevel.RunVar("meshd_relay_bridge_limiter")
 _END = object()
 
 GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_FRAME_BYTES),
@@ -55,10 +55,13 @@ def open_worker_channel(target: str) -> grpc.Channel:
 
 
 def _limiter() -> trio.CapacityLimiter:
-    global _LIMITER
-    if _LIMITER is None:
-        _LIMITER = trio.CapacityLimiter(BRIDGE_THREADS)
-    return _LIMITER
+    """One limiter per trio run (a RunVar: tests and portals start several runs)."""
+    try:
+        return _LIMITER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(BRIDGE_THREADS)
+        _LIMITER.set(limiter)
+        return limiter
 
 
 class WorkerSession:
