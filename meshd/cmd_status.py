@@ -24,5 +24,7 @@ def run(args: argparse.Namespace) -> int:
     except MeshdError as exc:
         return fail(str(exc))
     reply.pop("ok", None)
+    if reply.get("mode") == "relay" and not args.json:   # relay-mode hook (relay/service.py)
+        from relay.service import render_relay_status as render_status
     print(json.dumps(reply, indent=2, sort_keys=True) if args.json else render_status(reply), end="" if not args.json else "\n")
     return 0

@@ -1,0 +1,101 @@
+"""A node that serves its worker to peers through a relay (``python -m relay.node``).
+
+The smallest real "home node" until the daemon (issue 5) wires these parts
+in itself: the same pieces, in the same order the daemon will use them.
+
+    host (Noise + yamux, listening where told)
+    ├── dial-back service (answers other peers' probes)
+    ├── STOP service (accepts circuits addressed to us)
+    ├── RelayedSessionServer -> local worker gRPC (relay/transport.py)
+    ├── probe: dial-back through the relay -> PUBLIC / PRIVATE / UNKNOWN
+    └── keep_reserved on the relay (renewed), relayed addrs -> ready file
+
+Ready file (JSON, written atomically once the first reservation answered):
+``{"peer_id", "direct_addrs", "relayed_addrs", "verdict", "pid"}``.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import os
+import sys
+import time
+
+import multiaddr
+import trio
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from meshd.host import connect_bootstrap, running_host
+from meshd.identity import Identity, load_or_create_identity
+from relay.client import stop_service
+from relay.reachability import keep_reserved, probe, serve_dialback
+from relay.transport import RelayedSessionServer
+
+log = logging.getLogger(__name__)
+
+
+async def run_home_node(identity: Identity, listen: list[str], relay_addr: str, worker: str,
+                        on_ready, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    relay = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
+    async with running_host(identity, listen) as host:
+        serve_dialback(host)
+        server = RelayedSessionServer(worker)
+        server.attach(host)
+        try:
+            async with stop_service(host):
+                await connect_bootstrap(host, [relay_addr], timeout_s=15.0)
+                direct = [str(a) for a in host.get_addrs()]
+                verdict = await probe(host, [relay.peer_id], [a.split("/p2p/")[0] for a in direct])
+                async with trio.open_nursery() as nursery:
+                    state: dict = {"peer_id": identity.peer_id, "direct_addrs": direct,
+                                   "verdict": verdict.value, "pid": os.getpid()}
+
+                    def on_addrs(addrs: tuple[str, ...]) -> None:
+                        on_ready({**state, "relayed_addrs": list(addrs)})
+
+                    await nursery.start(functools.partial(keep_reserved, host, lambda: [relay], on_addrs,
+                                                          wall=time.time))
+                    task_status.started(host)
+        finally:
+            server.close()
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m relay.node", description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", action="append", required=True)
+    parser.add_argument("--relay", required=True, help="the relay's multiaddr, with /p2p/<id>")
+    parser.add_argument("--worker", required=True, help="host:port of this node's worker (loopback)")
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--ready-file", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("libp2p").setLevel(logging.CRITICAL)
+    from pathlib import Path
+
+    identity = load_or_create_identity(Path(args.data_dir))
+
+    async def amain() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(functools.partial(run_home_node, identity, args.listen, args.relay, args.worker,
+                                                  functools.partial(_write_json, args.ready_file)))
+            print("ready", flush=True)
+            with trio.open_signal_receiver(2, 15) as signals:  # SIGINT, SIGTERM
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    trio.run(amain)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

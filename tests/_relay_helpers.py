@@ -1,0 +1,115 @@
+"""Fixtures for relay tests: real libp2p hosts on loopback, a relay between them,
+and a real gRPC server speaking the ShardRuntime Session method as raw bytes."""
+from __future__ import annotations
+
+import os
+from concurrent import futures
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+
+import grpc
+import multiaddr
+from libp2p.peer.peerinfo import PeerInfo
+
+from meshd.host import build_host
+from meshd.identity import Identity
+from relay.bridge import GRPC_OPTIONS, SESSION_METHOD
+from relay.client import dial_relayed, reserve, stop_service
+from relay.hop import DEFAULT_HOP_LIMITS, HopService
+from libp2p.tools.anyio_service import background_trio_service
+
+LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+ECHO_PREFIX = b"echo:"
+
+
+def new_host():
+    return build_host(Identity.from_seed(os.urandom(32)))
+
+
+@contextmanager
+def echo_worker():
+    """A real gRPC server whose Session method answers every frame with ECHO_PREFIX + frame.
+
+    Stands in for the shard worker where only the byte path is under test."""
+    def session(request_iterator, context):
+        for body in request_iterator:
+            yield ECHO_PREFIX + body
+
+    handler = grpc.method_handlers_generic_handler(SESSION_METHOD.split("/")[1], {
+        "Session": grpc.stream_stream_rpc_method_handler(session)})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(grace=None)
+
+
+def info(host) -> PeerInfo:
+    return PeerInfo(host.get_id(), host.get_addrs())
+
+
+@dataclass
+class Triangle:
+    relay: object
+    hop: HopService
+    home: object        # reserved on the relay, serves sessions
+    dialer: object      # reaches home only through the relay
+
+
+@asynccontextmanager
+async def triangle(limits=DEFAULT_HOP_LIMITS, tap=None, reserve_home=True, connect=True):
+    relay, home, dialer = new_host(), new_host(), new_host()
+    async with relay.run(LOOPBACK), home.run(LOOPBACK), dialer.run(LOOPBACK):
+        hop = HopService(relay, limits, tap=tap)
+        async with background_trio_service(hop), stop_service(home):
+            await hop.event_started.wait()
+            if reserve_home:
+                await reserve(home, info(relay))
+            if connect:
+                await dial_relayed(dialer, info(relay), home.get_id())
+            yield Triangle(relay, hop, home, dialer)
+
+
+REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+@contextmanager
+def relay_process(data_dir, listen="/ip4/127.0.0.1/tcp/0", extra=(), netns=None, timeout_s=60.0):
+    """Run `meshd relay` in a subprocess; yields its ready JSON ({peer_id, addrs, pid})."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    ready = os.path.join(str(data_dir), "relay-ready.json")
+    cmd = [sys.executable, "-m", "meshd", "relay", "--listen", listen, "--data-dir", str(data_dir),
+           "--ready-file", ready, *extra]
+    if netns:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(ready):
+            if proc.poll() is not None:
+                raise RuntimeError(f"meshd relay exited: {proc.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("meshd relay did not become ready")
+            time.sleep(0.1)
+        with open(ready) as f:
+            yield json.load(f)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

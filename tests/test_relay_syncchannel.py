@@ -1,0 +1,66 @@
+"""The grpc.Channel look-alike that lets the (synchronous) RouteDriver use relayed hops."""
+from __future__ import annotations
+
+import queue
+
+import grpc
+import pytest
+import trio
+
+from relay.bridge import SESSION_METHOD
+from relay.client import dial_relayed, reserve, stop_service
+from relay.hop import HopService
+from relay.syncchannel import RelayedRpcError, TrioPortal, relayed_channel_factory
+from relay.transport import RelayedSessionServer
+from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
+from libp2p.tools.anyio_service import background_trio_service
+
+
+def _portal(target: str | None):
+    """A relay, a home node serving ``target`` (or nothing) and a dialer, all in the portal's loop."""
+    async def setup(task_status=trio.TASK_STATUS_IGNORED):
+        relay, home, dialer = new_host(), new_host(), new_host()
+        async with relay.run(LOOPBACK), home.run(LOOPBACK), dialer.run(LOOPBACK):
+            hop = HopService(relay)
+            async with background_trio_service(hop), stop_service(home):
+                await hop.event_started.wait()
+                server = RelayedSessionServer(target) if target else None
+                if server:
+                    server.attach(home)
+                await reserve(home, info(relay))
+                await dial_relayed(dialer, info(relay), home.get_id())
+                task_status.started((dialer, home.get_id()))
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    if server:
+                        server.close()
+    return TrioPortal(setup)
+
+
+def test_driver_shaped_calls_travel_through_the_relay():
+    with echo_worker() as target, _portal(target) as portal:
+        dialer, home_id = portal.value
+        factory = relayed_channel_factory(portal, dialer, direct_factory=lambda e: pytest.fail("not direct"))
+        channel = factory(f"p2p:{home_id.to_base58()}")
+        requests: queue.Queue = queue.Queue(maxsize=4)
+        end = object()
+        call = channel.stream_stream(SESSION_METHOD, request_serializer=None,
+                                     response_deserializer=None)(iter(requests.get, end), timeout=60)
+        for body in (b"open", b"step" * 500):
+            requests.put(body)
+            assert next(call) == ECHO_PREFIX + body
+        requests.put(end)
+        assert list(call) == []        # the worker ends the stream after our half-close
+        channel.close()
+        with pytest.raises(ValueError):
+            channel.stream_stream(SESSION_METHOD, request_serializer=bytes)
+
+
+def test_a_peer_without_the_session_protocol_fails_as_an_rpc_error():
+    with _portal(None) as portal:
+        dialer, home_id = portal.value
+        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
+        with pytest.raises(grpc.RpcError) as err:
+            channel.stream_stream(SESSION_METHOD)(iter([b"x"]))
+        assert isinstance(err.value, RelayedRpcError) and err.value.code() == grpc.StatusCode.UNAVAILABLE
