@@ -1,0 +1,84 @@
+"""q8 block encoding: 32 values share one float16 scale.
+
+Layout of an encoded tensor of n values (TENSOR_ENCODING_Q8_BLOCK32):
+    ceil(n/32) little-endian float16 scales, then n int8 values.
+Value i decodes as int8[i] * scale[i // 32]; the last block may be partial.
+34 bytes per 32 values = 1.0625 bytes/value.
+
+Scale choice: the block's max |x| / 127, converted to float16 ROUNDED UP, so
+|x| / scale <= 127 for every value and nothing is clamped: the only error is
+the rounding of x / scale to an integer, at most half a scale. An all-zero
+block gets scale 0; a tiny block gets the smallest subnormal float16 scale.
+NaN/Inf inputs, or magnitudes whose scale would overflow float16
+(|x| > 127 * 65504), are refused with LocalError (our argument, our fault).
+On decode, a non-finite or negative scale is PayloadCorrupt.
+Pure numpy; no state.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from proto.errors import LocalError, PayloadCorrupt
+
+__all__ = ["BLOCK", "q8_encoded_size", "encode_q8", "decode_q8"]
+
+BLOCK = 32          # values per block (seed 002: distributed-llama's block of 32)
+_QMAX = 127         # symmetric int8 range; -128 is never produced
+
+
+def q8_encoded_size(n_values: int) -> int:
+    """Bytes of the q8 encoding of n values: 2 per block scale + 1 per value."""
+    return 2 * (-(-n_values // BLOCK)) + n_values
+
+
+def _round_up_scales(scale: np.ndarray) -> np.ndarray:
+    s16 = scale.astype(np.float16)
+    for _ in range(2):  # the cast rounds to nearest: at most one step up is needed
+        low = s16.astype(np.float64) < scale
+        if not low.any():
+            break
+        s16[low] = np.nextafter(s16[low], np.float16(np.inf))
+    return s16
+
+
+def encode_q8(values: np.ndarray) -> bytes:
+    """Encode a floating array (any shape, flattened row-major) as q8 blocks."""
+    x = np.asarray(values)
+    if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+        raise LocalError(f"q8 encodes floating tensors only, not {x.dtype}")
+    flat = x.astype(np.float32).reshape(-1)
+    if not np.isfinite(flat).all():
+        raise LocalError("q8 cannot encode NaN or Inf values")
+    n = flat.size
+    n_blocks = -(-n // BLOCK)
+    padded = np.zeros(n_blocks * BLOCK, dtype=np.float64)
+    padded[:n] = flat
+    blocks = padded.reshape(n_blocks, BLOCK)
+    amax = np.abs(blocks).max(axis=1) if n_blocks else np.zeros(0)
+    with np.errstate(over="ignore"):
+        scales = _round_up_scales(amax / _QMAX)
+    if not np.isfinite(scales).all():
+        raise LocalError(f"q8 cannot encode magnitudes above {_QMAX} * 65504 (float16 scale)")
+    s64 = scales.astype(np.float64)
+    divisor = np.where(s64 > 0, s64, 1.0)[:, None]
+    q = np.clip(np.rint(blocks / divisor), -_QMAX, _QMAX).astype(np.int8)
+    return scales.astype("<f2").tobytes() + q.reshape(-1)[:n].tobytes()
+
+
+def decode_q8(data, n_values: int, out_dtype: np.dtype) -> np.ndarray:
+    """Decode q8 bytes (exactly ``q8_encoded_size(n_values)`` long) to a flat array.
+
+    The caller has already checked the length against the declaration.
+    """
+    n_blocks = -(-n_values // BLOCK)
+    scales = np.frombuffer(data, dtype="<f2", count=n_blocks)
+    if n_blocks and not (np.isfinite(scales).all() and (scales >= 0).all()):
+        raise PayloadCorrupt("q8 block scales must be finite and non-negative")
+    q = np.frombuffer(data, dtype=np.int8, count=n_values, offset=2 * n_blocks)
+    out = q.astype(np.float32)
+    full = (n_values // BLOCK) * BLOCK
+    s32 = scales.astype(np.float32)
+    out[:full].reshape(-1, BLOCK)[...] *= s32[: full // BLOCK, None]
+    if full < n_values:
+        out[full:] *= s32[-1]
+    return out.astype(out_dtype, copy=False)
