@@ -32,10 +32,10 @@ import numpy as np
 
 from native.errors import RangeUnavailable, RuntimeUnavailable
 from native.gguf_range import GGUFModelInfo, artifact_digest, gguf_recipe, model_info, open_reader
-from native.llama_engine import EngineConfig, LlamaEngine, load_llama_cpp
+from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, load_llama_cpp
 from native.slice import FAKE_VOCAB, slice_path
 from proto import shard_runtime_pb2 as pb
-from proto.errors import LocalError, ProtocolViolation
+from proto.errors import LimitExceeded, LocalError, ProtocolViolation
 from shard.artifact import make_fingerprint
 from shard.backend import LayerRange
 
@@ -186,6 +186,8 @@ class LlamaRangeBackend:
         count = int(data.shape[0])
         if count < 1:
             raise ProtocolViolation("empty forward (0 positions)")
+        if count > MAX_BATCH_TOKENS:
+            raise LimitExceeded(f"{count} positions in one forward; the limit is {MAX_BATCH_TOKENS}")
         if cache.past_len + count > cache.max_tokens:
             raise KvBudgetExhausted(
                 f"session would hold {cache.past_len + count} tokens, reserved {cache.max_tokens}")
