@@ -38,6 +38,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, ProtocolViolation
 from shard.artifact import make_fingerprint
 from shard.backend import LayerRange
+from shard.errors import ResourceExhausted
 
 __all__ = ["LlamaBackendConfig", "LlamaRangeBackend", "LlamaSeqCache", "KvBudgetExhausted"]
 
@@ -46,8 +47,8 @@ __all__ = ["LlamaBackendConfig", "LlamaRangeBackend", "LlamaSeqCache", "KvBudget
 MAX_ENGINES = 4
 
 
-class KvBudgetExhausted(LocalError):
-    """No free llama.cpp sequence or KV room for a new session; retry later."""
+class KvBudgetExhausted(ResourceExhausted):
+    """No free llama.cpp sequence or KV room for a new session; retry later or pick another peer."""
 
 
 @dataclass(frozen=True, slots=True)
