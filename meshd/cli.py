@@ -13,6 +13,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("meshd.bench", "run a benchmark and print JSON (codec, pipeline, ...)"),
+    "worker": ("shard.worker_cli", "serve one layer range of a model over ShardRuntime gRPC"),
 }
 
 
