@@ -57,6 +57,7 @@ class LlamaBackendConfig:
     kv_budget_tokens: int = 4096
     max_sessions: int = 8
     flash_attn: bool = True
+    skip_vocab_projection: bool = True  # see EngineConfig; False only for measurement
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 16 or not 1 <= self.max_sessions <= 256 or self.n_threads < 1:
@@ -123,7 +124,8 @@ class LlamaRangeBackend:
             path = slice_path(self.path, part, self._progress)
             vocab = self.vocab_size if (part.is_head or part.is_tail) else FAKE_VOCAB
             engine_config = EngineConfig(n_threads=self.config.n_threads, n_ctx=self.config.kv_budget_tokens,
-                                         n_seq_max=self.config.max_sessions, flash_attn=self.config.flash_attn)
+                                         n_seq_max=self.config.max_sessions, flash_attn=self.config.flash_attn,
+                                         skip_vocab_projection=self.config.skip_vocab_projection)
             if self._progress is not None:
                 print(f"[meshd llama.cpp] loading {path.name}", file=self._progress, flush=True)
             engine = LlamaEngine(path, engine_config, n_embd=self.hidden_size, n_vocab=vocab,

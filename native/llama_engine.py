@@ -87,6 +87,9 @@ class EngineConfig:
     # Flash attention on: the faster CPU path, and fixed (not "auto") so a
     # split and a whole model always take the same attention kernel.
     flash_attn: bool = True
+    # Stop the graph after the captured block (non-tail). False only to
+    # measure what the skipped output norm + vocabulary projection cost.
+    skip_vocab_projection: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_threads <= 256:
@@ -157,7 +160,7 @@ class LlamaEngine:
         out = np.empty(nbytes // 4, np.float32)
         self._ggml.tensor_get(tensor, out.ctypes.data, 0, nbytes)
         self._captured.append(out.reshape(-1, self.n_embd))
-        return False  # stop here: skip output norm + vocabulary projection
+        return not self.config.skip_vocab_projection  # False: stop, skip norm + vocab projection
 
     # -- public API ---------------------------------------------------------------------
     def decode(self, seq_id: int, first_pos: int, inputs: np.ndarray, *, want_hidden: bool) -> np.ndarray:
