@@ -1,4 +1,4 @@
-"""Safetensors artifact -> GGUF (F16, BF16, Q8_0 with gguf.GGUFWriter; Q4_K_M via llama.cpp).
+"""Safetensors artifact -> GGUF (F32, F16, BF16, Q8_0 with gguf.GGUFWriter; Q4_K_M via llama.cpp).
 
 Data flow: ``convert(artifact_dir, "Q8_0")`` reads ``config.json``, the
 ``*.safetensors`` weights and ``tokenizer.json`` of a Llama-family artifact
@@ -35,11 +35,11 @@ __all__ = ["convert", "permute_qk", "unpermute_qk", "GGUF_TYPES", "gguf_cache_ro
 
 # Bump when convert() changes what it writes, so cached files are rebuilt.
 CONVERT_VERSION = 1
-GGUF_TYPES = ("F16", "BF16", "Q8_0", "Q4_K_M")
-_MATRIX_QTYPE = {"F16": gguf.GGMLQuantizationType.F16, "BF16": gguf.GGMLQuantizationType.BF16,
-                 "Q8_0": gguf.GGMLQuantizationType.Q8_0}
-_FILE_TYPE = {"F16": gguf.LlamaFileType.MOSTLY_F16, "BF16": gguf.LlamaFileType.MOSTLY_BF16,
-              "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K_M")
+_MATRIX_QTYPE = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
+                 "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
+_FILE_TYPE = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+              "BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight",
@@ -125,6 +125,9 @@ def _matrix(writer: gguf.GGUFWriter, name: str, value: np.ndarray, qtype: str) -
         writer.add_tensor(name, value.astype(np.float32))
         return
     kind = _MATRIX_QTYPE[qtype]
+    if kind == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, value.astype(np.float32))
+        return
     if kind == gguf.GGMLQuantizationType.F16:
         writer.add_tensor(name, value.astype(np.float16))
         return

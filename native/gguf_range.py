@@ -132,7 +132,7 @@ def _quantization(reader: gguf.GGUFReader) -> str:
     file_type = reader.get_field("general.file_type")
     if file_type is not None:
         try:
-            return gguf.LlamaFileType(int(file_type.contents())).name.removeprefix("MOSTLY_")
+            return gguf.LlamaFileType(int(file_type.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_")
         except ValueError:
             pass
     # No (or an unknown) file type: name it after the most common block matrix type.

@@ -119,6 +119,13 @@ def run(quick: bool, progress: TextIO | None) -> dict[str, Any]:
             entry["drift"] = drift({k: tuple(v) for k, v in entry["outputs"].items()}, reference_outputs,
                                    decode_text)
             entry["drift"]["advisory"] = entry["lane"] == PERFORMANCE_FIT
+    _say(progress, "quality diagnosis: llama.cpp F32 control and first divergences of the BF16 lane")
+    from meshd.benchmarks.recipe_diagnose import diagnose
+
+    f32 = convert(artifact, "F32", tokenizer_pre="smollm", progress=progress)
+    bf16_outputs = {k: tuple(v) for k, v in recipes["llama.cpp-BF16"]["outputs"].items()}
+    diagnosis = diagnose(artifact, {**ggufs, "F32": f32}, prompts, reference_outputs, {"BF16": bf16_outputs},
+                         plan.output_tokens, THREADS)
     _say(progress, "vocabulary projection probe (head 0:15, Q4_K_M)")
     probe = vocab_projection_probe(ggufs["Q4_K_M"], SPLIT_LAYER, 30, prompts["long-summary"], threads=THREADS)
     contract = evaluate(recipes, REFERENCE, Thresholds())
@@ -138,6 +145,7 @@ def run(quick: bool, progress: TextIO | None) -> dict[str, Any]:
         "q4_decode_speedup": round(c1(q4) / c1(REFERENCE), 4) if c1(REFERENCE) else 0.0,
         "contract": contract,
         "vocab_projection_probe": probe,
+        "quality_diagnosis": diagnosis,
         "recipes": recipes,
         "plan": {**plan_json, "prompts": {k: len(v) for k, v in prompts.items()}, "quick": quick,
                  "model": "SmolLM2-135M-Instruct (dequantized from Q4_1)", "reference_dtype": "float32",
