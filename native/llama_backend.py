@@ -129,7 +129,7 @@ class LlamaRangeBackend:
             if self._progress is not None:
                 print(f"[meshd llama.cpp] loading {path.name}", file=self._progress, flush=True)
             engine = LlamaEngine(path, engine_config, n_embd=self.hidden_size, n_vocab=vocab,
-                                 capture_layer=part.count - 1)
+                                 capture_layer=None if part.is_tail else part.count - 1)
             self._engines[effective_start] = engine
             return engine
 

@@ -101,16 +101,18 @@ class EngineConfig:
 
 
 class LlamaEngine:
-    """A loaded slice. ``capture_layer`` is the block whose output non-tail calls return."""
+    """A loaded slice. ``capture_layer`` is the block whose output non-tail calls return;
+    ``None`` for a tail slice, which then runs without an eval callback (no per-node
+    Python call on the hot path)."""
 
     def __init__(self, path: Path, config: EngineConfig, *, n_embd: int, n_vocab: int,
-                 capture_layer: int) -> None:
+                 capture_layer: int | None) -> None:
         self._ll = load_llama_cpp()
         self._ggml = _Ggml(self._ll)
         self.config = config
         self.n_embd = n_embd
         self.n_vocab = n_vocab
-        self._target = f"l_out-{capture_layer}".encode()
+        self._target = f"l_out-{capture_layer}".encode() if capture_layer is not None else None
         self._lock = threading.Lock()
         self._want_hidden = False
         self._captured: list[np.ndarray] = []
@@ -133,9 +135,11 @@ class LlamaEngine:
         cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
                                    else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         # Keep a reference: ctypes callbacks die with their Python object.
-        self._callback = ll.ggml_backend_sched_eval_callback(self._on_eval)
-        cparams.cb_eval = self._callback
-        cparams.cb_eval_user_data = None
+        self._callback = None
+        if capture_layer is not None:
+            self._callback = ll.ggml_backend_sched_eval_callback(self._on_eval)
+            cparams.cb_eval = self._callback
+            cparams.cb_eval_user_data = None
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             ll.llama_model_free(self._model)
@@ -171,6 +175,8 @@ class LlamaEngine:
         Raises RuntimeUnavailable if llama.cpp refuses the batch (e.g. no KV cells left).
         """
         n = int(inputs.shape[0])
+        if want_hidden and self._target is None:
+            raise ValueError("this engine was loaded as a tail: it returns logits, not hidden states")
         if not 1 <= n <= self.config.n_batch:
             raise ValueError(f"batch of {n} positions outside 1..{self.config.n_batch}")
         ll = self._ll

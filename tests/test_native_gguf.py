@@ -107,7 +107,7 @@ def test_qk_permutation_round_trips(n_head, half, cols, seed):
         assert not np.array_equal(permuted, weight)
 
 
-@pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0"])
+@pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0"])
 def test_convert_writes_readable_gguf_with_tokenizer(qtype):
     path = convert(build_random_llama(), qtype, progress=None)
     reader = open_reader(path)

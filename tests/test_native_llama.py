@@ -210,3 +210,41 @@ def test_wrong_range_and_truncated_file(random_ggufs, tmp_path):
     cut.write_bytes(random_ggufs["F16"].read_bytes()[:-1000])
     with pytest.raises(ArtifactError, match="truncated"):
         LlamaRangeBackend(cut, LayerRange(0, 6, 6), CONFIG, progress=None)
+
+
+def test_skipping_the_vocab_projection_changes_nothing(random_ggufs):
+    """The head stops its graph after the last block; letting it finish gives the same residual."""
+    outs = []
+    for skip in (True, False):
+        config = LlamaBackendConfig(kv_budget_tokens=64, max_sessions=1, skip_vocab_projection=skip)
+        (backend,) = _backends(random_ggufs["F16"], [LayerRange(0, 3, 6)], config)
+        try:
+            cache = backend.new_cache(32)
+            outs.append(backend.forward(cache, np.asarray(PROMPT), effective_start=0))
+            outs.append(backend.forward(cache, np.asarray([7]), effective_start=0))
+        finally:
+            backend.close()
+    assert np.array_equal(outs[0], outs[2]) and np.array_equal(outs[1], outs[3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_smollm2_converted_split_equals_whole(qtype):
+    """SmolLM2's dequantized artifact converted to F16/BF16 GGUF: 2 and 3 ranges == whole."""
+    from shard.testmodels import smollm2_artifact
+
+    path = convert(smollm2_artifact("float32"), qtype, tokenizer_pre="smollm", progress=None)
+    whole = _backends(path, ranges([], 30))
+    try:
+        a = greedy_chain(whole, SMOL_PROMPT, N_NEW)
+    finally:
+        _close(whole)
+    for cuts in ([15], [10, 20]):
+        split = _backends(path, ranges(cuts, 30))
+        try:
+            b = greedy_chain(split, SMOL_PROMPT, N_NEW)
+        finally:
+            _close(split)
+        diff = max_logit_diff(a, b)
+        print(f"\nSmolLM2 {qtype} GGUF cuts {cuts}: tokens equal={a.tokens == b.tokens} max|dlogit|={diff}")
+        assert a.tokens == b.tokens and diff == 0.0
