@@ -13,7 +13,13 @@ Files and roles:
     limits.py                every bound as a named constant with its reason; ``Limits``
     checksum.py              CRC32C (google_crc32c native) over bytes or in-place buffers
     q8.py                    q8 block encoding (32 int8 behind one float16 scale)
-    tensors.py               numpy <-> NamedTensor / TensorBundle, validated before allocation
+    dtypes.py                wire enums <-> numpy dtypes; the values the codec accepts
+    tensors.py               encode: numpy -> NamedTensor / TensorBundle (PreparedTensor keeps
+                             the payload as a view); re-exports decode_tensor / decode_bundle
+    decoding.py              decode: every declaration checked before allocation, bounded zstd,
+                             CRC32C, read-only array views
+    wirescan.py              one bounded pass over a tensor frame's wire bytes: refuses element
+                             counts protobuf would amplify; skeleton + payload views + headers
     frames.py                bounded parse_request / parse_response; 4-byte length-prefixed
                              frames (encode_frame, FrameReader for bytes in any pieces)
     wire.py                  hand-built serialization of tensor-carrying messages around the
@@ -28,6 +34,15 @@ Files and roles:
 Typical use: a sender builds bytes with ``wire.request_chunk(envelope, {"h": hidden})``;
 a receiver calls ``zerocopy.read_request(data)`` (or ``frames.parse_request`` +
 ``tensors.decode_bundle``) and maps any ``ProtocolError`` to a ShardStatus with ``.code``.
+On gRPC, use these as the stream's (de)serializers -- not the stubs' FromString,
+which skips every bound -- and ``limits.MAX_FRAME_BYTES`` as
+grpc.max_send_message_length / grpc.max_receive_message_length. Avoid building
+tensor messages with protobuf constructors on the hot path: copying a MiB payload
+into a message costs milliseconds here (see ``meshd bench codec``, naive path).
+
+Rules the parsers enforce: exactly one top-level field per SessionRequest /
+SessionResponse; frames without tensors <= MAX_CONTROL_FRAME_BYTES;
+SessionOpen / SessionAccepted / Envelope carry SCHEMA_VERSION_1.
 """
 from proto import shard_runtime_pb2 as pb
 from proto.errors import (FlowControlViolation, LimitExceeded, LocalError, MeshdError,
