@@ -14,6 +14,7 @@ import sys
 BENCHMARKS: dict[str, str] = {
     "codec": "meshd.benchmarks.codec",
     "pipeline": "meshd.benchmarks.pipeline",
+    "recipes": "meshd.benchmarks.recipes",
     "relay": "meshd.benchmarks.relay",
 }
 

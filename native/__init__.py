@@ -1,1 +1,16 @@
-"""GGUF side: range-aware GGUF reading and llama.cpp execution of a layer range."""
+"""GGUF side of meshd: range-aware GGUF reading and llama.cpp / torch execution of a layer range.
+
+Files and roles:
+  errors.py         ArtifactError / RuntimeUnavailable / RangeUnavailable in the meshd error tree
+  gguf_range.py     model facts, one range's tensors (memory-mapped), artifact digest, recipe
+  slice.py          per-range GGUF slices (renumbered blocks, no_vocab, fake vocab off the ends)
+  llama_engine.py   one llama.cpp model + context; token/embedding batches; residual capture via cb_eval
+  llama_backend.py  LlamaRangeBackend: shard's RangeBackend over llama.cpp sequences (sessions = seq_ids)
+  torch_gguf.py     the exactness reference: dequantized GGUF range -> shard's TorchRangeBackend
+  convert.py        safetensors artifact -> GGUF (F32, F16, BF16, Q8_0; Q4_K_M via llama.cpp's quantizer)
+  factory.py        the worker's hook: FILE.gguf + --backend llama.cpp|torch -> a RangeBackend
+
+llama-cpp-python is the optional ``[native]`` extra (compiled from source; see
+scripts/install-native.sh); modules that need it import it lazily and raise
+RuntimeUnavailable with the install hint when it is missing.
+"""

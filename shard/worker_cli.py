@@ -21,6 +21,8 @@ import threading
 import time
 from pathlib import Path
 
+from proto.errors import MeshdError
+
 # Idle sessions are swept this often even when no request arrives.
 SWEEP_INTERVAL_S = 5.0
 # How quickly SIGTERM is noticed by the main thread.
@@ -68,21 +70,17 @@ def _parse_layers(text: str) -> tuple[int, int | None]:
 def load_backend(args: argparse.Namespace):
     """The RangeBackend named by the arguments (progress on stderr)."""
     start, end = _parse_layers(args.layers)
-    if args.backend == "torch":
-        from shard.torch_backend import TorchRangeBackend
+    if Path(args.model).suffix == ".gguf":  # llama.cpp or torch over GGUF: native's factory
+        from native.factory import load_gguf_backend
 
-        if Path(args.model).suffix == ".gguf":
-            raise ValueError("the torch backend loads artifact directories; use --backend llama.cpp for .gguf")
-        return TorchRangeBackend.load(args.model, start, end, dtype=args.dtype, progress=sys.stderr)
-    from native.gguf_range import model_info, open_reader
-    from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
+        return load_gguf_backend(args.model, start, end, backend=args.backend, dtype=args.dtype,
+                                 n_threads=args.threads, kv_budget_tokens=args.kv_budget_tokens,
+                                 max_sessions=args.max_sessions, progress=sys.stderr)
+    if args.backend != "torch":
+        raise ValueError("the llama.cpp backend serves .gguf files; use --backend torch for artifact directories")
+    from shard.torch_backend import TorchRangeBackend
 
-    num_layers = model_info(open_reader(Path(args.model))).num_layers
-    config = LlamaBackendConfig(n_threads=args.threads, kv_budget_tokens=args.kv_budget_tokens,
-                                max_sessions=min(args.max_sessions, 256))
-    return LlamaRangeBackend(args.model, LayerRange(start, num_layers if end is None else end, num_layers),
-                             config, progress=sys.stderr)
+    return TorchRangeBackend.load(args.model, start, end, dtype=args.dtype, progress=sys.stderr)
 
 
 def _write_ready(path: str, payload: dict) -> None:
@@ -108,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         backend = load_backend(args)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, MeshdError) as exc:
         print(f"cannot load {args.model} layers {args.layers}: {exc}", file=sys.stderr)
         return 1
     policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,

@@ -1,0 +1,49 @@
+"""Backend factory hook for the worker: a ``.gguf`` path -> the right RangeBackend.
+
+``load_gguf_backend(path, start, end, backend=..., ...)`` is what
+``meshd worker --model FILE.gguf --layers A:B --backend llama.cpp|torch``
+calls: ``llama.cpp`` gives a ``LlamaRangeBackend`` (per-range slice run by
+llama.cpp), ``torch`` gives shard's ``TorchRangeBackend`` built from the
+dequantized GGUF tensors (``torch_gguf``). Both report a fingerprint whose
+recipe names the backend and the GGUF quantization, so the session layer
+refuses a hop whose fingerprint differs from the route's.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from native.gguf_range import model_info, open_reader
+from shard.backend import LayerRange
+
+__all__ = ["is_gguf", "load_gguf_backend", "GGUF_BACKENDS"]
+
+GGUF_BACKENDS = ("llama.cpp", "torch")
+# llama.cpp's LLAMA_MAX_SEQ: sequences one context can hold.
+MAX_LLAMA_SEQUENCES = 256
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix.lower() == ".gguf"
+
+
+def load_gguf_backend(path: str | Path, start: int, end: int | None, *, backend: str = "llama.cpp",
+                      dtype: str = "float32", n_threads: int = 2, kv_budget_tokens: int = 16384,
+                      max_sessions: int = 64, progress: TextIO | None = sys.stderr):
+    """Load layers [start, end) (``end`` None = to the last layer) of a GGUF file."""
+    if backend not in GGUF_BACKENDS:
+        raise ValueError(f"backend must be one of {GGUF_BACKENDS}, got {backend!r}")
+    num_layers = model_info(open_reader(path)).num_layers
+    layer_range = LayerRange(start, num_layers if end is None else end, num_layers)
+    if backend == "torch":
+        from native.torch_gguf import load_torch_gguf
+
+        return load_torch_gguf(path, layer_range, dtype=dtype, progress=progress)
+    if dtype != "float32":
+        raise ValueError("llama.cpp computes in float32; its boundary dtype is float32 (omit --dtype)")
+    from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
+
+    config = LlamaBackendConfig(n_threads=n_threads, kv_budget_tokens=kv_budget_tokens,
+                                max_sessions=min(max_sessions, MAX_LLAMA_SEQUENCES))
+    return LlamaRangeBackend(path, layer_range, config, progress=progress)

@@ -1,0 +1,215 @@
+"""``LlamaRangeBackend``: a layer range of a GGUF file executed by llama.cpp.
+
+Implements ``shard.backend.RangeBackend`` / ``BackendCache``, so shard's
+session manager, servicer and worker serve it unchanged.
+
+Data flow: ``forward(cache, inputs, effective_start)`` validates the inputs
+(they come from a peer), runs them through the ``LlamaEngine`` of the slice
+``[effective_start, end)`` (loaded lazily; normally only ``start``) on the
+cache's llama.cpp sequence, and returns the boundary residual (float32, the
+dtype llama.cpp computes in, so a split reproduces the whole model bit for
+bit) or the tail's last-position logits.
+
+Sessions map to llama.cpp sequences: ``new_cache(max_tokens)`` reserves a
+free ``seq_id`` and ``max_tokens`` of the shared KV budget (the context's
+cells), ``release()`` frees both and drops the sequence's cells. A forward
+that raises drops the sequence's cells too and marks the cache broken, so
+the session layer's next request is a CACHE_MISS at past_len 0, exactly like
+the torch backend. Idempotency/duplicates live in the session layer above.
+
+State owned here: the engines (model + context per effective start), the
+seq-id pool and the reserved-token ledger, all under one lock.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from native.errors import RangeUnavailable, RuntimeUnavailable
+from native.gguf_range import GGUFModelInfo, artifact_digest, gguf_recipe, model_info, open_reader
+from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, load_llama_cpp
+from native.slice import FAKE_VOCAB, slice_path
+from proto import shard_runtime_pb2 as pb
+from proto.errors import LimitExceeded, LocalError, ProtocolViolation
+from shard.artifact import make_fingerprint
+from shard.backend import LayerRange
+from shard.errors import ResourceExhausted
+
+__all__ = ["LlamaBackendConfig", "LlamaRangeBackend", "LlamaSeqCache", "KvBudgetExhausted"]
+
+# Distinct effective starts one worker keeps loaded at once: each is a slice
+# plus a context; routes rarely overlap by more than one or two offsets.
+MAX_ENGINES = 4
+
+
+class KvBudgetExhausted(ResourceExhausted):
+    """No free llama.cpp sequence or KV room for a new session; retry later or pick another peer."""
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaBackendConfig:
+    n_threads: int = 2
+    kv_budget_tokens: int = 4096
+    max_sessions: int = 8
+    flash_attn: bool = True
+    skip_vocab_projection: bool = True  # see EngineConfig; False only for measurement
+
+    def __post_init__(self) -> None:
+        if self.kv_budget_tokens < 16 or not 1 <= self.max_sessions <= 256 or self.n_threads < 1:
+            raise ValueError("kv_budget_tokens >= 16, max_sessions in 1..256, n_threads >= 1")
+
+
+class LlamaSeqCache:
+    """One session's llama.cpp sequence: its id, length and reserved KV room."""
+
+    __slots__ = ("past_len", "seq_id", "max_tokens", "_owner", "_engine_start", "broken", "released")
+
+    def __init__(self, owner: "LlamaRangeBackend", seq_id: int, max_tokens: int) -> None:
+        self.past_len = 0
+        self.seq_id = seq_id
+        self.max_tokens = max_tokens
+        self._owner = owner
+        self._engine_start: int | None = None
+        self.broken = False
+        self.released = False
+
+    def release(self) -> None:
+        self._owner._release(self)
+
+
+class LlamaRangeBackend:
+    """A validated GGUF layer range served by llama.cpp (see module docstring)."""
+
+    backend_name = "llama.cpp"
+    boundary_dtype = np.dtype(np.float32)
+
+    def __init__(self, gguf_path: str | Path, layer_range: LayerRange,
+                 config: LlamaBackendConfig = LlamaBackendConfig(),
+                 progress: TextIO | None = sys.stderr) -> None:
+        self.path = Path(gguf_path)
+        self.config = config
+        self._progress = progress
+        llama_cpp = load_llama_cpp()
+        self.info: GGUFModelInfo = model_info(open_reader(self.path))
+        if layer_range.num_layers != self.info.num_layers:
+            raise RangeUnavailable(
+                f"range {layer_range} names a {layer_range.num_layers}-layer model; "
+                f"{self.path.name} has {self.info.num_layers} layers")
+        self.layer_range = layer_range
+        self.hidden_size = self.info.hidden_size
+        self.vocab_size = self.info.vocab_size
+        self.recipe = gguf_recipe(backend=self.backend_name, info=self.info, compute_dtype="float32",
+                                  libraries=(("llama-cpp-python", llama_cpp.__version__),))
+        self.fingerprint: pb.Fingerprint = make_fingerprint(artifact_digest(self.path, progress), self.recipe)
+        self._lock = threading.Lock()
+        self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
+        self._reserved_tokens = 0
+        self._engines: dict[int, LlamaEngine] = {}
+        self._engine(layer_range.start)  # load (and write the slice) now, not on first request
+
+    # -- engines ------------------------------------------------------------------------
+    def _engine(self, effective_start: int) -> LlamaEngine:
+        with self._lock:
+            engine = self._engines.get(effective_start)
+            if engine is not None:
+                return engine
+            if len(self._engines) >= MAX_ENGINES:
+                raise KvBudgetExhausted(f"already serving {MAX_ENGINES} effective starts")
+            part = LayerRange(effective_start, self.layer_range.end, self.layer_range.num_layers)
+            path = slice_path(self.path, part, self._progress)
+            vocab = self.vocab_size if (part.is_head or part.is_tail) else FAKE_VOCAB
+            engine_config = EngineConfig(n_threads=self.config.n_threads, n_ctx=self.config.kv_budget_tokens,
+                                         n_seq_max=self.config.max_sessions, flash_attn=self.config.flash_attn,
+                                         skip_vocab_projection=self.config.skip_vocab_projection)
+            if self._progress is not None:
+                print(f"[meshd llama.cpp] loading {path.name}", file=self._progress, flush=True)
+            engine = LlamaEngine(path, engine_config, n_embd=self.hidden_size, n_vocab=vocab,
+                                 capture_layer=None if part.is_tail else part.count - 1)
+            self._engines[effective_start] = engine
+            return engine
+
+    # -- sessions -----------------------------------------------------------------------
+    def new_cache(self, max_tokens: int) -> LlamaSeqCache:
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise LocalError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        with self._lock:
+            if not self._free_seqs:
+                raise KvBudgetExhausted(f"all {self.config.max_sessions} llama.cpp sequences are in use")
+            if self._reserved_tokens + max_tokens > self.config.kv_budget_tokens:
+                raise KvBudgetExhausted(
+                    f"{max_tokens} KV tokens requested, {self.config.kv_budget_tokens - self._reserved_tokens} free")
+            self._reserved_tokens += max_tokens
+            return LlamaSeqCache(self, self._free_seqs.pop(), max_tokens)
+
+    def _release(self, cache: LlamaSeqCache) -> None:
+        with self._lock:
+            if cache.released:
+                return  # release is idempotent
+            cache.released = True
+            engine = self._engines.get(cache._engine_start) if cache._engine_start is not None else None
+        if engine is not None:
+            engine.forget(cache.seq_id)
+        with self._lock:
+            self._reserved_tokens -= cache.max_tokens
+            self._free_seqs.append(cache.seq_id)
+
+    # -- compute ------------------------------------------------------------------------
+    def _check_inputs(self, inputs: np.ndarray, effective_start: int) -> np.ndarray:
+        if not isinstance(inputs, np.ndarray):
+            raise ProtocolViolation(f"inputs must be a numpy array, got {type(inputs).__name__}")
+        if effective_start == 0:
+            if inputs.ndim != 1 or inputs.dtype.kind not in "iu":
+                raise ProtocolViolation(f"head inputs must be int token ids [T], got {inputs.dtype}{inputs.shape}")
+            if inputs.size and (int(inputs.min()) < 0 or int(inputs.max()) >= self.vocab_size):
+                raise ProtocolViolation(f"token id outside 0..{self.vocab_size - 1}")
+            return inputs.astype(np.int32)
+        if inputs.ndim != 2 or inputs.shape[1] != self.hidden_size or inputs.dtype.kind != "f":
+            raise ProtocolViolation(
+                f"hidden inputs must be float [T, {self.hidden_size}], got {inputs.dtype}{inputs.shape}")
+        hidden = np.asarray(inputs, dtype=np.float32)
+        if not np.isfinite(hidden).all():
+            raise ProtocolViolation("hidden state contains NaN or infinity")
+        return hidden
+
+    def forward(self, cache: LlamaSeqCache, inputs: np.ndarray, *, effective_start: int) -> np.ndarray:
+        if not isinstance(cache, LlamaSeqCache) or cache._owner is not self:
+            raise LocalError("cache does not belong to this backend")
+        if cache.released or cache.broken:
+            raise LocalError("cache was released or broken by an earlier failure")
+        if not self.layer_range.start <= effective_start < self.layer_range.end:
+            raise RangeUnavailable(f"effective start {effective_start} outside range {self.layer_range}")
+        if cache._engine_start not in (None, effective_start):
+            raise RangeUnavailable("a session cannot change its effective start")
+        data = self._check_inputs(inputs, effective_start)
+        count = int(data.shape[0])
+        if count < 1:
+            raise ProtocolViolation("empty forward (0 positions)")
+        if count > MAX_BATCH_TOKENS:
+            raise LimitExceeded(f"{count} positions in one forward; the limit is {MAX_BATCH_TOKENS}")
+        if cache.past_len + count > cache.max_tokens:
+            raise KvBudgetExhausted(
+                f"session would hold {cache.past_len + count} tokens, reserved {cache.max_tokens}")
+        engine = self._engine(effective_start)
+        cache._engine_start = effective_start
+        want_hidden = not self.layer_range.is_tail
+        try:
+            out = engine.decode(cache.seq_id, cache.past_len, data, want_hidden=want_hidden)
+        except (RuntimeUnavailable, ValueError) as exc:
+            cache.broken = True
+            engine.forget(cache.seq_id)
+            if isinstance(exc, ValueError):
+                raise ProtocolViolation(str(exc)) from exc
+            raise
+        cache.past_len += count
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            engines, self._engines = list(self._engines.values()), {}
+        for engine in engines:
+            engine.close()

@@ -1,0 +1,234 @@
+"""One llama.cpp model + context, driven through llama-cpp-python's low-level API.
+
+Data flow of ``LlamaEngine.decode(seq_id, first_pos, inputs)``:
+  token ids (head) or float32 embeddings (other shards) -> ``llama_batch``
+  (``token`` or ``embd``) -> ``llama_decode`` -> either the logits row of the
+  last position (tail) or the raw residual after the slice's last block.
+
+Capturing the residual: llama.cpp names each block's output ``l_out-<il>``.
+The context is created with an eval callback (``cb_eval``) that asks the
+scheduler to stop at exactly that node, copies it out with
+``ggml_backend_tensor_get`` and returns ``False``, which makes
+``ggml_backend_sched_compute_splits`` skip the rest of the graph: the output
+norm and the vocabulary projection of a non-tail slice are never computed.
+Every position is marked as an output so the last block keeps all rows
+(llama.cpp drops non-output rows inside the last block). The logits buffer
+llama.cpp then fills is garbage and is never read.
+
+State: the model, one context whose KV cells are shared by up to
+``n_seq_max`` sequences (``kv_unified``), one reusable batch. One lock
+serialises every call: a llama_context is not thread-safe. Sequence ids are
+handed out by the caller (llama_backend), which owns the session semantics.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from native.errors import RuntimeUnavailable
+
+__all__ = ["EngineConfig", "LlamaEngine", "load_llama_cpp", "runtime_version"]
+
+# One prefill chunk is at most this many positions: the driver's chunks are
+# 128 tokens by default; 512 bounds the batch buffers and the scratch graph.
+MAX_BATCH_TOKENS = 512
+_GGML_TYPE_F32 = 0
+_INSTALL_HINT = "install the [native] extra: bash scripts/install-native.sh"
+
+
+def load_llama_cpp():
+    """Import llama_cpp or fail with the install hint."""
+    try:
+        import llama_cpp
+        import llama_cpp._logger as llama_logger
+    except ImportError as exc:  # pragma: no cover - depends on the machine
+        raise RuntimeUnavailable(f"llama-cpp-python is not installed; {_INSTALL_HINT}") from exc
+    llama_logger.set_verbose(False)  # llama.cpp's info chatter off; errors still printed
+    return llama_cpp
+
+
+def runtime_version() -> str:
+    llama_cpp = load_llama_cpp()
+    return f"llama-cpp-python {llama_cpp.__version__}"
+
+
+class _Ggml:
+    """The four ggml-base functions the eval callback needs (not bound by llama_cpp)."""
+
+    def __init__(self, llama_cpp) -> None:
+        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+        lib = ctypes.CDLL(str(lib_dir / "libggml-base.so"))
+        self.get_name = lib.ggml_get_name
+        self.get_name.argtypes, self.get_name.restype = [ctypes.c_void_p], ctypes.c_char_p
+        self.nbytes = lib.ggml_nbytes
+        self.nbytes.argtypes, self.nbytes.restype = [ctypes.c_void_p], ctypes.c_size_t
+        self.tensor_get = lib.ggml_backend_tensor_get
+        self.tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+        self.tensor_get.restype = None
+
+    @staticmethod
+    def type_of(tensor: int) -> int:
+        # struct ggml_tensor starts with `enum ggml_type type` (ggml.h).
+        return ctypes.c_int32.from_address(tensor).value
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    n_threads: int = 2
+    # KV cells shared by all sessions of this engine (the KV token budget).
+    n_ctx: int = 4096
+    # Concurrent sessions (llama.cpp sequences) this engine can hold.
+    n_seq_max: int = 8
+    n_batch: int = MAX_BATCH_TOKENS
+    # Flash attention on: the faster CPU path, and fixed (not "auto") so a
+    # split and a whole model always take the same attention kernel.
+    flash_attn: bool = True
+    # Stop the graph after the captured block (non-tail). False only to
+    # measure what the skipped output norm + vocabulary projection cost.
+    skip_vocab_projection: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_threads <= 256:
+            raise ValueError("n_threads must be in 1..256")
+        if not 1 <= self.n_seq_max <= 256:
+            raise ValueError("n_seq_max must be in 1..256 (llama.cpp's LLAMA_MAX_SEQ)")
+        if self.n_ctx < 16 or not 1 <= self.n_batch <= MAX_BATCH_TOKENS:
+            raise ValueError("n_ctx must be >= 16 and n_batch in 1..MAX_BATCH_TOKENS")
+
+
+class LlamaEngine:
+    """A loaded slice. ``capture_layer`` is the block whose output non-tail calls return;
+    ``None`` for a tail slice, which then runs without an eval callback (no per-node
+    Python call on the hot path)."""
+
+    def __init__(self, path: Path, config: EngineConfig, *, n_embd: int, n_vocab: int,
+                 capture_layer: int | None) -> None:
+        self._ll = load_llama_cpp()
+        self._ggml = _Ggml(self._ll)
+        self.config = config
+        self.n_embd = n_embd
+        self.n_vocab = n_vocab
+        self._target = f"l_out-{capture_layer}".encode() if capture_layer is not None else None
+        self._lock = threading.Lock()
+        self._want_hidden = False
+        self._captured: list[np.ndarray] = []
+        ll = self._ll
+        mparams = ll.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        mparams.use_mmap = True
+        self._model = ll.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise RuntimeUnavailable(f"llama.cpp could not load {path} (see its log above)")
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = config.n_ctx
+        cparams.n_batch = config.n_batch
+        cparams.n_ubatch = config.n_batch
+        cparams.n_seq_max = config.n_seq_max
+        cparams.n_threads = config.n_threads
+        cparams.n_threads_batch = config.n_threads
+        cparams.kv_unified = True
+        cparams.no_perf = True
+        cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
+                                   else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        # Keep a reference: ctypes callbacks die with their Python object.
+        self._callback = None
+        if capture_layer is not None:
+            self._callback = ll.ggml_backend_sched_eval_callback(self._on_eval)
+            cparams.cb_eval = self._callback
+            cparams.cb_eval_user_data = None
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            ll.llama_model_free(self._model)
+            raise RuntimeUnavailable(f"llama.cpp could not create a context for {path}")
+        self._memory = ll.llama_get_memory(self._ctx)
+        self._tok_batch = ll.llama_batch_init(config.n_batch, 0, 1)
+        self._emb_batch = ll.llama_batch_init(config.n_batch, n_embd, 1)
+        self._closed = False
+
+    # -- eval callback (runs on llama.cpp's thread, inside llama_decode) ----------------
+    def _on_eval(self, tensor: int, ask: bool, _user: int) -> bool:
+        if not self._want_hidden:
+            return not ask  # observe nothing, never stop
+        if self._ggml.get_name(tensor) != self._target:
+            return not ask
+        if ask:
+            return True
+        if self._ggml.type_of(tensor) != _GGML_TYPE_F32:  # pragma: no cover - llama.cpp invariant
+            self._captured.append(np.empty((0, self.n_embd), np.float32))
+            return False
+        nbytes = self._ggml.nbytes(tensor)
+        out = np.empty(nbytes // 4, np.float32)
+        self._ggml.tensor_get(tensor, out.ctypes.data, 0, nbytes)
+        self._captured.append(out.reshape(-1, self.n_embd))
+        return not self.config.skip_vocab_projection  # False: stop, skip norm + vocab projection
+
+    # -- public API ---------------------------------------------------------------------
+    def decode(self, seq_id: int, first_pos: int, inputs: np.ndarray, *, want_hidden: bool) -> np.ndarray:
+        """Run T positions of sequence ``seq_id`` starting at ``first_pos``.
+
+        ``inputs``: int token ids [T] or float32 embeddings [T, n_embd].
+        Returns the residual [T, n_embd] (``want_hidden``) or the last logits [n_vocab].
+        Raises RuntimeUnavailable if llama.cpp refuses the batch (e.g. no KV cells left).
+        """
+        n = int(inputs.shape[0])
+        if want_hidden and self._target is None:
+            raise ValueError("this engine was loaded as a tail: it returns logits, not hidden states")
+        if not 1 <= n <= self.config.n_batch:
+            raise ValueError(f"batch of {n} positions outside 1..{self.config.n_batch}")
+        ll = self._ll
+        with self._lock:
+            if self._closed:
+                raise RuntimeUnavailable("llama.cpp engine is closed")
+            if inputs.ndim == 1:
+                batch = self._tok_batch
+                ids = np.ascontiguousarray(inputs, dtype=np.int32)
+                ctypes.memmove(batch.token, ids.ctypes.data, ids.nbytes)
+            else:
+                batch = self._emb_batch
+                emb = np.ascontiguousarray(inputs, dtype=np.float32)
+                ctypes.memmove(batch.embd, emb.ctypes.data, emb.nbytes)
+            batch.n_tokens = n
+            for i in range(n):
+                batch.pos[i] = first_pos + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = seq_id
+                batch.logits[i] = 1 if (want_hidden or i == n - 1) else 0
+            self._want_hidden = want_hidden
+            self._captured = []
+            try:
+                rc = ll.llama_decode(self._ctx, batch)
+            finally:
+                self._want_hidden = False
+            if rc != 0:
+                raise RuntimeUnavailable(f"llama_decode failed with code {rc} "
+                                         "(1 = no KV cells left for this batch)")
+            if want_hidden:
+                hidden = np.concatenate(self._captured) if self._captured else None
+                if hidden is None or hidden.shape != (n, self.n_embd):
+                    raise RuntimeUnavailable("llama.cpp did not expose the last block's output")
+                return hidden
+            logits = ll.llama_get_logits_ith(self._ctx, n - 1)
+            if not logits:
+                raise RuntimeUnavailable("llama.cpp returned no logits")
+            return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
+
+    def forget(self, seq_id: int) -> None:
+        """Drop every KV cell of ``seq_id`` (release, or a failed forward)."""
+        with self._lock:
+            if not self._closed:
+                self._ll.llama_memory_seq_rm(self._memory, seq_id, -1, -1)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            ll = self._ll
+            ll.llama_batch_free(self._tok_batch)
+            ll.llama_batch_free(self._emb_batch)
+            ll.llama_free(self._ctx)
+            ll.llama_model_free(self._model)
