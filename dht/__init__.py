@@ -1,1 +1,13 @@
-"""Kademlia DHT records for meshd: signed capability records and their validator."""
+"""Kademlia DHT records for meshd: signed capability records and their validator.
+
+    records.py    pure rules: build/sign, validate (signature, peer id, schema,
+                  expiry, skew, bounds), replace-by-sequence, record sets, merge
+    keys.py       pure key names: /meshd/peer/<id>, /meshd/model/<digest>,
+                  /meshd/span/<digest>/<A>-<B>
+    validator.py  py-libp2p glue: strict NamespacedValidator for "meshd", and a
+                  ValueStore that merges index values instead of replacing them
+    node.py       DhtNode: KadDHT with the above; publish / fetch / sync_peers
+
+Public surface: ``DhtNode``, ``CapabilityClaim``, ``CapabilityRecord``,
+``validate_capability``, ``sign_capability``, ``sign_withdrawal``.
+"""

@@ -13,6 +13,9 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("meshd.bench", "run a benchmark and print JSON (codec, pipeline, ...)"),
+    "join": ("meshd.cmd_join", "run the daemon: serve a layer range of a model in the swarm"),
+    "status": ("meshd.cmd_status", "show the local daemon: peers, own range, worker, coverage map"),
+    "id": ("meshd.cmd_id", "print this node's peer id"),
 }
 
 

@@ -14,15 +14,37 @@ Files and roles:
     checksum.py              CRC32C (google_crc32c native) over bytes or in-place buffers
     q8.py                    q8 block encoding (32 int8 behind one float16 scale)
     tensors.py               numpy <-> NamedTensor / TensorBundle, validated before allocation
+    frames.py                bounded parse_request / parse_response; 4-byte length-prefixed
+                             frames (encode_frame, FrameReader for bytes in any pieces)
+    wire.py                  hand-built serialization of tensor-carrying messages around the
+                             payload (one copy; byte-identical to protobuf's)
+    zerocopy.py              read_request / read_response: parse + decode with payloads left
+                             in place (CRC and arrays over the received bytes)
+    flow.py                  flow-control negotiation (strictest wins) and credit accounting
+    chunking.py              token-aligned prefill chunk plans (default 128 tokens)
+    records.py               Ed25519-signed DHT records and directives (sign, verify, parse)
+    golden/                  committed golden frames and their generator (python -m proto.golden)
+
+Typical use: a sender builds bytes with ``wire.request_chunk(envelope, {"h": hidden})``;
+a receiver calls ``zerocopy.read_request(data)`` (or ``frames.parse_request`` +
+``tensors.decode_bundle``) and maps any ``ProtocolError`` to a ShardStatus with ``.code``.
 """
 from proto import shard_runtime_pb2 as pb
 from proto.errors import (FlowControlViolation, LimitExceeded, LocalError, MeshdError,
                           PayloadCorrupt, ProtocolError, ProtocolViolation, VersionUnsupported)
 from proto.limits import DEFAULT_LIMITS, Limits
 from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor
+from proto.frames import FrameReader, encode_frame, parse_request, parse_response
+from proto.flow import CreditLedger, CreditWindow, negotiate
+from proto.chunking import plan_prefill_chunks
+from proto.records import RECORD_DOMAIN, sign_record, verify_record_signature
+from proto.zerocopy import read_request, read_response
 
 __all__ = [
     "pb", "MeshdError", "ProtocolError", "PayloadCorrupt", "LimitExceeded", "VersionUnsupported",
     "ProtocolViolation", "FlowControlViolation", "LocalError", "Limits", "DEFAULT_LIMITS",
     "encode_tensor", "decode_tensor", "encode_bundle", "decode_bundle",
+    "parse_request", "parse_response", "encode_frame", "FrameReader",
+    "negotiate", "CreditWindow", "CreditLedger", "plan_prefill_chunks",
+    "RECORD_DOMAIN", "sign_record", "verify_record_signature", "read_request", "read_response",
 ]

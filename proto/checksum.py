@@ -34,6 +34,7 @@ def _load_extend():  # -> ctypes function or None
 
 
 _EXTEND = _load_extend()
+_SMALL = 16 * 1024
 NATIVE_BUFFER_CRC = _EXTEND is not None
 
 
@@ -41,6 +42,8 @@ def crc32c(buf) -> int:
     """CRC32C of any contiguous bytes-like object (bytes, memoryview, ndarray)."""
     if isinstance(buf, bytes):
         return google_crc32c.value(buf)
+    if len(buf) < _SMALL:      # copying is cheaper than the ctypes call set-up
+        return google_crc32c.value(bytes(buf))
     arr = np.frombuffer(buf, dtype=np.uint8) if not isinstance(buf, np.ndarray) else buf
     if _EXTEND is None or not arr.flags.c_contiguous:
         return google_crc32c.value(np.ascontiguousarray(arr).tobytes())

@@ -218,8 +218,12 @@ def _zstd_bound(n: int) -> int:
     return n + (n >> 8) + (128 * 1024 - n >> 11 if n < 128 * 1024 else 0) + 64
 
 
-def _wire_body(t: pb.NamedTensor, limits: Limits) -> bytes:
-    """Check the fragments tile the body exactly and return the joined body."""
+def _wire_body(t: pb.NamedTensor, limits: Limits, views: list | None) -> bytes | memoryview:
+    """Check the fragments tile the body exactly and return the joined body.
+
+    ``views``: the fragment payloads when the caller holds them outside the message
+    (proto.zerocopy strips them from the message to avoid copies), else None.
+    """
     frags = t.fragments
     count = len(frags)
     if count == 0:
@@ -236,7 +240,7 @@ def _wire_body(t: pb.NamedTensor, limits: Limits) -> bytes:
             raise PayloadCorrupt(f"tensor {t.name!r}: fragment {i} has index/count/offset "
                                  f"{f.fragment_index}/{f.fragment_count}/{f.byte_offset}, "
                                  f"expected {i}/{count}/{offset}")
-        payload = f.payload
+        payload = f.payload if views is None else views[i]
         size = len(payload)
         if size > limits.max_fragment_bytes:
             raise LimitExceeded(f"tensor {t.name!r}: fragment of {size} bytes "
@@ -278,10 +282,16 @@ def _decompress(name: str, body: bytes, total: int, limits: Limits) -> bytes:
     return out
 
 
-def decode_tensor(t: pb.NamedTensor, limits: Limits = DEFAULT_LIMITS) -> np.ndarray:
-    """Validate and decode a peer's NamedTensor (raises only ProtocolError types)."""
+def decode_tensor(t: pb.NamedTensor, limits: Limits = DEFAULT_LIMITS, *,
+                  views: list | None = None) -> np.ndarray:
+    """Validate and decode a peer's NamedTensor (raises only ProtocolError types).
+
+    ``views`` (internal, proto.zerocopy): fragment payloads held outside ``t``.
+    """
     dtype, shape, count = _declared_size(t, limits)
-    data = _wire_body(t, limits)
+    if views is not None and len(views) != len(t.fragments):
+        raise PayloadCorrupt(f"tensor {t.name!r}: non-canonical fragment layout")
+    data = _wire_body(t, limits, views)
     if t.compression == pb.COMPRESSION_ZSTD:
         data = _decompress(t.name, data, t.total_bytes, limits)
     if crc32c(data).to_bytes(4, "big") != t.checksum.value:
@@ -293,8 +303,12 @@ def decode_tensor(t: pb.NamedTensor, limits: Limits = DEFAULT_LIMITS) -> np.ndar
     return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
 
 
-def decode_bundle(b: pb.TensorBundle, limits: Limits = DEFAULT_LIMITS) -> dict[str, np.ndarray]:
-    """Validate and decode every tensor of a peer's bundle; names must be unique."""
+def decode_bundle(b: pb.TensorBundle, limits: Limits = DEFAULT_LIMITS, *,
+                  views: list | None = None) -> dict[str, np.ndarray]:
+    """Validate and decode every tensor of a peer's bundle; names must be unique.
+
+    ``views`` (internal, proto.zerocopy): per tensor, its fragment payloads.
+    """
     if b.bundle_version != BUNDLE_VERSION:
         raise VersionUnsupported(f"bundle version {b.bundle_version} is not supported "
                                  f"(this build speaks {BUNDLE_VERSION})")
@@ -303,9 +317,11 @@ def decode_bundle(b: pb.TensorBundle, limits: Limits = DEFAULT_LIMITS) -> dict[s
     declared = sum(t.total_bytes for t in b.tensors)
     if declared > limits.max_bundle_bytes:
         raise LimitExceeded(f"bundle declares {declared} bytes > {limits.max_bundle_bytes}")
+    if views is not None and len(views) != len(b.tensors):
+        raise PayloadCorrupt("non-canonical bundle layout")
     out: dict[str, np.ndarray] = {}
-    for t in b.tensors:
+    for i, t in enumerate(b.tensors):
         if t.name in out:
             raise ProtocolViolation(f"bundle names tensor {t.name!r} twice")
-        out[t.name] = decode_tensor(t, limits)
+        out[t.name] = decode_tensor(t, limits, views=None if views is None else views[i])
     return out

@@ -1,0 +1,28 @@
+"""``meshd status``: ask the local daemon for its state and the coverage map."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from meshd.cmd_common import add_config_arguments, fail
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the raw status object")
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshd.config import load_config
+    from meshd.control import request
+    from meshd.status_view import render_status
+    from proto.errors import MeshdError
+
+    try:
+        config = load_config(args.config, {"data_dir": args.data_dir})
+        reply = request(config.control_socket, "status")
+    except MeshdError as exc:
+        return fail(str(exc))
+    reply.pop("ok", None)
+    print(json.dumps(reply, indent=2, sort_keys=True) if args.json else render_status(reply), end="" if not args.json else "\n")
+    return 0

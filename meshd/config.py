@@ -1,0 +1,194 @@
+"""Daemon configuration: one frozen dataclass, from a TOML file with CLI flags on top.
+
+Data flow: ``load_config(path, overrides)`` reads the TOML file (``tomllib``),
+lays the command-line overrides (only the flags the user actually gave) over
+it, and builds ``DaemonConfig``, which validates everything at construction.
+Nothing else in the daemon reads files or flags; modules receive the config
+(or a field of it).
+
+TOML layout (every key optional; names match the dataclass fields)::
+
+    data_dir = "~/.local/share/meshd"
+    listen = ["/ip4/0.0.0.0/tcp/4001"]
+    bootstrap = ["/ip4/203.0.113.7/tcp/4001/p2p/12D3Koo..."]
+    model = "/models/llama"
+    layers = "0:16"
+    advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
+    record_ttl_s = 120
+
+    [worker]
+    dtype = "float32"
+    backend = "torch"
+    kv_budget_tokens = 4096
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from meshd.errors import ConfigError
+
+DEFAULT_DATA_DIR = Path("~/.local/share/meshd")
+# libp2p's conventional port; loopback-only unless the user says otherwise
+# would make a useless swarm node, so the default listens on all IPv4 interfaces.
+DEFAULT_LISTEN = ("/ip4/0.0.0.0/tcp/4001",)
+# Records live two minutes: long enough to ride out a republish that is a few
+# seconds late, short enough that a crashed node leaves the coverage map soon.
+DEFAULT_RECORD_TTL_S = 120.0
+# Bounds on the TTL: under 2 s republishing would dominate the DHT traffic;
+# over an hour a dead node would stay on the map far too long.
+MIN_RECORD_TTL_S = 2.0
+MAX_RECORD_TTL_S = 3600.0
+# A worker loads weights and runs a validation forward before it is ready.
+DEFAULT_WORKER_READY_TIMEOUT_S = 900.0
+# Restart backoff for a dead worker: doubles from the first to the cap.
+DEFAULT_RESTART_BACKOFF_S = 1.0
+DEFAULT_RESTART_BACKOFF_MAX_S = 60.0
+# How long to wait for each bootstrap peer before calling it unreachable.
+DEFAULT_BOOTSTRAP_TIMEOUT_S = 15.0
+MAX_BOOTSTRAP_PEERS = 64
+WORKER_DTYPES = ("float32", "bfloat16")
+WORKER_BACKENDS = ("torch", "llama.cpp")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    dtype: str = "float32"
+    backend: str = "torch"
+    kv_budget_tokens: int | None = None
+    ready_timeout_s: float = DEFAULT_WORKER_READY_TIMEOUT_S
+    restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
+    restart_backoff_max_s: float = DEFAULT_RESTART_BACKOFF_MAX_S
+    torch_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.dtype not in WORKER_DTYPES:
+            raise ConfigError(f"worker.dtype must be one of {', '.join(WORKER_DTYPES)}, not {self.dtype!r}")
+        if self.backend not in WORKER_BACKENDS:
+            raise ConfigError(f"worker.backend must be one of {', '.join(WORKER_BACKENDS)}, not {self.backend!r}")
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens <= 0:
+            raise ConfigError("worker.kv_budget_tokens must be positive")
+        if not 0 < self.restart_backoff_s <= self.restart_backoff_max_s:
+            raise ConfigError("need 0 < worker.restart_backoff_s <= worker.restart_backoff_max_s")
+        if self.ready_timeout_s <= 0 or self.torch_threads <= 0:
+            raise ConfigError("worker.ready_timeout_s and worker.torch_threads must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonConfig:
+    data_dir: Path = DEFAULT_DATA_DIR
+    listen: tuple[str, ...] = DEFAULT_LISTEN
+    bootstrap: tuple[str, ...] = ()
+    model: Path | None = None
+    layers: tuple[int, int] | None = None
+    advertise_host: str | None = None
+    record_ttl_s: float = DEFAULT_RECORD_TTL_S
+    bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
+        if self.model is not None:
+            object.__setattr__(self, "model", Path(os.path.expanduser(str(self.model))))
+        if not self.listen:
+            raise ConfigError("listen needs at least one multiaddr, e.g. /ip4/127.0.0.1/tcp/4001")
+        for addr in self.listen + self.bootstrap:
+            _check_multiaddr(addr)
+        if len(self.bootstrap) > MAX_BOOTSTRAP_PEERS:
+            raise ConfigError(f"at most {MAX_BOOTSTRAP_PEERS} bootstrap peers")
+        for addr in self.bootstrap:
+            if "/p2p/" not in addr:
+                raise ConfigError(f"bootstrap address {addr} needs its peer id: .../p2p/<peer id>")
+        if self.layers is not None:
+            start, end = self.layers
+            if not 0 <= start < end:
+                raise ConfigError(f"layers {start}:{end} must satisfy 0 <= A < B")
+        if (self.model is None) != (self.layers is None):
+            raise ConfigError("--model and --layers go together")
+        if not MIN_RECORD_TTL_S <= self.record_ttl_s <= MAX_RECORD_TTL_S:
+            raise ConfigError(f"record_ttl_s must be within [{MIN_RECORD_TTL_S}, {MAX_RECORD_TTL_S}]")
+        if self.bootstrap_timeout_s <= 0:
+            raise ConfigError("bootstrap_timeout_s must be positive")
+
+    @property
+    def control_socket(self) -> Path:
+        return self.data_dir / "control.sock"
+
+    @property
+    def republish_interval_s(self) -> float:
+        """Republish at a third of the TTL: two republishes may fail before expiry."""
+        return self.record_ttl_s / 3.0
+
+
+def _check_multiaddr(addr: str) -> None:
+    import multiaddr
+
+    try:
+        multiaddr.Multiaddr(addr)
+    except Exception as exc:  # the multiaddr library raises several unrelated types
+        raise ConfigError(f"not a multiaddr: {addr!r} ({exc})") from exc
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B): the half-open layer range [A, B)."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"layers must look like A:B (e.g. 0:12), not {text!r}")
+    start, end = int(parts[0]), int(parts[1])
+    if not start < end:
+        raise ConfigError(f"layers {text}: the start must be below the end")
+    return start, end
+
+
+_TOP_KEYS = {f.name for f in fields(DaemonConfig)}
+_WORKER_KEYS = {f.name for f in fields(WorkerConfig)}
+
+
+def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
+    """Build the config from ``path`` (TOML, optional) and ``overrides`` (flags given).
+
+    ``overrides`` maps DaemonConfig field names to values already parsed; None
+    values are ignored (the flag was not given). Worker fields use ``worker.NAME``.
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} does not exist") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    worker_raw = raw.pop("worker", {})
+    if not isinstance(worker_raw, dict):
+        raise ConfigError("[worker] must be a table")
+    unknown = (set(raw) - _TOP_KEYS) | {f"worker.{k}" for k in set(worker_raw) - _WORKER_KEYS}
+    if unknown:
+        raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
+    for key, value in (overrides or {}).items():
+        if value is None:
+            continue
+        if key.startswith("worker."):
+            worker_raw[key.removeprefix("worker.")] = value
+        else:
+            raw[key] = value
+    if isinstance(raw.get("layers"), str):
+        raw["layers"] = parse_layers(raw["layers"])
+    for key in ("listen", "bootstrap"):
+        if key in raw:
+            if isinstance(raw[key], str) or not all(isinstance(a, str) for a in raw[key]):
+                raise ConfigError(f"{key} must be a list of multiaddr strings")
+            raw[key] = tuple(raw[key])
+    if "layers" in raw and raw["layers"] is not None:
+        raw["layers"] = tuple(raw["layers"])
+    try:
+        worker = WorkerConfig(**worker_raw)
+        return DaemonConfig(**raw, worker=worker)
+    except TypeError as exc:
+        raise ConfigError(f"bad config value: {exc}") from exc
+
+
+def with_overrides(config: DaemonConfig, **changes: Any) -> DaemonConfig:
+    return replace(config, **changes)

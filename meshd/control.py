@@ -1,0 +1,122 @@
+"""Local control API: one JSON object per line over a unix socket in the data dir.
+
+The socket file is created mode 0600 inside the 0700 data directory: only
+the user who runs the daemon can talk to it. One request per connection:
+``{"op": "status"}`` -> one JSON object back (``{"ok": true, ...}`` or
+``{"ok": false, "error": "..."}``). Requests are bounded (``MAX_REQUEST_BYTES``)
+and so is the time a client may take to send one.
+
+Server side is trio (``serve_control``); the client (``request``) is plain
+blocking sockets, for the CLI.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import trio
+
+from meshd.errors import ControlUnavailable, DaemonError
+
+# A request is a tiny JSON object; anything bigger is not from our CLI.
+MAX_REQUEST_BYTES = 64 * 1024
+# Status replies carry the coverage map: bounded by the index bounds (128 peers per model).
+MAX_REPLY_BYTES = 16 * 1024 * 1024
+REQUEST_READ_TIMEOUT_S = 5.0
+OPS = ("ping", "status")
+
+Handler = Callable[[dict], Awaitable[dict]]
+
+
+def _socket_is_live(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(str(path))
+            return True
+        except OSError:
+            return False
+
+
+async def serve_control(path: Path, handler: Handler, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    if path.exists():
+        if _socket_is_live(path):
+            raise DaemonError(f"another meshd is already running with this data dir ({path}); "
+                              "stop it or use --data-dir")
+        path.unlink()
+    sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        await sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    try:
+        task_status.started(path)
+        await trio.serve_listeners(lambda stream: _serve_one(stream, handler), [listener])
+    finally:
+        path.unlink(missing_ok=True)
+
+
+async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:
+    async with stream:
+        buf = b""
+        with trio.move_on_after(REQUEST_READ_TIMEOUT_S):
+            while b"\n" not in buf and len(buf) <= MAX_REQUEST_BYTES:
+                chunk = await stream.receive_some(4096)
+                if not chunk:
+                    break
+                buf += chunk
+        reply = await _answer(buf, handler)
+        try:
+            await stream.send_all(json.dumps(reply, sort_keys=True).encode() + b"\n")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+
+
+async def _answer(buf: bytes, handler: Handler) -> dict:
+    if len(buf) > MAX_REQUEST_BYTES or b"\n" not in buf:
+        return {"ok": False, "error": "request too large or incomplete"}
+    try:
+        request = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError:
+        return {"ok": False, "error": "request is not JSON"}
+    if not isinstance(request, dict) or request.get("op") not in OPS:
+        return {"ok": False, "error": f"op must be one of {', '.join(OPS)}"}
+    try:
+        return {"ok": True, **await handler(request)}
+    except Exception as exc:  # the handler's fault must not kill the control server
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def request(path: Path, op: str, timeout_s: float = 30.0) -> dict:
+    """Blocking client: send ``{"op": op}``, return the reply object."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise ControlUnavailable(f"no meshd daemon is running for {path.parent} "
+                                     "(start one with `meshd join`, or pass its --data-dir)") from exc
+        sock.sendall(json.dumps({"op": op}).encode() + b"\n")
+        chunks, total = [], 0
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            total += len(chunk)
+            if total > MAX_REPLY_BYTES:
+                raise ControlUnavailable("the daemon's reply is too large")
+            chunks.append(chunk)
+    try:
+        reply = json.loads(b"".join(chunks))
+    except ValueError as exc:
+        raise ControlUnavailable("the daemon's reply is not JSON") from exc
+    if not reply.get("ok"):
+        raise ControlUnavailable(f"the daemon refused: {reply.get('error')}")
+    return reply

@@ -1,0 +1,218 @@
+"""The meshd daemon: one trio process, one tree of nurseries.
+
+    run_daemon(config)
+    └── host (libp2p, Noise + yamux)              meshd/host.py
+        └── DHT service (KadDHT, our validator)   dht/node.py
+            └── nursery
+                ├── peer sync   (routing table <- connected peers, re-bootstrap)
+                ├── advertiser  (publish / republish / withdraw)   meshd/advertiser.py
+                ├── control API (unix socket, JSON)                meshd/control.py
+                ├── supervisor  (worker subprocess)                meshd/supervisor.py
+                └── signals     (SIGINT/SIGTERM -> graceful leave)
+
+Graceful leave: stop advertising and publish the withdrawal (bounded), then
+cancel the tree: the supervisor SIGTERMs the worker (it drains or cancels
+its sessions) and waits for it, the DHT and the host close last.
+
+``Node`` is the composition root: it wires the parts and answers the
+control API; each part owns its own state.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Callable
+
+import trio
+
+from dht import keys as K
+from dht.node import DhtNode
+from dht.records import live
+from meshd.advertiser import Advertiser, claim_from_report
+from meshd.config import DaemonConfig
+from meshd.control import serve_control
+from meshd.host import connect_bootstrap, running_host
+from meshd.identity import Identity, load_or_create_identity
+from meshd.supervisor import Backoff, Supervisor, WorkerProcess, WorkerReady, WorkerSpec
+from meshd.tls import TlsMaterial, load_or_create_tls, split_endpoint
+
+log = logging.getLogger(__name__)
+
+# Connected peers join the routing table within this delay.
+PEER_SYNC_INTERVAL_S = 2.0
+# With no peer at all, try the bootstrap list again this often.
+REBOOTSTRAP_INTERVAL_S = 10.0
+# `meshd status` waits at most this long for the DHT reads behind the coverage map.
+STATUS_FETCH_TIMEOUT_S = 10.0
+# Models shown in the coverage map: ours plus the indexes we hold, bounded.
+MAX_STATUS_MODELS = 16
+
+Progress = Callable[[str], None]
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _ip_of(multiaddr_text: str) -> str | None:
+    parts = multiaddr_text.split("/")
+    if len(parts) >= 3 and parts[1] in ("ip4", "ip6"):
+        return parts[2]
+    return None
+
+
+class Node:
+    def __init__(self, config: DaemonConfig, identity: Identity, tls: TlsMaterial, host, dht: DhtNode,
+                 progress: Progress) -> None:
+        self.config = config
+        self.identity = identity
+        self.tls = tls
+        self.host = host
+        self.dht = dht
+        self.progress = progress
+        self.advertiser = Advertiser(identity, dht.publish, ttl_s=config.record_ttl_s, wall_ms=wall_ms)
+        self.supervisor: Supervisor | None = None
+        self.model_digest: str | None = None
+        listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
+        self.tls_bind_host = listen_ip
+        unspecified = listen_ip in ("0.0.0.0", "::")
+        self.advertise_host = config.advertise_host or ("127.0.0.1" if unspecified else listen_ip)
+
+    # ------------------------------------------------------------------ addresses
+
+    def direct_addrs(self) -> tuple[str, ...]:
+        out = []
+        for addr in self.host.get_addrs():
+            text = str(addr)
+            if "/ip4/0.0.0.0/" in text or "/ip6/::/" in text:
+                continue
+            out.append(text)
+        return tuple(out[:16])
+
+    # ------------------------------------------------------------------ worker hooks
+
+    async def on_worker_ready(self, ready: WorkerReady) -> None:
+        port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
+        endpoint = f"{self.advertise_host}:{port}" if port else ""
+        claim = claim_from_report(ready.report, grpc_endpoint=endpoint,
+                                  tls_cert_sha256=self.tls.sha256 if endpoint else b"",
+                                  direct_addrs=self.direct_addrs())
+        self.model_digest = claim.model_artifact_digest
+        self.advertiser.set_claim(claim)
+        self.progress(f"ready: worker serves layers {claim.start_layer}:{claim.end_layer} of "
+                      f"{claim.num_layers} ({claim.model_artifact_digest[:23]}...), advertising")
+
+    async def on_worker_down(self) -> None:
+        if self.advertiser.claim is not None:
+            self.progress("worker down: withdrawing our records")
+        self.advertiser.set_claim(None)
+
+    # ------------------------------------------------------------------ tasks
+
+    async def peer_sync(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        last_bootstrap = trio.current_time()
+        while True:
+            await self.dht.sync_peers()
+            if (self.config.bootstrap and not self.host.get_connected_peers()
+                    and trio.current_time() - last_bootstrap >= REBOOTSTRAP_INTERVAL_S):
+                last_bootstrap = trio.current_time()
+                try:
+                    await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s)
+                except Exception as exc:  # keep trying; the status shows zero peers
+                    log.info("re-bootstrap failed: %s", exc)
+            await trio.sleep(PEER_SYNC_INTERVAL_S)
+
+    async def handle(self, request: dict) -> dict:
+        if request["op"] == "ping":
+            return {"peer_id": self.identity.peer_id}
+        return await self.status()
+
+    async def status(self) -> dict:
+        digests = []
+        if self.model_digest:
+            digests.append(self.model_digest)
+        digests += [d for d in self.dht.local_models() if d not in digests]
+        coverage: dict[str, list[dict]] = {}
+        now = wall_ms()
+
+        async def fetch(digest: str) -> None:
+            with trio.move_on_after(STATUS_FETCH_TIMEOUT_S):
+                records = await self.dht.fetch(K.model_key(digest))
+                coverage[digest] = [{
+                    "peer_id": r.peer_id, "start": r.start_layer, "end": r.end_layer,
+                    "num_layers": r.num_layers, "sequence": r.sequence,
+                    "expires_in_s": round((r.expires_at_ms - now) / 1000, 1),
+                    "grpc_endpoint": r.payload.reachability.grpc_endpoint,
+                    "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
+                    "model_id": r.payload.model_id,
+                } for r in live(records, now)]
+
+        async with trio.open_nursery() as nursery:
+            for digest in digests[:MAX_STATUS_MODELS]:
+                nursery.start_soon(fetch, digest)
+        advert = self.advertiser.status()
+        worker = self.supervisor.state.as_dict() if self.supervisor else {"state": "none"}
+        return {
+            "peer_id": self.identity.peer_id,
+            "addresses": [str(a) for a in self.host.get_addrs()],
+            "peers": sorted(p.to_base58() for p in self.host.get_connected_peers()),
+            "routing_table": self.dht.routing_table_size(),
+            "own": {
+                "model": str(self.config.model) if self.config.model else None,
+                "layers": list(self.config.layers) if self.config.layers else None,
+                "model_digest": self.model_digest,
+                "advertising": advert.advertising, "sequence": advert.sequence,
+                "expires_in_s": round((advert.expires_at_ms - now) / 1000, 1) if advert.expires_at_ms else None,
+                "acks": advert.last_acks, "tls_cert_sha256": self.tls.sha256.hex(),
+            },
+            "worker": worker,
+            "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
+                         for d, v in coverage.items()},
+        }
+
+
+async def _wait_for_signal(cancel_scope: trio.CancelScope, node: Node, progress: Progress) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            progress(f"{signal.Signals(signum).name}: leaving the swarm (withdrawing records, stopping the worker)")
+            await node.advertiser.withdraw_now()
+            cancel_scope.cancel()
+            return
+
+
+async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals: bool = True,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    identity = load_or_create_identity(config.data_dir)
+    tls = load_or_create_tls(config.data_dir, identity.peer_id)
+    progress(f"peer id {identity.peer_id}")
+    async with running_host(identity, config.listen) as host:
+        dht = DhtNode(host, wall_ms)
+        async with dht.running():
+            progress("listening on " + " ".join(str(a) for a in host.get_addrs()))
+            reached = await connect_bootstrap(host, config.bootstrap, config.bootstrap_timeout_s)
+            if config.bootstrap:
+                progress(f"bootstrap: connected to {len(reached)} of {len(config.bootstrap)} peers")
+            await dht.sync_peers()
+            node = Node(config, identity, tls, host, dht, progress)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.peer_sync)
+                await nursery.start(node.advertiser.run)
+                await nursery.start(serve_control, config.control_socket, node.handle)
+                if handle_signals:
+                    nursery.start_soon(_wait_for_signal, nursery.cancel_scope, node, progress)
+                if config.model is not None and config.layers is not None:
+                    w = config.worker
+                    spec = WorkerSpec(model=config.model, layers=config.layers, run_dir=config.data_dir,
+                                      tls=tls, tls_host=node.tls_bind_host, dtype=w.dtype, backend=w.backend,
+                                      kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads,
+                                      ready_timeout_s=w.ready_timeout_s)
+                    worker = WorkerProcess(spec, progress=lambda line: progress(f"worker: {line}"))
+                    node.supervisor = Supervisor(worker.life, on_ready=node.on_worker_ready,
+                                                 on_down=node.on_worker_down,
+                                                 backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s))
+                    progress(f"starting the worker for layers {config.layers[0]}:{config.layers[1]} of {config.model}")
+                    await nursery.start(node.supervisor.run)
+                task_status.started(node)
+    progress("stopped")

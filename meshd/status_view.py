@@ -1,0 +1,93 @@
+"""Render the daemon's status reply as text (pure: dict in, str out).
+
+The coverage map is a table of layer spans x peers, one per model: each row
+is a span [A, B) with the peers serving it and a bar over the model's layers;
+the last line counts peers per layer and names the gaps.
+"""
+from __future__ import annotations
+
+# Bars wider than this are scaled down so a 120-layer model fits a terminal.
+MAX_BAR_CHARS = 64
+
+
+def _short(peer_id: str) -> str:
+    return peer_id if len(peer_id) <= 20 else peer_id[:12] + "…" + peer_id[-6:]
+
+
+def _bar(start: int, end: int, num_layers: int) -> str:
+    width = min(num_layers, MAX_BAR_CHARS)
+    cells = []
+    for i in range(width):
+        lo, hi = i * num_layers / width, (i + 1) * num_layers / width
+        cells.append("#" if start < hi and end > lo else ".")
+    return "".join(cells)
+
+
+def coverage_table(digest: str, entries: list[dict]) -> list[str]:
+    if not entries:
+        return [f"coverage of {digest}: no live records"]
+    num_layers = max(e["num_layers"] for e in entries)
+    spans: dict[tuple[int, int], list[str]] = {}
+    for e in entries:
+        spans.setdefault((e["start"], e["end"]), []).append(e["peer_id"])
+    per_layer = [sum(1 for e in entries if e["start"] <= layer < e["end"]) for layer in range(num_layers)]
+    gaps = _gaps(per_layer)
+    model_id = next((e["model_id"] for e in entries if e.get("model_id")), "")
+    head = f"coverage of {digest}" + (f" ({model_id})" if model_id else "")
+    head += f": {num_layers} layers, {len({e['peer_id'] for e in entries})} peers, "
+    head += "complete" if not gaps else "gaps at " + ", ".join(f"{a}:{b}" for a, b in gaps)
+    span_w = max(len(f"{a}:{b}") for a, b in spans) + 2
+    rows = [head, f"  {'span'.ljust(span_w)}{'layers 0..' + str(num_layers - 1):<{min(num_layers, MAX_BAR_CHARS) + 2}}  peers"]
+    for (a, b), peers in sorted(spans.items()):
+        rows.append(f"  {f'{a}:{b}'.ljust(span_w)}{_bar(a, b, num_layers):<{min(num_layers, MAX_BAR_CHARS) + 2}}  "
+                    + ", ".join(_short(p) for p in sorted(peers)))
+    counts = "".join(str(min(c, 9)) for c in per_layer) if num_layers <= MAX_BAR_CHARS else ""
+    if counts:
+        rows.append(f"  {'peers'.ljust(span_w)}{counts}")
+    return rows
+
+
+def _gaps(per_layer: list[int]) -> list[tuple[int, int]]:
+    gaps, start = [], None
+    for i, count in enumerate(per_layer + [1]):
+        if count == 0 and start is None:
+            start = i
+        elif count and start is not None:
+            gaps.append((start, i))
+            start = None
+    return gaps
+
+
+def render_status(s: dict) -> str:
+    own, worker = s["own"], s["worker"]
+    lines = [f"peer id    {s['peer_id']}"]
+    for i, addr in enumerate(s["addresses"] or ["(none)"]):
+        lines.append(f"{'addresses' if i == 0 else '':<11}{addr}")
+    lines.append(f"peers      {len(s['peers'])} connected, routing table {s['routing_table']}")
+    if own["layers"]:
+        state = "advertising" if own["advertising"] else "not advertising"
+        extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, stored by {own['acks']} peers"
+                 if own["advertising"] else "")
+        lines.append(f"own range  layers {own['layers'][0]}:{own['layers'][1]} of {own['model']} ({state}{extra})")
+    else:
+        lines.append("own range  none (DHT-only node)")
+    if worker.get("state") != "none":
+        health = worker.get("health") or {}
+        desc = f"{worker['state']}"
+        if worker.get("pid"):
+            desc += f", pid {worker['pid']}"
+        desc += f", {worker.get('restarts', 0)} restarts"
+        if health.get("state"):
+            desc += f", {health['state']}, {health.get('active_sessions', 0)} sessions"
+        elif health.get("error"):
+            desc += f", health: {health['error']}"
+        if worker.get("tls_endpoint"):
+            desc += f", tls {worker['tls_endpoint']}"
+        lines.append(f"worker     {desc}")
+    lines.append("")
+    if not s["coverage"]:
+        lines.append("coverage: no model seen in the DHT yet")
+    for digest, entries in s["coverage"].items():
+        lines += coverage_table(digest, entries)
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,159 @@
+"""Bounded parsing of session messages and the length-prefixed frame codec.
+
+    parse_request / parse_response   bytes -> pb message; size checked before parsing,
+                                     protobuf errors mapped to PayloadCorrupt, then
+                                     structural checks (a kind is set, versions, counts)
+    encode_frame                     body -> 4-byte big-endian length || body
+    FrameReader                      sans-I/O reassembly of frames from arbitrary pieces
+
+FrameReader state: one bytearray of received-but-unreturned bytes. The length
+prefix at its head is validated as soon as its 4 bytes exist, so a zero or
+oversized length is refused (LimitExceeded) before any body byte is kept.
+The caller drains with ``next_frame()`` after each ``feed()``; buffering more
+than two maximal frames without draining is the caller's bug (LocalError).
+Tensor payloads are not decoded here: ``proto.tensors.decode_bundle`` does it.
+"""
+from __future__ import annotations
+
+from google.protobuf.message import DecodeError
+
+from proto import shard_runtime_pb2 as pb
+from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolViolation, VersionUnsupported
+from proto.limits import DEFAULT_LIMITS, MAX_FRAME_BYTES, Limits
+
+__all__ = ["SCHEMA_VERSION", "PREFIX_BYTES", "parse_request", "parse_response", "encode_frame",
+           "FrameReader", "check_schema_version"]
+
+SCHEMA_VERSION = pb.SCHEMA_VERSION_1
+PREFIX_BYTES = 4
+# A peer lists each Compression value at most once; a few spare for future ones.
+MAX_ACCEPTED_COMPRESSIONS = 8
+
+
+def check_schema_version(version: int) -> None:
+    """VersionUnsupported unless ``version`` is the one this build speaks."""
+    if version != SCHEMA_VERSION:
+        raise VersionUnsupported(f"schema version {version} is not supported; this build speaks "
+                                 f"{pb.SchemaVersion.Name(SCHEMA_VERSION)}")
+
+
+def _parse(message, data, limits: Limits, what: str):
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise LocalError(f"{what} must be parsed from bytes, not {type(data).__name__}")
+    if len(data) > limits.max_frame_bytes:
+        raise LimitExceeded(f"{what} of {len(data)} bytes > {limits.max_frame_bytes}")
+    try:
+        message.ParseFromString(data)
+    except (DecodeError, RecursionError, ValueError) as exc:
+        raise PayloadCorrupt(f"{what} does not parse: {exc}") from exc
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise ProtocolViolation(f"{what} carries no message kind")
+    return message, kind
+
+
+def _check_bundle(bundle: pb.TensorBundle, limits: Limits) -> None:
+    if len(bundle.tensors) > limits.max_tensors_per_bundle:
+        raise LimitExceeded(f"bundle has {len(bundle.tensors)} tensors "
+                            f"> {limits.max_tensors_per_bundle}")
+
+
+def _check_chunk(chunk: pb.ActivationChunk, limits: Limits) -> None:
+    if not chunk.HasField("envelope"):
+        raise ProtocolViolation("activation chunk without an envelope")
+    check_schema_version(chunk.envelope.schema_version)
+    _check_bundle(chunk.bundle, limits)
+
+
+def _check_compressions(values) -> None:
+    if len(values) > MAX_ACCEPTED_COMPRESSIONS:
+        raise LimitExceeded(f"more than {MAX_ACCEPTED_COMPRESSIONS} accepted compressions")
+
+
+def parse_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> pb.SessionRequest:
+    """Parse one SessionRequest from a peer (raises only ProtocolError types)."""
+    req, kind = _parse(pb.SessionRequest(), data, limits, "SessionRequest")
+    if kind == "open":
+        check_schema_version(req.open.schema_version)
+        _check_compressions(req.open.accepted_compression)
+    elif kind == "chunk":
+        _check_chunk(req.chunk, limits)
+    elif kind == "decode" and not req.decode.HasField("tensor"):
+        raise ProtocolViolation("decode step without a tensor")
+    return req
+
+
+def parse_response(data: bytes, limits: Limits = DEFAULT_LIMITS) -> pb.SessionResponse:
+    """Parse one SessionResponse from a peer (raises only ProtocolError types)."""
+    resp, kind = _parse(pb.SessionResponse(), data, limits, "SessionResponse")
+    if kind == "accepted":
+        check_schema_version(resp.accepted.schema_version)
+        _check_compressions(resp.accepted.accepted_compression)
+    elif kind == "chunk":
+        _check_chunk(resp.chunk, limits)
+    elif kind == "decode":
+        _check_bundle(resp.decode.bundle, limits)
+    return resp
+
+
+def frame_prefix(length: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """The 4-byte big-endian prefix of a body of ``length`` bytes (LocalError if illegal)."""
+    if not 0 < length <= max_frame_bytes:
+        raise LocalError(f"frame body must be 1..{max_frame_bytes} bytes, got {length}")
+    return length.to_bytes(PREFIX_BYTES, "big")
+
+
+def encode_frame(body: bytes, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:
+    """``length:uint32 big-endian || body``; refuses empty or oversized bodies."""
+    return frame_prefix(len(body), max_frame_bytes) + bytes(body)
+
+
+class FrameReader:
+    """Reassembles length-prefixed frames from pieces of any size (sans-I/O)."""
+
+    __slots__ = ("_max", "_buf", "_need")
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        if not isinstance(max_frame_bytes, int) or not 0 < max_frame_bytes < 1 << 32:
+            raise LocalError("max_frame_bytes must be in 1..2**32-1")
+        self._max = max_frame_bytes
+        self._buf = bytearray()
+        self._need: int | None = None   # body length of the frame at the head, once known
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned (a partial frame at EOF is truncation)."""
+        return len(self._buf)
+
+    def _check_head(self) -> None:
+        if self._need is None and len(self._buf) >= PREFIX_BYTES:
+            length = int.from_bytes(self._buf[:PREFIX_BYTES], "big")
+            if length == 0:
+                raise LimitExceeded("zero-length frame")
+            if length > self._max:
+                raise LimitExceeded(f"frame of {length} bytes > {self._max}")
+            self._need = length
+
+    def feed(self, data: bytes) -> None:
+        """Append received bytes. Raises LimitExceeded on a zero/oversized length."""
+        if len(self._buf) > 2 * (self._max + PREFIX_BYTES):
+            raise LocalError("FrameReader: call next_frame() until None before feeding more")
+        self._check_head()
+        if self._need is None and len(self._buf) < PREFIX_BYTES:
+            # Take only the prefix first, so a bad length is refused before the body is kept.
+            take = PREFIX_BYTES - len(self._buf)
+            self._buf += data[:take]
+            data = data[take:]
+            self._check_head()
+        self._buf += data
+
+    def next_frame(self) -> bytes | None:
+        """The next complete frame body, or None until more bytes arrive."""
+        self._check_head()
+        need = self._need
+        if need is None or len(self._buf) < PREFIX_BYTES + need:
+            return None
+        body = bytes(self._buf[PREFIX_BYTES:PREFIX_BYTES + need])
+        del self._buf[:PREFIX_BYTES + need]
+        self._need = None   # the next head is checked on the next call, so this body is never lost
+        return body

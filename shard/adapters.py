@@ -1,0 +1,221 @@
+"""Architecture adapters: how one family's layer range is built, loaded and run.
+
+An adapter knows, for one architecture family, (1) which artifact tensors a
+range needs (head: token embedding; layers; tail: final norm + LM head, with
+tied embeddings read from the embedding tensor), (2) how to build the range's
+modules with transformers' *own* classes on the meta device with local layer
+indices, and (3) the forward pieces: embed, run the owned decoder layers over
+a session cache, and turn the final residual into logits.
+
+The ops and their order are those of the family's whole-model forward in
+transformers 5.23 (``LlamaModel.forward``, ``Gemma3TextModel.forward``), so a
+split run reproduces the whole model bit for bit on the same dtype.
+
+Families:
+* ``LlamaFamily``: llama, mistral, qwen2, qwen3 (their ``*DecoderLayer``,
+  ``*RMSNorm``, ``*RotaryEmbedding``); optional sliding-window layers.
+* ``Gemma3Family``: gemma3_text: embeddings scaled by sqrt(hidden), (1 + w)
+  RMSNorm, per-layer-type rotary bases, sliding/full masks, final logit
+  softcap.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+import torch
+from torch import nn
+
+from shard.backend import LayerRange
+
+ATTN_IMPLEMENTATION = "sdpa"
+
+
+class UnsupportedArchitecture(ValueError):
+    """The artifact's model_type has no adapter; the message lists the supported ones."""
+
+
+class RangeModules(nn.Module):
+    """The modules one range owns (head/tail parts are None when not owned).
+
+    Parameter names are local: ``embed.weight``, ``layers.<local>.…``,
+    ``norm.weight``, ``lm_head.weight``.
+    """
+
+    def __init__(self, embed, layers, rotary, norm, lm_head):
+        super().__init__()
+        self.embed = embed
+        self.layers = layers
+        self.rotary = rotary
+        self.norm = norm
+        self.lm_head = lm_head
+
+
+def range_config(config, layer_range: LayerRange):
+    """A copy of ``config`` describing only the owned layers (local indices)."""
+    sub = copy.deepcopy(config)
+    layer_types = getattr(config, "layer_types", None)
+    sub.num_hidden_layers = layer_range.count
+    if layer_types is not None:
+        sub.layer_types = list(layer_types[layer_range.start:layer_range.end])
+    sub._attn_implementation = ATTN_IMPLEMENTATION
+    return sub
+
+
+class LlamaFamily:
+    """Llama, Mistral, Qwen2, Qwen3: pre-norm decoder, plain embedding, one rotary."""
+
+    MODEL_TYPES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    name = "llama-family"
+
+    def __init__(self, config):
+        self.config = config
+        prefix = self.MODEL_TYPES[config.model_type]
+        module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
+        self.decoder_layer_cls = getattr(module, f"{prefix}DecoderLayer")
+        self.norm_cls = getattr(module, f"{prefix}RMSNorm")
+        self.rotary_cls = getattr(module, f"{prefix}RotaryEmbedding")
+        self.adapter_name = f"{config.model_type}"
+
+    # -- which tensors ---------------------------------------------------
+    def local_names(self, key: str, layer_range: LayerRange) -> list[str]:
+        """Where artifact tensor ``key`` goes in this range ([] = not ours).
+
+        A tied LM head reads the embedding tensor, so one key may fill two
+        local parameters (they then share storage).
+        """
+        tied = bool(self.config.tie_word_embeddings)
+        if key == "model.embed_tokens.weight":
+            return (["embed.weight"] if layer_range.is_head else []) + (
+                ["lm_head.weight"] if layer_range.is_tail and tied else [])
+        if key == "lm_head.weight":
+            return ["lm_head.weight"] if layer_range.is_tail and not tied else []
+        if key == "model.norm.weight":
+            return ["norm.weight"] if layer_range.is_tail else []
+        if key.startswith("model.layers."):
+            index_text, _, rest = key[len("model.layers."):].partition(".")
+            if index_text.isdigit() and layer_range.start <= int(index_text) < layer_range.end:
+                return [f"layers.{int(index_text) - layer_range.start}.{rest}"]
+        return []
+
+    # -- building ----------------------------------------------------------
+    def _embedding(self, sub) -> nn.Module:
+        return nn.Embedding(sub.vocab_size, sub.hidden_size, getattr(sub, "pad_token_id", None))
+
+    def build(self, sub, layer_range: LayerRange) -> RangeModules:
+        """Modules on the meta device (no memory); rotary built for real on CPU."""
+        with torch.device("meta"):
+            embed = self._embedding(sub) if layer_range.is_head else None
+            layers = nn.ModuleList([self.decoder_layer_cls(sub, i) for i in range(layer_range.count)])
+            norm = self.norm_cls(sub.hidden_size, eps=sub.rms_norm_eps) if layer_range.is_tail else None
+            lm_head = nn.Linear(sub.hidden_size, sub.vocab_size, bias=False) if layer_range.is_tail else None
+        # Rotary tables are computed, not loaded: never build them on meta.
+        rotary = self.rotary_cls(sub)
+        return RangeModules(embed=embed, layers=layers, rotary=rotary, norm=norm, lm_head=lm_head)
+
+    def finish_embedding(self, embed: nn.Module) -> None:
+        """Fix up non-persistent buffers after weights were assigned (none here)."""
+
+    # -- forward pieces ------------------------------------------------------
+    def embed(self, modules: RangeModules, ids: torch.Tensor) -> torch.Tensor:
+        return modules.embed(ids)
+
+    def _masks(self, sub, hidden, cache, position_ids, skip: int) -> dict[str, object]:
+        """One mask per layer type among the layers run (``skip`` = leading layers not run).
+
+        ``layer_idx`` names the first run layer of each type, so mask sizes come
+        from a cache layer this session actually fills.
+        """
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        kwargs = dict(config=sub, inputs_embeds=hidden, attention_mask=None,
+                      past_key_values=cache, position_ids=position_ids)
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        masks: dict[str, object] = {}
+        for index, layer_type in enumerate(self._layer_types(sub)):
+            if index >= skip and layer_type not in masks:
+                masks[layer_type] = makers[layer_type](**kwargs, layer_idx=index)
+        return masks
+
+    def _layer_types(self, sub) -> list[str]:
+        return list(getattr(sub, "layer_types", None) or ["full_attention"] * sub.num_hidden_layers)
+
+    def run_layers(self, sub, modules: RangeModules, hidden, cache, position_ids, skip: int = 0):
+        """Run owned layers ``skip..`` (local indices) over ``cache``; returns the residual."""
+        masks = self._masks(sub, hidden, cache, position_ids, skip)
+        position_embeddings = modules.rotary(hidden, position_ids=position_ids)
+        types = self._layer_types(sub)
+        for layer, layer_type in zip(modules.layers[skip:], types[skip:]):
+            hidden = layer(
+                hidden,
+                attention_mask=masks[layer_type],
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        return hidden
+
+    def logits(self, modules: RangeModules, hidden: torch.Tensor) -> torch.Tensor:
+        # Norm over every position, then the head on the last one: the order of
+        # XForCausalLM.forward(logits_to_keep=1).
+        hidden = modules.norm(hidden)
+        return modules.lm_head(hidden[:, -1:, :])
+
+
+class Gemma3Family(LlamaFamily):
+    """Gemma 3 text: scaled embedding, (1 + w) norms, two rotary bases, softcap."""
+
+    MODEL_TYPES = {"gemma3_text": "Gemma3"}
+    name = "gemma3"
+
+    def __init__(self, config):
+        self.config = config
+        from transformers.models.gemma3 import modeling_gemma3 as m
+
+        self.m = m
+        self.decoder_layer_cls = m.Gemma3DecoderLayer
+        self.norm_cls = m.Gemma3RMSNorm
+        self.rotary_cls = m.Gemma3RotaryEmbedding
+        self.adapter_name = "gemma3_text"
+
+    def _embedding(self, sub) -> nn.Module:
+        return self.m.Gemma3TextScaledWordEmbedding(
+            sub.vocab_size, sub.hidden_size, sub.pad_token_id, embed_scale=sub.hidden_size**0.5
+        )
+
+    def finish_embedding(self, embed: nn.Module) -> None:
+        # The scale is a non-persistent buffer left on the meta device.
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
+
+    def run_layers(self, sub, modules: RangeModules, hidden, cache, position_ids, skip: int = 0):
+        masks = self._masks(sub, hidden, cache, position_ids, skip)
+        types = self._layer_types(sub)
+        position_embeddings = {t: modules.rotary(hidden, position_ids, t) for t in set(types[skip:])}
+        for layer, layer_type in zip(modules.layers[skip:], types[skip:]):
+            hidden = layer(
+                hidden,
+                attention_mask=masks[layer_type],
+                position_embeddings=position_embeddings[layer_type],
+                position_ids=position_ids,
+                past_key_values=cache,
+            )
+        return hidden
+
+    def logits(self, modules: RangeModules, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().logits(modules, hidden)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+FAMILIES = (LlamaFamily, Gemma3Family)
+
+
+def adapter_for(config) -> LlamaFamily:
+    """The adapter for ``config.model_type``, or UnsupportedArchitecture."""
+    for family in FAMILIES:
+        if config.model_type in family.MODEL_TYPES:
+            return family(config)
+    supported = sorted(t for f in FAMILIES for t in f.MODEL_TYPES)
+    raise UnsupportedArchitecture(f"model_type {config.model_type!r} is not supported; supported: {supported}")

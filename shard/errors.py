@@ -1,0 +1,106 @@
+"""Typed refusals a shard sends back, on top of the proto error tree.
+
+    proto.errors.MeshdError
+    ├── ProtocolError (proto)          the peer's bytes or order were wrong
+    └── ShardRefusal                   the shard declines this work; .code + details
+        ├── CacheMiss                  expected_past_len != actual; carries actual_past_len
+        ├── EpochStale                 a newer epoch of the route session exists
+        ├── ResourceExhausted          KV budget full; carries retry_after_ms
+        ├── Cancelled                  the session was cancelled
+        ├── FingerprintMismatch        artifact/recipe digests differ from ours
+        ├── RangeMismatch              the requested range is not the one we serve
+        ├── DeadlineExceeded           the work's deadline had passed
+        └── InternalError              our own failure (never a raw exception text)
+
+``to_shard_error(exc)`` maps any of these (and ProtocolError) to the wire
+``pb.ShardError``; anything else becomes INTERNAL with a sanitized detail.
+What to do next is in each docstring and ``retryable``.
+"""
+from __future__ import annotations
+
+from proto import shard_runtime_pb2 as pb
+from proto.errors import MeshdError, ProtocolError
+
+# ShardError.detail is operator-facing text; bound it so a long message never
+# bloats a frame.
+MAX_DETAIL_CHARS = 300
+
+
+class ShardRefusal(MeshdError):
+    """The shard declines this unit of work. Subclasses set ``code`` / ``retryable``."""
+
+    code: int = pb.ERROR_CODE_INTERNAL
+    retryable: bool = False
+
+    def __init__(self, detail: str, *, actual_past_len: int = 0, retry_after_ms: int = 0) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.actual_past_len = actual_past_len
+        self.retry_after_ms = retry_after_ms
+
+
+class CacheMiss(ShardRefusal):
+    """Re-send from ``actual_past_len`` (or re-prefill); nothing was applied."""
+
+    code = pb.ERROR_CODE_CACHE_MISS
+    retryable = True
+
+
+class EpochStale(ShardRefusal):
+    """Ask the route owner for the current epoch; this one is superseded."""
+
+    code = pb.ERROR_CODE_EPOCH_STALE
+
+
+class ResourceExhausted(ShardRefusal):
+    """Retry after ``retry_after_ms`` or pick another peer."""
+
+    code = pb.ERROR_CODE_RESOURCE_EXHAUSTED
+    retryable = True
+
+
+class Cancelled(ShardRefusal):
+    """The session was cancelled; open a new epoch to continue."""
+
+    code = pb.ERROR_CODE_CANCELLED
+
+
+class FingerprintMismatch(ShardRefusal):
+    """The peer runs a different artifact or recipe; route to a matching shard."""
+
+    code = pb.ERROR_CODE_FINGERPRINT_MISMATCH
+
+
+class RangeMismatch(ShardRefusal):
+    """This shard serves another layer range; check its capability."""
+
+    code = pb.ERROR_CODE_SHARD_RANGE_MISMATCH
+
+
+class DeadlineExceeded(ShardRefusal):
+    """The deadline passed before execution; nothing was applied."""
+
+    code = pb.ERROR_CODE_DEADLINE_EXCEEDED
+    retryable = True
+
+
+class InternalError(ShardRefusal):
+    """Our fault; the session's cache was dropped. Retry from past_len 0 or elsewhere."""
+
+    code = pb.ERROR_CODE_INTERNAL
+    retryable = True
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 3] + "..."
+
+
+def to_shard_error(exc: BaseException) -> pb.ShardError:
+    """The wire form of an error; never leaks a foreign exception's text."""
+    if isinstance(exc, ShardRefusal):
+        return pb.ShardError(code=exc.code, detail=_clip(exc.detail), retryable=exc.retryable,
+                             actual_past_len=exc.actual_past_len, retry_after_ms=exc.retry_after_ms)
+    if isinstance(exc, ProtocolError):
+        return pb.ShardError(code=exc.code, detail=_clip(str(exc)), retryable=False)
+    return pb.ShardError(code=pb.ERROR_CODE_INTERNAL, detail=f"internal error ({type(exc).__name__})",
+                         retryable=True)

@@ -1,0 +1,294 @@
+"""Sans-I/O session manager: per-(route session, epoch) KV over one RangeBackend.
+
+State (owned here, nowhere else): a table SessionKey -> _Session holding the
+backend cache of the owned layers, the KV reservation (``max_tokens``), the
+last idempotency step and its result, and the last-use time from the injected
+clock. Plus two bounded memories: the highest epoch seen per route session id
+(to refuse stale epochs) and cancelled keys (to refuse work after a cancel).
+
+Rules, checked in this order on every ``step``:
+  1. expired sessions (idle > ttl) are dropped first;
+  2. an epoch below the highest seen for the id -> EpochStale;
+     a cancelled key -> Cancelled; an unknown key -> CacheMiss(actual 0);
+  3. idempotency_step <= last step -> acknowledged as a duplicate, not
+     re-applied (the last step's result is replayed, older ones are not kept);
+  4. position != expected_past_len -> ProtocolViolation;
+     expected_past_len != the cache's real length -> CacheMiss(actual);
+  5. inputs are validated against the backend (dtype, shape, room in the
+     reservation) before the backend is called; a backend failure drops the
+     cache (the session restarts at past_len 0) and raises InternalError.
+Admission (``open``): reservations are counted in tokens against
+``kv_budget_tokens``; when full, least-recently-used sessions idle for at
+least ``min_idle_before_evict_s`` are evicted; if that is not enough the new
+session gets ResourceExhausted with ``retry_after_ms``. A higher epoch of an
+id supersedes (and frees) the lower ones. ``release`` frees at once.
+
+No I/O, no threads: the gRPC/relay edges serialize calls (one lock).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from proto.errors import LimitExceeded, ProtocolViolation
+from shard.backend import RangeBackend
+from shard.errors import CacheMiss, Cancelled, EpochStale, InternalError, ResourceExhausted
+
+# SessionOpen.max_tokens == 0 means "unspecified": reserve this many.
+DEFAULT_SESSION_TOKENS = 2048
+# A route session id is an opaque token from the initiator; bound it so a peer
+# cannot make us keep large keys.
+MAX_SESSION_ID_CHARS = 128
+# Sessions live this long without any use (a crashed driver never releases).
+DEFAULT_TTL_S = 300.0
+# A session used this recently is never evicted for a newcomer (prevents two
+# routes from thrashing each other's caches mid-generation).
+DEFAULT_MIN_IDLE_BEFORE_EVICT_S = 2.0
+# Bounded session table regardless of the token budget.
+DEFAULT_MAX_SESSIONS = 256
+# Remembered ids for stale-epoch and cancel checks; oldest forgotten first.
+EPOCH_MEMORY = 4096
+# Smallest retry hint: below this a retry storm costs more than it saves.
+MIN_RETRY_AFTER_MS = 100
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    session_id: str
+    epoch: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.session_id, str) or not 0 < len(self.session_id) <= MAX_SESSION_ID_CHARS:
+            raise ProtocolViolation(f"route_session_id must be 1..{MAX_SESSION_ID_CHARS} characters")
+        if not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ProtocolViolation("route_epoch must be a non-negative integer")
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPolicy:
+    kv_budget_tokens: int
+    ttl_s: float = DEFAULT_TTL_S
+    min_idle_before_evict_s: float = DEFAULT_MIN_IDLE_BEFORE_EVICT_S
+    max_sessions: int = DEFAULT_MAX_SESSIONS
+
+    def __post_init__(self) -> None:
+        if self.kv_budget_tokens <= 0 or self.max_sessions <= 0:
+            raise ValueError("kv_budget_tokens and max_sessions must be positive")
+        if self.ttl_s <= 0 or self.min_idle_before_evict_s < 0:
+            raise ValueError("ttl_s must be positive and min_idle_before_evict_s non-negative")
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """``payload`` is the (post-processed) backend output; None for an old duplicate."""
+
+    payload: object
+    past_len: int
+    duplicate: bool
+    execution_nanos: int
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStats:
+    active_sessions: int
+    kv_reserved_tokens: int
+    kv_cached_tokens: int
+    kv_budget_tokens: int
+
+    @property
+    def kv_pressure(self) -> float:
+        return min(1.0, self.kv_reserved_tokens / self.kv_budget_tokens)
+
+
+class _Session:
+    __slots__ = ("key", "cache", "max_tokens", "last_step", "last_payload", "last_used", "attachment")
+
+    def __init__(self, key: SessionKey, cache, max_tokens: int, now: float, attachment: object) -> None:
+        self.key = key
+        self.cache = cache
+        self.max_tokens = max_tokens
+        self.last_step: int | None = None
+        self.last_payload: object = None
+        self.last_used = now
+        self.attachment = attachment
+
+
+class SessionManager:
+    def __init__(self, backend: RangeBackend, policy: SessionPolicy,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.backend = backend
+        self.policy = policy
+        self.clock = clock
+        self._sessions: "OrderedDict[SessionKey, _Session]" = OrderedDict()  # LRU order
+        self._epochs: "OrderedDict[str, int]" = OrderedDict()
+        self._cancelled: "OrderedDict[SessionKey, None]" = OrderedDict()
+
+    # -- bookkeeping ------------------------------------------------------------
+    def _remember_epoch(self, key: SessionKey) -> None:
+        seen = self._epochs.pop(key.session_id, -1)
+        self._epochs[key.session_id] = max(seen, key.epoch)
+        while len(self._epochs) > EPOCH_MEMORY:
+            self._epochs.popitem(last=False)
+
+    def _check_current(self, key: SessionKey) -> None:
+        newest = self._epochs.get(key.session_id, -1)
+        if key.epoch < newest:
+            raise EpochStale(f"epoch {key.epoch} is stale; the current epoch is {newest}")
+        if key in self._cancelled:
+            raise Cancelled("the session was cancelled; open a new epoch")
+
+    def _drop(self, key: SessionKey) -> bool:
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return False
+        session.cache.release()
+        return True
+
+    def _touch(self, session: _Session) -> None:
+        session.last_used = self.clock()
+        self._sessions.move_to_end(session.key)
+
+    def expire(self) -> list[SessionKey]:
+        """Drop sessions idle longer than the TTL; returns their keys."""
+        deadline = self.clock() - self.policy.ttl_s
+        expired = [k for k, s in self._sessions.items() if s.last_used < deadline]
+        for key in expired:
+            self._drop(key)
+        return expired
+
+    def stats(self) -> ManagerStats:
+        sessions = self._sessions.values()
+        return ManagerStats(
+            active_sessions=len(self._sessions),
+            kv_reserved_tokens=sum(s.max_tokens for s in sessions),
+            kv_cached_tokens=sum(s.cache.past_len for s in sessions),
+            kv_budget_tokens=self.policy.kv_budget_tokens,
+        )
+
+    def attachment(self, key: SessionKey) -> object:
+        session = self._sessions.get(key)
+        return None if session is None else session.attachment
+
+    def past_len(self, key: SessionKey) -> int | None:
+        session = self._sessions.get(key)
+        return None if session is None else session.cache.past_len
+
+    # -- admission ---------------------------------------------------------------
+    def _make_room(self, tokens: int) -> None:
+        policy, now = self.policy, self.clock()
+        reserved = sum(s.max_tokens for s in self._sessions.values())
+        count = len(self._sessions)
+        victims: list[SessionKey] = []
+        for key, session in self._sessions.items():  # least recently used first
+            if reserved + tokens <= policy.kv_budget_tokens and count < policy.max_sessions:
+                break
+            if now - session.last_used < policy.min_idle_before_evict_s:
+                break  # this one and every later one are in active use
+            victims.append(key)
+            reserved -= session.max_tokens
+            count -= 1
+        if reserved + tokens > policy.kv_budget_tokens or count >= policy.max_sessions:
+            oldest = next(iter(self._sessions.values()), None)
+            wait_s = policy.min_idle_before_evict_s - (now - oldest.last_used) if oldest else 0.0
+            retry_ms = max(MIN_RETRY_AFTER_MS, math.ceil(wait_s * 1000))
+            raise ResourceExhausted(
+                f"KV budget full ({reserved} of {policy.kv_budget_tokens} tokens reserved, "
+                f"{count} sessions); {tokens} more do not fit",
+                retry_after_ms=retry_ms)
+        for key in victims:
+            self._drop(key)
+
+    def open(self, key: SessionKey, max_tokens: int = 0, attachment: object = None) -> int:
+        """Admit (or re-attach to) a session; returns the tokens already cached."""
+        self.expire()
+        self._check_current(key)
+        existing = self._sessions.get(key)
+        if existing is not None:
+            self._touch(existing)
+            return existing.cache.past_len
+        tokens = max_tokens or DEFAULT_SESSION_TOKENS
+        if tokens > self.policy.kv_budget_tokens:
+            refusal = ResourceExhausted(
+                f"a session of {tokens} tokens exceeds this shard's whole KV budget "
+                f"({self.policy.kv_budget_tokens}); use a shard with more memory")
+            refusal.retryable = False
+            raise refusal
+        for older in [k for k in self._sessions if k.session_id == key.session_id and k.epoch < key.epoch]:
+            self._drop(older)  # superseded by the new epoch
+        self._make_room(tokens)
+        self._remember_epoch(key)
+        self._sessions[key] = _Session(key, self.backend.new_cache(tokens), tokens, self.clock(), attachment)
+        return 0
+
+    # -- work ----------------------------------------------------------------------
+    def _validate(self, session: _Session, inputs: np.ndarray, effective_start: int) -> None:
+        backend = self.backend
+        if not isinstance(inputs, np.ndarray):
+            raise ProtocolViolation("inputs must be an array")
+        if effective_start == 0:
+            if inputs.dtype != np.int64 or inputs.ndim != 1:
+                raise ProtocolViolation(f"the head takes int64 token ids [T], got {inputs.dtype} {inputs.shape}")
+            if inputs.size and (int(inputs.min()) < 0 or int(inputs.max()) >= backend.vocab_size):
+                raise ProtocolViolation(f"token ids must be in 0..{backend.vocab_size - 1}")
+        elif (inputs.dtype != backend.boundary_dtype or inputs.ndim != 2
+              or inputs.shape[1] != backend.hidden_size):
+            raise ProtocolViolation(
+                f"hidden states must be {backend.boundary_dtype} [T, {backend.hidden_size}], "
+                f"got {inputs.dtype} {inputs.shape}")
+        count = inputs.shape[0]
+        if count == 0:
+            raise ProtocolViolation("a step must carry at least one position")
+        if session.cache.past_len + count > session.max_tokens:
+            raise LimitExceeded(f"{count} more tokens exceed the session's reservation of "
+                                f"{session.max_tokens} (at {session.cache.past_len})")
+
+    def step(self, key: SessionKey, *, step: int, position: int, expected_past_len: int,
+             inputs: np.ndarray, effective_start: int,
+             post: Callable[[np.ndarray], object] | None = None) -> StepResult:
+        """Apply one prefill chunk or decode step (rules in the module docstring)."""
+        self.expire()
+        self._check_current(key)
+        session = self._sessions.get(key)
+        if session is None:
+            raise CacheMiss("no such session here (never opened, released, expired or evicted)",
+                            actual_past_len=0)
+        self._touch(session)
+        if session.last_step is not None and step <= session.last_step:
+            payload = session.last_payload if step == session.last_step else None
+            return StepResult(payload, session.cache.past_len, True, 0)
+        if position != expected_past_len:
+            raise ProtocolViolation(f"position {position} differs from expected_past_len {expected_past_len}")
+        actual = session.cache.past_len
+        if expected_past_len != actual:
+            raise CacheMiss(f"expected past length {expected_past_len}, cache holds {actual}",
+                            actual_past_len=actual)
+        self._validate(session, inputs, effective_start)
+        t0 = time.perf_counter_ns()
+        try:
+            output = self.backend.forward(session.cache, inputs, effective_start=effective_start)
+            payload = post(output) if post is not None else output
+        except Exception as exc:
+            session.cache.release()
+            session.cache = self.backend.new_cache(session.max_tokens)
+            session.last_step, session.last_payload = None, None
+            raise InternalError("the backend failed; the session cache was reset to 0") from exc
+        elapsed = time.perf_counter_ns() - t0
+        session.last_step, session.last_payload = step, payload
+        return StepResult(payload, session.cache.past_len, False, elapsed)
+
+    def release(self, key: SessionKey) -> bool:
+        """Free the session at once; idempotent (False when nothing was there)."""
+        return self._drop(key)
+
+    def cancel(self, key: SessionKey) -> int:
+        """Drop the session and refuse further work on this (id, epoch)."""
+        self._cancelled[key] = None
+        while len(self._cancelled) > EPOCH_MEMORY:
+            self._cancelled.popitem(last=False)
+        self._remember_epoch(key)
+        return int(self._drop(key))

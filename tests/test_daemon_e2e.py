@@ -1,0 +1,178 @@
+"""Four `meshd join` daemons (one bootstrap) with real workers on a tiny random Llama.
+
+Real subprocesses on loopback: every daemon sees every capability record,
+`meshd status` prints the full coverage map, a killed worker is restarted
+(its record withdrawn meanwhile), a daemon stopped with SIGTERM withdraws at
+once, and a daemon killed outright drops off the map within the record TTL.
+A peer's TLS endpoint from the DHT is reached through the pinned channel.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._daemon_helpers import REPO_ROOT, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+SPANS = [(0, 2), (2, 4), (4, 6), (3, 6)]
+RECORD_TTL_S = 8
+# Four workers load torch and validate on 2 shared cores.
+CONVERGE_TIMEOUT_S = 300
+POLL_S = 0.5
+
+
+class Daemon:
+    def __init__(self, root: Path, index: int, model: Path, span: tuple[int, int], bootstrap: str | None):
+        self.data_dir = root / f"d{index}"
+        self.log = root / f"d{index}.log"
+        args = [sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", f"{span[0]}:{span[1]}",
+                "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(self.data_dir),
+                "--record-ttl", str(RECORD_TTL_S)]
+        if bootstrap:
+            args += ["--bootstrap", bootstrap]
+        self.log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=subprocess_env(), stdout=self.log_file,
+                                     stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def address(self) -> str:
+        def find():
+            m = re.search(r"listening on (\S+/p2p/\S+)", self.text())
+            return m.group(1) if m else None
+        return wait_for(find, "the bootstrap daemon's address", 60, self)
+
+    def status(self, as_json: bool = True):
+        r = subprocess.run([sys.executable, "-m", "meshd", "status", "--data-dir", str(self.data_dir)]
+                           + (["--json"] if as_json else []), cwd=REPO_ROOT, env=subprocess_env(),
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode != 0:
+            return None
+        return json.loads(r.stdout) if as_json else r.stdout
+
+    def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self.log_file.close()
+
+
+def wait_for(fn, what: str, timeout_s: float, daemon: Daemon | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        if daemon is not None and daemon.proc.poll() is not None:
+            pytest.fail(f"daemon exited while waiting for {what}:\n{daemon.text()[-3000:]}")
+        time.sleep(POLL_S)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def spans_seen(daemon: Daemon) -> list[tuple[int, int]] | None:
+    s = daemon.status()
+    if not s or not s["coverage"]:
+        return None
+    (entries,) = s["coverage"].values()
+    return sorted((e["start"], e["end"]) for e in entries)
+
+
+def test_four_daemon_swarm(tmp_path):
+    from shard.testmodels import build_random_llama
+
+    model = build_random_llama(seed=0)
+    daemons: list[Daemon] = []
+    try:
+        daemons.append(Daemon(tmp_path, 0, model, SPANS[0], None))
+        boot = daemons[0].address()
+        for i, span in enumerate(SPANS[1:], start=1):
+            daemons.append(Daemon(tmp_path, i, model, span, boot))
+        everything = sorted(SPANS)
+        for d in daemons:
+            wait_for(lambda: spans_seen(d) == everything, f"full coverage at {d.data_dir.name}", CONVERGE_TIMEOUT_S, d)
+        text = daemons[2].status(as_json=False)
+        print(text)
+        assert "6 layers, 4 peers, complete" in text
+        for a, b in SPANS:
+            assert re.search(rf"^\s+{a}:{b}\s+[#.]+\s+12D3KooW", text, re.M), text
+        assert "peers" in text and "222222" not in text  # per-layer counts line present
+        own = daemons[1].status()
+        assert own["worker"]["state"] == "ready" and own["own"]["advertising"]
+
+        # the TLS endpoint advertised in the DHT is reachable only through its pin
+        _check_pinned_endpoint(daemons[0].status(), daemons[1])
+
+        # kill daemon 1's worker: withdrawn meanwhile, restarted, advertised again
+        victim = daemons[1]
+        worker_pid = victim.status()["worker"]["pid"]
+        os.kill(worker_pid, signal.SIGKILL)
+        wait_for(lambda: (victim.status() or {}).get("worker", {}).get("restarts") == 1, "a worker restart", 60, victim)
+        wait_for(lambda: (s := victim.status()) and s["worker"]["state"] == "ready"
+                 and s["worker"]["pid"] != worker_pid, "the restarted worker ready", CONVERGE_TIMEOUT_S, victim)
+        wait_for(lambda: spans_seen(daemons[0]) == everything, "coverage after the restart", 60)
+
+        # graceful stop of daemon 3: withdrawn at once, exit 0, worker gone
+        d3_worker = daemons[3].status()["worker"]["pid"]
+        t0 = time.monotonic()
+        assert daemons[3].stop(signal.SIGTERM) == 0
+        wait_for(lambda: spans_seen(daemons[0]) == sorted(SPANS[:3]), "daemon 3's withdrawal", RECORD_TTL_S)
+        assert time.monotonic() - t0 < 60
+        assert not _alive(d3_worker)
+        assert "leaving the swarm" in daemons[3].text()
+
+        # daemon 2 killed outright: no withdrawal, its record expires within the TTL
+        d2_worker = daemons[2].status()["worker"]["pid"]
+        daemons[2].stop(signal.SIGKILL)
+        t_kill = time.monotonic()
+        wait_for(lambda: spans_seen(daemons[0]) == sorted(SPANS[:2]), "daemon 2's record to expire",
+                 RECORD_TTL_S + 10)
+        assert time.monotonic() - t_kill <= RECORD_TTL_S + 10
+        wait_for(lambda: not _alive(d2_worker), "the orphaned worker to exit", 30)
+        text = daemons[0].status(as_json=False)
+        assert "gaps at 4:6" in text
+    finally:
+        for d in daemons:
+            if d.proc.poll() is None:
+                d.stop(signal.SIGTERM)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is not alive
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _check_pinned_endpoint(status: dict, other: Daemon) -> None:
+    """Dial ``other``'s worker with the endpoint and pin that daemon 0 read from the DHT."""
+    from meshd.errors import CertificateMismatch
+    from meshd.tls import pinned_channel
+    from proto import shard_runtime_pb2 as pb
+    from proto import shard_runtime_pb2_grpc as pb_grpc
+
+    (entries,) = status["coverage"].values()
+    advertised = next(e for e in entries if e["peer_id"] == other.status()["peer_id"])
+    pin = bytes.fromhex(advertised["tls_cert_sha256"])
+    with pinned_channel(advertised["grpc_endpoint"], pin) as channel:
+        report = pb_grpc.ShardRuntimeStub(channel).GetCapability(
+            pb.CapabilityRequest(schema_version=pb.SCHEMA_VERSION_1), timeout=30)
+        assert report.validated and (report.shard_range.start_layer, report.shard_range.end_layer) == SPANS[1]
+    with pytest.raises(CertificateMismatch):  # another node's pin: refused before any RPC
+        pinned_channel(advertised["grpc_endpoint"], bytes.fromhex(entries[0]["tls_cert_sha256"])
+                       if entries[0]["peer_id"] != advertised["peer_id"] else bytes(32))

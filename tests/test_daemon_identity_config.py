@@ -1,0 +1,107 @@
+"""Identity persistence, configuration layering, and host listening errors."""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+
+import pytest
+import trio
+
+from meshd.config import DaemonConfig, load_config, parse_layers
+from meshd.errors import ConfigError, IdentityError, PortInUse
+from meshd.host import running_host
+from meshd.identity import KEY_FILE_NAME, load_or_create_identity
+from tests._daemon_helpers import identity
+
+
+def test_identity_created_once_with_mode_0600_and_stable(tmp_path):
+    first = load_or_create_identity(tmp_path / "d")
+    path = tmp_path / "d" / KEY_FILE_NAME
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = load_or_create_identity(tmp_path / "d")
+    assert again.peer_id == first.peer_id and again.peer_id.startswith("12D3KooW")
+    assert first.libp2p_key_pair().public_key.to_bytes() == first.public_key
+    assert load_or_create_identity(tmp_path / "other").peer_id != first.peer_id
+
+
+def test_identity_refuses_open_permissions_and_bad_files(tmp_path):
+    load_or_create_identity(tmp_path)
+    path = tmp_path / KEY_FILE_NAME
+    os.chmod(path, 0o644)
+    with pytest.raises(IdentityError, match="chmod 600"):
+        load_or_create_identity(tmp_path)
+    os.chmod(path, 0o600)
+    path.write_bytes(b"short")
+    with pytest.raises(IdentityError, match="not a meshd identity key"):
+        load_or_create_identity(tmp_path)
+
+
+def test_config_toml_then_flags(tmp_path):
+    cfg_file = tmp_path / "meshd.toml"
+    cfg_file.write_text(f'''
+data_dir = "{tmp_path / 'data'}"
+listen = ["/ip4/127.0.0.1/tcp/4555"]
+layers = "0:4"
+model = "/models/x"
+record_ttl_s = 30
+[worker]
+dtype = "bfloat16"
+''')
+    cfg = load_config(cfg_file, {"layers": (2, 6), "bootstrap": None, "worker.backend": "torch"})
+    assert cfg.layers == (2, 6) and cfg.listen == ("/ip4/127.0.0.1/tcp/4555",)
+    assert cfg.worker.dtype == "bfloat16" and cfg.record_ttl_s == 30 and cfg.republish_interval_s == 10
+    assert cfg.control_socket == (tmp_path / "data" / "control.sock").resolve()
+    with pytest.raises(AttributeError):
+        cfg.layers = (0, 1)  # frozen
+
+
+@pytest.mark.parametrize("text, match", [
+    ('bogus = 1', "unknown config keys"),
+    ('record_ttl_s = 0.1', "record_ttl_s"),
+    ('listen = "/ip4/127.0.0.1/tcp/1"', "list of multiaddr"),
+    ('bootstrap = ["/ip4/127.0.0.1/tcp/1"]', "peer id"),
+    ('[worker]\ndtype = "fp8"', "worker.dtype"),
+    ('listen = [', "not valid TOML"),
+])
+def test_config_errors(tmp_path, text, match):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(path)
+
+
+def test_parse_layers():
+    assert parse_layers("0:12") == (0, 12)
+    for bad in ("3:3", "a:b", "5", "-1:3"):
+        with pytest.raises(ConfigError):
+            parse_layers(bad)
+    with pytest.raises(ConfigError, match="go together"):
+        DaemonConfig(layers=(0, 2))
+
+
+def test_port_in_use_is_one_clear_error():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        async def main():
+            async with running_host(identity(41), [f"/ip4/127.0.0.1/tcp/{port}"]):
+                pass
+
+        with pytest.raises(PortInUse, match=f"port {port} on 127.0.0.1 is already in use"):
+            trio.run(main)
+
+
+def test_peer_id_matches_libp2p():
+    from libp2p.crypto.ed25519 import Ed25519PublicKey
+    from libp2p.peer.id import ID
+
+    from meshd.identity import peer_id_from_public_key
+
+    for seed in range(1, 40):
+        ident = identity(seed)
+        expected = ID.from_pubkey(Ed25519PublicKey.from_bytes(ident.public_key)).to_base58()
+        assert peer_id_from_public_key(ident.public_key) == expected == ident.peer_id
+        assert ID.from_base58(ident.peer_id).to_bytes()[:2] == b"\x00\x24"

@@ -1,0 +1,107 @@
+"""Range loading and exact split execution in one process (torch backend)."""
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from shard import testmodels
+from shard.adapters import UnsupportedArchitecture, adapter_for
+from shard.backend import BackendCache, RangeBackend
+from shard.reference import WholeModel
+from shard.torch_backend import BackendInputError, TorchRangeBackend
+from tests._shard_helpers import max_diff, run_split
+
+torch.set_num_threads(1)
+PROMPT = list(range(5, 45))
+
+
+@pytest.mark.parametrize("builder", [testmodels.build_random_llama, testmodels.build_random_gemma3])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_three_way_split_equals_whole_model(builder, dtype):
+    path = builder()
+    ref = WholeModel(path, dtype).generate(PROMPT, 12, chunk_tokens=16)
+    parts = [TorchRangeBackend.load(path, a, b, dtype=dtype, progress=None) for a, b in ((0, 2), (2, 5), (5, 6))]
+    tokens, logits = run_split(parts, PROMPT, 12, chunk=16)
+    diff = max_diff(logits, ref.logits)
+    print(f"{builder.__name__} {dtype}: max abs logit diff {diff}")
+    assert tokens == ref.tokens
+    assert diff == 0.0
+
+
+@pytest.mark.parametrize("builder", [testmodels.build_random_llama, testmodels.build_random_gemma3])
+def test_overlapping_ranges_with_effective_start(builder):
+    path = builder()
+    ref = WholeModel(path).generate(PROMPT, 6, chunk_tokens=16)
+    parts = [TorchRangeBackend.load(path, a, b, progress=None) for a, b in ((0, 4), (2, 6))]
+    tokens, logits = run_split(parts, PROMPT, 6, chunk=16, effective=[0, 4])
+    assert tokens == ref.tokens and max_diff(logits, ref.logits) == 0.0
+
+
+def test_protocol_conformance_and_boundary_dtypes():
+    path = testmodels.build_random_llama()
+    head = TorchRangeBackend.load(path, 0, 3, dtype="bfloat16", progress=None)
+    assert isinstance(head, RangeBackend)
+    cache = head.new_cache(16)
+    assert isinstance(cache, BackendCache)
+    out = head.forward(cache, np.array([1, 2, 3], dtype=np.int64), effective_start=0)
+    assert out.dtype == ml_dtypes.bfloat16 and out.shape == (3, head.hidden_size)
+    assert cache.past_len == 3
+    assert head.boundary_dtype == np.dtype(ml_dtypes.bfloat16)
+    assert head.fingerprint.model_artifact_digest.startswith("sha256:")
+
+
+def test_only_the_range_is_loaded():
+    path = testmodels.build_random_llama()
+    whole = TorchRangeBackend.load(path, 0, 6, progress=None)
+    middle = TorchRangeBackend.load(path, 2, 4, progress=None)
+    assert middle.modules.embed is None and middle.modules.lm_head is None
+    assert len(middle.modules.layers) == 2
+    assert middle.weight_bytes < whole.weight_bytes / 2
+
+
+def test_tied_embeddings_share_storage():
+    path = testmodels.build_random_gemma3()
+    assert json.loads((path / "config.json").read_text())["tie_word_embeddings"]
+    whole = TorchRangeBackend.load(path, 0, 6, progress=None)
+    assert whole.modules.embed.weight.data_ptr() == whole.modules.lm_head.weight.data_ptr()
+
+
+def test_bad_inputs_are_typed_errors():
+    path = testmodels.build_random_llama()
+    mid = TorchRangeBackend.load(path, 2, 4, progress=None)
+    cache = mid.new_cache(4)
+    h = mid.hidden_size
+    bad = [
+        (np.zeros((2, h), np.float32), 0),  # effective_start outside range
+        (np.zeros((2, h), np.float16), 2),  # wrong dtype
+        (np.zeros((2, h + 1), np.float32), 2),  # wrong width
+        (np.zeros((0, h), np.float32), 2),  # empty
+        (np.zeros((5, h), np.float32), 2),  # over capacity
+    ]
+    for inputs, eff in bad:
+        with pytest.raises(BackendInputError):
+            mid.forward(cache, inputs, effective_start=eff)
+    assert cache.past_len == 0
+    head = TorchRangeBackend.load(path, 0, 2, progress=None)
+    with pytest.raises(BackendInputError):
+        head.forward(head.new_cache(4), np.array([10_000], np.int64), effective_start=0)
+    with pytest.raises(BackendInputError):
+        head.new_cache(0)
+
+
+def test_wrong_range_and_unknown_architecture(tmp_path):
+    path = testmodels.build_random_llama()
+    with pytest.raises(ValueError):
+        TorchRangeBackend.load(path, 4, 9, progress=None)
+    with pytest.raises(FileNotFoundError):
+        TorchRangeBackend.load(tmp_path, 0, 1, progress=None)
+
+    class Cfg:
+        model_type = "mamba"
+
+    with pytest.raises(UnsupportedArchitecture):
+        adapter_for(Cfg())
