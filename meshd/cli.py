@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "join": ("meshd.cmd_join", "run the daemon: serve a layer range of a model in the swarm"),
     "status": ("meshd.cmd_status", "show the local daemon: peers, own range, worker, coverage map"),
     "id": ("meshd.cmd_id", "print this node's peer id"),
+    "worker": ("shard.worker_cli", "serve one layer range of a model over ShardRuntime gRPC"),
 }
 
 

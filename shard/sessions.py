@@ -221,8 +221,13 @@ class SessionManager:
         for older in [k for k in self._sessions if k.session_id == key.session_id and k.epoch < key.epoch]:
             self._drop(older)  # superseded by the new epoch
         self._make_room(tokens)
+        try:
+            cache = self.backend.new_cache(tokens)
+        except Exception as exc:  # a backend with its own KV pool (llama.cpp) may be full
+            raise ResourceExhausted(f"the backend has no room for {tokens} more KV tokens",
+                                    retry_after_ms=MIN_RETRY_AFTER_MS) from exc
         self._remember_epoch(key)
-        self._sessions[key] = _Session(key, self.backend.new_cache(tokens), tokens, self.clock(), attachment)
+        self._sessions[key] = _Session(key, cache, tokens, self.clock(), attachment)
         return 0
 
     # -- work ----------------------------------------------------------------------
@@ -274,8 +279,11 @@ class SessionManager:
             payload = post(output) if post is not None else output
         except Exception as exc:
             session.cache.release()
-            session.cache = self.backend.new_cache(session.max_tokens)
-            session.last_step, session.last_payload = None, None
+            try:
+                session.cache = self.backend.new_cache(session.max_tokens)
+                session.last_step, session.last_payload = None, None
+            except Exception:
+                self._sessions.pop(key, None)  # no fresh cache: the next request is a CACHE_MISS at 0
             raise InternalError("the backend failed; the session cache was reset to 0") from exc
         elapsed = time.perf_counter_ns() - t0
         session.last_step, session.last_payload = step, payload

@@ -57,6 +57,8 @@ class TorchCache:
 
 
 def _to_torch(array: np.ndarray) -> torch.Tensor:
+    if not array.flags.writeable:  # zero-copy wire views are read-only; torch wants writable memory
+        array = array.copy()
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(array))

@@ -1,0 +1,81 @@
+"""Start and stop ``meshd worker`` subprocesses (tests and benchmarks).
+
+The child runs ``[sys.executable, "-m", "meshd", "worker", ...]`` with a
+PYTHONPATH that starts at this checkout's root (computed from ``__file__``),
+so a clean clone works without an install. Readiness is the worker's
+``--ready-file`` (written once its capability is validated); the wait is
+bounded and fails early if the child exits. ``stop()`` sends SIGTERM, then
+SIGKILL after a grace period, to that one process.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Loading SmolLM2 on a busy 2-core machine can take a minute; never wait forever.
+READY_TIMEOUT_S = 300.0
+STOP_GRACE_S = 10.0
+POLL_S = 0.05
+
+
+def child_env(threads: int | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+@dataclass
+class WorkerProcess:
+    proc: subprocess.Popen
+    endpoint: str
+    pid: int
+    tls_endpoint: str | None = None
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(STOP_GRACE_S)
+        return self.proc.returncode
+
+
+def spawn_worker(model: str | os.PathLike, layers: str, *, dtype: str = "float32", threads: int = 2,
+                 extra: Sequence[str] = (), stderr=None, ready_timeout_s: float = READY_TIMEOUT_S) -> WorkerProcess:
+    ready = Path(tempfile.mkdtemp(prefix="meshd-worker-")) / "ready.json"
+    cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(model), "--layers", layers,
+           "--listen", "127.0.0.1:0", "--dtype", dtype, "--threads", str(threads),
+           "--ready-file", str(ready), *extra]
+    proc = subprocess.Popen(cmd, env=child_env(threads), stdout=subprocess.DEVNULL,
+                            stderr=stderr if stderr is not None else subprocess.DEVNULL)
+    deadline = time.monotonic() + ready_timeout_s
+    try:
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {layers} exited with {proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker {layers} not ready after {ready_timeout_s:.0f}s")
+            time.sleep(POLL_S)
+        info = json.loads(ready.read_text())
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        if ready.exists():
+            ready.unlink()
+        ready.parent.rmdir()
+    return WorkerProcess(proc=proc, endpoint=info["listen"], pid=info["pid"], tls_endpoint=info.get("tls_listen"))

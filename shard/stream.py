@@ -1,0 +1,228 @@
+"""Sans-I/O core of one Session stream: request bytes in, response bytes out.
+
+One ``SessionStream`` per gRPC bidi call or relay circuit. It never touches a
+socket: ``receive(frame_body) -> [response bodies]``. Transports (gRPC in
+``shard/server.py``; libp2p relay framing later) only move bytes.
+
+States and transitions (one table, the rules of the stream):
+
+    AWAIT_OPEN --open ok--> OPEN --release/cancel--> CLOSED
+    AWAIT_OPEN --anything else / refused open--> CLOSED (terminal ShardStatus)
+    OPEN --chunk | decode | flow_control--> OPEN
+    OPEN --frame-level error--> CLOSED (terminal ShardStatus)
+
+Frame-level errors (unparseable or oversized bytes, a chunk without credit,
+a message the state does not allow, identity fields that contradict the
+SessionOpen) end the stream with a terminal ShardStatus: the peer's framing
+can no longer be trusted. Work-level refusals (CACHE_MISS, EPOCH_STALE,
+DEADLINE_EXCEEDED, bad tensor payload, INTERNAL...) answer that one piece of
+work with a non-terminal ShardStatus and the stream stays usable. Nothing a
+peer sends here touches another stream's sessions.
+
+Flow control: each chunk/decode consumes one credit granted in
+SessionAccepted; credits are returned in batches (a FlowControl response when
+the peer's outstanding credit falls to half the window).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from proto import shard_runtime_pb2 as pb
+from proto import wire
+from proto.errors import MeshdError, PayloadCorrupt, ProtocolError, ProtocolViolation
+from proto.flow import CreditLedger, negotiate
+from proto.frames import SCHEMA_VERSION, check_schema_version
+from proto.zerocopy import read_request
+from shard.artifact import fingerprints_match
+from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
+                          to_shard_error)
+from shard.sampling import Sampler, SamplingSpec
+from shard.service import ACCEPTED_COMPRESSION, ShardService
+from shard.sessions import SessionKey
+
+# Boundary tensor names (contract with every driver).
+TOKEN_IDS = "token_ids"
+HIDDEN = "h"
+LOGITS = "logits"
+
+AWAIT_OPEN, OPEN, CLOSED = "await_open", "open", "closed"
+# Which request kinds each state accepts; anything else is a ProtocolViolation.
+ALLOWED = {
+    AWAIT_OPEN: {"open"},
+    OPEN: {"chunk", "decode", "flow_control", "release", "cancel"},
+    CLOSED: set(),
+}
+
+
+def _status(exc: BaseException, *, terminal: bool, work_id: str = "", session_id: str = "",
+            step: int = 0) -> bytes:
+    return pb.SessionResponse(status=pb.ShardStatus(
+        work_id=work_id, route_session_id=session_id, idempotency_step=step,
+        error=to_shard_error(exc), terminal=terminal)).SerializeToString()
+
+
+class SessionStream:
+    def __init__(self, service: ShardService, *, wall_ns: Callable[[], int] = time.time_ns) -> None:
+        self.service = service
+        self.wall_ns = wall_ns
+        self.state = AWAIT_OPEN
+        self.key: SessionKey | None = None
+        self.effective_start = 0
+        self.tail = pb.TailOptions()
+        self.ledger: CreditLedger | None = None
+
+    @property
+    def closed(self) -> bool:
+        return self.state == CLOSED
+
+    # -- entry point -------------------------------------------------------------------
+    def receive(self, data: bytes) -> list[bytes]:
+        """Handle one request body; returns the response bodies to send, in order."""
+        if self.state == CLOSED:
+            return []
+        session_id = self.key.session_id if self.key else ""
+        try:
+            req, tensors = read_request(data)
+            kind = req.WhichOneof("kind")
+            if kind not in ALLOWED[self.state]:
+                raise ProtocolViolation(f"a {kind} message is not allowed in state {self.state}")
+            if kind in ("chunk", "decode"):
+                self.ledger.on_chunk(len(data))
+            handler = {"open": self._on_open, "chunk": self._on_chunk, "decode": self._on_decode,
+                       "flow_control": self._on_flow_control, "release": self._on_release,
+                       "cancel": self._on_cancel}[kind]
+            return handler(req, tensors)
+        except (ProtocolError, ShardRefusal) as exc:  # frame-level, a refused open, or a cancel
+            self.state = CLOSED
+            return [_status(exc, terminal=True, session_id=session_id)]
+        except Exception as exc:  # our bug: end this stream only, never the worker
+            self.state = CLOSED
+            return [_status(exc, terminal=True, session_id=session_id)]
+
+    # -- open ---------------------------------------------------------------------------
+    def _on_open(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
+        o = req.open
+        check_schema_version(o.schema_version)
+        backend = self.service.backend
+        if not fingerprints_match(o.fingerprint, backend.fingerprint):
+            raise FingerprintMismatch("artifact or recipe digest differs from this shard's")
+        lr = backend.layer_range
+        r = o.shard_range
+        if (r.start_layer, r.end_layer) != (lr.start, lr.end) or not lr.start <= r.effective_start_layer < lr.end:
+            raise RangeMismatch(f"this shard serves layers [{lr.start}, {lr.end}) of {lr.num_layers}")
+        key = SessionKey(o.route_session_id, int(o.route_epoch))
+        sampler = Sampler(SamplingSpec.from_pb(o.tail.sampling)) if lr.is_tail and o.tail.sample else None
+        with self.service.lock:
+            past_len = self.service.manager.open(key, int(o.max_tokens), attachment=sampler)
+        flow = negotiate(o.proposed_flow_control, self.service.local_flow)
+        self.ledger = CreditLedger(flow)
+        self.key, self.effective_start, self.tail, self.state = key, r.effective_start_layer, o.tail, OPEN
+        return [pb.SessionResponse(accepted=pb.SessionAccepted(
+            schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
+            flow_control=flow, accepted_compression=ACCEPTED_COMPRESSION,
+            fingerprint=backend.fingerprint, past_len=past_len)).SerializeToString()]
+
+    # -- work ----------------------------------------------------------------------------
+    def _input(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
+        name = TOKEN_IDS if self.effective_start == 0 else HIDDEN
+        if set(tensors) != {name}:
+            raise PayloadCorrupt(f"expected exactly one tensor named {name!r}, got {sorted(tensors)}")
+        return tensors[name]
+
+    def _post(self, output: np.ndarray) -> dict[str, np.ndarray]:
+        if not self.service.backend.layer_range.is_tail:
+            return {HIDDEN: output}
+        out: dict[str, np.ndarray] = {}
+        sampler = self.service.manager.attachment(self.key)
+        if sampler is not None:
+            out[TOKEN_IDS] = np.array([sampler(output)], dtype=np.int64)
+        if self.tail.return_logits or sampler is None:
+            out[LOGITS] = output
+        return out
+
+    def _run(self, *, step: int, position: int, expected: int, tensors, deadline: int):
+        if deadline and self.wall_ns() > deadline:
+            raise DeadlineExceeded("the work's deadline passed before it ran")
+        inputs = self._input(tensors)
+        with self.service.lock:
+            return self.service.manager.step(
+                self.key, step=step, position=position, expected_past_len=expected, inputs=inputs,
+                effective_start=self.effective_start, post=self._post)
+
+    def _grant(self) -> list[bytes]:
+        ledger = self.ledger
+        if ledger.outstanding > ledger.max_inflight // 2:
+            return []
+        n = ledger.grant()
+        return [pb.SessionResponse(flow_control=pb.FlowControl(credits_granted=n)).SerializeToString()] if n else []
+
+    def _work_error(self, exc: MeshdError, work_id: str, step: int) -> list[bytes]:
+        if isinstance(exc, Cancelled):
+            self.state = CLOSED
+        return [_status(exc, terminal=self.state == CLOSED, work_id=work_id,
+                        session_id=self.key.session_id, step=step), *self._grant()]
+
+    def _on_chunk(self, req: pb.SessionRequest, tensors) -> list[bytes]:
+        env = req.chunk.envelope
+        if env.route_session_id != self.key.session_id or env.route_epoch != self.key.epoch:
+            raise ProtocolViolation("chunk names another session or epoch than this stream's")
+        if env.HasField("shard_range") and env.shard_range.effective_start_layer != self.effective_start:
+            raise ProtocolViolation("chunk names another effective start than this stream's")
+        if env.HasField("fingerprint") and not fingerprints_match(env.fingerprint, self.service.backend.fingerprint):
+            raise ProtocolViolation("chunk carries another fingerprint than this stream's")
+        if env.phase not in (pb.PHASE_PREFILL, pb.PHASE_DECODE):
+            raise ProtocolViolation("a chunk must be in phase PREFILL or DECODE")
+        span = env.position
+        try:
+            if self._input(tensors).shape[0] != span.token_count:
+                raise PayloadCorrupt("position.token_count disagrees with the tensor")
+            result = self._run(step=env.idempotency_step, position=span.first_position,
+                               expected=env.cache_expectation.expected_past_len, tensors=tensors,
+                               deadline=env.deadline_unix_nanos)
+        except (ProtocolError, ShardRefusal) as exc:
+            return self._work_error(exc, env.work_id, env.idempotency_step)
+        if result.payload is None:  # an older duplicate: acknowledged, nothing to replay
+            return [pb.SessionResponse(ack=pb.Ack(
+                work_id=env.work_id, idempotency_step=env.idempotency_step, duplicate=True,
+                cache_result=pb.CacheResult(mode=env.cache_expectation.mode, past_len=result.past_len,
+                                            cache_hit=True))).SerializeToString(), *self._grant()]
+        out_env = pb.Envelope()
+        out_env.CopyFrom(env)
+        out_env.position.token_count = span.token_count
+        return [wire.response_chunk(out_env, result.payload), *self._grant()]
+
+    def _on_decode(self, req: pb.SessionRequest, tensors) -> list[bytes]:
+        d = req.decode
+        try:
+            if self._input(tensors).shape[0] != 1:
+                raise PayloadCorrupt("a decode step carries exactly one position")
+            result = self._run(step=d.idempotency_step, position=d.position, expected=d.expected_past_len,
+                               tensors=tensors, deadline=d.deadline_unix_nanos)
+        except (ProtocolError, ShardRefusal) as exc:
+            return self._work_error(exc, d.work_id, d.idempotency_step)
+        head = pb.DecodeResult(idempotency_step=d.idempotency_step, past_len=result.past_len,
+                               duplicate=result.duplicate, execution_nanos=result.execution_nanos)
+        return [wire.response_decode(head, result.payload or {}), *self._grant()]
+
+    def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
+        return []  # responses answer requests one to one; the peer's grants need no bookkeeping
+
+    def _on_release(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
+        r = req.release
+        if r.route_session_id != self.key.session_id or r.route_epoch != self.key.epoch:
+            raise ProtocolViolation("release names another session or epoch than this stream's")
+        with self.service.lock:
+            self.service.manager.release(self.key)
+        self.state = CLOSED
+        return [pb.SessionResponse(ack=pb.Ack(work_id=r.work_id)).SerializeToString()]
+
+    def _on_cancel(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
+        c = req.cancel
+        if c.route_session_id != self.key.session_id or c.route_epoch != self.key.epoch:
+            raise ProtocolViolation("cancel names another session or epoch than this stream's")
+        with self.service.lock:
+            self.service.manager.cancel(self.key)
+        raise Cancelled(f"cancelled by the initiator: {c.reason[:80]}")

@@ -1,0 +1,136 @@
+"""``meshd worker``: serve one layer range of one model over ShardRuntime gRPC.
+
+    python -m meshd worker --model PATH --layers A:B --listen 127.0.0.1:PORT
+        [--dtype float32|bfloat16] [--backend torch|llama.cpp] [--kv-budget-tokens N]
+        [--tls-listen HOST:PORT --tls-cert FILE --tls-key FILE] [--ready-file FILE]
+
+Order: load the range (progress on stderr) -> validate it with a bounded real
+forward -> listen -> write the ready file ({"listen", "tls_listen", "pid"},
+atomically) and print one "ready" line on stdout -> serve until SIGTERM /
+SIGINT. Plaintext listens only on loopback; peers use the TLS port.
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+# Idle sessions are swept this often even when no request arrives.
+SWEEP_INTERVAL_S = 5.0
+DEFAULT_KV_BUDGET_TOKENS = 16384
+DEFAULT_THREADS = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="artifact directory (config.json + safetensors) or .gguf")
+    parser.add_argument("--layers", required=True, help="layer range A:B (B exclusive; 'A:' = to the end)")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="loopback HOST:PORT for plaintext (port 0 = any)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch")
+    parser.add_argument("--kv-budget-tokens", type=int, default=DEFAULT_KV_BUDGET_TOKENS)
+    parser.add_argument("--max-sessions", type=int, default=64)
+    parser.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session is kept")
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="compute threads")
+    parser.add_argument("--tls-listen", help="HOST:PORT for the TLS port peers dial")
+    parser.add_argument("--tls-cert", help="PEM certificate for --tls-listen")
+    parser.add_argument("--tls-key", help="PEM private key for --tls-listen")
+    parser.add_argument("--ready-file", help="write {listen, tls_listen, pid} JSON here once validated")
+    parser.add_argument("--model-id", default="", help="human label reported in the capability")
+
+
+def _is_loopback(listen: str) -> bool:
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _parse_layers(text: str) -> tuple[int, int | None]:
+    start_text, sep, end_text = text.partition(":")
+    if not sep:
+        raise ValueError(f"--layers must look like A:B, got {text!r}")
+    return int(start_text or 0), (int(end_text) if end_text else None)
+
+
+def load_backend(args: argparse.Namespace):
+    """The RangeBackend named by the arguments (progress on stderr)."""
+    start, end = _parse_layers(args.layers)
+    if args.backend == "torch":
+        from shard.torch_backend import TorchRangeBackend
+
+        if Path(args.model).suffix == ".gguf":
+            raise ValueError("the torch backend loads artifact directories; use --backend llama.cpp for .gguf")
+        return TorchRangeBackend.load(args.model, start, end, dtype=args.dtype, progress=sys.stderr)
+    from native.gguf_range import model_info, open_reader
+    from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
+    from shard.backend import LayerRange
+
+    num_layers = model_info(open_reader(Path(args.model))).num_layers
+    config = LlamaBackendConfig(n_threads=args.threads, kv_budget_tokens=args.kv_budget_tokens,
+                                max_sessions=min(args.max_sessions, 256))
+    return LlamaRangeBackend(args.model, LayerRange(start, num_layers if end is None else end, num_layers),
+                             config, progress=sys.stderr)
+
+
+def _write_ready(path: str, payload: dict) -> None:
+    tmp = Path(path).with_name(Path(path).name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(payload))
+    os.replace(tmp, path)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not _is_loopback(args.listen):
+        print(f"refusing plaintext on {args.listen}: --listen must be loopback; peers use --tls-listen",
+              file=sys.stderr)
+        return 2
+    if args.tls_listen and not (args.tls_cert and args.tls_key):
+        print("--tls-listen needs --tls-cert and --tls-key", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from shard.server import build_server
+    from shard.service import ShardService
+    from shard.sessions import SessionPolicy
+
+    try:
+        backend = load_backend(args)
+    except (OSError, ValueError) as exc:
+        print(f"cannot load {args.model} layers {args.layers}: {exc}", file=sys.stderr)
+        return 1
+    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions)
+    service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name)
+    print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)
+    report = service.validate()
+    if not report.validated:
+        print(f"[worker] validation failed: {report.detail}", file=sys.stderr)
+        return 1
+    tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes()) if args.tls_listen else (None, None)
+    server, port, tls_port = build_server(service, args.listen, tls_listen=args.tls_listen,
+                                          tls_cert=tls[0], tls_key=tls[1])
+    server.start()
+    host = args.listen.rpartition(":")[0]
+    listen = f"{host}:{port}"
+    tls_listen = f"{args.tls_listen.rpartition(':')[0]}:{tls_port}" if tls_port else None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.ready_file:
+        _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid()})
+    print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
+    try:
+        while not stop.wait(SWEEP_INTERVAL_S):
+            with service.lock:
+                service.manager.expire()
+    finally:
+        server.stop(grace=1.0).wait()
+        print("[worker] stopped", file=sys.stderr, flush=True)
+    return 0
