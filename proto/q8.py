@@ -61,7 +61,13 @@ def encode_q8(values: np.ndarray) -> bytes:
         raise LocalError(f"q8 cannot encode magnitudes above {_QMAX} * 65504 (float16 scale)")
     s64 = scales.astype(np.float64)
     divisor = np.where(s64 > 0, s64, 1.0)[:, None]
-    q = np.clip(np.rint(blocks / divisor), -_QMAX, _QMAX).astype(np.int8)
+    q = np.rint(blocks / divisor)
+    # x / s is rounded once in float64; fix the rare near-tie the rounding put on
+    # the wrong side, so |x - q*s| <= s/2 holds exactly (q*s and x - q*s are exact).
+    residual = blocks - q * s64[:, None]
+    half = s64[:, None] / 2
+    q += (residual > half).astype(np.float64) - (residual < -half)
+    q = np.clip(q, -_QMAX, _QMAX).astype(np.int8)
     return scales.astype("<f2").tobytes() + q.reshape(-1)[:n].tobytes()
 
 

@@ -34,7 +34,8 @@ from proto.limits import DEFAULT_FRAGMENT_BYTES, DEFAULT_LIMITS, ZSTD_LEVEL, Lim
 from proto.q8 import decode_q8, encode_q8, q8_encoded_size
 
 __all__ = [
-    "BUNDLE_VERSION", "PB_TO_NUMPY", "PreparedTensor", "prepare_tensor", "encode_tensor",
+    "BUNDLE_VERSION", "PB_TO_NUMPY", "PreparedTensor", "prepare_tensor", "encode_tensor", "varint",
+    "prepare_bundle", "bundle_pieces",
     "decode_tensor", "encode_bundle", "decode_bundle", "pb_dtype_of",
 ]
 
@@ -69,37 +70,80 @@ def pb_dtype_of(dtype) -> int:
                          + ", ".join(str(d) for d in PB_TO_NUMPY.values())) from None
 
 
+def varint(n: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative int."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_ONE_BYTE = [bytes([i]) for i in range(0x80)]
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedTensor:
-    """A NamedTensor before its fragments exist: header fields + wire body.
+    """A NamedTensor before its fragments exist: serialized header + wire body.
 
-    ``header`` carries fields 1-7 (no fragments, no encoding); ``body`` is the
-    wire body (compressed when header.compression is ZSTD) as bytes or a
+    ``header`` is the canonical serialization of fields 1-7 (name .. checksum);
+    ``body`` is the wire body (compressed when compression is ZSTD) as bytes or a
     read-only memoryview; ``fragment_bytes`` is the split size.
     """
 
-    header: pb.NamedTensor
+    name: str
+    header: bytes
     encoding: int
     body: bytes | memoryview
     fragment_bytes: int
 
-    def fragments(self) -> list[tuple[int, int, int, memoryview]]:
-        """(index, count, byte_offset, payload view) for each fragment; >= 1."""
+    def pieces(self) -> tuple[list, int]:
+        """The canonical serialization of the NamedTensor as pieces to join, and its size.
+
+        Fields in number order, proto3 defaults omitted: header (1-7), one
+        TensorFragment per slice (8), encoding (9). Payloads are views, not copies.
+        """
         view = memoryview(self.body)
-        size = len(view)
-        count = max(1, -(-size // self.fragment_bytes))
-        return [(i, count, i * self.fragment_bytes,
-                 view[i * self.fragment_bytes:(i + 1) * self.fragment_bytes])
-                for i in range(count)]
+        step = self.fragment_bytes
+        count = max(1, -(-len(view) // step))
+        out = [self.header]
+        total = len(self.header)
+        count_field = b"\x10" + varint(count)
+        for i in range(count):
+            payload = view[i * step:(i + 1) * step]
+            n = len(payload)
+            head = b"\x08" + varint(i) + count_field + b"\x18" + varint(i * step) if i else count_field
+            if n:
+                head += b"\x22" + varint(n)
+            frag = b"\x42" + varint(len(head) + n) + head
+            out.append(frag)
+            total += len(frag)
+            if n:
+                out.append(payload)
+                total += n
+        if self.encoding:
+            out.append(b"\x48" + varint(self.encoding))
+            total += len(out[-1])
+        return out, total
 
     def to_message(self) -> pb.NamedTensor:
-        t = pb.NamedTensor()
-        t.CopyFrom(self.header)
-        for index, count, offset, payload in self.fragments():
-            t.fragments.add(fragment_index=index, fragment_count=count, byte_offset=offset,
-                            payload=bytes(payload))
-        t.encoding = self.encoding
-        return t
+        return pb.NamedTensor.FromString(b"".join(self.pieces()[0]))
+
+
+def _header_bytes(name_utf8: bytes, shape: tuple[int, ...], dtype: int, total: int,
+                  compression: int, crc: bytes) -> bytes:
+    """Canonical serialization of NamedTensor fields 1-7 as prepare_tensor fills them."""
+    out = b"\x0a" + varint(len(name_utf8)) + name_utf8
+    if shape:
+        packed = b"".join([varint(d) for d in shape])
+        out += b"\x12" + varint(len(packed)) + packed
+    out += b"\x18" + varint(dtype) + b"\x20\x01"          # byte_order: little-endian
+    if total:
+        out += b"\x28" + varint(total)
+    return out + b"\x30" + varint(compression) + b"\x3a\x08\x08\x02\x12\x04" + crc  # CRC32C
 
 
 def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRESSION_NONE,
@@ -109,7 +153,8 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
     limits = DEFAULT_LIMITS
     if not isinstance(name, str) or not name:
         raise LocalError("tensor name must be a non-empty str")
-    if len(name.encode("utf-8")) > limits.max_name_len:
+    name_utf8 = name.encode("utf-8")
+    if len(name_utf8) > limits.max_name_len:
         raise LocalError(f"tensor name {name[:16]!r}... longer than {limits.max_name_len} bytes")
     if not isinstance(array, np.ndarray):
         raise LocalError(f"tensor {name!r}: expected a numpy array, got {type(array).__name__}")
@@ -121,7 +166,7 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
             or not 1 <= max_fragment_bytes <= limits.max_fragment_bytes):
         raise LocalError(f"max_fragment_bytes must be in 1..{limits.max_fragment_bytes}")
     dtype = pb_dtype_of(array.dtype)
-    if array.ndim > limits.max_rank or any(d > limits.max_dim for d in array.shape):
+    if array.ndim > limits.max_rank or (array.ndim and max(array.shape) > limits.max_dim):
         raise LocalError(f"tensor {name!r}: shape {array.shape} exceeds rank {limits.max_rank}"
                          f" / dim {limits.max_dim}")
     if encoding == pb.TENSOR_ENCODING_Q8_BLOCK32:
@@ -134,17 +179,14 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
     total = len(encoded)
     if total > limits.max_tensor_bytes:
         raise LocalError(f"tensor {name!r} is {total} bytes; the limit is {limits.max_tensor_bytes}")
-    header = pb.NamedTensor(
-        name=name, shape=array.shape, dtype=dtype, byte_order=pb.BYTE_ORDER_LITTLE_ENDIAN,
-        total_bytes=total, compression=compression,
-        checksum=pb.Checksum(algorithm=pb.CHECKSUM_ALGORITHM_CRC32C, value=crc32c_bytes(encoded)))
     body = encoded
     if compression == pb.COMPRESSION_ZSTD:
         body = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True).compress(encoded)
     if max(1, -(-len(body) // max_fragment_bytes)) > limits.max_fragments_per_tensor:
         raise LocalError(f"tensor {name!r} needs more than {limits.max_fragments_per_tensor} "
                          f"fragments of {max_fragment_bytes} bytes; use larger fragments")
-    return PreparedTensor(header=header, encoding=encoding, body=body,
+    header = _header_bytes(name_utf8, array.shape, dtype, total, compression, crc32c_bytes(encoded))
+    return PreparedTensor(name=name, header=header, encoding=encoding, body=body,
                           fragment_bytes=max_fragment_bytes)
 
 
@@ -156,14 +198,40 @@ def encode_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRES
                           max_fragment_bytes=max_fragment_bytes).to_message()
 
 
-def encode_bundle(tensors: Mapping[str, np.ndarray], **kwargs) -> pb.TensorBundle:
-    """Encode named arrays as a TensorBundle; kwargs as for encode_tensor."""
+def prepare_bundle(tensors: Mapping, **kwargs) -> list[PreparedTensor]:
+    """PreparedTensors for a mapping of name -> array (or ready PreparedTensor)."""
     if not isinstance(tensors, Mapping):
-        raise LocalError("encode_bundle takes a mapping of name -> array")
+        raise LocalError("a bundle is a mapping of name -> array")
     if len(tensors) > DEFAULT_LIMITS.max_tensors_per_bundle:
         raise LocalError(f"a bundle holds at most {DEFAULT_LIMITS.max_tensors_per_bundle} tensors")
-    return pb.TensorBundle(bundle_version=BUNDLE_VERSION,
-                           tensors=[encode_tensor(n, a, **kwargs) for n, a in tensors.items()])
+    out = []
+    for name, value in tensors.items():
+        if isinstance(value, PreparedTensor):
+            if value.name != name:
+                raise LocalError(f"PreparedTensor named {value.name!r} under key {name!r}")
+            out.append(value)
+        else:
+            out.append(prepare_tensor(name, value, **kwargs))
+    return out
+
+
+def bundle_pieces(prepared: list[PreparedTensor]) -> tuple[list, int]:
+    """Canonical serialization of a TensorBundle as pieces to join, and its size."""
+    out = [b"\x08" + varint(BUNDLE_VERSION)]
+    total = len(out[0])
+    for prep in prepared:
+        pieces, size = prep.pieces()
+        head = b"\x12" + varint(size)
+        out.append(head)
+        out.extend(pieces)
+        total += len(head) + size
+    return out, total
+
+
+def encode_bundle(tensors: Mapping[str, np.ndarray], **kwargs) -> pb.TensorBundle:
+    """Encode named arrays as a TensorBundle; kwargs as for encode_tensor."""
+    pieces, _ = bundle_pieces(prepare_bundle(tensors, **kwargs))
+    return pb.TensorBundle.FromString(b"".join(pieces))
 
 
 # --------------------------------------------------------------------------- decode

@@ -107,7 +107,12 @@ class _Walker:
                 body = pos
                 pos += length
             elif wire_type == 0:
-                _, pos = _varint(data, pos, end)
+                stop = min(end, pos + _MAX_VARINT_BYTES)
+                while pos < stop and data[pos] >= 0x80:
+                    pos += 1
+                if pos >= stop:
+                    raise PayloadCorrupt("truncated or overlong varint")
+                pos += 1
             elif wire_type == 1:
                 pos += 8
             elif wire_type == 5:
