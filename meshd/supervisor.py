@@ -229,6 +229,7 @@ class WorkerProcess:
         ready_file.unlink(missing_ok=True)
         log_path = spec.run_dir / "worker.log"
         ready_line = trio.Event()
+        _keep_spawning_threads()
         # Own session: a terminal's Ctrl-C reaches the daemon, which stops the
         # worker in order. Parent-death signal: a daemon killed with SIGKILL
         # does not leave an orphan worker holding the model in memory.
@@ -315,6 +316,20 @@ class WorkerProcess:
             failures = 0
             state.health = {"state": pb.ServingState.Name(report.state).removeprefix("SERVING_STATE_").lower(),
                             "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3)}
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, and
+# trio forks in one of its cached worker threads, which exit after 10 s idle:
+# the worker got SIGTERM 10 s after a quiet start. Cached threads are kept for
+# the daemon's life instead (they are bounded by trio's thread limiter), so
+# the signal again means "the daemon died".
+KEEP_THREADS_S = 10**6
+
+
+def _keep_spawning_threads() -> None:
+    from trio._core import _thread_cache
+
+    _thread_cache.IDLE_TIMEOUT = max(_thread_cache.IDLE_TIMEOUT, KEEP_THREADS_S)
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
