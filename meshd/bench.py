@@ -13,6 +13,7 @@ import sys
 
 BENCHMARKS: dict[str, str] = {
     "codec": "meshd.benchmarks.codec",
+    "swarm": "meshd.benchmarks.swarm",
 }
 
 

@@ -11,7 +11,6 @@ the way out, also on Ctrl-C or an error; logs are kept only with --keep.
 from __future__ import annotations
 
 import argparse
-import math
 import shutil
 import sys
 import tempfile
@@ -40,10 +39,36 @@ def _say(line: str) -> None:
     print(f"[demo {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
+def simulate_joins(footprint, nodes: int, memory: int, kv_tokens: int):
+    """The ranges ``nodes`` equal joiners get, one after the other (the tracker's pure planner)."""
+    from meshd.adverts import CoverageMap, ShardAd
+    from meshd.assignment import JoinRequest, plan_join
+
+    ads: list[ShardAd] = []
+    for i in range(nodes):
+        coverage = CoverageMap.build(ads, model_digest=footprint.model_digest, num_layers=footprint.num_layers)
+        span = plan_join(coverage, footprint, JoinRequest(f"node{i}", memory, kv_tokens)).span
+        ads.append(ShardAd(peer_id=f"node{i}", model_digest=footprint.model_digest, start=span.start, end=span.end,
+                           num_layers=footprint.num_layers, decode_ms_per_layer=1.0, prefill_tokens_per_s=1.0,
+                           free_kv_tokens=kv_tokens, memory_budget_bytes=memory, relayed=False,
+                           expires_at_ms=2**62))
+    return CoverageMap.build(ads, model_digest=footprint.model_digest, num_layers=footprint.num_layers)
+
+
 def demo_memory(footprint, nodes: int, kv_tokens: int) -> int:
-    """Memory per node so that a third of the layers plus the embeddings fills it."""
-    share = math.ceil(footprint.num_layers / nodes)
-    return footprint.range_bytes(0, share, kv_tokens) + footprint.layer_weight_bytes[0] // 2
+    """The smallest memory (in half-layer steps) with which ``nodes`` joiners cover the model."""
+    from meshd.planning_errors import NoFitError
+
+    step = max(1, footprint.range_bytes(0, 1, kv_tokens) - footprint.head_extra_bytes) // 2
+    memory = footprint.range_bytes(0, 1, kv_tokens)
+    for _ in range(4 * footprint.num_layers):
+        try:
+            if simulate_joins(footprint, nodes, memory, kv_tokens).fully_covered:
+                return memory
+        except NoFitError:
+            pass
+        memory += step
+    return footprint.range_bytes(0, footprint.num_layers, kv_tokens)
 
 
 def run(args: argparse.Namespace) -> int:

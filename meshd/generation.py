@@ -4,7 +4,7 @@ Data flow (one client connection)::
 
     {"op": "generate", "prompt": ..., "max_tokens": ..., ...}
       -> GenerateParams (validated here; a bad field is the client's error)
-      -> token ids (the artifact's tokenizer; its chat template unless "raw")
+      -> token ids (the artifact's tokenizer, meshd/tokenizer.py; chat template unless "raw")
       -> SwarmDriver (meshd/route_driver.py) in one worker thread,
          routes from the DHT (AdsRouteSource over Swarm.fresh_snapshot),
          channels pinned to each peer's certificate (PeerConnector)
@@ -77,31 +77,9 @@ class GenerateParams:
 
 
 def load_tokenizer(model_path):
-    from transformers import AutoTokenizer
+    from meshd.tokenizer import EntryTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_path))
-
-
-def encode_prompt(tokenizer, prompt: str, raw: bool) -> list[int]:
-    if not raw and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
-        if hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-    return [int(t) for t in tokenizer.encode(prompt)]
-
-
-def stop_ids(tokenizer) -> frozenset[int]:
-    ids = set()
-    eos = tokenizer.eos_token_id
-    if isinstance(eos, int):
-        ids.add(eos)
-    for name in ("<|im_end|>", "<|endoftext|>"):
-        tid = tokenizer.convert_tokens_to_ids(name) if name in tokenizer.get_vocab() else None
-        if isinstance(tid, int):
-            ids.add(tid)
-    return frozenset(ids)
+    return EntryTokenizer(model_path)
 
 
 async def run_generate(swarm, request: dict, send: Send) -> None:
@@ -115,9 +93,9 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     if swarm.tokenizer is None:
         swarm.tokenizer = await trio.to_thread.run_sync(load_tokenizer, swarm.config.model)
     tokenizer = swarm.tokenizer
-    prompt_ids = encode_prompt(tokenizer, params.prompt, params.raw)
+    prompt_ids = tokenizer.encode_prompt(params.prompt, params.raw)
     gen = GenerationRequest(tuple(prompt_ids), params.max_tokens, sampling=params.sampling(),
-                            stop_ids=stop_ids(tokenizer))
+                            stop_ids=tokenizer.stop_ids)
     fingerprint = pb.Fingerprint(model_artifact_digest=claim.model_artifact_digest,
                                  runtime_recipe_digest=claim.runtime_recipe_digest)
 
@@ -131,6 +109,7 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     failovers: list[dict] = []
     driver = SwarmDriver(source, connector, fingerprint=fingerprint, on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
+         "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
          "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]}))
     send_chan, recv_chan = trio.open_memory_channel(TOKEN_QUEUE_DEPTH)
 
@@ -162,7 +141,7 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
         async with recv_chan:
             async for token in recv_chan:
                 tokens.append(token)
-                full = tokenizer.decode(tokens, skip_special_tokens=True)
+                full = tokenizer.decode(tokens)
                 if full.endswith("\ufffd"):
                     delta = ""  # an incomplete multi-byte character: wait for the next token
                 else:
@@ -171,6 +150,8 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
         nursery.cancel_scope.cancel()
     stats = driver.stats
     times = stats.token_times
+    for event in failovers:  # monotonic clock: comparable across processes on this host
+        event["next_token_at"] = next((t for t in times if t > event["failed_at"]), None)
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     route = stats.routes[-1] if stats.routes else None
     await send({"done": True, "tokens": tokens, "failovers": failovers,

@@ -204,7 +204,7 @@ class SwarmDriver:
     def _plan_first(self) -> Route:
         return self._replan(lambda: self.source.plan(self._max_tokens))
 
-    def _replan(self, attempt: Callable[[], Route]) -> Route:
+    def _replan(self, attempt: Callable[[], Route], after: HopFailure | None = None) -> Route:
         deadline = time.monotonic() + self.replan_wait_s
         while True:
             self._check_cancel()
@@ -212,7 +212,8 @@ class SwarmDriver:
                 return attempt()
             except MissingLayersError as exc:
                 if time.monotonic() >= deadline:
-                    raise RouteFailed(f"no route through the swarm: {exc}") from exc
+                    cause = f" (after {after})" if after is not None else ""
+                    raise RouteFailed(f"no route through the swarm{cause}: {exc}") from exc
             self._cancel.wait(REPLAN_POLL_S)
 
     def _set_route(self, route: Route, keep: dict[int, HopLink] | None = None) -> None:
@@ -278,7 +279,7 @@ class SwarmDriver:
         failed_at = time.monotonic()
         self._failed.add(failure.peer_id)
         avoid = frozenset(self._failed)
-        new = self._replan(lambda: self.source.replace(old, failure.peer_id, avoid, self._max_tokens))
+        new = self._replan(lambda: self.source.replace(old, failure.peer_id, avoid, self._max_tokens), failure)
         fresh = set(hops_to_reprefill(old, new))
         by_hop = {(l.spec.peer_id, l.spec.start, l.spec.end, l.spec.effective_start): l for l in self._links}
         keep: dict[int, HopLink] = {}
