@@ -9,9 +9,11 @@ among the layer-0 servers). Only the node that finds itself on duty acts:
 * answers ``/meshd/join/1`` asks: ``plan_join`` over the coverage map plus
   the assignments it issued that are still loading (``pending``), signs a
   LOAD_SHARD directive for the asker and returns it (meshd/swarm_wire.py);
-* while the model has gaps, ``plan_rebalance`` moves at most one fully
-  redundant auto node into a gap: DROP_SHARD then LOAD_SHARD, pushed over
-  ``/meshd/directive/1``; the node checks them (directives.py) and answers.
+* while the model has a gap confirmed by ``GAP_CONFIRMATIONS`` refreshes in
+  a row and nothing is still loading, ``plan_rebalance`` moves at most one
+  fully redundant auto node (never the tracker itself) into it: DROP_SHARD
+  then LOAD_SHARD, pushed over ``/meshd/directive/1``; the node checks them
+  (directives.py) and answers.
 
 A node that is not on duty refuses join asks ("not the tracker"), so a
 joiner that raced a change of duty simply asks again at its next refresh.
@@ -47,6 +49,13 @@ DUTY_REFRESH_S = 3.0
 PENDING_LOAD_MS = 180_000
 # Bound on remembered pending assignments (one per joiner).
 MAX_PENDING = 256
+# A gap must be seen in this many consecutive refreshes before a node is
+# moved into it: DHT views are eventually consistent, and a record that is
+# republished late looks like a gap for a moment. Moving a node on such a
+# phantom opens a real gap elsewhere (its withdrawal), which the next
+# refresh would "fix" by moving another: a cascade. A dead node's record
+# lingers for its TTL anyway, so waiting a few refreshes costs little.
+GAP_CONFIRMATIONS = 3
 
 
 def _virtual_ad(peer_id: str, span: Span, model_digest: str, num_layers: int, until_ms: int) -> ShardAd:
@@ -63,6 +72,7 @@ class TrackerDuty:
     kv_budget_tokens: int
     rng: random.Random = field(default_factory=random.Random)
     pending: dict[str, tuple[Span, int]] = field(default_factory=dict)
+    gap_streak: int = 0
 
     @property
     def model_digest(self) -> str:
@@ -119,9 +129,14 @@ class TrackerDuty:
     def rebalance(self, snap: SwarmSnapshot, now_ms: int) -> list[tuple[str, list[bytes]]]:
         """Signed directives to push now: [(target peer, [DROP, LOAD])], at most one move."""
         if not self.on_duty(snap, now_ms):
+            self.gap_streak = 0
             return []
         coverage, live = self.coverage(snap, now_ms)
-        movable = [a for a in live if a.memory_budget_bytes > 0 and a.peer_id not in self.pending]
+        self.gap_streak = 0 if coverage.fully_covered else self.gap_streak + 1
+        if self.gap_streak < GAP_CONFIRMATIONS or self.pending:
+            return []  # not a confirmed gap, or a move / join still loading: one change at a time
+        # Never the tracker itself: it is an entry node, and moving it would shift duty mid-plan.
+        movable = [a for a in live if a.memory_budget_bytes > 0 and a.peer_id != self.self_peer_id]
         intents = plan_rebalance(coverage, self.footprint, movable, kv_budget_tokens=self.kv_budget_tokens)
         if not intents:
             return []
@@ -129,4 +144,5 @@ class TrackerDuty:
         load = [i for i in intents if i.action == pb.DIRECTIVE_ACTION_LOAD_SHARD]
         if load:
             self.pending[target] = (load[0].span, now_ms + PENDING_LOAD_MS)
+        self.gap_streak = 0
         return [(target, [self._signed(i, now_ms) for i in intents])]

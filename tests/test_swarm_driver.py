@@ -1,9 +1,10 @@
 """The route driver over real in-process gRPC shards: exact tokens, failover, cancellation.
 
-Four shards of a tiny random Llama (6 layers): A[0,3) B[3,6) C[3,6) D[0,6)...
-no: A serves [0,3), B [3,6) and C [2,6) (overlapping, more expensive), so the
-cheapest route is A -> B; killing B mid-decode must move to C with effective
-start 3 and still give the whole model's greedy tokens.
+Three shards of a tiny random Llama (6 layers): A serves [0,3), B [3,6) and
+C [2,6) (overlapping, and more expensive per layer), so the cheapest route
+is A -> B; killing B's server mid-decode must move to C with effective start
+3, re-prefill C from the kept boundary rows, and still give the whole
+model's greedy tokens. Cancellation and early close release every hop's KV.
 """
 from __future__ import annotations
 
