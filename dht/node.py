@@ -39,8 +39,12 @@ log = logging.getLogger(__name__)
 
 # Kademlia's k: how many closest peers hold each key.
 REPLICATION = 20
-# One slow peer must not stall a publish or a read for long.
-RPC_TIMEOUT_S = 5.0
+# One slow peer must not stall a publish or a read for long; a live peer answers
+# a DHT RPC in milliseconds on a LAN, well under a second across the internet.
+RPC_TIMEOUT_S = 3.0
+# Dialing a peer we are not connected to: on loopback or a LAN a live peer
+# answers in milliseconds; a gone one would otherwise hold a publish for long.
+DIAL_TIMEOUT_S = 2.0
 # Concurrent DHT RPCs per operation (Kademlia's alpha is 3; ours is a small swarm).
 MAX_PARALLEL_RPCS = 8
 
@@ -86,34 +90,50 @@ class DhtNode:
     async def publish(self, record: CapabilityRecord) -> int:
         """Store ``record`` under all its keys, locally and at the closest peers.
 
-        Returns how many remote stores were acknowledged (0 in a swarm of one).
+        All local stores happen first (one validation instant), then every
+        remote PUT of every key runs concurrently, so a publish takes at most
+        about one RPC timeout however many peers are dead. Returns how many
+        remote stores were acknowledged (0 in a swarm of one).
         """
         span = None if record.withdrawn else record.span
-        acked = 0
+        puts = []
         for key in K.keys_for(record.peer_id, record.model_artifact_digest, span):
             value = record.raw if key == K.peer_key(record.peer_id) else encode_record_set([record])
             self.store_locally(key, value)
+            puts.append((key, value))
+        acked = 0
+
+        async def one_key(key: str, value: bytes) -> None:
+            nonlocal acked
             acked += await self.put_remote(key, value)
+
+        async with trio.open_nursery() as nursery:
+            for key, value in puts:
+                nursery.start_soon(one_key, key, value)
         return acked
 
     async def put_remote(self, key: str, value: bytes) -> int:
         kb = key.encode()
-        peers = await self._closest(kb)
         acked = 0
         limiter = trio.CapacityLimiter(MAX_PARALLEL_RPCS)
 
         async def one(peer) -> None:
             nonlocal acked
             async with limiter:
-                with trio.move_on_after(RPC_TIMEOUT_S):
+                with trio.move_on_after(self._timeout_for(peer)):
                     if await self.kad.value_store._store_at_peer(peer, kb, value,
                                                                  record=Record(key=kb, value=value)):
                         acked += 1
 
         async with trio.open_nursery() as nursery:
-            for peer in peers:
+            for peer in await self._closest(kb):
                 nursery.start_soon(one, peer)
         return acked
+
+    def _timeout_for(self, peer) -> float:
+        """A peer we are connected to gets the full RPC timeout; one we would
+        have to dial first gets DIAL_TIMEOUT_S (it is most often gone)."""
+        return RPC_TIMEOUT_S if peer in self.host.get_network().connections else DIAL_TIMEOUT_S
 
     async def _closest(self, kb: bytes) -> list:
         """The REPLICATION closest peers we know, connected ones included.
@@ -144,7 +164,7 @@ class DhtNode:
 
         async def one(peer) -> None:
             async with limiter:
-                with trio.move_on_after(RPC_TIMEOUT_S):
+                with trio.move_on_after(self._timeout_for(peer)):
                     got = await self.kad.value_store._get_from_peer(peer, kb, return_record=True)
                     if isinstance(got, Record) and got.value:
                         values.append(got.value)

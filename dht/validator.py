@@ -46,6 +46,12 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], int]
 
+# Distinct /meshd/ keys one node stores. A swarm has one peer key per node and
+# a model key plus a few span keys per served model; 8192 is far above a home
+# swarm and bounds what minted identities can make us hold (each value is
+# itself bounded by MAX_INDEX_RECORDS x MAX_RECORD_BYTES).
+MAX_STORED_KEYS = 8192
+
 
 class MeshdValidator(Validator):
     def __init__(self, clock: Clock) -> None:
@@ -115,6 +121,10 @@ class MergingValueStore(ValueStore):
 
     def put_record(self, key: bytes, record: Record) -> None:
         parsed = _parse(key)
+        if key not in self.store and len(self.store) >= MAX_STORED_KEYS:
+            self.cleanup_expired()
+            if len(self.store) >= MAX_STORED_KEYS:
+                raise RecordRejected("too_large", f"this node already stores {MAX_STORED_KEYS} keys")
         if parsed is None or parsed.kind == "peer":
             super().put_record(key, record)
             return

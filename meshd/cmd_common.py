@@ -18,8 +18,12 @@ def setup_logging(verbose: bool) -> None:
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # py-libp2p logs every refused dial and reset stream at WARNING/ERROR; those
-    # are expected events for a daemon, not news for its user.
-    logging.getLogger("libp2p").setLevel(logging.INFO if verbose else logging.CRITICAL)
+    # are expected events for a daemon, not news for its user. Importing libp2p
+    # resets its logger (level WARNING, no propagation), so call this again
+    # after the import.
+    libp2p_logger = logging.getLogger("libp2p")
+    libp2p_logger.setLevel(logging.INFO if verbose else logging.CRITICAL)
+    libp2p_logger.propagate = verbose
 
 
 def first_meshd_error(exc: BaseException) -> MeshdError | None:

@@ -29,14 +29,9 @@ def _progress(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from proto.errors import MeshdError
-
     setup_logging(args.verbose)
     try:
-        import trio
-
         from meshd.config import load_config, parse_layers
-        from meshd.daemon import run_daemon
         from meshd.modelinfo import check_layers, model_num_layers
         from meshd.sizes import parse_size
 
@@ -60,12 +55,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             num_layers = check_layers(config.model, config.layers)
             _progress(f"model {config.model}: {num_layers} layers; serving {config.layers[0]}:{config.layers[1]}")
+        import trio  # the daemon's imports (libp2p, grpc) take seconds: only after the checks
+
+        from meshd.daemon import run_daemon
+
+        setup_logging(args.verbose)  # again: importing libp2p reset its logger
         trio.run(run_daemon, config, _progress)
     except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))
-        if isinstance(exc, KeyboardInterrupt):
+        if isinstance(exc, KeyboardInterrupt) or (
+                isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None):
+            print("meshd: interrupted", file=sys.stderr)
             return 130
         raise
     return 0

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -201,7 +201,3 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
         return DaemonConfig(**raw, worker=worker)
     except TypeError as exc:
         raise ConfigError(f"bad config value: {exc}") from exc
-
-
-def with_overrides(config: DaemonConfig, **changes: Any) -> DaemonConfig:
-    return replace(config, **changes)

@@ -57,6 +57,10 @@ async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamH
     old_umask = os.umask(0o177)
     try:
         await sock.bind(str(path))
+    except OSError as exc:  # e.g. a path over the 107-byte AF_UNIX limit
+        sock.close()
+        raise DaemonError(f"cannot create the control socket {path}: {exc.strerror or exc}; "
+                          "use a shorter --data-dir") from exc
     finally:
         os.umask(old_umask)
     os.chmod(path, 0o600)

@@ -7,7 +7,7 @@
                 ├── peer sync   (routing table <- connected peers, re-bootstrap)
                 ├── advertiser  (publish / republish / withdraw)   meshd/advertiser.py
                 ├── control API (unix socket, JSON)                meshd/control.py
-                ├── supervisor  (worker subprocess)                meshd/supervisor.py
+                ├── supervisor  (worker subprocess)  meshd/supervisor.py, worker_process.py
                 ├── swarm       (tracker duty, --layers auto, directives, generate)  meshd/swarm.py
                 └── signals     (SIGINT/SIGTERM -> graceful leave)
 
@@ -38,8 +38,9 @@ from meshd.errors import DaemonError
 from meshd.swarm import Swarm
 from meshd.host import connect_bootstrap, running_host
 from meshd.identity import Identity, load_or_create_identity
-from meshd.supervisor import Backoff, Supervisor, WorkerProcess, WorkerReady, WorkerSpec
+from meshd.supervisor import Backoff, Supervisor, WorkerReady
 from meshd.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from meshd.worker_process import WorkerProcess, WorkerSpec
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,9 @@ class Node:
         self.tls_bind_host = listen_ip
         unspecified = listen_ip in ("0.0.0.0", "::")
         self.advertise_host = config.advertise_host or ("127.0.0.1" if unspecified else listen_ip)
+        if unspecified and not config.advertise_host:
+            progress("note: listening on all interfaces but no --advertise-host given; peers are told "
+                     "127.0.0.1 for our TLS gRPC endpoint (set advertise_host to a reachable address)")
 
     # ------------------------------------------------------------------ addresses
 

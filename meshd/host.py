@@ -140,9 +140,9 @@ async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float) ->
     async with trio.open_nursery() as nursery:
         for text in bootstrap:
             nursery.start_soon(dial, text)
-    for failure in failures:
-        log.warning("bootstrap peer unreachable: %s", failure)
     if not reached and failures:
         raise BootstrapUnreachable(
             f"no bootstrap peer answered ({failures[0]}); check the address and that the peer is running")
+    for failure in failures:
+        log.warning("bootstrap peer unreachable: %s", failure)
     return reached

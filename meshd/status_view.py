@@ -8,6 +8,8 @@ from __future__ import annotations
 
 # Bars wider than this are scaled down so a 120-layer model fits a terminal.
 MAX_BAR_CHARS = 64
+# Connected peers listed by name; the rest are counted.
+MAX_PEERS_LISTED = 8
 
 
 def _short(peer_id: str) -> str:
@@ -36,14 +38,15 @@ def coverage_table(digest: str, entries: list[dict]) -> list[str]:
     head = f"coverage of {digest}" + (f" ({model_id})" if model_id else "")
     head += f": {num_layers} layers, {len({e['peer_id'] for e in entries})} peers, "
     head += "complete" if not gaps else "gaps at " + ", ".join(f"{a}:{b}" for a, b in gaps)
-    span_w = max(len(f"{a}:{b}") for a, b in spans) + 2
-    rows = [head, f"  {'span'.ljust(span_w)}{'layers 0..' + str(num_layers - 1):<{min(num_layers, MAX_BAR_CHARS) + 2}}  peers"]
+    span_w = max([len("peers"), len("span")] + [len(f"{a}:{b}") for a, b in spans]) + 2
+    label = f"layers 0..{num_layers - 1}"
+    bar_w = max(min(num_layers, MAX_BAR_CHARS), len(label)) + 2
+    rows = [head, f"  {'span'.ljust(span_w)}{label.ljust(bar_w)}peers"]
     for (a, b), peers in sorted(spans.items()):
-        rows.append(f"  {f'{a}:{b}'.ljust(span_w)}{_bar(a, b, num_layers):<{min(num_layers, MAX_BAR_CHARS) + 2}}  "
+        rows.append(f"  {f'{a}:{b}'.ljust(span_w)}{_bar(a, b, num_layers).ljust(bar_w)}"
                     + ", ".join(_short(p) for p in sorted(peers)))
-    counts = "".join(str(min(c, 9)) for c in per_layer) if num_layers <= MAX_BAR_CHARS else ""
-    if counts:
-        rows.append(f"  {'peers'.ljust(span_w)}{counts}")
+    if num_layers <= MAX_BAR_CHARS:
+        rows.append(f"  {'peers'.ljust(span_w)}" + "".join(str(min(c, 9)) for c in per_layer))
     return rows
 
 
@@ -64,9 +67,13 @@ def render_status(s: dict) -> str:
     for i, addr in enumerate(s["addresses"] or ["(none)"]):
         lines.append(f"{'addresses' if i == 0 else '':<11}{addr}")
     lines.append(f"peers      {len(s['peers'])} connected, routing table {s['routing_table']}")
+    for peer in s["peers"][:MAX_PEERS_LISTED]:
+        lines.append(f"           {peer}")
+    if len(s["peers"]) > MAX_PEERS_LISTED:
+        lines.append(f"           ... and {len(s['peers']) - MAX_PEERS_LISTED} more (meshd status --json)")
     if own["layers"]:
         state = "advertising" if own["advertising"] else "not advertising"
-        extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, stored by {own['acks']} peers"
+        extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, {own['acks']} remote stores acked"
                  if own["advertising"] else "")
         lines.append(f"own range  layers {own['layers'][0]}:{own['layers'][1]} of {own['model']} ({state}{extra})")
     else:

@@ -27,6 +27,7 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Mapping
 
 import grpc
 from cryptography import x509
@@ -143,6 +144,21 @@ def channel_trusting(endpoint: str, cert_pem: bytes, options: list | None = None
     creds = grpc.ssl_channel_credentials(root_certificates=cert_pem)
     opts = list(options or []) + [("grpc.ssl_target_name_override", PEER_TLS_NAME)]
     return grpc.secure_channel(endpoint, creds, options=opts)
+
+
+def pinned_channel_factory(pins: "Mapping[str, bytes]", options: list | None = None) -> Callable[[str], grpc.Channel]:
+    """A ``channel_factory`` for shard.driver.RouteDriver: each hop's endpoint is
+    dialed through ``pinned_channel`` with the pin from that peer's signed record;
+    an endpoint without a pin is refused (never a plaintext or unpinned fallback)."""
+    frozen = dict(pins)
+
+    def factory(endpoint: str) -> grpc.Channel:
+        pin = frozen.get(endpoint)
+        if pin is None:
+            raise CertificateMismatch(f"no pinned certificate for {endpoint}; refusing an unpinned channel")
+        return pinned_channel(endpoint, pin, options)
+
+    return factory
 
 
 def server_credentials(material: TlsMaterial) -> grpc.ServerCredentials:

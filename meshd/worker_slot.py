@@ -20,7 +20,8 @@ from typing import Callable
 import trio
 
 from meshd.errors import WorkerFailed
-from meshd.supervisor import Backoff, Supervisor, WorkerProcess, WorkerReady, WorkerSpec
+from meshd.supervisor import Backoff, Supervisor, WorkerReady
+from meshd.worker_process import WorkerProcess, WorkerSpec
 
 log = logging.getLogger(__name__)
 

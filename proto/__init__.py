@@ -13,7 +13,13 @@ Files and roles:
     limits.py                every bound as a named constant with its reason; ``Limits``
     checksum.py              CRC32C (google_crc32c native) over bytes or in-place buffers
     q8.py                    q8 block encoding (32 int8 behind one float16 scale)
-    tensors.py               numpy <-> NamedTensor / TensorBundle, validated before allocation
+    dtypes.py                wire enums <-> numpy dtypes; the values the codec accepts
+    tensors.py               encode: numpy -> NamedTensor / TensorBundle (PreparedTensor keeps
+                             the payload as a view); re-exports decode_tensor / decode_bundle
+    decoding.py              decode: every declaration checked before allocation, bounded zstd,
+                             CRC32C, read-only array views
+    wirescan.py              one bounded pass over a tensor frame's wire bytes: refuses element
+                             counts protobuf would amplify; skeleton + payload views + headers
     frames.py                bounded parse_request / parse_response; 4-byte length-prefixed
                              frames (encode_frame, FrameReader for bytes in any pieces)
     wire.py                  hand-built serialization of tensor-carrying messages around the

@@ -1,8 +1,11 @@
 """Bounded parsing of session messages and the length-prefixed frame codec.
 
-    parse_request / parse_response   bytes -> pb message; size checked before parsing,
-                                     protobuf errors mapped to PayloadCorrupt, then
-                                     structural checks (a kind is set, versions, counts)
+    parse_request / parse_response   bytes -> pb message. Before protobuf parses: the
+                                     size, exactly one top-level field, and either a
+                                     bounded wire scan (tensor frames, proto.wirescan)
+                                     or the small control-frame bound. Protobuf errors
+                                     map to PayloadCorrupt; then structural checks
+                                     (a kind is set, schema versions, counts)
     encode_frame                     body -> 4-byte big-endian length || body
     FrameReader                      sans-I/O reassembly of frames from arbitrary pieces
 
@@ -19,7 +22,8 @@ from google.protobuf.message import DecodeError
 
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolViolation, VersionUnsupported
-from proto.limits import DEFAULT_LIMITS, MAX_FRAME_BYTES, Limits
+from proto.limits import DEFAULT_LIMITS, MAX_CONTROL_FRAME_BYTES, MAX_FRAME_BYTES, Limits
+from proto.wirescan import REQUEST, RESPONSE, TENSOR_FIELDS, scan, top_level_field
 
 __all__ = ["SCHEMA_VERSION", "PREFIX_BYTES", "parse_request", "parse_response", "encode_frame",
            "FrameReader", "check_schema_version"]
@@ -37,11 +41,25 @@ def check_schema_version(version: int) -> None:
                                  f"{pb.SchemaVersion.Name(SCHEMA_VERSION)}")
 
 
-def _parse(message, data, limits: Limits, what: str):
+def _parse(message, data, limits: Limits, what: str, top: int, scanned: bool = False):
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise LocalError(f"{what} must be parsed from bytes, not {type(data).__name__}")
     if len(data) > limits.max_frame_bytes:
         raise LimitExceeded(f"{what} of {len(data)} bytes > {limits.max_frame_bytes}")
+    data = bytes(data) if not isinstance(data, bytes) else data
+    first = top_level_field(data)
+    if first is None:
+        raise ProtocolViolation(f"{what} carries no message kind")
+    if first[2] > len(data):
+        raise PayloadCorrupt(f"{what} is truncated")
+    if first[2] != len(data):
+        raise ProtocolViolation(f"{what} must carry exactly one message kind")
+    if first[0] in TENSOR_FIELDS[top]:
+        if not scanned:
+            scan(data, top, limits)        # bounds element counts before protobuf allocates
+    elif len(data) > MAX_CONTROL_FRAME_BYTES:
+        raise LimitExceeded(f"{what} without tensors of {len(data)} bytes "
+                            f"> {MAX_CONTROL_FRAME_BYTES}")
     try:
         message.ParseFromString(data)
     except (DecodeError, RecursionError, ValueError) as exc:
@@ -70,9 +88,10 @@ def _check_compressions(values) -> None:
         raise LimitExceeded(f"more than {MAX_ACCEPTED_COMPRESSIONS} accepted compressions")
 
 
-def parse_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> pb.SessionRequest:
+def parse_request(data: bytes, limits: Limits = DEFAULT_LIMITS, *,
+                  _scanned: bool = False) -> pb.SessionRequest:
     """Parse one SessionRequest from a peer (raises only ProtocolError types)."""
-    req, kind = _parse(pb.SessionRequest(), data, limits, "SessionRequest")
+    req, kind = _parse(pb.SessionRequest(), data, limits, "SessionRequest", REQUEST, _scanned)
     if kind == "open":
         check_schema_version(req.open.schema_version)
         _check_compressions(req.open.accepted_compression)
@@ -83,9 +102,10 @@ def parse_request(data: bytes, limits: Limits = DEFAULT_LIMITS) -> pb.SessionReq
     return req
 
 
-def parse_response(data: bytes, limits: Limits = DEFAULT_LIMITS) -> pb.SessionResponse:
+def parse_response(data: bytes, limits: Limits = DEFAULT_LIMITS, *,
+                   _scanned: bool = False) -> pb.SessionResponse:
     """Parse one SessionResponse from a peer (raises only ProtocolError types)."""
-    resp, kind = _parse(pb.SessionResponse(), data, limits, "SessionResponse")
+    resp, kind = _parse(pb.SessionResponse(), data, limits, "SessionResponse", RESPONSE, _scanned)
     if kind == "accepted":
         check_schema_version(resp.accepted.schema_version)
         _check_compressions(resp.accepted.accepted_compression)
@@ -141,11 +161,13 @@ class FrameReader:
         self._check_head()
         if self._need is None and len(self._buf) < PREFIX_BYTES:
             # Take only the prefix first, so a bad length is refused before the body is kept.
+            view = memoryview(data)
             take = PREFIX_BYTES - len(self._buf)
-            self._buf += data[:take]
-            data = data[take:]
+            self._buf += view[:take]
             self._check_head()
-        self._buf += data
+            self._buf += view[take:]
+        else:
+            self._buf += data
 
     def next_frame(self) -> bytes | None:
         """The next complete frame body, or None until more bytes arrive."""

@@ -63,6 +63,12 @@ MAX_NAME_LEN = 64
 # levels while keeping decompression memory bounded.
 MAX_ZSTD_WINDOW_BYTES = 8 * MIB
 
+# Frames that carry no tensor (open, accepted, flow control, ack, status,
+# release, cancel) are a few hundred bytes; bounding them keeps protobuf's
+# per-element allocation (e.g. a packed repeated enum: 4 bytes per input byte)
+# far from memory trouble.
+MAX_CONTROL_FRAME_BYTES = 64 * KIB
+
 # Signed DHT records: a capability payload with a few addresses is < 1 KiB;
 # 16 KiB bounds what a record can make a validator parse.
 MAX_RECORD_BYTES = 16 * KIB

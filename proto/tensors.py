@@ -6,32 +6,32 @@ Encode (our arrays, LocalError on bad arguments):
 ``prepare_tensor`` stops before building the protobuf fragments and keeps the
 wire body as a buffer (a memoryview of the array for raw, no copy), so
 ``proto.wire`` can serialize a frame around it by hand; ``encode_tensor`` turns
-the same preparation into a ``pb.NamedTensor``.
+the same preparation into a ``pb.NamedTensor`` (by parsing the canonical bytes:
+copying a payload into a protobuf message directly costs far more here).
 
-Decode (a peer's message, only ProtocolError subclasses): every declaration is
-checked against ``Limits`` BEFORE any allocation -- name, rank, dims, dtype,
-byte order, encoding, compression, checksum algorithm, total_bytes against
-shape x dtype (or the q8 size), fragment count/index/offset tiling -- then the
-body is reassembled, zstd-decompressed into a buffer of exactly total_bytes
-(a frame that would expand further is refused), CRC-checked, and viewed as an
-array. Decoded raw arrays are READ-ONLY views over the received bytes (no
-copy); ``.copy()`` them if you must write. bf16 is ``ml_dtypes.bfloat16``.
-No state; no I/O.
+Decode (a peer's message, only ProtocolError subclasses) lives in
+proto.decoding and is re-exported here: ``decode_tensor`` / ``decode_bundle``
+check every declaration against ``Limits`` before any allocation, then
+reassemble, bounded-zstd, CRC-check and view the payload. Decoded raw arrays
+are READ-ONLY views over the received bytes (no copy); ``.copy()`` them if you
+must write. bf16 is ``ml_dtypes.bfloat16``. No state; no I/O.
 """
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-import ml_dtypes
 import numpy as np
 import zstandard
 
 from proto import shard_runtime_pb2 as pb
-from proto.checksum import crc32c, crc32c_bytes
-from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolViolation, VersionUnsupported
-from proto.limits import DEFAULT_FRAGMENT_BYTES, DEFAULT_LIMITS, ZSTD_LEVEL, Limits
-from proto.q8 import decode_q8, encode_q8, q8_encoded_size
+from proto.checksum import crc32c_bytes
+from proto.decoding import decode_bundle, decode_tensor
+from proto.dtypes import (BUNDLE_VERSION, COMPRESSIONS, ENCODINGS, FLOAT_DTYPES, NUMPY_TO_PB,
+                          PB_TO_NUMPY, pb_dtype_of)
+from proto.errors import LocalError
+from proto.limits import DEFAULT_FRAGMENT_BYTES, DEFAULT_LIMITS, ZSTD_LEVEL
+from proto.q8 import encode_q8
 
 __all__ = [
     "BUNDLE_VERSION", "PB_TO_NUMPY", "PreparedTensor", "prepare_tensor", "encode_tensor", "varint",
@@ -39,35 +39,8 @@ __all__ = [
     "decode_tensor", "encode_bundle", "decode_bundle", "pb_dtype_of",
 ]
 
-# TensorBundle layout generation, versioned apart from the schema.
-BUNDLE_VERSION = 1
-
-PB_TO_NUMPY: dict[int, np.dtype] = {
-    pb.DTYPE_BFLOAT16: np.dtype(ml_dtypes.bfloat16),
-    pb.DTYPE_FLOAT16: np.dtype("<f2"),
-    pb.DTYPE_FLOAT32: np.dtype("<f4"),
-    pb.DTYPE_INT32: np.dtype("<i4"),
-    pb.DTYPE_INT64: np.dtype("<i8"),
-    pb.DTYPE_UINT8: np.dtype("u1"),
-    pb.DTYPE_INT8: np.dtype("i1"),
-    pb.DTYPE_BOOL: np.dtype("?"),
-}
-_NUMPY_TO_PB = {dt: code for code, dt in PB_TO_NUMPY.items()}
-_FLOAT_DTYPES = frozenset({pb.DTYPE_BFLOAT16, pb.DTYPE_FLOAT16, pb.DTYPE_FLOAT32})
-_COMPRESSIONS = frozenset({pb.COMPRESSION_NONE, pb.COMPRESSION_ZSTD})
-_ENCODINGS = frozenset({pb.TENSOR_ENCODING_RAW, pb.TENSOR_ENCODING_Q8_BLOCK32})
-
-
-def pb_dtype_of(dtype) -> int:
-    """The wire DType of a numpy dtype (LocalError if unsupported)."""
-    dt = np.dtype(dtype)
-    if dt.byteorder == ">":
-        dt = dt.newbyteorder("<")
-    try:
-        return _NUMPY_TO_PB[dt]
-    except KeyError:
-        raise LocalError(f"unsupported dtype {dt}; use one of "
-                         + ", ".join(str(d) for d in PB_TO_NUMPY.values())) from None
+_BOOL = PB_TO_NUMPY[pb.DTYPE_BOOL]
+_FLOAT_DTYPES, _COMPRESSIONS, _ENCODINGS, _NUMPY_TO_PB = FLOAT_DTYPES, COMPRESSIONS, ENCODINGS, NUMPY_TO_PB
 
 
 def varint(n: int) -> bytes:
@@ -156,16 +129,19 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
     name_utf8 = name.encode("utf-8")
     if len(name_utf8) > limits.max_name_len:
         raise LocalError(f"tensor name {name[:16]!r}... longer than {limits.max_name_len} bytes")
+    if isinstance(array, np.generic):                     # a numpy scalar: rank 0
+        array = np.asarray(array)
     if not isinstance(array, np.ndarray):
         raise LocalError(f"tensor {name!r}: expected a numpy array, got {type(array).__name__}")
     if compression not in _COMPRESSIONS:
         raise LocalError(f"tensor {name!r}: compression must be COMPRESSION_NONE or _ZSTD")
     if encoding not in _ENCODINGS:
         raise LocalError(f"tensor {name!r}: encoding must be TENSOR_ENCODING_RAW or _Q8_BLOCK32")
-    if (not isinstance(max_fragment_bytes, int) or isinstance(max_fragment_bytes, bool)
-            or not 1 <= max_fragment_bytes <= limits.max_fragment_bytes):
-        raise LocalError(f"max_fragment_bytes must be in 1..{limits.max_fragment_bytes}")
-    dtype = pb_dtype_of(array.dtype)
+    if type(max_fragment_bytes) is not int or not 1 <= max_fragment_bytes <= limits.max_fragment_bytes:
+        raise LocalError(f"max_fragment_bytes must be an int in 1..{limits.max_fragment_bytes}")
+    dtype = _NUMPY_TO_PB.get(array.dtype)
+    if dtype is None:
+        dtype = pb_dtype_of(array.dtype)
     if array.ndim > limits.max_rank or (array.ndim and max(array.shape) > limits.max_dim):
         raise LocalError(f"tensor {name!r}: shape {array.shape} exceeds rank {limits.max_rank}"
                          f" / dim {limits.max_dim}")
@@ -174,7 +150,9 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
             raise LocalError(f"tensor {name!r}: q8 needs a floating dtype, not {array.dtype}")
         encoded: bytes | memoryview = encode_q8(array)
     else:
-        le = np.ascontiguousarray(array, dtype=PB_TO_NUMPY[dtype])
+        le = array
+        if not (array.flags.c_contiguous and array.dtype is PB_TO_NUMPY[dtype]):
+            le = np.ascontiguousarray(array, dtype=PB_TO_NUMPY[dtype])
         encoded = memoryview(le.reshape(-1).view(np.uint8)).toreadonly()
     total = len(encoded)
     if total > limits.max_tensor_bytes:
@@ -232,164 +210,3 @@ def encode_bundle(tensors: Mapping[str, np.ndarray], **kwargs) -> pb.TensorBundl
     """Encode named arrays as a TensorBundle; kwargs as for encode_tensor."""
     pieces, _ = bundle_pieces(prepare_bundle(tensors, **kwargs))
     return pb.TensorBundle.FromString(b"".join(pieces))
-
-
-# --------------------------------------------------------------------------- decode
-
-
-def _declared_size(t: pb.NamedTensor, limits: Limits) -> tuple[np.dtype, tuple[int, ...], int]:
-    """Check a tensor's declarations; return (numpy dtype, shape, element count)."""
-    name = t.name
-    if not name:
-        raise ProtocolViolation("tensor without a name")
-    if len(name.encode("utf-8")) > limits.max_name_len:
-        raise LimitExceeded(f"tensor name longer than {limits.max_name_len} bytes")
-    if len(t.shape) > limits.max_rank:
-        raise LimitExceeded(f"tensor {name!r} has rank {len(t.shape)} > {limits.max_rank}")
-    shape = tuple(t.shape)
-    count = 1
-    for d in shape:
-        if d < 0:
-            raise PayloadCorrupt(f"tensor {name!r} has a negative dimension in {shape}")
-        if d > limits.max_dim:
-            raise LimitExceeded(f"tensor {name!r} dimension {d} > {limits.max_dim}")
-        count *= d
-    if t.dtype not in PB_TO_NUMPY:
-        raise ProtocolViolation(f"tensor {name!r} has unspecified or unknown dtype {t.dtype}")
-    if t.byte_order != pb.BYTE_ORDER_LITTLE_ENDIAN:
-        raise ProtocolViolation(f"tensor {name!r}: byte order must be little-endian")
-    if t.encoding not in _ENCODINGS:
-        raise ProtocolViolation(f"tensor {name!r} has unspecified or unknown encoding")
-    if t.compression not in _COMPRESSIONS:
-        raise ProtocolViolation(f"tensor {name!r} has unspecified or unknown compression")
-    if t.checksum.algorithm != pb.CHECKSUM_ALGORITHM_CRC32C or len(t.checksum.value) != 4:
-        raise ProtocolViolation(f"tensor {name!r}: a 4-byte CRC32C checksum is required")
-    dtype = PB_TO_NUMPY[t.dtype]
-    if t.encoding == pb.TENSOR_ENCODING_Q8_BLOCK32:
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ProtocolViolation(f"tensor {name!r}: q8 encoding of a non-float dtype")
-        expected = q8_encoded_size(count)
-    else:
-        expected = count * dtype.itemsize
-    if t.total_bytes > limits.max_tensor_bytes or expected > limits.max_tensor_bytes:
-        raise LimitExceeded(f"tensor {name!r} declares {max(expected, t.total_bytes)} bytes"
-                            f" > {limits.max_tensor_bytes}")
-    if expected != t.total_bytes:
-        raise PayloadCorrupt(f"tensor {name!r}: shape {list(shape)} needs {expected} bytes, "
-                             f"total_bytes says {t.total_bytes}")
-    return dtype, shape, count
-
-
-def _zstd_bound(n: int) -> int:
-    # libzstd's ZSTD_COMPRESSBOUND plus frame-header slack: a legitimate frame
-    # of n bytes is never longer than this.
-    return n + (n >> 8) + (128 * 1024 - n >> 11 if n < 128 * 1024 else 0) + 64
-
-
-def _wire_body(t: pb.NamedTensor, limits: Limits, views: list | None) -> bytes | memoryview:
-    """Check the fragments tile the body exactly and return the joined body.
-
-    ``views``: the fragment payloads when the caller holds them outside the message
-    (proto.zerocopy strips them from the message to avoid copies), else None.
-    """
-    frags = t.fragments
-    count = len(frags)
-    if count == 0:
-        raise PayloadCorrupt(f"tensor {t.name!r} carries no fragment")
-    if count > limits.max_fragments_per_tensor:
-        raise LimitExceeded(f"tensor {t.name!r} has {count} fragments "
-                            f"> {limits.max_fragments_per_tensor}")
-    bound = (t.total_bytes if t.compression == pb.COMPRESSION_NONE
-             else _zstd_bound(t.total_bytes))
-    payloads = []
-    offset = 0
-    for i, f in enumerate(frags):
-        if f.fragment_index != i or f.fragment_count != count or f.byte_offset != offset:
-            raise PayloadCorrupt(f"tensor {t.name!r}: fragment {i} has index/count/offset "
-                                 f"{f.fragment_index}/{f.fragment_count}/{f.byte_offset}, "
-                                 f"expected {i}/{count}/{offset}")
-        payload = f.payload if views is None else views[i]
-        size = len(payload)
-        if size > limits.max_fragment_bytes:
-            raise LimitExceeded(f"tensor {t.name!r}: fragment of {size} bytes "
-                                f"> {limits.max_fragment_bytes}")
-        offset += size
-        if offset > bound:
-            raise PayloadCorrupt(f"tensor {t.name!r}: fragments exceed the declared size")
-        payloads.append(payload)
-    if t.compression == pb.COMPRESSION_NONE and offset != t.total_bytes:
-        raise PayloadCorrupt(f"tensor {t.name!r}: fragments carry {offset} bytes, "
-                             f"total_bytes says {t.total_bytes}")
-    return payloads[0] if count == 1 else b"".join(payloads)
-
-
-def _decompress(name: str, body: bytes, total: int, limits: Limits) -> bytes:
-    """Bounded zstd: the output buffer is exactly ``total`` bytes, never more."""
-    try:
-        params = zstandard.get_frame_parameters(body)
-    except zstandard.ZstdError as exc:
-        raise PayloadCorrupt(f"tensor {name!r}: not a zstd frame") from exc
-    size = params.content_size
-    if size in (zstandard.CONTENTSIZE_UNKNOWN, zstandard.CONTENTSIZE_ERROR):
-        raise PayloadCorrupt(f"tensor {name!r}: zstd frame must declare its content size")
-    if size > total:
-        raise LimitExceeded(f"tensor {name!r}: zstd frame expands to {size} bytes "
-                            f"> declared {total}")
-    if size != total:
-        raise PayloadCorrupt(f"tensor {name!r}: zstd frame holds {size} bytes, declared {total}")
-    if params.window_size > limits.max_zstd_window_bytes:
-        raise LimitExceeded(f"tensor {name!r}: zstd window {params.window_size} "
-                            f"> {limits.max_zstd_window_bytes}")
-    try:
-        dctx = zstandard.ZstdDecompressor(max_window_size=limits.max_zstd_window_bytes)
-        out = dctx.decompress(body, max_output_size=total, allow_extra_data=False)
-    except zstandard.ZstdError as exc:
-        raise PayloadCorrupt(f"tensor {name!r}: corrupt zstd body ({exc})") from exc
-    if len(out) != total:
-        raise PayloadCorrupt(f"tensor {name!r}: zstd body holds {len(out)} bytes, declared {total}")
-    return out
-
-
-def decode_tensor(t: pb.NamedTensor, limits: Limits = DEFAULT_LIMITS, *,
-                  views: list | None = None) -> np.ndarray:
-    """Validate and decode a peer's NamedTensor (raises only ProtocolError types).
-
-    ``views`` (internal, proto.zerocopy): fragment payloads held outside ``t``.
-    """
-    dtype, shape, count = _declared_size(t, limits)
-    if views is not None and len(views) != len(t.fragments):
-        raise PayloadCorrupt(f"tensor {t.name!r}: non-canonical fragment layout")
-    data = _wire_body(t, limits, views)
-    if t.compression == pb.COMPRESSION_ZSTD:
-        data = _decompress(t.name, data, t.total_bytes, limits)
-    if crc32c(data).to_bytes(4, "big") != t.checksum.value:
-        raise PayloadCorrupt(f"tensor {t.name!r} failed its CRC32C check")
-    if t.encoding == pb.TENSOR_ENCODING_Q8_BLOCK32:
-        return decode_q8(data, count, dtype).reshape(shape)
-    if t.dtype == pb.DTYPE_BOOL and count and np.frombuffer(data, np.uint8).max() > 1:
-        raise PayloadCorrupt(f"tensor {t.name!r}: bool bytes must be 0 or 1")
-    return np.frombuffer(data, dtype=dtype, count=count).reshape(shape)
-
-
-def decode_bundle(b: pb.TensorBundle, limits: Limits = DEFAULT_LIMITS, *,
-                  views: list | None = None) -> dict[str, np.ndarray]:
-    """Validate and decode every tensor of a peer's bundle; names must be unique.
-
-    ``views`` (internal, proto.zerocopy): per tensor, its fragment payloads.
-    """
-    if b.bundle_version != BUNDLE_VERSION:
-        raise VersionUnsupported(f"bundle version {b.bundle_version} is not supported "
-                                 f"(this build speaks {BUNDLE_VERSION})")
-    if len(b.tensors) > limits.max_tensors_per_bundle:
-        raise LimitExceeded(f"bundle has {len(b.tensors)} tensors > {limits.max_tensors_per_bundle}")
-    declared = sum(t.total_bytes for t in b.tensors)
-    if declared > limits.max_bundle_bytes:
-        raise LimitExceeded(f"bundle declares {declared} bytes > {limits.max_bundle_bytes}")
-    if views is not None and len(views) != len(b.tensors):
-        raise PayloadCorrupt("non-canonical bundle layout")
-    out: dict[str, np.ndarray] = {}
-    for i, t in enumerate(b.tensors):
-        if t.name in out:
-            raise ProtocolViolation(f"bundle names tensor {t.name!r} twice")
-        out[t.name] = decode_tensor(t, limits, views=None if views is None else views[i])
-    return out

@@ -36,12 +36,14 @@ from proto.errors import MeshdError
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
+from proto.frames import parse_response
+from proto.tensors import decode_bundle, encode_tensor
 from proto.zerocopy import read_response
 from shard.artifact import fingerprints_match
 from shard.backend import LayerRange
 from shard.sampling import Sampler, SamplingSpec, greedy_token
 from shard.server import GRPC_OPTIONS, SERVICE_NAME
-from shard.stream import HIDDEN, LOGITS, TOKEN_IDS
+from shard.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
 SESSION_METHOD = f"/{SERVICE_NAME}/Session"
 # Requests buffered per hop before send() blocks (the window is smaller anyway).
@@ -113,7 +115,13 @@ class _HopStream:
                 raise HopError(self.index, pb.ShardError(
                     code=pb.ERROR_CODE_INTERNAL, retryable=True,
                     detail=f"transport: {exc.code().name}")) from exc
-            resp, tensors = read_response(body)
+            if len(body) > SMALL_FRAME_BYTES:
+                resp, tensors = read_response(body)
+            else:
+                resp = parse_response(body)
+                kind = resp.WhichOneof("kind")
+                bundle = resp.decode.bundle if kind == "decode" else resp.chunk.bundle if kind == "chunk" else None
+                tensors = decode_bundle(bundle) if bundle is not None else {}
             kind = resp.WhichOneof("kind")
             if kind == "flow_control":
                 if self.window is not None:
@@ -233,7 +241,12 @@ class RouteDriver:
         head = pb.DecodeStep(idempotency_step=step, position=position, expected_past_len=position)
         for stream in self._streams:
             name = TOKEN_IDS if stream.hop.effective_start == 0 else HIDDEN
-            stream.send(wire.request_decode(head, name, x))
+            if x.nbytes > SMALL_FRAME_BYTES:
+                stream.send(wire.request_decode(head, name, x))
+            else:
+                msg = pb.DecodeStep(idempotency_step=step, position=position, expected_past_len=position,
+                                    tensor=encode_tensor(name, x))
+                stream.send(pb.SessionRequest(decode=msg).SerializeToString())
             resp, tensors = stream.recv()
             stream.execution_ns += resp.decode.execution_nanos
             x = tensors[LOGITS] if stream.hop.layer_range.is_tail else tensors[HIDDEN]

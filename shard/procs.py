@@ -53,29 +53,63 @@ class WorkerProcess:
         return self.proc.returncode
 
 
-def spawn_worker(model: str | os.PathLike, layers: str, *, dtype: str = "float32", threads: int = 2,
-                 extra: Sequence[str] = (), stderr=None, ready_timeout_s: float = READY_TIMEOUT_S) -> WorkerProcess:
+@dataclass
+class PendingWorker:
+    proc: subprocess.Popen
+    ready: Path
+    layers: str
+
+    def wait(self, timeout_s: float = READY_TIMEOUT_S) -> WorkerProcess:
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not self.ready.exists():
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker {self.layers} exited with {self.proc.returncode} before it was ready")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"worker {self.layers} not ready after {timeout_s:.0f}s")
+                time.sleep(POLL_S)
+            info = json.loads(self.ready.read_text())
+        except BaseException:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        finally:
+            if self.ready.exists():
+                self.ready.unlink()
+            self.ready.parent.rmdir()
+        return WorkerProcess(proc=self.proc, endpoint=info["listen"], pid=info["pid"],
+                             tls_endpoint=info.get("tls_listen"))
+
+
+def start_worker(model: str | os.PathLike, layers: str, *, dtype: str = "float32", threads: int = 2,
+                 extra: Sequence[str] = (), stderr=None) -> PendingWorker:
+    """Start ``meshd worker``; call ``.wait()`` for the ready WorkerProcess."""
     ready = Path(tempfile.mkdtemp(prefix="meshd-worker-")) / "ready.json"
     cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(model), "--layers", layers,
            "--listen", "127.0.0.1:0", "--dtype", dtype, "--threads", str(threads),
            "--ready-file", str(ready), *extra]
     proc = subprocess.Popen(cmd, env=child_env(threads), stdout=subprocess.DEVNULL,
                             stderr=stderr if stderr is not None else subprocess.DEVNULL)
-    deadline = time.monotonic() + ready_timeout_s
+    return PendingWorker(proc, ready, layers)
+
+
+def spawn_workers(model: str | os.PathLike, layer_specs: Sequence[str], **kwargs) -> list[WorkerProcess]:
+    """Start several workers at once (they load in parallel) and wait for all."""
+    pending = [start_worker(model, spec, **kwargs) for spec in layer_specs]
+    ready: list[WorkerProcess] = []
     try:
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker {layers} exited with {proc.returncode} before it was ready")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"worker {layers} not ready after {ready_timeout_s:.0f}s")
-            time.sleep(POLL_S)
-        info = json.loads(ready.read_text())
+        for p in pending:
+            ready.append(p.wait())
     except BaseException:
-        proc.kill()
-        proc.wait()
+        for w in ready:
+            w.stop()
+        for p in pending[len(ready):]:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
         raise
-    finally:
-        if ready.exists():
-            ready.unlink()
-        ready.parent.rmdir()
-    return WorkerProcess(proc=proc, endpoint=info["listen"], pid=info["pid"], tls_endpoint=info.get("tls_listen"))
+    return ready
+
+
+def spawn_worker(model: str | os.PathLike, layers: str, **kwargs) -> WorkerProcess:
+    return start_worker(model, layers, **kwargs).wait()

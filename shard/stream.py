@@ -11,11 +11,13 @@ States and transitions (one table, the rules of the stream):
     OPEN --chunk | decode | flow_control--> OPEN
     OPEN --frame-level error--> CLOSED (terminal ShardStatus)
 
-Frame-level errors (unparseable or oversized bytes, a chunk without credit,
+Frame-level errors (unparseable or oversized bytes, tensors whose bytes fail
+to decode -- checksum, declared sizes over a limit --, a chunk without credit,
 a message the state does not allow, identity fields that contradict the
 SessionOpen) end the stream with a terminal ShardStatus: the peer's framing
 can no longer be trusted. Work-level refusals (CACHE_MISS, EPOCH_STALE,
-DEADLINE_EXCEEDED, bad tensor payload, INTERNAL...) answer that one piece of
+DEADLINE_EXCEEDED, a tensor of the wrong name/shape/dtype/token range,
+INTERNAL...) answer that one piece of
 work with a non-terminal ShardStatus and the stream stays usable. Nothing a
 peer sends here touches another stream's sessions.
 
@@ -34,7 +36,8 @@ from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.errors import MeshdError, PayloadCorrupt, ProtocolError, ProtocolViolation
 from proto.flow import CreditLedger, negotiate
-from proto.frames import SCHEMA_VERSION, check_schema_version
+from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
+from proto.tensors import decode_bundle, decode_tensor, encode_tensor
 from proto.zerocopy import read_request
 from shard.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
@@ -48,6 +51,11 @@ TOKEN_IDS = "token_ids"
 HIDDEN = "h"
 LOGITS = "logits"
 
+# Below this size a frame is parsed and built by protobuf directly (fewer Python
+# steps: a decode step is ~2-5 KB); above it the zero-copy codec saves copying
+# large activation payloads.
+SMALL_FRAME_BYTES = 64 * 1024
+
 AWAIT_OPEN, OPEN, CLOSED = "await_open", "open", "closed"
 # Which request kinds each state accepts; anything else is a ProtocolViolation.
 ALLOWED = {
@@ -55,6 +63,19 @@ ALLOWED = {
     OPEN: {"chunk", "decode", "flow_control", "release", "cancel"},
     CLOSED: set(),
 }
+
+
+def read_small_or_large(data: bytes) -> tuple[pb.SessionRequest, dict[str, np.ndarray]]:
+    """Parse a request and decode its tensors (same checks either way; see SMALL_FRAME_BYTES)."""
+    if len(data) > SMALL_FRAME_BYTES:
+        return read_request(data)
+    req = parse_request(data)
+    kind = req.WhichOneof("kind")
+    if kind == "decode":
+        return req, {req.decode.tensor.name: decode_tensor(req.decode.tensor)}
+    if kind == "chunk":
+        return req, decode_bundle(req.chunk.bundle)
+    return req, {}
 
 
 def _status(exc: BaseException, *, terminal: bool, work_id: str = "", session_id: str = "",
@@ -85,7 +106,7 @@ class SessionStream:
             return []
         session_id = self.key.session_id if self.key else ""
         try:
-            req, tensors = read_request(data)
+            req, tensors = read_small_or_large(data)
             kind = req.WhichOneof("kind")
             if kind not in ALLOWED[self.state]:
                 raise ProtocolViolation(f"a {kind} message is not allowed in state {self.state}")
@@ -205,7 +226,12 @@ class SessionStream:
             return self._work_error(exc, d.work_id, d.idempotency_step)
         head = pb.DecodeResult(idempotency_step=d.idempotency_step, past_len=result.past_len,
                                duplicate=result.duplicate, execution_nanos=result.execution_nanos)
-        return [wire.response_decode(head, result.payload or {}), *self._grant()]
+        payload = result.payload or {}
+        if sum(a.nbytes for a in payload.values()) > SMALL_FRAME_BYTES:
+            return [wire.response_decode(head, payload), *self._grant()]
+        head.bundle.bundle_version = 1
+        head.bundle.tensors.extend(encode_tensor(n, a) for n, a in payload.items())
+        return [pb.SessionResponse(decode=head).SerializeToString(), *self._grant()]
 
     def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         return []  # responses answer requests one to one; the peer's grants need no bookkeeping

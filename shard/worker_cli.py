@@ -18,10 +18,13 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 # Idle sessions are swept this often even when no request arrives.
 SWEEP_INTERVAL_S = 5.0
+# How quickly SIGTERM is noticed by the main thread.
+STOP_POLL_S = 0.2
 DEFAULT_KV_BUDGET_TOKENS = 16384
 DEFAULT_THREADS = 2
 
@@ -35,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-tokens", type=int, default=DEFAULT_KV_BUDGET_TOKENS)
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session is kept")
+    parser.add_argument("--min-idle-evict", type=float, default=2.0,
+                        help="seconds a session must be idle before a newcomer may evict it")
     parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="compute threads")
     parser.add_argument("--tls-listen", help="HOST:PORT for the TLS port peers dial")
     parser.add_argument("--tls-cert", help="PEM certificate for --tls-listen")
@@ -106,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         print(f"cannot load {args.model} layers {args.layers}: {exc}", file=sys.stderr)
         return 1
-    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions)
+    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
+                           min_idle_before_evict_s=args.min_idle_evict)
     service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name)
     print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)
     report = service.validate()
@@ -127,10 +133,17 @@ def run(args: argparse.Namespace) -> int:
         _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid()})
     print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
     try:
-        while not stop.wait(SWEEP_INTERVAL_S):
-            with service.lock:
-                service.manager.expire()
+        last_sweep = time.monotonic()
+        while not stop.wait(STOP_POLL_S):  # short waits: signals are handled between them
+            if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
+                with service.lock:
+                    service.manager.expire()
+                last_sweep = time.monotonic()
     finally:
         server.stop(grace=1.0).wait()
         print("[worker] stopped", file=sys.stderr, flush=True)
-    return 0
+    # Every stream is closed and nothing is left to flush; the interpreter's
+    # teardown of grpc and torch threads takes seconds on a busy machine, so
+    # leave at once with our status.
+    sys.stdout.flush()
+    os._exit(0)

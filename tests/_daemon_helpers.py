@@ -34,9 +34,10 @@ def good(ident: Identity, *, seq: int = 10, now: int = NOW_MS, ttl: int = TTL_MS
 
 
 def raw_payload(ident: Identity, *, seq: int = 10, now: int = NOW_MS, ttl: int = TTL_MS,
-                schema: int = pb.SCHEMA_VERSION_1, peer_id: str | None = None) -> pb.CapabilityPayload:
+                schema: int = pb.SCHEMA_VERSION_1, peer_id: str | None = None,
+                digest: str = DIGEST) -> pb.CapabilityPayload:
     return pb.CapabilityPayload(
-        schema_version=schema, peer_id=peer_id or ident.peer_id, model_artifact_digest=DIGEST,
+        schema_version=schema, peer_id=peer_id or ident.peer_id, model_artifact_digest=digest,
         runtime_recipe_digest="recipe-1",
         shard_range=pb.ShardRange(start_layer=0, end_layer=4), num_layers=8,
         issued_at_unix_ms=now, expires_at_unix_ms=now + ttl, sequence=seq)
@@ -46,22 +47,31 @@ def signed(payload: pb.CapabilityPayload, key: Ed25519PrivateKey) -> bytes:
     return sign_record(pb.RECORD_KIND_CAPABILITY, payload.SerializeToString(), key).SerializeToString()
 
 
-def forged_records(victim: Identity, attacker: Identity, now: int = NOW_MS) -> dict[str, bytes]:
+def forged_records(victim: Identity, attacker: Identity, now: int = NOW_MS, *, digest: str = DIGEST,
+                   high_seq: int = 99, replay_seq: int = 5) -> dict[str, bytes]:
     """The refusal table: name -> record bytes that must be refused at time ``now``.
 
-    ``replayed`` is valid on its own; it must be refused relative to the stored
-    record (``good(victim, seq=10)``).
+    Every forgery claims a sequence (``high_seq``) that would win if accepted.
+    ``replayed`` is validly signed; it must be refused relative to the stored
+    record, whose sequence is above ``replay_seq``.
     """
-    forged_sig = pb.SignedRecord.FromString(good(victim, now=now))
-    forged_sig.payload = raw_payload(victim, seq=99, now=now).SerializeToString()  # signature of another payload
+    forged_sig = pb.SignedRecord.FromString(good(victim, now=now, digest=digest))
+    forged_sig.payload = raw_payload(victim, seq=high_seq, now=now, digest=digest).SerializeToString()
     return {
-        "forged_signature": forged_sig.SerializeToString(),
-        "key_peer_id_mismatch": signed(raw_payload(victim, seq=99, now=now), attacker.signing_key),
-        "expired": good(victim, seq=99, now=now - 2 * TTL_MS, ttl=TTL_MS),
-        "future_dated": good(victim, seq=99, now=now + 3_600_000),
-        "unknown_schema": signed(raw_payload(victim, seq=99, now=now, schema=7), victim.signing_key),
-        "replayed": good(victim, seq=5, now=now),
+        "forged_signature": forged_sig.SerializeToString(),  # signature of another payload
+        "key_peer_id_mismatch": signed(raw_payload(victim, seq=high_seq, now=now, digest=digest),
+                                       attacker.signing_key),
+        "expired": good(victim, seq=high_seq, now=now - 2 * TTL_MS, ttl=TTL_MS, digest=digest),
+        "future_dated": good(victim, seq=high_seq, now=now + 3_600_000, digest=digest),
+        "unknown_schema": signed(raw_payload(victim, seq=high_seq, now=now, schema=7, digest=digest),
+                                 victim.signing_key),
+        "replayed": good(victim, seq=replay_seq, now=now, digest=digest),
     }
+
+
+def as_record_set(raw: bytes) -> bytes:
+    """Wrap raw record bytes in a one-record set without validating them."""
+    return b"MSR1" + (1).to_bytes(2, "big") + len(raw).to_bytes(4, "big") + raw
 
 
 def subprocess_env() -> dict[str, str]:

@@ -39,6 +39,7 @@ def _one_error_line(result: subprocess.CompletedProcess, expected: str) -> None:
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr
+    assert "WARNING" not in result.stderr
 
 
 def test_id_is_stable(tmp_path):

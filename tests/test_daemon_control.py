@@ -51,3 +51,14 @@ def test_control_socket_private_bounded_and_robust(tmp_path):
         assert not path.exists()
 
     trio.run(main)
+
+
+def test_control_socket_path_too_long_is_a_clear_error(tmp_path):
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+
+    async def main():
+        await serve_control(deep / "control.sock", _handler)
+
+    with pytest.raises(DaemonError, match="use a shorter --data-dir"):
+        trio.run(main)

@@ -14,10 +14,10 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from dht import keys as K
 from dht.node import DhtNode
-from dht.records import encode_record_set, validate_capability
+from dht.records import validate_capability
 from meshd.errors import RecordRejected
 from meshd.host import connect_bootstrap, running_host
-from tests._daemon_helpers import DIGEST, forged_records, good, identity
+from tests._daemon_helpers import DIGEST, as_record_set, forged_records, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TEST_TIMEOUT_S = 60
@@ -61,7 +61,7 @@ def test_records_propagate_and_forgeries_are_refused_locally_and_remotely():
                 for name, raw in table.items():
                     # locally: the validator refuses before anything is stored
                     for key, value in ((K.peer_key(victim.peer_id), raw),
-                                       (K.model_key(DIGEST), _as_set(raw))):
+                                       (K.model_key(DIGEST), as_record_set(raw))):
                         with pytest.raises(RecordRejected):
                             a.store_locally(key, value)
                         # remotely: pushed straight to peer b with a raw PUT_VALUE
@@ -77,11 +77,6 @@ def test_records_propagate_and_forgeries_are_refused_locally_and_remotely():
                 assert [r.sequence for r in await b.fetch(K.peer_key(victim.peer_id))] == [11]
 
     trio.run(main)
-
-
-def _as_set(raw: bytes) -> bytes:
-    """Wrap raw record bytes in a one-record set without validating them."""
-    return b"MSR1" + (1).to_bytes(2, "big") + len(raw).to_bytes(4, "big") + raw
 
 
 @pytest.mark.parametrize("offer", ["plaintext", "secio"])

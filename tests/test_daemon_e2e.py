@@ -107,17 +107,26 @@ def test_four_daemon_swarm(tmp_path):
         assert "6 layers, 4 peers, complete" in text
         for a, b in SPANS:
             assert re.search(rf"^\s+{a}:{b}\s+[#.]+\s+12D3KooW", text, re.M), text
-        assert "peers" in text and "222222" not in text  # per-layer counts line present
+        assert re.search(r"^\s+peers\s+111222$", text, re.M), text  # peers per layer
         own = daemons[1].status()
         assert own["worker"]["state"] == "ready" and own["own"]["advertising"]
 
         # the TLS endpoint advertised in the DHT is reachable only through its pin
         _check_pinned_endpoint(daemons[0].status(), daemons[1])
 
+        # a route planned from daemon 0's view of the DHT, over pinned TLS, is exact
+        _generate_over_pinned_route(daemons[0].status(), model)
+
+        # forgeries of daemon 1's record pushed straight to daemon 0 are all refused
+        _push_forgeries(daemons[0], daemons[1])
+
         # kill daemon 1's worker: withdrawn meanwhile, restarted, advertised again
         victim = daemons[1]
         worker_pid = victim.status()["worker"]["pid"]
         os.kill(worker_pid, signal.SIGKILL)
+        # withdrawn while the worker reloads (a restart imports torch and reloads: seconds)
+        wait_for(lambda: (seen := spans_seen(daemons[0])) is not None and SPANS[1] not in seen,
+                 "daemon 1's withdrawal while its worker restarts", 30)
         wait_for(lambda: (victim.status() or {}).get("worker", {}).get("restarts") == 1, "a worker restart", 60, victim)
         wait_for(lambda: (s := victim.status()) and s["worker"]["state"] == "ready"
                  and s["worker"]["pid"] != worker_pid, "the restarted worker ready", CONVERGE_TIMEOUT_S, victim)
@@ -176,3 +185,72 @@ def _check_pinned_endpoint(status: dict, other: Daemon) -> None:
     with pytest.raises(CertificateMismatch):  # another node's pin: refused before any RPC
         pinned_channel(advertised["grpc_endpoint"], bytes.fromhex(entries[0]["tls_cert_sha256"])
                        if entries[0]["peer_id"] != advertised["peer_id"] else bytes(32))
+
+
+def _push_forgeries(target: Daemon, victim: Daemon) -> None:
+    """A separate (Noise) libp2p host sends raw PUT_VALUEs of forged records to ``target``."""
+    import trio
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+    from libp2p.kad_dht.value_store import ValueStore
+    from libp2p.peer.id import ID
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+    import multiaddr
+
+    from dht import keys as K
+    from meshd.host import running_host
+    from meshd.identity import Identity
+    from tests._daemon_helpers import as_record_set, forged_records, identity
+
+    before = target.status()
+    (digest,) = before["coverage"]
+    victim_id = Identity.from_seed((victim.data_dir / "identity.key").read_bytes())
+    seq_before = next(e["sequence"] for e in before["coverage"][digest] if e["peer_id"] == victim_id.peer_id)
+    table = forged_records(victim_id, identity(97), now=int(time.time() * 1000), digest=digest,
+                           high_seq=seq_before + 10**9, replay_seq=seq_before - 1)
+    results: dict[str, bool] = {}
+
+    async def main():
+        with trio.fail_after(60):
+            async with running_host(identity(98), ["/ip4/127.0.0.1/tcp/0"]) as host:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(before["addresses"][0]))
+                await host.connect(info)
+                store = ValueStore(host, host.get_id())
+                for name, raw in table.items():
+                    for key, value in ((K.peer_key(victim_id.peer_id), raw),
+                                       (K.model_key(digest), as_record_set(raw)),
+                                       (K.span_key(digest, *SPANS[1]), as_record_set(raw))):
+                        kb = key.encode()
+                        ok = await store._store_at_peer(ID.from_base58(before["peer_id"]), kb, value,
+                                                        record=Record(key=kb, value=value))
+                        results[f"{name} {key.split('/')[2]}"] = ok
+
+    trio.run(main)
+    print("pushed forgeries, accepted?", results)
+    assert not any(results.values()), results
+    after = target.status()
+    entry = next(e for e in after["coverage"][digest] if e["peer_id"] == victim_id.peer_id)
+    assert (entry["start"], entry["end"]) == SPANS[1]
+    assert seq_before <= entry["sequence"] < seq_before + 10**9  # only the victim's own republishes
+
+
+def _generate_over_pinned_route(status: dict, model: Path) -> None:
+    """Hops 0:2 -> 2:4 -> 4:6 from the coverage map; every channel pinned by the DHT record."""
+    from meshd.tls import pinned_channel_factory
+    from shard.backend import LayerRange
+    from shard.driver import Hop, RouteDriver
+    from shard.reference import WholeModel
+
+    (entries,) = status["coverage"].values()
+    by_span = {(e["start"], e["end"]): e for e in entries}
+    chain = [by_span[s] for s in [(0, 2), (2, 4), (4, 6)]]
+    hops = [Hop(e["grpc_endpoint"], LayerRange(e["start"], e["end"], e["num_layers"]), e["start"]) for e in chain]
+    pins = {e["grpc_endpoint"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain}
+    prompt = [1, 5, 9, 13, 17, 21]
+    driver = RouteDriver(hops, channel_factory=pinned_channel_factory(pins))
+    try:
+        split = driver.generate(prompt, 6)
+    finally:
+        driver.close()
+    whole = WholeModel(model).generate(prompt, 6)
+    print("pinned route tokens", split.tokens, "whole model", whole.tokens)
+    assert split.tokens == whole.tokens

@@ -127,3 +127,46 @@ def test_fuzz_bit_flips_never_validate_as_another_record(pos, flip):
         return
     # a flip that still validates can only touch unsigned wrapper framing, never the content
     assert rec.payload == validate_capability(good(A), NOW_MS).payload
+
+
+def test_store_refuses_new_keys_beyond_its_bound(monkeypatch):
+    import dht.validator as V
+    from libp2p.kad_dht.pb.kademlia_pb2 import Record
+
+    class FakeHost:  # ValueStore only keeps a reference; nothing is dialed here
+        def get_private_key(self):
+            raise AssertionError("not used")
+
+    store = V.MergingValueStore(FakeHost(), None, lambda: NOW_MS)
+    monkeypatch.setattr(V, "MAX_STORED_KEYS", 2)
+    for seed in (70, 71):
+        ident = identity(seed)
+        key = K.peer_key(ident.peer_id).encode()
+        store.put_record(key, Record(key=key, value=good(ident)))
+    key = K.peer_key(identity(72).peer_id).encode()
+    with pytest.raises(RecordRejected, match="too_large"):
+        store.put_record(key, Record(key=key, value=good(identity(72))))
+    # an index key merges into a bounded set and prunes what expired
+    mk = K.model_key(DIGEST).encode()
+    store.store.clear()
+    store.put_record(mk, Record(key=mk, value=encode_record_set([validate_capability(good(A, seq=1), NOW_MS)])))
+    store.put_record(mk, Record(key=mk, value=encode_record_set([validate_capability(good(B, seq=1), NOW_MS)])))
+    assert len(decode_record_set(store.get(mk).value)) == 2
+    store.clock = lambda: NOW_MS + TTL_MS
+    assert store.get(mk) is None
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from([K.peer_key(A.peer_id), K.model_key(DIGEST), K.span_key(DIGEST, 0, 4)]),
+       st.lists(st.binary(max_size=300), min_size=1, max_size=4))
+def test_fuzz_validator_typed_errors_and_total_select(key, values):
+    v = MeshdValidator(lambda: NOW_MS)
+    for value in values:
+        try:
+            v.validate(key, value)
+        except RecordRejected:
+            pass
+    assert 0 <= v.select(key, values) < len(values)
+    # a valid value among garbage always wins
+    valid = good(A) if "/peer/" in key else encode_record_set([validate_capability(good(A), NOW_MS)])
+    assert v.select(key, values + [valid]) == len(values)

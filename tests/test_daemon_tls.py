@@ -9,7 +9,7 @@ import pytest
 
 from meshd.errors import CertificateMismatch, ConfigError
 from meshd.tls import (
-    channel_trusting, generate_self_signed, load_or_create_tls, loopback_channel, pinned_channel,
+    channel_trusting, pinned_channel_factory, generate_self_signed, load_or_create_tls, loopback_channel, pinned_channel,
     server_credentials,
 )
 
@@ -65,3 +65,16 @@ def test_plaintext_only_on_loopback():
     loopback_channel("127.0.0.1:1").close()
     with pytest.raises(ConfigError, match="only on loopback"):
         loopback_channel("192.0.2.1:50051")
+
+
+def test_channel_factory_for_route_driver(tmp_path):
+    node = load_or_create_tls(tmp_path / "node", "node")
+    server, endpoint = _serve(node)
+    try:
+        factory = pinned_channel_factory({endpoint: node.sha256})
+        with factory(endpoint) as ch:
+            assert _say(ch) == b"echo:hi"
+        with pytest.raises(CertificateMismatch, match="no pinned certificate"):
+            factory("127.0.0.1:1")
+    finally:
+        server.stop(None)
