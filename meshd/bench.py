@@ -14,6 +14,7 @@ import sys
 BENCHMARKS: dict[str, str] = {
     "codec": "meshd.benchmarks.codec",
     "swarm": "meshd.benchmarks.swarm",
+    "pipeline": "meshd.benchmarks.pipeline",
 }
 
 

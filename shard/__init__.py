@@ -1,1 +1,20 @@
-"""Shard runtime: layer-range execution, per-session KV, the ShardRuntime gRPC worker."""
+"""Shard runtime: layer-range execution, per-session KV, the ShardRuntime gRPC worker.
+
+Files and roles (data flows top to bottom):
+
+    backend.py        LayerRange; RangeBackend / BackendCache protocols (torch and llama.cpp)
+    artifact.py       artifact digest, recipe digest, pb.Fingerprint builder
+    adapters.py       per-family build/load/forward pieces (Llama family, Gemma 3)
+    torch_backend.py  TorchRangeBackend: meta build + safe_open range loading, exact forward
+    reference.py      the whole-model reference (transformers CausalLM in one process)
+    testmodels.py     seeded tiny Llama / Gemma 3 artifacts and SmolLM2 from its GGUF
+    sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, LRU, budget
+    sampling.py       greedy / temperature / top-k / top-p with a per-session seed
+    errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...)
+    service.py        ShardService: backend + sessions + lock; capability (validated), health
+    stream.py         sans-I/O Session stream core: request bytes in, response bytes out
+    server.py         the grpcio edge (identity-serialized Session stream, unary RPCs)
+    worker_cli.py     ``meshd worker``
+    driver.py         RouteDriver: star-topology generation through hops (tests, benchmarks)
+    procs.py          start/stop worker subprocesses
+"""
