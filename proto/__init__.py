@@ -34,6 +34,15 @@ Files and roles:
 Typical use: a sender builds bytes with ``wire.request_chunk(envelope, {"h": hidden})``;
 a receiver calls ``zerocopy.read_request(data)`` (or ``frames.parse_request`` +
 ``tensors.decode_bundle``) and maps any ``ProtocolError`` to a ShardStatus with ``.code``.
+On gRPC, use these as the stream's (de)serializers -- not the stubs' FromString,
+which skips every bound -- and ``limits.MAX_FRAME_BYTES`` as
+grpc.max_send_message_length / grpc.max_receive_message_length. Avoid building
+tensor messages with protobuf constructors on the hot path: copying a MiB payload
+into a message costs milliseconds here (see ``meshd bench codec``, naive path).
+
+Rules the parsers enforce: exactly one top-level field per SessionRequest /
+SessionResponse; frames without tensors <= MAX_CONTROL_FRAME_BYTES;
+SessionOpen / SessionAccepted / Envelope carry SCHEMA_VERSION_1.
 """
 from proto import shard_runtime_pb2 as pb
 from proto.errors import (FlowControlViolation, LimitExceeded, LocalError, MeshdError,

@@ -24,6 +24,7 @@ __all__ = ["BLOCK", "q8_encoded_size", "encode_q8", "decode_q8"]
 
 BLOCK = 32          # values per block (seed 002: distributed-llama's block of 32)
 _QMAX = 127         # symmetric int8 range; -128 is never produced
+_SLICE_BLOCKS = 1024  # 32 Ki values per slice: 256 KiB float64 temporaries
 
 
 def q8_encoded_size(n_values: int) -> int:
@@ -41,34 +42,52 @@ def _round_up_scales(scale: np.ndarray) -> np.ndarray:
     return s16
 
 
-def encode_q8(values: np.ndarray) -> bytes:
-    """Encode a floating array (any shape, flattened row-major) as q8 blocks."""
-    x = np.asarray(values)
-    if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
-        raise LocalError(f"q8 encodes floating tensors only, not {x.dtype}")
-    flat = x.astype(np.float32).reshape(-1)
-    if not np.isfinite(flat).all():
+def _encode_blocks(seg: np.ndarray, n_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """(float16 scales, int8 values) of ``n_blocks`` blocks of ``seg`` (zero padded)."""
+    work = np.zeros(n_blocks * BLOCK, dtype=np.float64)   # x, exact in float64
+    work[:seg.size] = seg
+    if not np.isfinite(work).all():
         raise LocalError("q8 cannot encode NaN or Inf values")
-    n = flat.size
-    n_blocks = -(-n // BLOCK)
-    padded = np.zeros(n_blocks * BLOCK, dtype=np.float64)
-    padded[:n] = flat
-    blocks = padded.reshape(n_blocks, BLOCK)
-    amax = np.abs(blocks).max(axis=1) if n_blocks else np.zeros(0)
+    blocks = work.reshape(n_blocks, BLOCK)
+    amax = np.maximum(blocks.max(axis=1), -blocks.min(axis=1))
     with np.errstate(over="ignore"):
         scales = _round_up_scales(amax / _QMAX)
     if not np.isfinite(scales).all():
         raise LocalError(f"q8 cannot encode magnitudes above {_QMAX} * 65504 (float16 scale)")
-    s64 = scales.astype(np.float64)
-    divisor = np.where(s64 > 0, s64, 1.0)[:, None]
-    q = np.rint(blocks / divisor)
-    # x / s is rounded once in float64; fix the rare near-tie the rounding put on
-    # the wrong side, so |x - q*s| <= s/2 holds exactly (q*s and x - q*s are exact).
-    residual = blocks - q * s64[:, None]
-    half = s64[:, None] / 2
-    q += (residual > half).astype(np.float64) - (residual < -half)
-    q = np.clip(q, -_QMAX, _QMAX).astype(np.int8)
-    return scales.astype("<f2").tobytes() + q.reshape(-1)[:n].tobytes()
+    s64 = scales.astype(np.float64)[:, None]
+    q = blocks / np.where(s64 > 0, s64, 1.0)   # x / s, rounded once in float64
+    np.rint(q, out=q)
+    # Fix the rare near-tie that rounding put on the wrong side, so |x - q*s| <= s/2
+    # holds exactly (q*s and x - q*s are exact in float64).
+    residual = q * s64
+    np.subtract(blocks, residual, out=residual)
+    half = s64 / 2
+    np.add(q, residual > half, out=q)
+    np.subtract(q, residual < -half, out=q)
+    np.clip(q, -_QMAX, _QMAX, out=q)
+    return scales, q.reshape(-1)
+
+
+def encode_q8(values: np.ndarray) -> bytes:
+    """Encode a floating array (any shape, flattened row-major) as q8 blocks.
+
+    Works in slices of _SLICE_BLOCKS blocks so the float64 temporaries stay small
+    and are reused by the allocator (fresh multi-MiB temporaries page-fault).
+    """
+    x = np.asarray(values)
+    if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
+        raise LocalError(f"q8 encodes floating tensors only, not {x.dtype}")
+    flat = x.reshape(-1)
+    n = flat.size
+    n_blocks = -(-n // BLOCK)
+    scales = np.empty(n_blocks, dtype="<f2")
+    q = np.empty(n_blocks * BLOCK, dtype=np.int8)
+    for first in range(0, n_blocks, _SLICE_BLOCKS):
+        last = min(n_blocks, first + _SLICE_BLOCKS)
+        s, v = _encode_blocks(flat[first * BLOCK:last * BLOCK], last - first)
+        scales[first:last] = s
+        np.copyto(q[first * BLOCK:last * BLOCK], v, casting="unsafe")
+    return scales.tobytes() + q[:n].tobytes()
 
 
 def decode_q8(data, n_values: int, out_dtype: np.dtype) -> np.ndarray:

@@ -91,7 +91,10 @@ class Scan:
         self.skeleton: list = []
 
     def _field(self, pos: int, end: int) -> tuple[int, int, int, int]:
-        """(key, body start, field end, varint value or -1) of the field at pos."""
+        """(key, body start, field end, varint value or -1) of the field at pos.
+
+        One- and two-byte varints (nearly all of them) are decoded inline.
+        """
         self.fields += 1
         if self.fields > MAX_WIRE_FIELDS:
             raise LimitExceeded(f"more than {MAX_WIRE_FIELDS} fields in one frame")
@@ -99,7 +102,11 @@ class Scan:
         key = data[pos]
         pos += 1
         if key >= 0x80:
-            key, pos = _varint(data, pos - 1, end)
+            if pos < end and data[pos] < 0x80:
+                key = (key & 0x7F) | (data[pos] << 7)
+                pos += 1
+            else:
+                key, pos = _varint(data, pos - 1, end)
         if key < 8:
             raise PayloadCorrupt("field number 0")
         wire_type = key & 7
@@ -109,14 +116,19 @@ class Scan:
             length = data[pos]
             pos += 1
             if length >= 0x80:
-                length, pos = _varint(data, pos - 1, end)
+                if pos < end and data[pos] < 0x80:
+                    length = (length & 0x7F) | (data[pos] << 7)
+                    pos += 1
+                else:
+                    length, pos = _varint(data, pos - 1, end)
             stop = pos + length
             value = -1
         elif wire_type == 0:
-            value = data[pos] if pos < end else 0x80
-            if value < 0x80:
-                stop = pos + 1
-            else:
+            if pos >= end:
+                raise PayloadCorrupt("truncated or overlong varint")
+            value = data[pos]
+            stop = pos + 1
+            if value >= 0x80:
                 value, stop = _varint(data, pos, end)
         elif wire_type == 1:
             stop, value = pos + 8, -1

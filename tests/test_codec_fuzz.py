@@ -150,7 +150,7 @@ _tensor = st.builds(
     fragments=st.lists(_fragment, max_size=5))
 
 
-@settings(FUZZ, max_examples=400)
+@settings(FUZZ, max_examples=300)
 @given(_tensor)
 def test_structured_tensor_lies_raise_only_protocol_errors(t):
     only_protocol_errors(decode_tensor, t)

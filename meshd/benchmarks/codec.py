@@ -99,6 +99,7 @@ def _raw(chunk: np.ndarray, repeats: int) -> dict:
         "encode_us": med["encode"] * 1e6,
         "decode_us": med["decode"] * 1e6,
         "naive_round_trip_us": naive["naive"] * 1e6,
+        "naive_memcpy_us": naive["memcpy"] * 1e6,   # its own baseline, measured beside it
         "payload_bytes": chunk.nbytes,
         "frame_bytes": len(frame),
     }
