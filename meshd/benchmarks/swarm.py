@@ -97,13 +97,19 @@ def run(quick: bool = False, progress: TextIO | None = None) -> dict:
                       swarm_decode_tok_s=round(max(swarm_rates), 3), whole_decode_tok_s=round(max(whole_rates), 3),
                       decode_ratio=round(max(swarm_rates) / max(whole_rates), 3) if max(whole_rates) else None)
 
-        middle_peer, eff, end = done["route"][len(done["route"]) // 2].split(":")
-        ad = next(a for a in first.swarm()["ads"] if a["peer_id"] == middle_peer)
-        victim = next(d for d in swarm.daemons if (d.swarm() or {}).get("peer_id") == middle_peer)
-        backup = swarm.add(layers=f"{ad['start']}:{ad['end']}", name="backup")
+        # the entry is the layer-0 node; a backup makes the middle span redundant
+        by_peer = {(d.swarm() or {}).get("peer_id"): d for d in swarm.daemons}
+        ads = {a["peer_id"]: a for a in first.swarm()["ads"]}
+        entry = next(by_peer[p] for p, a in ads.items() if a["start"] == 0 and p in by_peer)
+        middle = ads[done["route"][len(done["route"]) // 2].split(":")[0]]
+        backup = swarm.add(layers=f"{middle['start']}:{middle['end']}", name="backup")
         swarm.wait_serving(backup, 300)
         swarm.wait_covered(120, peers=NODES + 1)
-        _say(progress, f"backup serves {ad['start']}:{ad['end']}; killing {victim.name} after the first token")
+        probe = _generate(entry, 2)["route"]  # which of the two twins this entry's route uses
+        victim_peer = probe[len(probe) // 2].split(":")[0]
+        victim = by_peer.get(victim_peer) or backup
+        _say(progress, f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
+                       f"killing {victim.name} (middle hop) after the first token")
         killed: list[float] = []
 
         def kill(count: int) -> None:
@@ -111,7 +117,7 @@ def run(quick: bool = False, progress: TextIO | None = None) -> dict:
                 victim.kill()
                 killed.append(time.monotonic())
 
-        failed = _generate(first, max(new_tokens, 48), on_token=kill)
+        failed = _generate(entry, max(new_tokens, 48), on_token=kill)
         ref = whole.generate(ids, max(new_tokens, 48)).tokens
         cut = next((i for i, t in enumerate(ref) if t in stops), None)
         ref = ref if cut is None else ref[:cut + 1]
