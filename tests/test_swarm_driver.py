@@ -140,3 +140,21 @@ def test_closing_the_stream_early_releases_kv(shards):
 def test_hop_failure_names_the_hop():
     err = HopFailure(2, "peer-x" * 4, "transport: UNAVAILABLE")
     assert err.index == 2 and "hop 2" in str(err) and "UNAVAILABLE" in str(err)
+
+
+def test_a_hop_silent_past_its_step_deadline_is_replaced(shards, reference):
+    """B stops answering (its session lock is held): the watchdog cuts the call, C takes over."""
+    driver = driver_for(shards, step_deadline_s=1.0)
+    lock = shards["peer-b"].service.lock
+    tokens = []
+    try:
+        for token in driver.generate(request()):
+            tokens.append(token)
+            if len(tokens) == 4:
+                lock.acquire()
+    finally:
+        if lock.locked():
+            lock.release()
+    assert tokens == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-b" and "CANCELLED" in event.detail

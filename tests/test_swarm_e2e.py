@@ -129,6 +129,22 @@ def test_32_greedy_tokens_equal_the_whole_model(swarm, whole, model):
     assert len(done["route"]) == 3 and not done["failovers"]
 
 
+def test_meshd_generate_streams_the_same_text(swarm, whole, model):
+    import subprocess
+    import sys
+
+    from meshd.local_swarm import REPO_ROOT, child_env
+    from meshd.tokenizer import EntryTokenizer
+
+    r = subprocess.run([sys.executable, "-m", "meshd", "generate", PROMPT, "--raw", "--max-tokens", "12",
+                        "--data-dir", str(swarm.daemons[0].data_dir)], cwd=REPO_ROOT, env=child_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    expected = EntryTokenizer(model).decode(reference_tokens(whole, model, PROMPT, 12))
+    assert r.stdout.rstrip("\n") == expected
+    assert "tokens" in r.stderr and "route" in r.stderr
+
+
 def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
     from meshd.host import running_host
     from meshd.identity import Identity
