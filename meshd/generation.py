@@ -11,6 +11,12 @@ Data flow (one client connection)::
       -> token ids through a bounded channel -> text deltas, one JSON line each
       <- {"text": "...", "token": id} ... {"done": true, "stats": {...}}
 
+Routes are planned here, at the entry, from its own DHT view, with the same
+pure planner (routing.py) and the same signed records the tracker would use
+(ARCHITECTURE has the entry ask the tracker): one round trip less, and a
+generation never depends on the tracker being reachable mid-way, e.g. while
+duty moves after the tracker died.
+
 Cancellation: the client closing its socket (or the daemon stopping)
 cancels the driver; it finishes the step in flight and releases the KV on
 every hop before the thread returns. The daemon never abandons the thread.

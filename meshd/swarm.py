@@ -43,6 +43,13 @@ from proto.errors import MeshdError
 
 log = logging.getLogger(__name__)
 
+# Peers of our model we dial per refresh when not connected yet, and how long
+# each dial may take. A home swarm becomes a full mesh among the nodes of a
+# model, so records reach every node directly and the swarm survives the
+# death of the node everyone bootstrapped through.
+MAX_MESH_DIALS = 8
+MESH_DIAL_TIMEOUT_S = 5.0
+
 
 def wall_ms() -> int:
     return int(time.time() * 1000)
@@ -119,8 +126,32 @@ class Swarm:
         self.pins.update(snap.pins)
         return snap
 
+    async def _mesh(self, snap: SwarmSnapshot) -> None:
+        """Connect to the model's peers we are not connected to yet (bounded, concurrent)."""
+        import multiaddr
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+
+        host = self.node.host
+        connected = {p.to_base58() for p in host.get_connected_peers()}
+        todo = [(p, a) for p, a in snap.addrs.items()
+                if a and p != self.node.identity.peer_id and p not in connected][:MAX_MESH_DIALS]
+
+        async def dial(peer: str, addrs: tuple[str, ...]) -> None:
+            with trio.move_on_after(MESH_DIAL_TIMEOUT_S):
+                try:
+                    await host.connect(PeerInfo(ID.from_base58(peer),
+                                                [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
+                except Exception as exc:  # an unreachable peer is the routing planner's business
+                    log.info("mesh dial to %s failed: %s", peer[:16], exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer, addrs in todo:
+                nursery.start_soon(dial, peer, addrs)
+
     async def refresh(self) -> None:
         snap = await self.fresh_snapshot()
+        await self._mesh(snap)
         now = wall_ms()
         if self.slot is not None and (self.slot.layers is None or self.slot.failure):
             await self._join(snap, now)
