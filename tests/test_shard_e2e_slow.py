@@ -53,3 +53,70 @@ def test_smollm2_fp32_split(specs):
     path = testmodels.smollm2_artifact("float32")
     diff = _run(path, specs, 30, label="SmolLM2-135M fp32", prompt=_smollm2_prompt(path), chunk=128)
     assert diff == 0.0
+
+
+def _self_signed(tmp_path):
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshd-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    (tmp_path / "cert.pem").write_bytes(cert_pem)
+    (tmp_path / "key.pem").write_bytes(key_pem)
+    return cert_pem
+
+
+def test_tls_port_serves_a_generation(tmp_path):
+    import grpc
+
+    from shard.backend import LayerRange
+    from shard.driver import Hop, RouteDriver
+    from shard.reference import WholeModel
+    from shard.server import GRPC_OPTIONS
+    from tests._shard_helpers import PROMPT
+
+    cert_pem = _self_signed(tmp_path)
+    path = testmodels.build_random_llama()
+    workers = spawn_workers(path, ["0:6"], threads=1, extra=[
+        "--tls-listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")])
+    try:
+        assert workers[0].tls_endpoint and workers[0].tls_endpoint != workers[0].endpoint
+
+        def tls_channel(endpoint):
+            return grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(root_certificates=cert_pem),
+                                       options=GRPC_OPTIONS)
+
+        hops = [Hop(workers[0].tls_endpoint, LayerRange(0, 6, 6), 0)]
+        with RouteDriver(hops, channel_factory=tls_channel, chunk_tokens=16) as driver:
+            got = driver.generate(PROMPT, 8)
+        assert got.tokens == WholeModel(path).generate(PROMPT, 8, chunk_tokens=16).tokens
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def test_plaintext_refused_off_loopback(tmp_path):
+    import subprocess
+    import sys
+
+    from shard.procs import child_env
+
+    out = subprocess.run([sys.executable, "-m", "meshd", "worker", "--model", str(testmodels.build_random_llama()),
+                          "--layers", "0:6", "--listen", "0.0.0.0:0"], env=child_env(1), capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 2 and "loopback" in out.stderr
