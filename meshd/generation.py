@@ -154,6 +154,9 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
                     delta, text = full[len(text):], full
                 await send({"text": delta, "token": token})
         nursery.cancel_scope.cancel()
+    rest = tokenizer.decode(tokens)[len(text):] if tokens else ""
+    if rest:  # the tail of a multi-byte character held back above
+        await send({"text": rest})
     stats = driver.stats
     times = stats.token_times
     for event in failovers:  # monotonic clock: comparable across processes on this host
