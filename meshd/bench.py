@@ -13,6 +13,7 @@ import sys
 
 BENCHMARKS: dict[str, str] = {
     "codec": "meshd.benchmarks.codec",
+    "swarm": "meshd.benchmarks.swarm",
     "pipeline": "meshd.benchmarks.pipeline",
     "recipes": "meshd.benchmarks.recipes",
     "relay": "meshd.benchmarks.relay",

@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "join": ("meshd.cmd_join", "run the daemon: serve a layer range of a model in the swarm"),
     "status": ("meshd.cmd_status", "show the local daemon: peers, own range, worker, coverage map"),
     "id": ("meshd.cmd_id", "print this node's peer id"),
+    "generate": ("meshd.cmd_generate", "stream an answer from the swarm through the local daemon"),
+    "demo": ("meshd.cmd_demo", "start a local 3-node swarm on SmolLM2 and stream an answer"),
     "relay": ("meshd.cmd_relay", "run relay mode on a public host: circuit relay v2 + DHT server"),
     "worker": ("shard.worker_cli", "serve one layer range of a model over ShardRuntime gRPC"),
 }

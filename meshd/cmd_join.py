@@ -11,7 +11,8 @@ from meshd.cmd_common import add_config_arguments, fail, first_meshd_error, setu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="model artifact directory or .gguf file")
-    parser.add_argument("--layers", help="layer range A:B to serve (half-open)")
+    parser.add_argument("--layers", help="layer range A:B to serve (half-open), or 'auto': the tracker assigns one")
+    parser.add_argument("--memory", help="memory this node offers with --layers auto (weights + KV), e.g. 4GiB")
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
     parser.add_argument("--advertise-host", help="host or IP peers use to reach our TLS gRPC endpoint")
@@ -31,11 +32,14 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.verbose)
     try:
         from meshd.config import load_config, parse_layers
-        from meshd.modelinfo import check_layers
+        from meshd.modelinfo import check_layers, model_num_layers
+        from meshd.sizes import parse_size
 
         overrides = {
             "data_dir": args.data_dir, "model": args.model,
-            "layers": parse_layers(args.layers) if args.layers else None,
+            "layers": parse_layers(args.layers) if args.layers and args.layers != "auto" else None,
+            "auto_layers": True if args.layers == "auto" else None,
+            "memory_bytes": parse_size(args.memory) if args.memory else None,
             "listen": tuple(args.listen) if args.listen else None,
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
             "advertise_host": args.advertise_host, "record_ttl_s": args.record_ttl_s,
@@ -45,8 +49,12 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides)
         if config.model is None:
             return fail("meshd join needs --model PATH and --layers A:B (or model/layers in --config)", 2)
-        num_layers = check_layers(config.model, config.layers)
-        _progress(f"model {config.model}: {num_layers} layers; serving {config.layers[0]}:{config.layers[1]}")
+        if config.auto_layers:
+            num_layers = model_num_layers(config.model)
+            _progress(f"model {config.model}: {num_layers} layers; range: auto (asking the tracker)")
+        else:
+            num_layers = check_layers(config.model, config.layers)
+            _progress(f"model {config.model}: {num_layers} layers; serving {config.layers[0]}:{config.layers[1]}")
         import trio  # the daemon's imports (libp2p, grpc) take seconds: only after the checks
 
         from meshd.daemon import run_daemon

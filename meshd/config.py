@@ -88,6 +88,9 @@ class DaemonConfig:
     record_ttl_s: float = DEFAULT_RECORD_TTL_S
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    # `--layers auto --memory 4GiB`: the tracker assigns the range (meshd/swarm.py).
+    auto_layers: bool = False
+    memory_bytes: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
@@ -106,8 +109,12 @@ class DaemonConfig:
             start, end = self.layers
             if not 0 <= start < end:
                 raise ConfigError(f"layers {start}:{end} must satisfy 0 <= A < B")
-        if (self.model is None) != (self.layers is None):
+        if self.auto_layers and self.layers is not None:
+            raise ConfigError("give --layers A:B or --layers auto, not both")
+        if (self.model is None) != (self.layers is None and not self.auto_layers):
             raise ConfigError("--model and --layers go together")
+        if self.auto_layers and not (self.memory_bytes and self.memory_bytes > 0):
+            raise ConfigError("--layers auto needs --memory SIZE (e.g. --memory 4GiB): the range is sized to it")
         if not MIN_RECORD_TTL_S <= self.record_ttl_s <= MAX_RECORD_TTL_S:
             raise ConfigError(f"record_ttl_s must be within [{MIN_RECORD_TTL_S}, {MAX_RECORD_TTL_S}]")
         if self.bootstrap_timeout_s <= 0:
@@ -174,6 +181,12 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
             worker_raw[key.removeprefix("worker.")] = value
         else:
             raw[key] = value
+    if raw.get("layers") == "auto":
+        raw["layers"], raw["auto_layers"] = None, True
+    if isinstance(raw.get("memory_bytes"), str):
+        from meshd.sizes import parse_size
+
+        raw["memory_bytes"] = parse_size(raw["memory_bytes"])
     if isinstance(raw.get("layers"), str):
         raw["layers"] = parse_layers(raw["layers"])
     for key in ("listen", "bootstrap"):

@@ -26,9 +26,14 @@ MAX_REQUEST_BYTES = 64 * 1024
 # Status replies carry the coverage map: bounded by the index bounds (128 peers per model).
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 REQUEST_READ_TIMEOUT_S = 5.0
-OPS = ("ping", "status")
+OPS = ("ping", "status", "swarm")
+# Ops answered with a stream of JSON lines (one per event) until the reply
+# ends; the client closing its socket cancels the work (meshd/generation.py).
+STREAM_OPS = ("generate",)
 
 Handler = Callable[[dict], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+StreamHandler = Callable[[dict, Send], Awaitable[None]]
 
 
 def _socket_is_live(path: Path) -> bool:
@@ -41,7 +46,8 @@ def _socket_is_live(path: Path) -> bool:
             return False
 
 
-async def serve_control(path: Path, handler: Handler, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamHandler | None = None,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
     if path.exists():
         if _socket_is_live(path):
             raise DaemonError(f"another meshd is already running with this data dir ({path}); "
@@ -62,12 +68,12 @@ async def serve_control(path: Path, handler: Handler, *, task_status=trio.TASK_S
     listener = trio.SocketListener(sock)
     try:
         task_status.started(path)
-        await trio.serve_listeners(lambda stream: _serve_one(stream, handler), [listener])
+        await trio.serve_listeners(lambda stream: _serve_one(stream, handler, stream_handler), [listener])
     finally:
         path.unlink(missing_ok=True)
 
 
-async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:
+async def _serve_one(stream: trio.SocketStream, handler: Handler, stream_handler: StreamHandler | None) -> None:
     async with stream:
         buf = b""
         with trio.move_on_after(REQUEST_READ_TIMEOUT_S):
@@ -76,11 +82,56 @@ async def _serve_one(stream: trio.SocketStream, handler: Handler) -> None:
                 if not chunk:
                     break
                 buf += chunk
+        request = _streamed_request(buf) if stream_handler is not None else None
+        if request is not None:
+            await _serve_stream(stream, request, stream_handler)
+            return
         reply = await _answer(buf, handler)
         try:
             await stream.send_all(json.dumps(reply, sort_keys=True).encode() + b"\n")
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
+
+
+def _streamed_request(buf: bytes) -> dict | None:
+    if len(buf) > MAX_REQUEST_BYTES or b"\n" not in buf:
+        return None
+    try:
+        request = json.loads(buf.split(b"\n", 1)[0])
+    except ValueError:
+        return None
+    return request if isinstance(request, dict) and request.get("op") in STREAM_OPS else None
+
+
+async def _serve_stream(stream: trio.SocketStream, request: dict, stream_handler: StreamHandler) -> None:
+    """Lines ``{"ok": true, ...}`` per event, then ``{"ok": false, "error"}`` on failure; EOF cancels."""
+
+    async def send(event: dict) -> None:
+        await stream.send_all(json.dumps({"ok": True, **event}, sort_keys=True).encode() + b"\n")
+
+    async with trio.open_nursery() as nursery:
+        async def client_gone() -> None:
+            while await stream.receive_some(4096):
+                pass  # nothing more is expected from the client; EOF means it left
+            nursery.cancel_scope.cancel()
+
+        async def work() -> None:
+            try:
+                await stream_handler(request, send)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client left mid-reply
+            except Exception as exc:  # noqa: BLE001 - report the failure to the client, keep serving others
+                while getattr(exc, "exceptions", None):  # the first leaf of an exception group
+                    exc = exc.exceptions[0]
+                try:
+                    await stream.send_all(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                                          .encode() + b"\n")
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(client_gone)
+        nursery.start_soon(work)
 
 
 async def _answer(buf: bytes, handler: Handler) -> dict:

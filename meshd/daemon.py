@@ -8,6 +8,7 @@
                 ├── advertiser  (publish / republish / withdraw)   meshd/advertiser.py
                 ├── control API (unix socket, JSON)                meshd/control.py
                 ├── supervisor  (worker subprocess)  meshd/supervisor.py, worker_process.py
+                ├── swarm       (tracker duty, --layers auto, directives, generate)  meshd/swarm.py
                 └── signals     (SIGINT/SIGTERM -> graceful leave)
 
 Graceful leave: stop advertising and publish the withdrawal (bounded), then
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from functools import partial
 from typing import Callable
 
 import trio
@@ -32,6 +34,8 @@ from dht.records import live
 from meshd.advertiser import Advertiser, claim_from_report
 from meshd.config import DaemonConfig
 from meshd.control import serve_control
+from meshd.errors import DaemonError
+from meshd.swarm import Swarm
 from meshd.host import connect_bootstrap, running_host
 from meshd.identity import Identity, load_or_create_identity
 from meshd.supervisor import Backoff, Supervisor, WorkerReady
@@ -74,6 +78,7 @@ class Node:
         self.progress = progress
         self.advertiser = Advertiser(identity, dht.publish, ttl_s=config.record_ttl_s, wall_ms=wall_ms)
         self.supervisor: Supervisor | None = None
+        self.swarm = None  # meshd/swarm.py: tracker duty, --layers auto, generation
         self.model_digest: str | None = None
         listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
         self.tls_bind_host = listen_ip
@@ -131,7 +136,16 @@ class Node:
     async def handle(self, request: dict) -> dict:
         if request["op"] == "ping":
             return {"peer_id": self.identity.peer_id}
+        if request["op"] == "swarm" and self.swarm is not None:
+            return await self.swarm.view()
         return await self.status()
+
+    async def handle_stream(self, request: dict, send) -> None:
+        from meshd.generation import run_generate
+
+        if self.swarm is None:
+            raise DaemonError("this daemon serves no model: nothing to generate with")
+        await run_generate(self.swarm, request, send)
 
     async def status(self) -> dict:
         digests = []
@@ -203,7 +217,8 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.peer_sync)
                 await nursery.start(node.advertiser.run)
-                await nursery.start(serve_control, config.control_socket, node.handle)
+                await nursery.start(partial(serve_control, stream_handler=node.handle_stream),
+                                    config.control_socket, node.handle)
                 if handle_signals:
                     nursery.start_soon(_wait_for_signal, nursery.cancel_scope, node, progress)
                 if config.model is not None and config.layers is not None:
@@ -218,5 +233,8 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                                                  backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s))
                     progress(f"starting the worker for layers {config.layers[0]}:{config.layers[1]} of {config.model}")
                     await nursery.start(node.supervisor.run)
+                if config.model is not None:
+                    node.swarm = Swarm(node)
+                    await nursery.start(node.swarm.run)
                 task_status.started(node)
     progress("stopped")

@@ -723,3 +723,33 @@ class RebalanceDirective(_message.Message):
     issued_at_unix_ms: int
     expires_at_unix_ms: int
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., directive_id: _Optional[str] = ..., action: _Optional[_Union[DirectiveAction, str]] = ..., tracker_peer_id: _Optional[str] = ..., target_peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., epoch: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
+
+class JoinAsk(_message.Message):
+    __slots__ = ("schema_version", "model_artifact_digest", "memory_budget_bytes", "kv_budget_tokens")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: SchemaVersion
+    model_artifact_digest: str
+    memory_budget_bytes: int
+    kv_budget_tokens: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., model_artifact_digest: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("directive", "refusal")
+    DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    directive: SignedRecord
+    refusal: str
+    def __init__(self, directive: _Optional[_Union[SignedRecord, _Mapping]] = ..., refusal: _Optional[str] = ...) -> None: ...
+
+class DirectiveAck(_message.Message):
+    __slots__ = ("accepted", "reason", "detail")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    detail: str
+    def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...

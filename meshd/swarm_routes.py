@@ -1,0 +1,79 @@
+"""Where routes and channels come from, for the route driver.
+
+``AdsRouteSource`` plans over a snapshot of live shard ads taken when asked
+(``plan_route`` / ``replacement_route`` from routing.py, pinned to the
+entry's runtime recipe). The snapshot function is the daemon's DHT read (or
+a fixed list in tests); it runs on the driver's thread, so a daemon passes
+one that hops back into trio.
+
+``PeerConnector`` turns a planned hop into a gRPC channel:
+    * our own peer id      -> loopback plaintext to our worker (meshd/tls.py)
+    * a peer with a pin     -> TLS, trusting only the certificate whose
+                               SHA-256 the peer's signed record carries
+    * a relayed hop         -> not built here (relay branch): HopFailure, so
+                               the driver routes around it
+    * ``insecure_loopback`` -> plaintext to any loopback endpoint (in-process
+                               tests and benchmarks only; refuses anything else)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import grpc
+
+from meshd.adverts import ShardAd
+from meshd.hop_link import HopFailure
+from meshd.routing import Hop, Route, RouteCosts, plan_route, replacement_route
+from meshd.tls import loopback_channel, pinned_channel
+from shard.server import GRPC_OPTIONS
+
+AdsSnapshot = Callable[[], Iterable[ShardAd]]
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass(slots=True)
+class AdsRouteSource:
+    ads: AdsSnapshot
+    model_digest: str
+    num_layers: int
+    entry_peer_id: str
+    recipe_digest: str | None = None
+    costs: RouteCosts = field(default_factory=RouteCosts)
+    clock: Callable[[], int] = wall_ms
+
+    def plan(self, needed_tokens: int) -> Route:
+        return plan_route(tuple(self.ads()), model_digest=self.model_digest, num_layers=self.num_layers,
+                          now_ms=self.clock(), entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
+                          costs=self.costs, recipe_digest=self.recipe_digest)
+
+    def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route:
+        return replacement_route(route, failed_peer, tuple(self.ads()), now_ms=self.clock(),
+                                 entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
+                                 costs=self.costs, avoid=avoid)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConnector:
+    self_peer_id: str = ""
+    own_endpoint: str = ""                       # our worker's loopback plaintext endpoint
+    pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
+    insecure_loopback: bool = False
+
+    def channel(self, hop: Hop) -> grpc.Channel:
+        if hop.peer_id == self.self_peer_id and self.own_endpoint:
+            return loopback_channel(self.own_endpoint, GRPC_OPTIONS)
+        if hop.relayed:
+            raise HopFailure(0, hop.peer_id, "relayed hops need the relay transport (not in this build)")
+        if not hop.endpoint:
+            raise HopFailure(0, hop.peer_id, "the peer advertises no gRPC endpoint")
+        if self.insecure_loopback:
+            return loopback_channel(hop.endpoint, GRPC_OPTIONS)
+        pin = self.pins.get(hop.peer_id)
+        if not pin:
+            raise HopFailure(0, hop.peer_id, "the peer's record carries no TLS certificate pin")
+        return pinned_channel(hop.endpoint, pin, GRPC_OPTIONS)

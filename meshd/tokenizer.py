@@ -1,0 +1,72 @@
+"""The entry node's tokenizer: the artifact's tokenizer.json, without importing transformers.
+
+The daemon must stay light (transformers pulls in torch: seconds of CPU and
+hundreds of MB per daemon), so the entry uses the ``tokenizers`` library on
+the artifact's ``tokenizer.json`` directly, and renders the chat template
+(``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``)
+with a sandboxed jinja2 environment, as transformers does:
+
+    chat     render([{"role": "user", "content": prompt}], add_generation_prompt)
+             -> encode(text, add_special_tokens=False)
+    raw      encode(prompt)                 (the tokenizer's own post-processor)
+    stops    eos_token of tokenizer_config.json + the eos ids of generation_config.json
+
+State: the loaded tokenizer and template; immutable after load.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from meshd.errors import ConfigError
+
+# Config files of a tokenizer are small; refuse anything absurd.
+MAX_CONFIG_BYTES = 4 << 20
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+class EntryTokenizer:
+    def __init__(self, model_dir: Path) -> None:
+        from tokenizers import Tokenizer
+
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{model_dir} has no tokenizer.json: the entry node cannot tokenize prompts")
+        self._tok = Tokenizer.from_file(str(path))
+        config = _json(Path(model_dir) / "tokenizer_config.json")
+        template_file = Path(model_dir) / "chat_template.jinja"
+        self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        self._special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
+        stops = set()
+        eos = config.get("eos_token")
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
+            stops.add(self._tok.token_to_id(eos))
+        gen_eos = _json(Path(model_dir) / "generation_config.json").get("eos_token_id")
+        for value in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if isinstance(value, int):
+                stops.add(value)
+        self.stop_ids = frozenset(stops)
+
+    def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
+        if raw or not self.chat_template:
+            return list(self._tok.encode(prompt).ids)
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        text = env.from_string(self.chat_template).render(
+            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **self._special)
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
