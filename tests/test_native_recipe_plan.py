@@ -1,11 +1,6 @@
 """The recipe benchmark's pure parts: cell metrics, drift and the locked DGR-001 verdict."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
