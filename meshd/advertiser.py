@@ -103,19 +103,23 @@ class Advertiser:
         while True:
             self._changed = trio.Event()
             claim = self._claim
-            wait_s = math.inf
+            # The cadence counts from the start of a publish, and a publish never
+            # outlasts one interval: a remote store stalled on a dead-but-connected
+            # peer must not delay the next local store until our own record expires.
+            next_at = math.inf
             try:
                 if claim is not None:
-                    if self._advertised_digest not in (None, claim.model_artifact_digest):
-                        await self._withdraw()  # the worker now serves another model: retract the old one
-                    await self._publish_record(self._sign(claim))
-                    wait_s = self.interval_s
+                    next_at = trio.current_time() + self.interval_s
+                    with trio.move_on_at(next_at):
+                        if self._advertised_digest not in (None, claim.model_artifact_digest):
+                            await self._withdraw()  # the worker now serves another model: retract the old one
+                        await self._publish_record(self._sign(claim))
                 elif self._advertised_digest is not None:
                     await self._withdraw()
             except Exception as exc:  # network faults of the DHT layer: retry soon
                 log.warning("publishing the capability record failed (%s); retrying in %.0f s", exc, RETRY_S)
-                wait_s = RETRY_S
-            with trio.move_on_after(wait_s):
+                next_at = trio.current_time() + RETRY_S
+            with trio.move_on_at(next_at):
                 await self._changed.wait()
 
     async def withdraw_now(self) -> None:
@@ -150,6 +154,8 @@ class Advertiser:
 
     async def _publish_record(self, record: CapabilityRecord) -> None:
         self.last = record
-        self.last_acks = await self._publish(record)
         if not record.withdrawn:
+            # set before the remote stores: the local store happens first, so a
+            # publish cut short by the cadence still leaves a record to withdraw
             self._advertised_digest = record.model_artifact_digest
+        self.last_acks = await self._publish(record)

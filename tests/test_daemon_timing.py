@@ -23,6 +23,31 @@ def wall_ms() -> int:
     return NOW_MS + int(trio.current_time() * 1000)
 
 
+def test_a_stalled_publish_does_not_delay_the_next_one():
+    """A remote store stuck on a dead-but-connected peer is cut at the interval,
+    so our own record is re-stored on cadence and never lapses (seen in CI with
+    an 8 s TTL after a peer was SIGKILLed)."""
+    starts: list[float] = []
+
+    async def publish(rec):
+        starts.append(trio.current_time())
+        await trio.sleep(TTL_S)                       # a store that never answers in time
+        return 0
+
+    async def main():
+        t0 = trio.current_time()
+        adv = Advertiser(identity(52), publish, ttl_s=TTL_S, wall_ms=wall_ms)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(adv.run)
+            adv.set_claim(claim())
+            await trio.sleep(35)
+            nursery.cancel_scope.cancel()
+        assert [round(t - t0, 3) for t in starts] == [0.0, 10.0, 20.0, 30.0]
+        assert adv.status().advertising
+
+    _run(main)
+
+
 def test_republish_every_third_of_ttl_and_withdraw_at_once():
     published: list[tuple[float, object]] = []
 
