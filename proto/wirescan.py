@@ -25,6 +25,7 @@ from __future__ import annotations
 from proto.decoding import TensorHeader
 from proto.errors import LimitExceeded, PayloadCorrupt
 from proto.limits import Limits
+from proto.tensors import varint
 
 __all__ = ["REQUEST", "RESPONSE", "MAX_WIRE_FIELDS", "scan", "top_level_field", "Scan"]
 
@@ -36,7 +37,6 @@ TENSOR_FIELDS = {REQUEST: frozenset({2, 3}), RESPONSE: frozenset({2, 6})}
 # Fields a legitimate tensor frame has: 32 tensors x (64 fragments x 4 + 10) ~ 8.5 k.
 MAX_WIRE_FIELDS = 16384
 _MAX_VARINT_BYTES = 10
-_ONE_BYTE = [bytes([i]) for i in range(0x80)]
 # NamedTensor field -> expected wire type (0 varint, 2 length-delimited)
 _TENSOR_WIRE = {1: 2, 2: 2, 3: 0, 4: 0, 5: 0, 6: 0, 7: 2, 9: 0}
 _INT32 = 1 << 31
@@ -53,17 +53,6 @@ def _varint(buf: bytes, pos: int, end: int) -> tuple[int, int]:
             return value, i + 1
         shift += 7
     raise PayloadCorrupt("truncated or overlong varint")
-
-
-def _encode_varint(n: int) -> bytes:
-    if n < 0x80:
-        return _ONE_BYTE[n]
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def top_level_field(data: bytes) -> tuple[int, int, int] | None:
@@ -161,7 +150,7 @@ class Scan:
                 size += field_start - run
             inner, inner_size = (self._tensor(body, pos) if child < 0
                                  else self.walk(child, body, pos))
-            head = _encode_varint(key) + _encode_varint(inner_size)
+            head = varint(key) + varint(inner_size)
             pieces.append(head)
             pieces.extend(inner)
             size += len(head) + inner_size
@@ -191,7 +180,7 @@ class Scan:
                 canonical &= ok
                 frags.append(frag)
                 views.append(payload)
-                head = b"\x42" + _encode_varint(len(frag[3]))
+                head = b"\x42" + varint(len(frag[3]))
                 pieces.append(head)
                 pieces.append(frag[3])
                 size += len(head) + len(frag[3])
