@@ -4,6 +4,7 @@ py-libp2p's NamespacedValidator routes them to ``dht.validator.MeshdValidator``.
     /meshd/peer/<peer id>                    the peer's latest record (one record)
     /meshd/model/<artifact digest>           index: a record set, one record per peer
     /meshd/span/<artifact digest>/<A>-<B>    index: the peers serving exactly [A, B)
+    /meshd/relays/v1                         index: relay records (dht/relay_records.py)
 
 Keys stay under 128 bytes: py-libp2p refuses longer GET_VALUE keys.
 """
@@ -17,7 +18,7 @@ MAX_KEY_BYTES = 128
 
 @dataclass(frozen=True, slots=True)
 class ParsedKey:
-    kind: str  # "peer" | "model" | "span"
+    kind: str  # "peer" | "model" | "span" | "relays"
     subject: str  # peer id or artifact digest
     span: tuple[int, int] | None = None
 
@@ -32,6 +33,14 @@ def model_key(digest: str) -> str:
 
 def span_key(digest: str, start: int, end: int) -> str:
     return _checked(f"/{NAMESPACE}/span/{digest}/{start}-{end}")
+
+
+RELAYS_VERSION = "v1"
+
+
+def relays_key() -> str:
+    """The one index key under which every relay's signed record lives."""
+    return _checked(f"/{NAMESPACE}/relays/{RELAYS_VERSION}")
 
 
 def keys_for(peer_id: str, digest: str, span: tuple[int, int] | None) -> list[str]:
@@ -55,6 +64,8 @@ def parse_key(key: str) -> ParsedKey:
         raise ValueError(f"not a meshd key: {key[:60]!r}")
     kind = parts[2]
     if kind in ("peer", "model") and len(parts) == 4 and parts[3]:
+        return ParsedKey(kind, parts[3])
+    if kind == "relays" and len(parts) == 4 and parts[3] == RELAYS_VERSION:
         return ParsedKey(kind, parts[3])
     if kind == "span" and len(parts) == 5 and parts[3]:
         bounds = parts[4].split("-")

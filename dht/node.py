@@ -9,6 +9,8 @@ Data flow:
   records that validate (dropping expired ones), and merge them with the
   local copy. py-libp2p's ``get_value`` returns the local copy as soon as
   there is one, which would freeze an index, hence our own read.
+* ``publish_relay`` / ``fetch_relays``: the same for relay records under
+  the one ``/meshd/relays/v1`` index (dht/relay_records.py).
 * ``sync_peers()``: add every connected peer to the routing table.
 
 Every node holds the keys it is among the closest peers of; in a home swarm
@@ -32,6 +34,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from dht import keys as K
 from dht.records import CapabilityRecord, encode_record_set, merge_records, parse_record_set_lenient, \
     validate_capability
+from dht.relay_records import RelayRecord, parse_relay_set_lenient
 from dht.validator import MergingValueStore, check_value, namespaced_validator
 from meshd.errors import RecordRejected
 
@@ -183,8 +186,20 @@ class DhtNode:
             merged = merge_records(merged, recs, now)
         return merged
 
+    async def publish_relay(self, record: RelayRecord) -> int:
+        """Store a relay's record under /meshd/relays/v1, locally and at the closest peers."""
+        key, value = K.relays_key(), encode_record_set([record])  # type: ignore[list-item]
+        self.store_locally(key, value)
+        return await self.put_remote(key, value)
+
+    async def fetch_relays(self) -> list[RelayRecord]:
+        """Every live relay record the closest peers and we hold."""
+        return await self.fetch(K.relays_key())  # type: ignore[return-value]
+
     @staticmethod
     def _decode(parsed: K.ParsedKey, value: bytes, now: int) -> list[CapabilityRecord]:
+        if parsed.kind == "relays":
+            return parse_relay_set_lenient(value, now)  # type: ignore[return-value]
         if parsed.kind == "peer":
             rec = validate_capability(value, now)
             if rec.peer_id != parsed.subject:

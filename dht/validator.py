@@ -11,6 +11,8 @@ py-libp2p stores a PUT_VALUE only when ``validate`` passes and
 
 * ``/meshd/peer/<id>``: the highest sequence wins, ties go to the first
   value -- so a replay (equal or lower sequence) is refused.
+* ``/meshd/relays/v1`` holds relay records (dht/relay_records.py) and is
+  an index key like the others: same set encoding, same merge rules.
 * index keys: a value wins when it carries news (a record newer than any the
   other values hold for that peer); the last such value wins; with no news
   anywhere the first (stored) value stays.
@@ -40,6 +42,7 @@ from dht.records import (
     validate_capability,
     validate_record_set,
 )
+from dht.relay_records import parse_relay_set_lenient, validate_relay_set
 from meshd.errors import RecordRejected
 
 log = logging.getLogger(__name__)
@@ -88,6 +91,8 @@ def check_value(key: str, value: bytes, now_ms: int) -> list[CapabilityRecord]:
         if rec.peer_id != parsed.subject:
             raise RecordRejected("key_mismatch", "record of another peer under a peer key")
         return [rec]
+    if parsed.kind == "relays":
+        return validate_relay_set(value, now_ms)
     records = validate_record_set(value, now_ms)
     if not records:
         raise RecordRejected("malformed", "an empty record set")
@@ -103,6 +108,8 @@ def _lenient(parsed: K.ParsedKey, value: bytes, now_ms: int) -> list[CapabilityR
     try:
         if parsed.kind == "peer":
             return [validate_capability(value, now_ms)]
+        if parsed.kind == "relays":
+            return parse_relay_set_lenient(value, now_ms)  # type: ignore[return-value]
         return parse_record_set_lenient(value, now_ms)
     except RecordRejected:
         return []

@@ -92,6 +92,7 @@ class RecordKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECORD_KIND_UNSPECIFIED: _ClassVar[RecordKind]
     RECORD_KIND_CAPABILITY: _ClassVar[RecordKind]
     RECORD_KIND_DIRECTIVE: _ClassVar[RecordKind]
+    RECORD_KIND_RELAY: _ClassVar[RecordKind]
 
 class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -157,6 +158,7 @@ SERVING_STATE_NOT_SERVING: ServingState
 RECORD_KIND_UNSPECIFIED: RecordKind
 RECORD_KIND_CAPABILITY: RecordKind
 RECORD_KIND_DIRECTIVE: RecordKind
+RECORD_KIND_RELAY: RecordKind
 BACKEND_UNSPECIFIED: Backend
 BACKEND_TORCH: Backend
 BACKEND_LLAMA_CPP: Backend
@@ -699,6 +701,22 @@ class CapabilityPayload(_message.Message):
     num_layers: int
     withdrawn: bool
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., memory_budget_bytes: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., withdrawn: bool = ...) -> None: ...
+
+class RelayPayload(_message.Message):
+    __slots__ = ("schema_version", "peer_id", "addrs", "issued_at_unix_ms", "expires_at_unix_ms", "sequence")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRS_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    schema_version: SchemaVersion
+    peer_id: str
+    addrs: _containers.RepeatedScalarFieldContainer[str]
+    issued_at_unix_ms: int
+    expires_at_unix_ms: int
+    sequence: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class RebalanceDirective(_message.Message):
     __slots__ = ("schema_version", "directive_id", "action", "tracker_peer_id", "target_peer_id", "model_artifact_digest", "shard_range", "epoch", "issued_at_unix_ms", "expires_at_unix_ms")

@@ -6,6 +6,8 @@
             └── DHT server (dht/node.py), unless disabled
                 └── nursery
                     ├── peer sync (routing table <- connected peers)
+                    ├── announce (signed relay record -> /meshd/relays/v1,
+                    │   republished every ttl/3; relay/announce.py)
                     └── control API (meshd/control.py): `meshd status` gets
                         {"mode": "relay", "peer_id", "addrs", "peers", "relay": {...}}
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 from contextlib import nullcontext
 from typing import Callable
 
@@ -24,6 +27,7 @@ import trio
 from libp2p.tools.anyio_service import background_trio_service
 
 from meshd.config import DaemonConfig
+from relay.announce import announce_relay, public_addrs
 from meshd.host import connect_bootstrap, running_host
 from meshd.identity import load_or_create_identity
 from relay.hop import DEFAULT_HOP_LIMITS, HopLimits, HopService
@@ -112,6 +116,11 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
                     progress(f"bootstrap: connected to {len(reached)} of {len(config.bootstrap)} peers")
                 async with trio.open_nursery() as nursery:
                     await nursery.start(node.peer_sync)
+                    if dht is not None:
+                        await nursery.start(partial(
+                            announce_relay, identity,
+                            lambda: public_addrs(node.addrs(), identity.peer_id, config.advertise_host),
+                            dht.publish_relay, ttl_s=config.record_ttl_s, wall_ms=_wall_ms))
                     if control:
                         await nursery.start(serve_control, config.control_socket, node.handle)
                     progress(f"relaying: up to {limits.circuits_total} circuits, "
