@@ -17,6 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
     parser.add_argument("--advertise-host", help="host or IP peers use to reach our TLS gRPC endpoint")
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our DHT records, seconds")
+    parser.add_argument("--reachability", choices=("auto", "public", "private"),
+                        help="auto (default): probe whether peers can dial us and use relays if not; "
+                             "private: always reserve on relays; public: never")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--backend", choices=("torch", "llama.cpp"))
     parser.add_argument("--kv-budget-tokens", type=int)
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
             "memory_bytes": parse_size(args.memory) if args.memory else None,
             "listen": tuple(args.listen) if args.listen else None,
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
-            "advertise_host": args.advertise_host, "record_ttl_s": args.record_ttl_s,
+            "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens,
         }

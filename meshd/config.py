@@ -15,6 +15,7 @@ TOML layout (every key optional; names match the dataclass fields)::
     layers = "0:16"
     advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
     record_ttl_s = 120
+    reachability = "auto"             # auto | public | private (private: always use relays)
 
     [worker]
     dtype = "float32"
@@ -52,6 +53,9 @@ DEFAULT_BOOTSTRAP_TIMEOUT_S = 15.0
 MAX_BOOTSTRAP_PEERS = 64
 WORKER_DTYPES = ("float32", "bfloat16")
 WORKER_BACKENDS = ("torch", "llama.cpp")
+# auto: ask connected peers to dial us back (relay/reachability.py) and use relays
+# only when they cannot; public/private skip the probe (private forces relaying).
+REACHABILITY_MODES = ("auto", "public", "private")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +95,12 @@ class DaemonConfig:
     # `--layers auto --memory 4GiB`: the tracker assigns the range (meshd/swarm.py).
     auto_layers: bool = False
     memory_bytes: int | None = None
+    reachability: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.reachability not in REACHABILITY_MODES:
+            raise ConfigError(f"reachability must be one of {', '.join(REACHABILITY_MODES)}, "
+                              f"not {self.reachability!r}")
         object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
         if self.model is not None:
             object.__setattr__(self, "model", Path(os.path.expanduser(str(self.model))))

@@ -5,6 +5,8 @@
         └── DHT service (KadDHT, our validator)   dht/node.py
             └── nursery
                 ├── peer sync   (routing table <- connected peers, re-bootstrap)
+                ├── relaying    (dial-back probe; when private: STOP service,
+                │               relay reservations, relayed addrs)  meshd/relaying.py
                 ├── advertiser  (publish / republish / withdraw)   meshd/advertiser.py
                 ├── control API (unix socket, JSON)                meshd/control.py
                 ├── supervisor  (worker subprocess)  meshd/supervisor.py, worker_process.py
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from dataclasses import replace
 from functools import partial
 from typing import Callable
 
@@ -35,10 +38,12 @@ from meshd.advertiser import Advertiser, claim_from_report
 from meshd.config import DaemonConfig
 from meshd.control import serve_control
 from meshd.errors import DaemonError
+from meshd.relaying import Relaying
 from meshd.swarm import Swarm
 from meshd.host import connect_bootstrap, running_host
 from meshd.identity import Identity, load_or_create_identity
 from meshd.supervisor import Backoff, Supervisor, WorkerReady
+from relay.reachability import serve_dialback
 from meshd.tls import TlsMaterial, load_or_create_tls, split_endpoint
 from meshd.worker_process import WorkerProcess, WorkerSpec
 
@@ -80,6 +85,9 @@ class Node:
         self.supervisor: Supervisor | None = None
         self.swarm = None  # meshd/swarm.py: tracker duty, --layers auto, generation
         self.model_digest: str | None = None
+        self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
+                                 on_change=self.refresh_claim, progress=progress)
+        self._ready: WorkerReady | None = None
         listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
         self.tls_bind_host = listen_ip
         unspecified = listen_ip in ("0.0.0.0", "::")
@@ -102,17 +110,40 @@ class Node:
     # ------------------------------------------------------------------ worker hooks
 
     async def on_worker_ready(self, ready: WorkerReady) -> None:
-        port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
-        endpoint = f"{self.advertise_host}:{port}" if port else ""
-        claim = claim_from_report(ready.report, grpc_endpoint=endpoint,
-                                  tls_cert_sha256=self.tls.sha256 if endpoint else b"",
-                                  direct_addrs=self.direct_addrs())
+        self._ready = ready
+        self.relaying.serve_worker(ready.listen)
+        self.refresh_claim()
+
+    def refresh_claim(self) -> None:
+        """(Re)build our claim from the ready worker and our reachability; the advertiser
+        publishes it at once when it changed. Nothing is claimed before the verdict is known:
+        a private node must never advertise endpoints nobody can dial."""
+        ready = self._ready
+        if ready is None or not self.relaying.decided:
+            return
+        if self.relaying.private and not self.relaying.relayed_addrs and self.advertiser.claim is None:
+            return   # not reachable yet: the first reservation will call us again
+        if self.relaying.private:
+            endpoint, direct, pin = "", (), b""
+        else:
+            port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
+            endpoint = f"{self.advertise_host}:{port}" if port else ""
+            direct, pin = self.direct_addrs(), (self.tls.sha256 if endpoint else b"")
+        claim = claim_from_report(ready.report, grpc_endpoint=endpoint, tls_cert_sha256=pin, direct_addrs=direct)
+        if self.relaying.private:
+            claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
+        if claim == self.advertiser.claim:
+            return
+        first = self.advertiser.claim is None
         self.model_digest = claim.model_artifact_digest
         self.advertiser.set_claim(claim)
-        self.progress(f"ready: worker serves layers {claim.start_layer}:{claim.end_layer} of "
-                      f"{claim.num_layers} ({claim.model_artifact_digest[:23]}...), advertising")
+        if first:
+            self.progress(f"ready: worker serves layers {claim.start_layer}:{claim.end_layer} of "
+                          f"{claim.num_layers} ({claim.model_artifact_digest[:23]}...), advertising"
+                          + (f" through {len(claim.relayed_addrs)} relayed addrs" if self.relaying.private else ""))
 
     async def on_worker_down(self) -> None:
+        self._ready = None
         if self.advertiser.claim is not None:
             self.progress("worker down: withdrawing our records")
         self.advertiser.set_claim(None)
@@ -186,6 +217,7 @@ class Node:
                 "acks": advert.last_acks, "tls_cert_sha256": self.tls.sha256.hex(),
             },
             "worker": worker,
+            "reachability": self.relaying.status(),
             "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
                          for d, v in coverage.items()},
         }
@@ -206,6 +238,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
     tls = load_or_create_tls(config.data_dir, identity.peer_id)
     progress(f"peer id {identity.peer_id}")
     async with running_host(identity, config.listen) as host:
+        serve_dialback(host)   # every node answers other peers' reachability probes
         dht = DhtNode(host, wall_ms)
         async with dht.running():
             progress("listening on " + " ".join(str(a) for a in host.get_addrs()))
@@ -216,6 +249,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
             node = Node(config, identity, tls, host, dht, progress)
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.peer_sync)
+                await nursery.start(node.relaying.run)
                 await nursery.start(node.advertiser.run)
                 await nursery.start(partial(serve_control, stream_handler=node.handle_stream),
                                     config.control_socket, node.handle)

@@ -71,6 +71,11 @@ def render_status(s: dict) -> str:
         lines.append(f"           {peer}")
     if len(s["peers"]) > MAX_PEERS_LISTED:
         lines.append(f"           ... and {len(s['peers']) - MAX_PEERS_LISTED} more (meshd status --json)")
+    reach = s.get("reachability")
+    if reach:
+        lines.append(f"reachable  {reach['verdict']} (mode {reach['mode']})")
+        for addr in reach["relayed_addrs"]:
+            lines.append(f"  relayed  {addr}")
     if own["layers"]:
         state = "advertising" if own["advertising"] else "not advertising"
         extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, {own['acks']} remote stores acked"

@@ -1,0 +1,189 @@
+"""The daemon's reachability part: can peers dial us, and if not, which relays carry us.
+
+    Relaying.run (a child of the daemon's nursery)
+    ├── decide: mode public/private, or (auto) the dial-back probe through
+    │   connected peers (relay/reachability.py) -> Verdict; UNKNOWN (nobody
+    │   answered) counts as public and is probed again every REPROBE_S
+    └── when PRIVATE:
+        ├── STOP service (relay/client.py): circuits addressed to us arrive
+        ├── relay list: live relay records from the DHT (/meshd/relays/v1),
+        │   refreshed every RELAY_REFRESH_S; fallback: our bootstrap peers
+        │   (a bootstrap peer that is no relay refuses the reservation)
+        └── MAX_RELAY_SLOTS reservation keepers (keep_reserved), each on a
+            relay the other slot does not hold; their relayed addrs together
+            are ``relayed_addrs``, and every change calls ``on_change``
+
+Sessions arriving over circuits reach our worker through
+``RelayedSessionServer`` (relay/transport.py); ``serve_worker(endpoint)``
+points it at the worker's current loopback endpoint (a restarted worker
+has a new port) and is called by the daemon for every ready worker.
+
+State owned here: the verdict, the relay candidates, each slot's relayed
+addresses and the current session server. The daemon's Node reads
+``decided`` / ``private`` / ``relayed_addrs`` to build its capability claim.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Callable, Sequence
+
+import multiaddr
+import trio
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+
+from relay.client import parse_relayed_addr, stop_service
+from relay.reachability import Verdict, keep_reserved, probe
+from relay.transport import RelayedSessionServer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Relaying", "MAX_RELAY_SLOTS", "relay_candidates"]
+
+# Reservations held at once: a second relay keeps us reachable while the
+# first one dies, so a relayed hop can fail over to the same node.
+MAX_RELAY_SLOTS = 2
+# Relays join and leave slowly; their records live for minutes.
+RELAY_REFRESH_S = 15.0
+# Peers asked for a dial-back per probe (each answer takes up to 3 s).
+MAX_PROBE_HELPERS = 3
+# With no answer (no peers yet), probe again this often.
+REPROBE_S = 30.0
+# Relay candidates considered (records beyond this are ignored).
+MAX_RELAY_CANDIDATES = 16
+
+
+def relay_candidates(records: Sequence, bootstrap: Sequence[str], own_peer_id: str) -> list[PeerInfo]:
+    """DHT relay records first (newest first), then bootstrap peers; never ourselves; deduplicated."""
+    out: dict[str, PeerInfo] = {}
+    texts = [a for r in sorted(records, key=lambda r: -r.sequence) for a in r.addrs[:1]] + list(bootstrap)
+    for text in texts:
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(text))
+        except Exception:  # a malformed bootstrap address was refused by the config already
+            continue
+        pid = info.peer_id.to_base58()
+        if pid != own_peer_id and pid not in out:
+            out[pid] = info
+    return list(out.values())[:MAX_RELAY_CANDIDATES]
+
+
+class Relaying:
+    def __init__(self, host, dht, *, mode: str, bootstrap: Sequence[str], on_change: Callable[[], None],
+                 progress: Callable[[str], None] = lambda line: None) -> None:
+        self.host, self.dht, self.mode = host, dht, mode
+        self.bootstrap = tuple(bootstrap)
+        self.on_change = on_change
+        self.progress = progress
+        self.verdict: Verdict | None = None
+        self.candidates: list[PeerInfo] = []
+        self._slots: list[tuple[str, ...]] = [() for _ in range(MAX_RELAY_SLOTS)]
+        self._server: RelayedSessionServer | None = None
+        self._own = host.get_id().to_base58()
+
+    # ------------------------------------------------------------------ read by the daemon
+    @property
+    def decided(self) -> bool:
+        return self.verdict is not None
+
+    @property
+    def private(self) -> bool:
+        return self.verdict is Verdict.PRIVATE
+
+    @property
+    def relayed_addrs(self) -> tuple[str, ...]:
+        return tuple(a for slot in self._slots for a in slot)
+
+    def status(self) -> dict:
+        return {"mode": self.mode, "verdict": self.verdict.value if self.verdict else "probing",
+                "relayed_addrs": list(self.relayed_addrs),
+                "relays_known": [c.peer_id.to_base58() for c in self.candidates],
+                "relayed_sessions": self._server.snapshot() if self._server else None}
+
+    # ------------------------------------------------------------------ worker
+    def serve_worker(self, endpoint: str) -> None:
+        """Relayed sessions go to the worker at ``endpoint`` (loopback plaintext) from now on."""
+        old, self._server = self._server, RelayedSessionServer(endpoint)
+        self._server.attach(self.host)
+        if old is not None:
+            old.close()
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    # ------------------------------------------------------------------ tasks
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Decide the verdict, then (when PRIVATE) hold reservations until cancelled."""
+        task_status.started()   # the probe takes seconds: the daemon does not wait for it
+        try:
+            await self._decide()
+            self.on_change()
+            while self.verdict is Verdict.UNKNOWN:
+                await trio.sleep(REPROBE_S)
+                await self._decide()
+                if self.verdict is not Verdict.UNKNOWN:
+                    self.on_change()
+            if self.verdict is Verdict.PRIVATE:
+                await self._relay_forever()
+        finally:
+            self.close()
+
+    async def _decide(self) -> None:
+        if self.mode == "public":
+            self.verdict = Verdict.PUBLIC
+        elif self.mode == "private":
+            self.verdict = Verdict.PRIVATE
+        else:
+            helpers = list(self.host.get_connected_peers())[:MAX_PROBE_HELPERS]
+            own = [str(a).split("/p2p/")[0] for a in self.host.get_addrs()]
+            self.verdict = await probe(self.host, helpers, own) if helpers else Verdict.UNKNOWN
+        self.progress(f"reachability: {self.verdict.value}"
+                      + (" (mode auto: dial-back probe)" if self.mode == "auto" else f" (mode {self.mode})"))
+
+    async def _relay_forever(self) -> None:
+        async with stop_service(self.host):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self._refresh_relays)
+                for slot in range(MAX_RELAY_SLOTS):
+                    # one after the other: the second slot skips the relay the first one holds
+                    await nursery.start(functools.partial(
+                        keep_reserved, self.host, functools.partial(self._relays_for, slot),
+                        functools.partial(self._on_addrs, slot), wall=time.time))
+
+    async def _refresh_relays(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        while True:
+            records: list = []
+            try:
+                with trio.move_on_after(RELAY_REFRESH_S):
+                    records = await self.dht.fetch_relays()
+            except Exception as exc:  # noqa: BLE001 - a failed DHT read: keep the last list
+                log.info("reading relay records failed: %s", exc)
+            self.candidates = relay_candidates(records, self.bootstrap, self._own)
+            task_status.started()
+            task_status = trio.TASK_STATUS_IGNORED
+            await trio.sleep(RELAY_REFRESH_S)
+
+    def _held_by_others(self, slot: int) -> set[str]:
+        held = set()
+        for i, addrs in enumerate(self._slots):
+            if i != slot:
+                for addr in addrs:
+                    try:
+                        held.add(parse_relayed_addr(addr)[0].peer_id.to_base58())
+                    except ValueError:
+                        continue
+        return held
+
+    def _relays_for(self, slot: int) -> list[PeerInfo]:
+        others = self._held_by_others(slot)
+        return [c for c in self.candidates if c.peer_id.to_base58() not in others]
+
+    def _on_addrs(self, slot: int, addrs: tuple[str, ...]) -> None:
+        if addrs == self._slots[slot]:
+            return
+        self._slots[slot] = addrs
+        self.progress(f"relay slot {slot}: " + (", ".join(addrs) if addrs else "no reservation"))
+        self.on_change()
