@@ -7,7 +7,8 @@ Data flow (one client connection)::
       -> token ids (the artifact's tokenizer, meshd/tokenizer.py; chat template unless "raw")
       -> SwarmDriver (meshd/route_driver.py) in one worker thread,
          routes from the DHT (AdsRouteSource over Swarm.fresh_snapshot),
-         channels pinned to each peer's certificate (PeerConnector)
+         channels pinned to each peer's certificate (PeerConnector), or
+         circuits through a relay for peers behind NAT (meshd/relay_dial.py)
       -> token ids through a bounded channel -> text deltas, one JSON line each
       <- {"text": "...", "token": id} ... {"done": true, "stats": {...}}
 
@@ -29,6 +30,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from meshd.relay_dial import LoopPortal, RelayDialer
 from meshd.route_driver import GenerationRequest, SwarmDriver
 from meshd.swarm_routes import AdsRouteSource, PeerConnector
 from proto import shard_runtime_pb2 as pb
@@ -82,6 +84,11 @@ class GenerateParams:
                             seed=self.seed)
 
 
+def _relayed_of(swarm, peer_id: str) -> tuple[str, ...]:
+    snap = swarm.snapshot   # the latest snapshot (replaced whole, so safe to read from the driver thread)
+    return snap.relayed.get(peer_id, ()) if snap is not None else ()
+
+
 def load_tokenizer(model_path):
     from meshd.tokenizer import EntryTokenizer
 
@@ -111,7 +118,9 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
                             recipe_digest=claim.runtime_recipe_digest)
-    connector = PeerConnector(self_peer_id=me, own_endpoint=node.supervisor.state.endpoint, pins=swarm.pins)
+    dialer = RelayDialer(node.host, LoopPortal.current())
+    connector = PeerConnector(self_peer_id=me, own_endpoint=node.supervisor.state.endpoint, pins=swarm.pins,
+                              relay_dialer=dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, connector, fingerprint=fingerprint, on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],

@@ -34,8 +34,12 @@ released). A watchdog thread cuts a call that outlives its step deadline.
 
 Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
 daemon's connector pins the peer's TLS certificate (meshd/tls.py) or uses
-loopback plaintext to its own worker. Relayed hops (``hop.relayed``) are the
-relay branch's: a connector raises ``HopFailure`` for them until it exists.
+loopback plaintext to its own worker; relayed hops (``hop.relayed``) get a
+circuit through one of the peer's relays (meshd/relay_dial.py). When a
+relayed hop fails only because its relay died, the connector's optional
+``retry_same_peer(peer)`` says so: the route is kept, the failed hop alone
+gets a fresh session (through another relay) and is re-prefilled from the
+boundary rows -- the peer is not avoided, the output is unchanged.
 """
 from __future__ import annotations
 
@@ -89,6 +93,8 @@ class RouteSource(Protocol):
 
 class HopConnector(Protocol):
     def channel(self, hop: Hop) -> grpc.Channel: ...
+
+    # optional: def retry_same_peer(self, peer_id: str) -> bool  (relayed hops whose relay died)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,10 +283,15 @@ class SwarmDriver:
         if len(self.stats.failovers) >= MAX_FAILOVERS:
             raise RouteFailed(f"gave up after {MAX_FAILOVERS} failovers; last: {failure}") from failure
         failed_at = time.monotonic()
-        self._failed.add(failure.peer_id)
-        avoid = frozenset(self._failed)
-        new = self._replan(lambda: self.source.replace(old, failure.peer_id, avoid, self._max_tokens), failure)
-        fresh = set(hops_to_reprefill(old, new))
+        retry = getattr(self.connector, "retry_same_peer", None)
+        if retry is not None and 0 <= failure.index < len(old.hops) \
+                and old.hops[failure.index].peer_id == failure.peer_id and retry(failure.peer_id):
+            new, fresh = old, {failure.index}   # same peer through another relay: only this hop restarts
+        else:
+            self._failed.add(failure.peer_id)
+            avoid = frozenset(self._failed)
+            new = self._replan(lambda: self.source.replace(old, failure.peer_id, avoid, self._max_tokens), failure)
+            fresh = set(hops_to_reprefill(old, new))
         by_hop = {(l.spec.peer_id, l.spec.start, l.spec.end, l.spec.effective_start): l for l in self._links}
         keep: dict[int, HopLink] = {}
         for i, hop in enumerate(new.hops):

@@ -10,8 +10,13 @@ one that hops back into trio.
     * our own peer id      -> loopback plaintext to our worker (meshd/tls.py)
     * a peer with a pin     -> TLS, trusting only the certificate whose
                                SHA-256 the peer's signed record carries
-    * a relayed hop         -> not built here (relay branch): HopFailure, so
-                               the driver routes around it
+    * a relayed hop         -> a circuit through one of the peer's relays
+                               (meshd/relay_dial.py RelayDialer, on the
+                               daemon's own host); without a dialer, or when
+                               no relay reaches the peer: HopFailure, so the
+                               driver routes around it
+``retry_same_peer(peer)``: after a relayed hop failed because its RELAY died,
+True tells the driver to rebuild the hop on the same peer via another relay.
     * ``insecure_loopback`` -> plaintext to any loopback endpoint (in-process
                                tests and benchmarks only; refuses anything else)
 """
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Sequence
 
 import grpc
 
@@ -63,12 +68,19 @@ class PeerConnector:
     own_endpoint: str = ""                       # our worker's loopback plaintext endpoint
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
+    relay_dialer: object | None = None           # meshd.relay_dial.RelayDialer
+    relayed_addrs: Callable[[str], Sequence[str]] = lambda peer_id: ()  # the peer's p2p-circuit addrs
+
+    def retry_same_peer(self, peer_id: str) -> bool:
+        return self.relay_dialer is not None and self.relay_dialer.retry_same_peer(peer_id)
 
     def channel(self, hop: Hop) -> grpc.Channel:
         if hop.peer_id == self.self_peer_id and self.own_endpoint:
             return loopback_channel(self.own_endpoint, GRPC_OPTIONS)
         if hop.relayed:
-            raise HopFailure(0, hop.peer_id, "relayed hops need the relay transport (not in this build)")
+            if self.relay_dialer is None:
+                raise HopFailure(0, hop.peer_id, "relayed hop but this connector has no relay dialer")
+            return self.relay_dialer.channel(hop.peer_id, tuple(self.relayed_addrs(hop.peer_id)))
         if not hop.endpoint:
             raise HopFailure(0, hop.peer_id, "the peer advertises no gRPC endpoint")
         if self.insecure_loopback:

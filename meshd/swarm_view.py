@@ -5,8 +5,9 @@
 signed, unexpired and not withdrawn -- dht/ already enforces that) and turns
 each payload into a planner ``ShardAd``; an ad the planner refuses is the
 advertiser's fault and is skipped. Alongside the ads it keeps, per peer,
-what the edges need to reach it: the TLS certificate pin for gRPC and the
-libp2p addresses for the control protocols.
+what the edges need to reach it: the TLS certificate pin for gRPC, the
+libp2p addresses for the control protocols and, for a node behind NAT, its
+relayed (p2p-circuit) addresses for relayed hops (meshd/relay_dial.py).
 
 State: none; a ``SwarmSnapshot`` is an immutable value.
 """
@@ -29,13 +30,14 @@ class SwarmSnapshot:
     ads: tuple[ShardAd, ...] = ()
     pins: dict[str, bytes] = field(default_factory=dict)            # peer id -> TLS cert SHA-256
     addrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peer id -> libp2p multiaddrs
+    relayed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peer id -> p2p-circuit multiaddrs
 
     def ad_of(self, peer_id: str) -> ShardAd | None:
         return next((a for a in self.ads if a.peer_id == peer_id), None)
 
 
 def snapshot_from_records(model_digest: str, records: list[CapabilityRecord], now_ms: int) -> SwarmSnapshot:
-    ads, pins, addrs = [], {}, {}
+    ads, pins, addrs, relayed = [], {}, {}, {}
     for rec in live(records, now_ms):
         try:
             ad = ShardAd.from_payload(rec.payload)
@@ -47,7 +49,9 @@ def snapshot_from_records(model_digest: str, records: list[CapabilityRecord], no
         if reach.tls_cert_sha256:
             pins[ad.peer_id] = bytes(reach.tls_cert_sha256)
         addrs[ad.peer_id] = tuple(reach.direct_addrs)
-    return SwarmSnapshot(model_digest, tuple(ads), pins, addrs)
+        if reach.relayed_addrs:
+            relayed[ad.peer_id] = tuple(reach.relayed_addrs)
+    return SwarmSnapshot(model_digest, tuple(ads), pins, addrs, relayed)
 
 
 async def fetch_snapshot(dht, model_digest: str, now_ms: int) -> SwarmSnapshot:

@@ -1,0 +1,209 @@
+"""Entry side of relayed hops: circuits to relayed peers through the daemon's own host.
+
+The route driver runs in a worker thread; the libp2p host lives in the
+daemon's trio loop. ``LoopPortal`` runs coroutines in that loop from the
+thread (``trio.from_thread`` with the daemon's trio token: no second host,
+no second loop). ``RelayDialer.channel(peer, relayed_addrs)``:
+
+    for each relayed addr of the peer, in the advertised order:
+        skip relays that failed within FAILED_RELAY_MEMORY_S
+        dial_relayed (relay/client.py): HOP CONNECT + Noise + yamux end to end
+        -> CircuitChannel: grpc.Channel look-alike whose Session streams are
+           opened ON THAT circuit connection (not whatever connection the
+           swarm would pick), carrying the same frames as a gRPC hop
+    none worked -> HopFailure (the driver avoids the peer)
+
+When a relayed hop fails mid-generation the driver asks
+``retry_same_peer(peer)``: the relay the hop used is remembered as failed
+and its circuit closed; if another advertised relay is left, the driver
+rebuilds the hop on the SAME peer (its route, hence its output, unchanged)
+and ``channel`` dials through the next relay. A peer that is really gone
+fails every relay and is then avoided like any failed peer.
+
+State (guarded by one lock; the driver thread and the watchdog share it):
+failed relays with their expiry, and per peer the circuit in use.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Sequence
+
+import trio
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+
+from meshd.hop_link import HopFailure
+from relay.client import dial_relayed, parse_relayed_addr
+from relay.errors import RelayError, RelayRefused, RelayUnreachable
+from relay.syncchannel import RelayedRpcError, _RelayedCall
+from relay.transport import OPEN_STREAM_TIMEOUT_S, SESSION_PROTOCOL, RelayedFrameChannel
+
+__all__ = ["LoopPortal", "RelayDialer", "CircuitChannel", "FAILED_RELAY_MEMORY_S"]
+
+# A relay that failed is skipped for this long: long enough to finish the
+# generation on another relay, short enough that a restarted relay is used again.
+FAILED_RELAY_MEMORY_S = 120.0
+# Multistream negotiation of the session protocol on a live circuit (seconds, int for the library).
+NEGOTIATE_TIMEOUT_S = 10
+
+
+class LoopPortal:
+    """Run coroutines in an already running trio loop (the daemon's) from plain threads."""
+
+    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
+        self._token = token
+
+    @classmethod
+    def current(cls) -> "LoopPortal":
+        return cls(trio.lowlevel.current_trio_token())
+
+    def run(self, afn, *args):
+        try:
+            return trio.from_thread.run(afn, *args, trio_token=self._token)
+        except trio.RunFinishedError as exc:
+            raise RelayUnreachable("the daemon's libp2p loop has stopped") from exc
+
+
+async def open_session_on(host, conn) -> RelayedFrameChannel:
+    """A new SESSION_PROTOCOL stream on one given swarm connection (our circuit)."""
+    with trio.move_on_after(OPEN_STREAM_TIMEOUT_S):
+        try:
+            stream = await conn.new_stream()
+            selected = await host.multiselect_client.select_one_of(
+                [SESSION_PROTOCOL], MultiselectCommunicator(stream), NEGOTIATE_TIMEOUT_S)
+            stream.set_protocol(selected)
+        except Exception as exc:  # closed circuit, refused protocol, reset
+            raise RelayUnreachable(f"cannot open a session stream on the circuit: {exc}") from exc
+        return RelayedFrameChannel(stream)
+    raise RelayUnreachable(f"no session stream on the circuit within {OPEN_STREAM_TIMEOUT_S:g} s")
+
+
+class CircuitChannel:
+    """The subset of grpc.Channel the route driver uses, over one relayed circuit."""
+
+    def __init__(self, portal: LoopPortal, host, conn) -> None:
+        self._portal, self._host, self._conn = portal, host, conn
+
+    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):
+        if request_serializer is not None or response_deserializer is not None:
+            raise ValueError("relayed hops carry serialized frames: use raw-bytes (de)serializers")
+        if not method.endswith("/Session"):
+            raise ValueError(f"only the Session method travels over relayed hops, not {method}")
+
+        def call(request_iterator, timeout=None) -> _RelayedCall:
+            try:
+                channel = self._portal.run(open_session_on, self._host, self._conn)
+            except RelayError as exc:
+                raise RelayedRpcError(exc) from exc
+            return _RelayedCall(self._portal, channel, request_iterator)
+        return call
+
+    def unary_unary(self, method: str, **_):
+        def call(*args, **kwargs):
+            raise RelayedRpcError(RelayUnreachable(f"{method} is not carried over relayed hops"))
+        return call
+
+    def close(self) -> None:
+        pass
+
+
+class RelayDialer:
+    def __init__(self, host, portal: LoopPortal, *, clock: Callable[[], float] = time.monotonic,
+                 memory_s: float = FAILED_RELAY_MEMORY_S) -> None:
+        self.host, self.portal, self.clock, self.memory_s = host, portal, clock, memory_s
+        self._lock = threading.Lock()
+        self._failed: dict[str, float] = {}          # relay peer id -> skip until (clock)
+        self._circuits: dict[str, tuple[str, object]] = {}   # peer id -> (relay peer id, connection)
+        self._offered: dict[str, tuple[str, ...]] = {}       # peer id -> relays it advertised
+
+    def relay_failed_recently(self, relay_peer_id: str) -> bool:
+        with self._lock:
+            until = self._failed.get(relay_peer_id)
+            if until is not None and until <= self.clock():
+                del self._failed[relay_peer_id]
+                return False
+            return until is not None
+
+    def mark_failed(self, relay_peer_id: str) -> None:
+        with self._lock:
+            self._failed[relay_peer_id] = self.clock() + self.memory_s
+
+    def channel(self, peer_id: str, relayed_addrs: Sequence[str]) -> CircuitChannel:
+        """A channel to ``peer_id`` through the first relay of ``relayed_addrs`` that works."""
+        targets = []
+        for addr in relayed_addrs:
+            try:
+                relay, dest = parse_relayed_addr(addr)
+            except Exception:  # noqa: BLE001 - a malformed advertised address is skipped
+                continue
+            if dest.to_base58() == peer_id:
+                targets.append((relay.peer_id.to_base58(), relay, dest))
+        with self._lock:
+            self._offered[peer_id] = tuple(dict.fromkeys(t[0] for t in targets))
+            held = self._circuits.get(peer_id)
+        if held is not None and not getattr(held[1], "is_closed", True) \
+                and not self.relay_failed_recently(held[0]):
+            return CircuitChannel(self.portal, self.host, held[1])
+        tried = []
+        for relay_id, relay, dest in targets:
+            if self.relay_failed_recently(relay_id):
+                tried.append(f"{relay_id[:12]}: failed recently")
+                continue
+            try:
+                conn = self.portal.run(dial_relayed, self.host, relay, dest)
+            except RelayRefused as exc:   # the relay is alive; the peer holds no slot there
+                tried.append(f"{relay_id[:12]}: {exc}")
+                continue
+            except RelayError as exc:
+                self.mark_failed(relay_id)
+                tried.append(f"{relay_id[:12]}: {exc}")
+                continue
+            with self._lock:
+                self._circuits[peer_id] = (relay_id, conn)
+            return CircuitChannel(self.portal, self.host, conn)
+        raise HopFailure(0, peer_id, "no relay reaches the peer (" + ("; ".join(tried) or "no relayed address")
+                         + ")")
+
+    def retry_same_peer(self, peer_id: str) -> bool:
+        """The hop to ``peer_id`` failed. If its relay is gone (our connection to it closed: the
+        circuit rides on it), remember the relay as failed and return True when another
+        advertised relay is left; if the relay is alive the peer is to blame (False)."""
+        with self._lock:
+            held = self._circuits.pop(peer_id, None)
+        if held is None:
+            return False
+        relay_id, conn = held
+        try:
+            self.portal.run(_close, conn)
+            relay_alive = self.portal.run(_still_connected, self.host, conn, relay_id)
+        except RelayError:
+            return False
+        if relay_alive:
+            return False
+        self.mark_failed(relay_id)
+        with self._lock:
+            offered = self._offered.get(peer_id, ())
+        return any(r != relay_id and not self.relay_failed_recently(r) for r in offered)
+
+
+# A relay's death closes our connection to it at once (TCP reset or EOF); allow the
+# swarm this long to notice before we conclude the relay is alive.
+RELAY_DEATH_GRACE_S = 1.0
+
+
+async def _still_connected(host, conn, relay_id: str) -> bool:
+    from libp2p.peer.id import ID
+
+    relay = ID.from_base58(relay_id)
+    with trio.move_on_after(RELAY_DEATH_GRACE_S):
+        while any(not c.is_closed for c in host.get_network().get_connections(relay)):
+            await trio.sleep(0.05)
+        return False
+    return True
+
+
+async def _close(conn) -> None:
+    try:
+        await conn.close()
+    except Exception:  # already gone
+        pass
