@@ -1,0 +1,176 @@
+"""REAL daemons under real NAT: `meshd relay` + `meshd join` in network namespaces.
+
+Topology (tests/_netns.py): "public" runs `meshd relay` and a public daemon
+(the bootstrap peer, serving the tail layers [4, 6)); home1 runs a daemon for
+the middle layers [2, 4) with `--reachability auto`; home2 runs the entry
+daemon for [0, 2). Both homes drop new inbound connections (nftables,
+conntrack lets replies through). Checks:
+  * the NAT is real: new TCP connections to home1's daemon port fail from
+    home2 and from public, while home2 reaches the relay;
+  * home1's dial-back probe concludes "private"; it finds the relay (DHT),
+    reserves, and advertises only its relayed address;
+  * generation through the entry daemon's control API equals the whole
+    model's greedy tokens, and the route's middle hop is home1;
+  * what the public namespace carried does not contain the middle hop's
+    activation bytes, while home2's own loopback (its worker's plaintext
+    gRPC) does carry them -- so the probe bytes are the real ones.
+If namespaces cannot be created the test FAILS and says why.
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from meshd.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
+from relay import harness as H
+from tests._netns import NetnsUnavailable, new_topology, tcp_connects
+
+pytestmark = pytest.mark.netns
+
+CAPTURE_MAX_BYTES = 256 * 1024 * 1024
+START_TIMEOUT_S = 300
+RECORD_TTL_S = 20.0
+PROMPT = "behind the home router the middle layers still answer"
+NEW_TOKENS = 16
+PROBE_BYTES = 32
+
+
+class NsDaemon(LocalDaemon):
+    """``meshd join`` inside a namespace, listening on one given address."""
+
+    def __init__(self, root: Path, name: str, model: Path, *, prefix: list[str], listen: str, layers: str,
+                 bootstrap: list[str]) -> None:
+        self.name = name
+        self.data_dir = root / name
+        self.log = root / f"{name}.log"
+        args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
+                "--listen", listen, "--data-dir", str(self.data_dir), "--record-ttl", str(RECORD_TTL_S),
+                "--reachability", "auto", "--bootstrap", *bootstrap]
+        self._log_file = open(self.log, "w")
+        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(), stdout=self._log_file,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+
+def _start_capture(prefix: list[str], out: Path) -> subprocess.Popen:
+    script = str(Path(__file__).with_name("_netns.py"))
+    proc = subprocess.Popen([*prefix, sys.executable, script, "capture", str(out), str(CAPTURE_MAX_BYTES)],
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not Path(str(out) + ".ready").exists():
+        assert proc.poll() is None, f"capture failed: {proc.stderr.read().decode()}"
+        assert time.monotonic() < deadline, "capture did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def _stop_capture(proc: subprocess.Popen, out: Path) -> bytes:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    return out.read_bytes()
+
+
+def _head_activation_probes(model: Path, ids: list[int]) -> list[bytes]:
+    """Byte slices from inside the hidden states layers [0, 2) hand to the middle hop."""
+    from shard.torch_backend import TorchRangeBackend
+
+    backend = TorchRangeBackend.load(model, 0, 2)
+    hidden = backend.forward(backend.new_cache(len(ids) + 8), np.asarray(ids, dtype=np.int64), effective_start=0)
+    raw = np.ascontiguousarray(hidden, dtype=np.float32).tobytes()
+    return [raw[int(len(raw) * f):int(len(raw) * f) + PROBE_BYTES] for f in (0.3, 0.5, 0.7)]
+
+
+def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
+    import torch
+
+    from meshd.tokenizer import EntryTokenizer
+    from shard.reference import WholeModel
+    from shard.testmodels import build_random_llama
+
+    torch.set_num_threads(1)
+    model = build_random_llama(seed=0)
+    tok = EntryTokenizer(model)
+    ids = tok.encode_prompt(PROMPT, raw=True)
+    expected = WholeModel(model).generate(ids, NEW_TOKENS).tokens
+    cut = next((i for i, t in enumerate(expected) if t in tok.stop_ids), None)
+    expected = expected if cut is None else expected[:cut + 1]
+    probes = _head_activation_probes(model, ids)
+
+    topo = new_topology()
+    relay = None
+    daemons: list[LocalDaemon] = []
+    captures: dict[str, subprocess.Popen] = {}
+    try:
+        try:
+            topo.up()
+        except NetnsUnavailable as exc:
+            pytest.fail(f"cannot build the NAT topology: {exc}")
+        home1, home2 = topo.homes
+        pub_ip = topo.public_ip(1)
+        relay = H.spawn_relay(tmp_path, f"/ip4/{pub_ip}/tcp/4001", prefix=topo.prefix(topo.public))
+        relay_addr = relay.ready["addrs"][0]
+        boot = NsDaemon(tmp_path, "public", model, prefix=topo.prefix(topo.public), listen=f"/ip4/{pub_ip}/tcp/4003",
+                        layers="4:6", bootstrap=[relay_addr])
+        daemons.append(boot)
+        boot_addr = boot.address()
+        middle = NsDaemon(tmp_path, "home1", model, prefix=topo.prefix(home1),
+                          listen=f"/ip4/{topo.home_ip(1)}/tcp/4002", layers="2:4", bootstrap=[relay_addr, boot_addr])
+        entry = NsDaemon(tmp_path, "home2", model, prefix=topo.prefix(home2),
+                         listen=f"/ip4/{topo.home_ip(2)}/tcp/4004", layers="0:2", bootstrap=[relay_addr, boot_addr])
+        daemons += [middle, entry]
+
+        def reach_of(d: LocalDaemon) -> dict | None:
+            s = d.query("status")
+            return s["reachability"] if s and s["reachability"]["verdict"] != "probing" else None
+
+        # The NAT is real: nobody outside home1 opens a connection to its daemon...
+        middle.address()
+        assert not tcp_connects(topo.prefix(home2), topo.home_ip(1), 4002), "home2 reached home1 directly"
+        assert not tcp_connects(topo.prefix(topo.public), topo.home_ip(1), 4002), "public reached home1"
+        # ...while the route to it exists and home2 reaches the relay.
+        assert tcp_connects(topo.prefix(home2), pub_ip, 4001), "home2 cannot reach the relay"
+
+        assert wait_for(lambda: reach_of(boot), "the public daemon's verdict", START_TIMEOUT_S, boot)["verdict"] \
+            == "public"
+        home_reach = wait_for(lambda: (r := reach_of(middle)) and r["relayed_addrs"] and r,
+                              "home1 to hold a relay reservation", START_TIMEOUT_S, middle)
+        assert home_reach["verdict"] == "private" and home_reach["mode"] == "auto", home_reach
+        assert all(f"/p2p/{relay.ready['peer_id']}/p2p-circuit/" in a for a in home_reach["relayed_addrs"])
+
+        def covered():
+            v = entry.swarm()
+            return v if v and v.get("coverage") and v["coverage"]["fully_covered"] and len(v["ads"]) >= 3 else None
+        wait_for(covered, "the entry to see all three ranges", START_TIMEOUT_S, entry)
+
+        captures = {"public": _start_capture(topo.prefix(topo.public), tmp_path / "public.cap"),
+                    "home2": _start_capture(topo.prefix(home2), tmp_path / "home2.cap")}
+        done = None
+        for event in entry.generate(PROMPT, max_tokens=NEW_TOKENS, raw=True):
+            if event.get("done"):
+                done = event
+        carried = {name: _stop_capture(proc, tmp_path / f"{name}.cap") for name, proc in captures.items()}
+        captures = {}
+        assert done is not None
+        middle_id = middle.query("status")["peer_id"]
+        print("route:", done["route"], "tokens:", done["tokens"], "expected:", expected)
+        assert [h.split(":")[0] for h in done["route"]][1] == middle_id
+        assert done["tokens"] == expected
+        assert not done["failovers"]
+
+        assert any(p in carried["home2"] for p in probes), \
+            "the probe bytes are not the activations the entry handled (home2's loopback never carried them)"
+        assert len(carried["public"]) > 10_000, "the public capture saw no relayed traffic"
+        assert not any(p in carried["public"] for p in probes), "activation bytes crossed the relay in clear"
+    finally:
+        for proc in captures.values():
+            proc.kill()
+        for d in reversed(daemons):
+            d.stop()
+        if relay is not None:
+            relay.stop()
+        topo.down()
