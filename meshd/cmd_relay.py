@@ -11,6 +11,8 @@ from meshd.cmd_common import add_config_arguments, fail, first_meshd_error, setu
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
+    parser.add_argument("--advertise-host", help="public IP announced in our DHT relay record when listening on 0.0.0.0")
+    parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our relay record, seconds")
     parser.add_argument("--no-dht", action="store_true", help="relay only; do not serve the DHT")
     parser.add_argument("--ready-file", help="write {peer_id, addrs} as JSON here once serving")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the libp2p and relay details")
@@ -35,7 +37,8 @@ def run(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, {
             "data_dir": args.data_dir, "listen": tuple(args.listen) if args.listen else None,
-            "bootstrap": tuple(args.bootstrap) if args.bootstrap else None})
+            "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
+            "advertise_host": args.advertise_host, "record_ttl_s": args.record_ttl_s})
 
         async def main() -> None:
             async with trio.open_nursery() as nursery:

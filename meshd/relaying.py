@@ -16,7 +16,10 @@
 Sessions arriving over circuits reach our worker through
 ``RelayedSessionServer`` (relay/transport.py); ``serve_worker(endpoint)``
 points it at the worker's current loopback endpoint (a restarted worker
-has a new port) and is called by the daemon for every ready worker.
+has a new port) and is called by the daemon for every ready worker. The
+handler is registered on every node, whatever the verdict: only peers with
+a Noise-authenticated connection reach it, as they would reach the worker's
+TLS port, and a node whose verdict changes needs nothing re-attached.
 
 State owned here: the verdict, the relay candidates, each slot's relayed
 addresses and the current session server. The daemon's Node reads
