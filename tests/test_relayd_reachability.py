@@ -95,3 +95,21 @@ def test_auto_mode_probes_public_on_loopback_and_unknown_alone():
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_reachability_config_flag_and_status_rendering(tmp_path):
+    import pytest
+
+    from meshd.config import load_config
+    from meshd.errors import ConfigError
+    from meshd.status_view import render_status
+
+    assert load_config(None, {"data_dir": tmp_path}).reachability == "auto"
+    assert load_config(None, {"data_dir": tmp_path, "reachability": "private"}).reachability == "private"
+    with pytest.raises(ConfigError, match="reachability"):
+        load_config(None, {"data_dir": tmp_path, "reachability": "sometimes"})
+    relayed = "/ip4/203.0.113.7/tcp/4001/p2p/R/p2p-circuit/p2p/P"
+    text = render_status({"peer_id": "P", "addresses": [], "peers": [], "routing_table": 0, "own": {"layers": None},
+                          "worker": {"state": "none"}, "coverage": {},
+                          "reachability": {"mode": "auto", "verdict": "private", "relayed_addrs": [relayed]}})
+    assert "reachable  private (mode auto)" in text and f"relayed  {relayed}" in text
