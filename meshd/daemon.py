@@ -38,6 +38,7 @@ from meshd.advertiser import Advertiser, claim_from_report
 from meshd.config import DaemonConfig
 from meshd.control import serve_control
 from meshd.errors import DaemonError
+from meshd.relay_dial import LoopPortal, RelayDialer
 from meshd.relaying import Relaying
 from meshd.swarm import Swarm
 from meshd.host import connect_bootstrap, running_host
@@ -88,6 +89,8 @@ class Node:
         self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
                                  on_change=self.refresh_claim, progress=progress)
         self._ready: WorkerReady | None = None
+        # circuits to relayed peers, shared by every generation (remembers relays that failed)
+        self.relay_dialer = RelayDialer(host, LoopPortal.current())
         listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
         self.tls_bind_host = listen_ip
         unspecified = listen_ip in ("0.0.0.0", "::")

@@ -30,7 +30,6 @@ from typing import Awaitable, Callable
 
 import trio
 
-from meshd.relay_dial import LoopPortal, RelayDialer
 from meshd.route_driver import GenerationRequest, SwarmDriver
 from meshd.swarm_routes import AdsRouteSource, PeerConnector
 from proto import shard_runtime_pb2 as pb
@@ -118,9 +117,8 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
                             recipe_digest=claim.runtime_recipe_digest)
-    dialer = RelayDialer(node.host, LoopPortal.current())
     connector = PeerConnector(self_peer_id=me, own_endpoint=node.supervisor.state.endpoint, pins=swarm.pins,
-                              relay_dialer=dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
+                              relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, connector, fingerprint=fingerprint, on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],

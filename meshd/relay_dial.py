@@ -20,8 +20,9 @@ rebuilds the hop on the SAME peer (its route, hence its output, unchanged)
 and ``channel`` dials through the next relay. A peer that is really gone
 fails every relay and is then avoided like any failed peer.
 
-State (guarded by one lock; the driver thread and the watchdog share it):
-failed relays with their expiry, and per peer the circuit in use.
+State (guarded by one lock: one dialer per daemon, shared by the driver
+threads of concurrent generations): failed relays with their expiry, and per
+peer the circuit in use, the relay it went through and the relays offered.
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ class RelayDialer:
         self._failed: dict[str, float] = {}          # relay peer id -> skip until (clock)
         self._circuits: dict[str, tuple[str, object]] = {}   # peer id -> (relay peer id, connection)
         self._offered: dict[str, tuple[str, ...]] = {}       # peer id -> relays it advertised
+        self._last_relay: dict[str, str] = {}                 # peer id -> relay of its latest circuit
 
     def relay_failed_recently(self, relay_peer_id: str) -> bool:
         with self._lock:
@@ -160,6 +162,7 @@ class RelayDialer:
                 continue
             with self._lock:
                 self._circuits[peer_id] = (relay_id, conn)
+                self._last_relay[peer_id] = relay_id
             return CircuitChannel(self.portal, self.host, conn)
         raise HopFailure(0, peer_id, "no relay reaches the peer (" + ("; ".join(tried) or "no relayed address")
                          + ")")
@@ -167,23 +170,34 @@ class RelayDialer:
     def retry_same_peer(self, peer_id: str) -> bool:
         """The hop to ``peer_id`` failed. If its relay is gone (our connection to it closed: the
         circuit rides on it), remember the relay as failed and return True when another
-        advertised relay is left; if the relay is alive the peer is to blame (False)."""
+        advertised relay is left; if the relay is alive the peer is to blame (False).
+
+        One dialer serves every generation of the daemon: when two generations lose the same
+        circuit, the second one finds it already handled and gets the same answer."""
         with self._lock:
-            held = self._circuits.pop(peer_id, None)
+            held = self._circuits.get(peer_id)
+            last = self._last_relay.get(peer_id)
         if held is None:
-            return False
+            return last is not None and self.relay_failed_recently(last) and self._other_relay_left(peer_id, last)
         relay_id, conn = held
         try:
-            self.portal.run(_close, conn)
-            relay_alive = self.portal.run(_still_connected, self.host, conn, relay_id)
+            relay_alive = self.portal.run(_still_connected, self.host, relay_id)
+            if not relay_alive:
+                self.portal.run(_close, conn)
         except RelayError:
             return False
         if relay_alive:
             return False
         self.mark_failed(relay_id)
         with self._lock:
+            if self._circuits.get(peer_id) is held:
+                del self._circuits[peer_id]
+        return self._other_relay_left(peer_id, relay_id)
+
+    def _other_relay_left(self, peer_id: str, failed_relay: str) -> bool:
+        with self._lock:
             offered = self._offered.get(peer_id, ())
-        return any(r != relay_id and not self.relay_failed_recently(r) for r in offered)
+        return any(r != failed_relay and not self.relay_failed_recently(r) for r in offered)
 
 
 # A relay's death closes our connection to it at once (TCP reset or EOF); allow the
@@ -191,7 +205,7 @@ class RelayDialer:
 RELAY_DEATH_GRACE_S = 1.0
 
 
-async def _still_connected(host, conn, relay_id: str) -> bool:
+async def _still_connected(host, relay_id: str) -> bool:
     from libp2p.peer.id import ID
 
     relay = ID.from_base58(relay_id)

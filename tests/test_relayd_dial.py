@@ -79,6 +79,8 @@ def test_dialer_uses_the_first_live_relay_blames_the_relay_only_when_it_died():
                     scope_a.cancel()
                     assert await trio.to_thread.run_sync(connector.retry_same_peer, home_id)
                     assert dial.relay_failed_recently(relay_a_id)
+                    # a second generation that lost the same circuit gets the same answer
+                    assert await trio.to_thread.run_sync(connector.retry_same_peer, home_id)
                     assert await trio.to_thread.run_sync(again) == [ECHO_PREFIX + b"three"]
                     assert dial._circuits[home_id][0] == relay_b_id
 
