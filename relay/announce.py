@@ -53,8 +53,10 @@ def public_addrs(listen_addrs: Iterable[str], peer_id: str, advertise_host: str 
 
 async def announce_relay(identity: Identity, addrs: Callable[[], Sequence[str]], publish: Publish, *,
                          ttl_s: float, wall_ms: Callable[[], int],
+                         on_published: Callable[[RelayRecord, int], None] = lambda record, acks: None,
                          task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Publish our relay record now and every ``ttl_s / 3`` until cancelled."""
+    """Publish our relay record now and every ``ttl_s / 3`` until cancelled;
+    ``on_published(record, acks)`` after each publish that completed."""
     interval = ttl_s / 3.0
     ttl_ms = int(ttl_s * 1000)
     key = identity.signing_key
@@ -71,6 +73,7 @@ async def announce_relay(identity: Identity, addrs: Callable[[], Sequence[str]],
                 try:
                     acked = await publish(record)
                     log.info("relay record %d published (%d acks)", last, acked)
+                    on_published(record, acked)
                 except Exception as exc:  # noqa: BLE001 - DHT errors of every kind: retry soon
                     log.warning("publishing the relay record failed: %s", exc)
                     delay = RETRY_S

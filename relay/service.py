@@ -60,6 +60,9 @@ def render_relay_status(s: dict) -> str:
              f"  circuits: {r['circuits_active']} active / {r['limits']['circuits_total']}, "
              f"{r['circuits_opened']} opened, refused: {refused}",
              f"  bytes forwarded: {r['bytes_forwarded']}"]
+    announced = s.get("announced")
+    lines.append(f"  DHT relay record: seq {announced['sequence']}, {announced['acks']} remote stores acked"
+                 if announced else "  DHT relay record: not published (no public address or no DHT)")
     return "\n".join(lines) + "\n"
 
 
@@ -71,6 +74,11 @@ class RelayNode:
         self.host = host
         self.hop = hop
         self.dht = dht
+        self.announced: dict | None = None   # the relay record last published (status)
+
+    def on_announced(self, record, acks: int) -> None:
+        self.announced = {"sequence": record.sequence, "addrs": list(record.addrs), "acks": acks,
+                          "expires_at_ms": record.expires_at_ms}
 
     def addrs(self) -> list[str]:
         return [str(a) for a in self.host.get_addrs()]
@@ -80,7 +88,7 @@ class RelayNode:
             return {"peer_id": self.peer_id}
         return {"mode": "relay", "peer_id": self.peer_id, "addrs": self.addrs(),
                 "dht_routing_table": self.dht.routing_table_size() if self.dht else None,
-                "relay": relay_status(self.hop, self.host)}
+                "relay": relay_status(self.hop, self.host), "announced": self.announced}
 
     async def peer_sync(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -120,7 +128,8 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
                         await nursery.start(partial(
                             announce_relay, identity,
                             lambda: public_addrs(node.addrs(), identity.peer_id, config.advertise_host),
-                            dht.publish_relay, ttl_s=config.record_ttl_s, wall_ms=_wall_ms))
+                            dht.publish_relay, ttl_s=config.record_ttl_s, wall_ms=_wall_ms,
+                            on_published=node.on_announced))
                     if control:
                         await nursery.start(serve_control, config.control_socket, node.handle)
                     progress(f"relaying: up to {limits.circuits_total} circuits, "

@@ -69,6 +69,8 @@ def test_a_private_node_finds_relays_in_the_dht_and_holds_two_reservations(tmp_p
                 status = part.status()
                 assert status["verdict"] == "private" and len(status["relayed_addrs"]) == 2
                 await wait_for(lambda: all(r.hop.snapshot()["reservations_active"] == 1 for r in relays))
+                status = await relays[0].handle({"op": "status"})
+                assert status["announced"]["addrs"] == [relays[0].addrs()[0]]
                 nursery.cancel_scope.cancel()
                 outer.cancel_scope.cancel()
 

@@ -153,7 +153,7 @@ def test_public_addrs_drop_unspecified_unless_advertised():
 
 
 def test_announce_republishes_with_rising_sequence_on_a_fake_clock():
-    published = []
+    published, reported = [], []
 
     async def publish(r):
         published.append((trio.current_time(), r))
@@ -163,7 +163,8 @@ def test_announce_republishes_with_rising_sequence_on_a_fake_clock():
         wall = lambda: NOW + int(trio.current_time() * 1000)  # noqa: E731
         async with trio.open_nursery() as nursery:
             await nursery.start(lambda task_status: announce_relay(
-                A, lambda: [addr(A)], publish, ttl_s=30.0, wall_ms=wall, task_status=task_status))
+                A, lambda: [addr(A)], publish, ttl_s=30.0, wall_ms=wall,
+                on_published=lambda r, acks: reported.append((r.sequence, acks)), task_status=task_status))
             await trio.sleep(25)
             nursery.cancel_scope.cancel()
 
@@ -172,6 +173,7 @@ def test_announce_republishes_with_rising_sequence_on_a_fake_clock():
     seqs = [r.sequence for _, r in published]
     assert seqs == sorted(set(seqs))
     assert all(r.addrs == (addr(A),) for _, r in published)
+    assert reported == [(s, 1) for s in seqs]
 
 
 def test_a_relay_record_published_on_one_node_is_listed_by_the_others():
