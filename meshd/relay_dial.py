@@ -44,6 +44,12 @@ __all__ = ["LoopPortal", "RelayDialer", "CircuitChannel", "FAILED_RELAY_MEMORY_S
 # A relay that failed is skipped for this long: long enough to finish the
 # generation on another relay, short enough that a restarted relay is used again.
 FAILED_RELAY_MEMORY_S = 120.0
+# A relay's death closes our connection to it at once (TCP reset or EOF); allow the
+# swarm this long to notice before we conclude the relay is alive.
+RELAY_DEATH_GRACE_S = 1.0
+# Relayed peers (and relays) whose state we remember; a home swarm has far fewer.
+# Beyond it the oldest entries are forgotten (a forgotten relay is simply tried again).
+MAX_TRACKED_PEERS = 1024
 # Multistream negotiation of the session protocol on a live circuit (seconds, int for the library).
 NEGOTIATE_TIMEOUT_S = 10
 
@@ -143,6 +149,9 @@ class RelayDialer:
         with self._lock:
             self._offered[peer_id] = tuple(dict.fromkeys(t[0] for t in targets))
             held = self._circuits.get(peer_id)
+            for table in (self._failed, self._offered, self._last_relay, self._circuits):
+                while len(table) > MAX_TRACKED_PEERS:
+                    table.pop(next(iter(table)))
         if held is not None and not getattr(held[1], "is_closed", True) \
                 and not self.relay_failed_recently(held[0]):
             return CircuitChannel(self.portal, self.host, held[1])
@@ -198,11 +207,6 @@ class RelayDialer:
         with self._lock:
             offered = self._offered.get(peer_id, ())
         return any(r != failed_relay and not self.relay_failed_recently(r) for r in offered)
-
-
-# A relay's death closes our connection to it at once (TCP reset or EOF); allow the
-# swarm this long to notice before we conclude the relay is alive.
-RELAY_DEATH_GRACE_S = 1.0
 
 
 async def _still_connected(host, relay_id: str) -> bool:

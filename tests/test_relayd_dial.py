@@ -103,3 +103,20 @@ def test_connector_without_a_dialer_refuses_relayed_hops_and_skips_bad_addresses
     with pytest.raises(HopFailure, match="no relayed address"):
         dial.channel("12D3KooWpeer", ["/ip4/1.2.3.4/tcp/1", "not a multiaddr"])
     assert not dial.retry_same_peer("12D3KooWpeer")
+
+
+def test_failed_relays_are_forgotten_after_the_memory_and_tables_stay_bounded():
+    from meshd.relay_dial import MAX_TRACKED_PEERS
+
+    now = [0.0]
+    dial = RelayDialer(host=None, portal=None, clock=lambda: now[0], memory_s=120.0)
+    dial.mark_failed("relay-x")
+    now[0] = 119.9
+    assert dial.relay_failed_recently("relay-x")
+    now[0] = 120.0
+    assert not dial.relay_failed_recently("relay-x")
+    for i in range(MAX_TRACKED_PEERS + 50):
+        dial.mark_failed(f"relay-{i}")
+    with pytest.raises(HopFailure):
+        dial.channel("12D3KooWpeer", [])
+    assert len(dial._failed) <= MAX_TRACKED_PEERS
