@@ -2,8 +2,9 @@
 
     parse_request / parse_response   bytes -> pb message. Before protobuf parses: the
                                      size, exactly one top-level field, and either a
-                                     bounded wire scan (tensor frames, proto.wirescan)
-                                     or the small control-frame bound. Protobuf errors
+                                     bounded wire scan (tensor frames over
+                                     MAX_UNSCANNED_FRAME_BYTES, proto.wirescan) or the
+                                     small-frame bound. Protobuf errors
                                      map to PayloadCorrupt; then structural checks
                                      (a kind is set, schema versions, counts)
     encode_frame                     body -> 4-byte big-endian length || body
@@ -22,7 +23,7 @@ from google.protobuf.message import DecodeError
 
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolViolation, VersionUnsupported
-from proto.limits import DEFAULT_LIMITS, MAX_CONTROL_FRAME_BYTES, MAX_FRAME_BYTES, Limits
+from proto.limits import DEFAULT_LIMITS, MAX_CONTROL_FRAME_BYTES, MAX_FRAME_BYTES, MAX_UNSCANNED_FRAME_BYTES, Limits
 from proto.wirescan import REQUEST, RESPONSE, TENSOR_FIELDS, scan, top_level_field
 
 __all__ = ["SCHEMA_VERSION", "PREFIX_BYTES", "parse_request", "parse_response", "encode_frame",
@@ -55,7 +56,7 @@ def _parse(message, data, limits: Limits, what: str, top: int, scanned: bool = F
     if first[2] != len(data):
         raise ProtocolViolation(f"{what} must carry exactly one message kind")
     if first[0] in TENSOR_FIELDS[top]:
-        if not scanned:
+        if not scanned and len(data) > MAX_UNSCANNED_FRAME_BYTES:
             scan(data, top, limits)        # bounds element counts before protobuf allocates
     elif len(data) > MAX_CONTROL_FRAME_BYTES:
         raise LimitExceeded(f"{what} without tensors of {len(data)} bytes "

@@ -68,6 +68,11 @@ MAX_ZSTD_WINDOW_BYTES = 8 * MIB
 # per-element allocation (e.g. a packed repeated enum: 4 bytes per input byte)
 # far from memory trouble.
 MAX_CONTROL_FRAME_BYTES = 64 * KIB
+# The same bound makes a small tensor frame (a decode step: a few KiB) safe to
+# hand to protobuf without the Python wire scan (proto.wirescan): at most
+# ~32 k elements of a few dozen bytes each, a couple of MiB at worst; the
+# tensor decoder then checks every count and size before it allocates.
+MAX_UNSCANNED_FRAME_BYTES = MAX_CONTROL_FRAME_BYTES
 
 # Signed DHT records: a capability payload with a few addresses is < 1 KiB;
 # 16 KiB bounds what a record can make a validator parse.

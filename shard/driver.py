@@ -37,7 +37,7 @@ from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
 from proto.frames import parse_response
-from proto.tensors import decode_bundle, encode_tensor
+from proto.tensors import decode_bundle
 from proto.zerocopy import read_response
 from shard.artifact import fingerprints_match
 from shard.backend import LayerRange
@@ -150,7 +150,8 @@ class RouteDriver:
     def __init__(self, hops: Sequence[Hop], *, fingerprint: pb.Fingerprint | None = None,
                  channel_factory: Callable[[str], grpc.Channel] = _default_channel,
                  chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS, session_id: str | None = None,
-                 epoch: int = 0, max_tokens: int = 0, stream_timeout_s: float = DEFAULT_STREAM_TIMEOUT_S) -> None:
+                 epoch: int = 0, max_tokens: int = 0, stream_timeout_s: float = DEFAULT_STREAM_TIMEOUT_S,
+                 tail_logits: bool = True) -> None:
         if not hops:
             raise ValueError("a route needs at least one hop")
         if hops[0].effective_start != 0 or not hops[-1].layer_range.is_tail:
@@ -163,6 +164,10 @@ class RouteDriver:
         self.session_id = session_id or uuid.uuid4().hex
         self.epoch = epoch
         self.max_tokens = max_tokens
+        # True: the tail returns its logits row and the driver picks the token (and
+        # GenerationResult.logits is filled). False: the tail samples and returns only
+        # the token id (4 bytes instead of vocab x 4 per step).
+        self.tail_logits = tail_logits
         self._channel_factory = channel_factory
         self._timeout = stream_timeout_s
         self._streams: list[_HopStream] = []
@@ -190,12 +195,19 @@ class RouteDriver:
             found = report.fingerprint
         return found
 
-    def _open(self, max_tokens: int) -> None:
+    def _tail_options(self, sampling: SamplingSpec | None) -> pb.TailOptions:
+        if self.tail_logits:
+            return pb.TailOptions(return_logits=True)
+        spec = sampling or SamplingSpec()
+        return pb.TailOptions(sample=True, sampling=pb.SamplingParams(
+            temperature=spec.temperature, top_k=spec.top_k, top_p=spec.top_p, seed=spec.seed))
+
+    def _open(self, max_tokens: int, sampling: SamplingSpec | None = None) -> None:
         for i, hop in enumerate(self.hops):
             stream = _HopStream(i, hop, self._channel_factory(hop.endpoint), self._timeout)
             self._streams.append(stream)
             lr = hop.layer_range
-            tail = pb.TailOptions(return_logits=True) if lr.is_tail else None
+            tail = self._tail_options(sampling) if lr.is_tail else None
             stream.send(pb.SessionRequest(open=pb.SessionOpen(
                 schema_version=SCHEMA_VERSION, route_session_id=self.session_id, route_epoch=self.epoch,
                 fingerprint=self.fingerprint,
@@ -217,7 +229,7 @@ class RouteDriver:
         self._step += 1
         return self._step
 
-    def _prefill_chunk(self, ids: np.ndarray, first: int, index: int, count: int) -> np.ndarray:
+    def _prefill_chunk(self, ids: np.ndarray, first: int, index: int, count: int) -> dict[str, np.ndarray]:
         x, step = ids, self._next_step()
         for stream in self._streams:
             hop = stream.hop
@@ -232,24 +244,19 @@ class RouteDriver:
                 chunk=pb.ChunkInfo(chunk_index=index, chunk_count=count, final_chunk=index == count - 1))
             stream.send(wire.request_chunk(env, {TOKEN_IDS if hop.effective_start == 0 else HIDDEN: x}))
             _, tensors = stream.recv()
-            x = tensors[LOGITS] if hop.layer_range.is_tail else tensors[HIDDEN]
+            x = tensors if hop.layer_range.is_tail else tensors[HIDDEN]
             stream.past_len = first + len(ids)
         return x
 
-    def _decode_one(self, token: int, position: int) -> np.ndarray:
+    def _decode_one(self, token: int, position: int) -> dict[str, np.ndarray]:
         x, step = np.array([token], dtype=np.int64), self._next_step()
         head = pb.DecodeStep(idempotency_step=step, position=position, expected_past_len=position)
         for stream in self._streams:
             name = TOKEN_IDS if stream.hop.effective_start == 0 else HIDDEN
-            if x.nbytes > SMALL_FRAME_BYTES:
-                stream.send(wire.request_decode(head, name, x))
-            else:
-                msg = pb.DecodeStep(idempotency_step=step, position=position, expected_past_len=position,
-                                    tensor=encode_tensor(name, x))
-                stream.send(pb.SessionRequest(decode=msg).SerializeToString())
+            stream.send(wire.request_decode(head, name, x))
             resp, tensors = stream.recv()
             stream.execution_ns += resp.decode.execution_nanos
-            x = tensors[LOGITS] if stream.hop.layer_range.is_tail else tensors[HIDDEN]
+            x = tensors if stream.hop.layer_range.is_tail else tensors[HIDDEN]
             stream.past_len = position + 1
         return x
 
@@ -261,27 +268,41 @@ class RouteDriver:
         if not prompt_ids or max_new_tokens < 1:
             raise ValueError("need a non-empty prompt and max_new_tokens >= 1")
         pick = Sampler(sampling) if sampling is not None else greedy_token
-        self._open(self.max_tokens or len(prompt_ids) + max_new_tokens)
+        self._open(self.max_tokens or len(prompt_ids) + max_new_tokens, sampling)
         ids = np.asarray(prompt_ids, dtype=np.int64)
         plan = plan_prefill_chunks(len(ids), self.chunk_tokens)
         result = GenerationResult(tokens=[], logits=[])
         t0 = time.perf_counter()
         for index, (first, count) in enumerate(plan):
-            logits = self._prefill_chunk(ids[first:first + count], first, index, len(plan))
+            out = self._prefill_chunk(ids[first:first + count], first, index, len(plan))
         result.prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         position = len(ids)
         while True:
-            result.logits.append(np.array(logits, dtype=np.float32))
-            token = pick(logits)
+            token = self._token_of(out, pick, result)
             result.tokens.append(token)
             if len(result.tokens) >= max_new_tokens or token in stop_ids:
                 break
-            logits = self._decode_one(token, position)
+            out = self._decode_one(token, position)
             position += 1
         result.decode_s = time.perf_counter() - t0
         result.hop_execution_ns = [s.execution_ns for s in self._streams]
         return result
+
+    def _token_of(self, out: dict[str, np.ndarray], pick, result: GenerationResult) -> int:
+        """The next token from the tail's answer (its logits, or the token it sampled)."""
+        if not self.tail_logits:
+            ids = out.get(TOKEN_IDS)
+            if ids is None or ids.shape != (1,):
+                raise HopError(len(self.hops) - 1, pb.ShardError(code=pb.ERROR_CODE_PROTOCOL_VIOLATION,
+                                                                 detail="the tail sent no sampled token"))
+            return int(ids[0])
+        logits = out.get(LOGITS)
+        if logits is None:
+            raise HopError(len(self.hops) - 1, pb.ShardError(code=pb.ERROR_CODE_PROTOCOL_VIOLATION,
+                                                             detail="the tail sent no logits"))
+        result.logits.append(np.array(logits, dtype=np.float32))
+        return pick(logits)
 
     def close(self) -> None:
         """Release every hop's session (best effort) and close the streams."""

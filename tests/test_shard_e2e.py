@@ -199,3 +199,19 @@ def test_budget_refusal_with_retry_hint(workers):
     holder.close()
     health = unary(workers[0].endpoint, "Health", pb.HealthRequest(), pb.HealthReport)
     assert health.kv_tokens_used == used  # released at once
+
+
+def test_tail_sampling_returns_the_same_tokens_as_driver_side_picking(model, workers):
+    """tail_logits=False: the tail picks (greedy, and seeded sampling) and sends only the
+    token id; the tokens equal the driver picking from the tail's logits."""
+    from shard.sampling import SamplingSpec
+
+    hops = hops_for(workers, SPECS, 6)
+    for sampling in (None, SamplingSpec(temperature=0.8, top_k=20, seed=11)):
+        with RouteDriver(hops, chunk_tokens=16) as driver:
+            by_logits = driver.generate(PROMPT, 12, sampling=sampling)
+        with RouteDriver(hops, chunk_tokens=16, tail_logits=False) as driver:
+            by_tail = driver.generate(PROMPT, 12, sampling=sampling)
+        assert by_tail.tokens == by_logits.tokens, sampling
+        assert by_tail.logits == [] and len(by_logits.logits) == 12
+        assert len(PROMPT) > 16  # several prefill chunks: only the final one samples

@@ -10,13 +10,19 @@ Default model: SmolLM2-135M-Instruct dequantized to fp32 (``shard.testmodels``),
 Every configuration runs the same prompt (chunked prefill, 128 tokens per
 chunk) and greedy decode; rounds alternate between configurations and the
 best round of each is kept, so load from other processes hurts all alike.
-Torch threads are equal everywhere (``THREADS``).
+Torch threads are equal everywhere (``THREADS``). Timed split rounds run as a
+user's generation does: the tail picks the token and sends only its id. One
+more pass per split then asks the tail for its logits too, for
+``max_abs_logit_diff``; its tokens must match as well.
 
 Reported: ``tokens_equal`` / ``max_abs_logit_diff`` (2 and 3 workers against
 the whole model), ``decode_ratio_2|3`` and ``prefill_ratio_2|3`` (tokens/s
 split / whole), ``per_hop_overhead_ms`` (decode: wall time per step minus the
 hops' own execution time, per hop), ``per_hop_overhead_vs_whole_ms`` (split
-step minus whole step, per hop), and ``half_range_rss_ratio``: resident
+step minus whole step, per hop), the machine's round-trip floors measured in
+the same run (``meshd.benchmarks.hopfloor``: a bare gRPC stream and a raw
+socket whose peer holds for the hops' execution time) and
+``per_hop_overhead_above_grpc_floor_ms``, and ``half_range_rss_ratio``: resident
 memory above a bare python+torch+transformers process of a worker holding the
 middle half of the layers, divided by the same for a whole-model worker.
 """
@@ -31,6 +37,8 @@ import sys
 # and equal settings keep the ratios honest.
 THREADS = 1
 CHUNK_TOKENS = 128
+# A decode step's hidden-row frame for SmolLM2 (576 fp32 + headers), for the floor echo.
+FLOOR_FRAME_BYTES = 576 * 4 + 64
 PROMPT_TEXT = ("A shard is a contiguous range of transformer layers. Each home machine serves one range, "
                "and activations travel from node to node until the last one picks the next token. ")
 
@@ -108,13 +116,18 @@ def run(quick: bool = False, progress=None) -> dict:
             best["whole_prefill"] = min(best["whole_prefill"], res.prefill_s)
             for n, specs in configs.items():
                 _say(progress, f"round {r + 1}/{rounds}: {n} workers")
-                with RouteDriver(_route(workers[n], specs, num_layers), chunk_tokens=CHUNK_TOKENS) as driver:
+                with RouteDriver(_route(workers[n], specs, num_layers), chunk_tokens=CHUNK_TOKENS,
+                                 tail_logits=False) as driver:
                     res = driver.generate(prompt, new_tokens)
                 key = f"split{n}"
                 if key not in best or res.decode_s < best[key].decode_s:
                     best[key] = res
                 best.setdefault(f"{key}_prefill", res.prefill_s)
                 best[f"{key}_prefill"] = min(best[f"{key}_prefill"], res.prefill_s)
+        for n, specs in configs.items():
+            _say(progress, f"logits pass: {n} workers")
+            with RouteDriver(_route(workers[n], specs, num_layers), chunk_tokens=CHUNK_TOKENS) as driver:
+                best[f"logits{n}"] = driver.generate(prompt, new_tokens)
     finally:
         for ws in workers.values():
             for w in ws:
@@ -128,9 +141,9 @@ def run(quick: bool = False, progress=None) -> dict:
         "whole_prefill_tok_s": len(prompt) / best["whole_prefill"],
     }
     for n in configs:
-        res = best[f"split{n}"]
-        diff = max(float(np.abs(a - b).max()) for a, b in zip(res.logits, ref.logits))
-        out[f"tokens_equal_{n}"] = res.tokens == ref.tokens
+        res, checked = best[f"split{n}"], best[f"logits{n}"]
+        diff = max(float(np.abs(a - b).max()) for a, b in zip(checked.logits, ref.logits))
+        out[f"tokens_equal_{n}"] = res.tokens == ref.tokens == checked.tokens
         out[f"max_abs_logit_diff_{n}"] = diff
         out[f"decode_tok_s_{n}"] = steps / res.decode_s
         out[f"decode_ratio_{n}"] = ref.decode_s / res.decode_s
@@ -141,6 +154,13 @@ def run(quick: bool = False, progress=None) -> dict:
     out["tokens_equal"] = bool(out["tokens_equal_2"] and out["tokens_equal_3"])
     out["max_abs_logit_diff"] = max(out["max_abs_logit_diff_2"], out["max_abs_logit_diff_3"])
     out["per_hop_overhead_ms"] = out["per_hop_overhead_ms_2"]
+    from meshd.benchmarks import hopfloor
+
+    res2 = best["split2"]
+    hold_ms = sum(res2.hop_execution_ns) / 1e6 / steps / 2
+    _say(progress, f"round-trip floors (peer holds {hold_ms:.1f} ms, like a hop)")
+    out.update(hopfloor.measure(hold_ms, FLOOR_FRAME_BYTES, rounds=40 if quick else 100))
+    out["per_hop_overhead_above_grpc_floor_ms"] = out["per_hop_overhead_ms"] - out["grpc_round_trip_floor_ms"]
     out.update(_memory(path, progress))
     return out
 
