@@ -28,6 +28,7 @@ import trio
 
 from proto import shard_runtime_pb2 as pb
 from proto.limits import MAX_FRAME_BYTES
+from relay import trace
 from relay.errors import WorkerUnavailable
 
 __all__ = ["SESSION_METHOD", "BRIDGE_QUEUE_FRAMES", "open_worker_channel", "WorkerSession"]
@@ -98,6 +99,7 @@ class WorkerSession:
                 self._token.run_sync_soon(self._credits.release)
             except trio.RunFinishedError:
                 return
+            trace.mark("h.iter_yield")
             yield item
 
     async def _run_pump(self) -> None:
@@ -107,6 +109,7 @@ class WorkerSession:
         outcome: object = None
         try:
             for body in self._call:
+                trace.mark("h.pump_got")
                 trio.from_thread.run(self._send_resp.send, body, trio_token=self._token)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:

@@ -28,6 +28,7 @@ import trio
 from libp2p.peer.id import ID
 
 from proto.errors import ProtocolError
+from relay import trace
 from relay.errors import RelayError, RelayUnreachable
 from relay.transport import RelayedFrameChannel, open_session_channel
 
@@ -120,6 +121,7 @@ class _RelayedCall:
             for body in requests:
                 if self._done:
                     return
+                trace.mark("e.pump_got")
                 self._portal.run(self._channel.send, body)
             self._sent_all = True
             self._portal.run(self._channel.close)
@@ -144,6 +146,7 @@ class _RelayedCall:
                 # have come before): the circuit or the relay went away.
                 raise RelayedRpcError(RelayUnreachable("the relayed stream ended before our half-close"))
             raise StopIteration
+        trace.mark("e.next_return")
         return body
 
     def cancel(self) -> None:

@@ -30,6 +30,7 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
 
 from proto.errors import ProtocolError
+from relay import trace
 from relay.bridge import WorkerSession, open_worker_channel
 from relay.errors import RelayUnreachable, WorkerUnavailable
 from relay.framing import ByteBudget, FramedStream, RELAYED_MAX_FRAME_BYTES
@@ -53,8 +54,9 @@ class RelayedFrameChannel:
     """Send and receive whole frame bodies on one libp2p stream (either side)."""
 
     def __init__(self, stream, *, budget: ByteBudget | None = None,
-                 max_frame_bytes: int = RELAYED_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = RELAYED_MAX_FRAME_BYTES, side: str = "") -> None:
         self._stream = stream
+        self._side = side       # "e" (entry) / "h" (home) names this end in relay.trace marks
         self._core = FramedStream(max_frame_bytes)
         self._budget = budget
         self._held = 0          # budget bytes taken for the partial frame being read
@@ -71,6 +73,8 @@ class RelayedFrameChannel:
                 await self._stream.write(data)
             except Exception as exc:  # reset / closed connection
                 raise RelayUnreachable(f"relayed stream closed while sending: {exc}") from exc
+        if trace.ENABLED and self._side:
+            trace.mark(self._side + ".write_done")
 
     async def receive(self) -> bytes | None:
         """The next frame body; None when the far side ended the stream.
@@ -82,6 +86,8 @@ class RelayedFrameChannel:
             body = self._core.next_frame()
             if body is not None:
                 self._give_back()
+                if trace.ENABLED and self._side:
+                    trace.mark(self._side + ".read_done")
                 return body
             want = self._core.read_size()
             try:
@@ -132,7 +138,7 @@ async def open_session_channel(host, peer_id) -> RelayedFrameChannel:
             stream = await host.new_stream(peer_id, [SESSION_PROTOCOL])
         except Exception as exc:
             raise RelayUnreachable(f"cannot open a session stream to {peer_id}: {exc}") from exc
-        return RelayedFrameChannel(stream)
+        return RelayedFrameChannel(stream, side="e")
     raise RelayUnreachable(f"no session stream to {peer_id} within {OPEN_STREAM_TIMEOUT_S:g} s")
 
 
@@ -160,7 +166,7 @@ class RelayedSessionServer:
             await _reset(stream)
             return
         self.active += 1
-        channel = RelayedFrameChannel(stream, budget=self.budget)
+        channel = RelayedFrameChannel(stream, budget=self.budget, side="h")
         try:
             await self._serve(channel)
             self.served += 1
