@@ -175,7 +175,8 @@ def drive(spec: dict, on_sent=None) -> dict:
     {"hops": [{"endpoint": "127.0.0.1:P" | "p2p:<peer id>", "start", "end", "num_layers"}],
      "relayed": {"<peer id>": "<relayed multiaddr>"},
      "prompt": [ids], "max_new_tokens": n, "chunk_tokens": c}
-    Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "sent_bodies_hex"}.
+    Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "hop_execution_ns" (decode compute
+    per hop, as the workers report it), "sent_bodies_hex"}.
     ``on_sent(n)`` is called as the n-th request body leaves for a relayed hop (fault injection).
     """
 
@@ -210,6 +211,7 @@ def drive(spec: dict, on_sent=None) -> dict:
             result = driver.generate(spec["prompt"], spec["max_new_tokens"])
     return {"tokens": result.tokens, "logits": [l.tolist() for l in result.logits],
             "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "hop_execution_ns": list(result.hop_execution_ns),
             "sent_bodies_hex": [b.hex() for b in sent]}
 
 

@@ -10,10 +10,12 @@ machine, so marks of the entry and the home node line up;
 
 Marks (in path order of one request and its response):
     e.pump_got     entry: the pump thread took a request from the driver's iterator
+    e.trio_got     entry: the request reached the trio loop (thread hand-off)
     e.write_done   entry: the request's bytes were written to the libp2p stream
     h.read_done    home:  the whole request frame was read from the libp2p stream
-    h.iter_yield   home:  grpc's request iterator handed it to gRPC (bridge)
+    h.iter_yield   home:  the bridge hands it to gRPC (in the bridge's loop thread)
     h.pump_got     home:  the worker's response came out of the gRPC call
+    h.trio_got     home:  the response reached the trio loop (thread hand-off)
     h.write_done   home:  the response's bytes were written to the libp2p stream
     e.read_done    entry: the whole response frame was read in trio
     e.next_return  entry: the driver thread got the response
@@ -97,8 +99,8 @@ def _after(values: list[int], t: int) -> int | None:
 def breakdown(directory: str | Path, *, last: int) -> dict[str, float]:
     """Median milliseconds per segment over the ``last`` request/response pairs."""
     s = _load(Path(directory))
-    need = ("e.pump_got", "e.write_done", "h.read_done", "h.iter_yield", "h.pump_got", "h.write_done",
-            "e.read_done", "e.next_return")
+    need = ("e.pump_got", "e.trio_got", "e.write_done", "h.read_done", "h.iter_yield", "h.pump_got",
+            "h.trio_got", "h.write_done", "e.read_done", "e.next_return")
     if any(name not in s for name in need):
         return {}
     segments: dict[str, list[float]] = {}

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from relay import trace
 
-PATH = ("e.pump_got", "e.write_done", "h.read_done", "h.iter_yield", "h.pump_got", "h.write_done",
-        "e.read_done", "e.next_return")
+PATH = ("e.pump_got", "e.trio_got", "e.write_done", "h.read_done", "h.iter_yield", "h.pump_got",
+        "h.trio_got", "h.write_done", "e.read_done", "e.next_return")
 
 
 def _write(tmp_path, pid, marks):
@@ -22,10 +22,10 @@ def test_breakdown_pairs_requests_with_the_responses_that_follow(tmp_path):
     _write(tmp_path, 1, entry)
     _write(tmp_path, 2, home)
     got = trace.breakdown(tmp_path, last=3)
-    assert got["e.pump_got->e.write_done"] == 2.0      # median of 1, 2, 3 ms
-    assert got["total"] == 14.0
+    assert got["e.pump_got->e.trio_got"] == 2.0        # median of 1, 2, 3 ms
+    assert got["total"] == 18.0
     assert set(got) == {f"{a}->{b}" for a, b in zip(PATH, PATH[1:])} | {"total"}
-    assert trace.breakdown(tmp_path, last=1)["total"] == 21.0
+    assert trace.breakdown(tmp_path, last=1)["total"] == 27.0
 
 
 def test_breakdown_is_empty_without_both_sides(tmp_path):

@@ -112,11 +112,14 @@ def run(quick: bool, progress=None) -> dict:
         _say(progress, "traced relayed decode (breakdown)")
         trace.enable(trace_dir)
         try:
-            H.drive({**routes["relayed"], "prompt": short, "max_new_tokens": decode_tokens})
+            traced = H.drive({**routes["relayed"], "prompt": short, "max_new_tokens": decode_tokens})
         finally:
             trace.disable()
         home.stop()                 # writes its marks at exit
         breakdown = trace.breakdown(trace_dir, last=decode_tokens - 1)
+        if breakdown:
+            # Inside h.iter_yield->h.pump_got: the worker's own compute, as it reports it.
+            breakdown["worker_execution_mean"] = round(traced["hop_execution_ns"][-1] / decode_tokens / 1e6, 3)
         _say(progress, "whole-model reference")
         whole = WholeModel(model).generate(short, decode_tokens)
         max_diff = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(logits, whole.logits))
