@@ -115,9 +115,11 @@ class WorkerSession:
     @asynccontextmanager
     async def open(cls, link: WorkerLink) -> AsyncIterator["WorkerSession"]:
         session = cls(link)
+        coro = session._run()
         try:
-            session._future = asyncio.run_coroutine_threadsafe(session._run(), link.loop)
+            session._future = asyncio.run_coroutine_threadsafe(coro, link.loop)
         except RuntimeError as exc:     # the link's loop is closed
+            coro.close()
             raise WorkerUnavailable(f"the bridge to worker {link.target} is closed") from exc
         try:
             yield session
