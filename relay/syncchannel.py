@@ -133,7 +133,10 @@ class _RelayedCall:
         self._inbox: Inbox = Inbox(CALL_QUEUE_FRAMES)
         self._up = threading.Semaphore(CALL_QUEUE_FRAMES)   # requests handed to trio, not yet written
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
-        self._token, self._to_writer = portal.run(self._start)
+        try:
+            self._token, self._to_writer = portal.run(self._start)
+        except RelayError as exc:       # the loop has stopped: the driver sees a failed hop
+            raise RelayedRpcError(exc) from exc
         self._pump = threading.Thread(target=self._send_all, args=(requests,), daemon=True,
                                       name="relayed-call-pump")
         self._pump.start()
@@ -173,13 +176,20 @@ class _RelayedCall:
             self._up.release()
 
     async def _read_all(self) -> None:
-        while True:
-            while (waiter := self._inbox.credits.take(trio.Event)) is not None:
-                await waiter.wait()
-            body = await self._channel.receive()
-            self._inbox.put(body)
-            if body is None:
-                return
+        try:
+            while True:
+                while (waiter := self._inbox.credits.take(trio.Event)) is not None:
+                    await waiter.wait()
+                body = await self._channel.receive()
+                self._inbox.put(body)
+                if body is None:
+                    return
+        except trio.Cancelled:
+            if not self._done:
+                # Not our cancel(): a failed writer (its error is already queued first)
+                # or the portal's loop stopping under a driver that still waits.
+                self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
+            raise
 
     # ----------------------------------------------------------- pump thread
 

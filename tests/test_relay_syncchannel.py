@@ -99,3 +99,22 @@ def test_a_home_node_whose_worker_is_gone_fails_the_call_as_an_rpc_error():
         requests.put(None)
         call._pump.join(10)
         assert not call._pump.is_alive()
+
+
+def test_a_driver_waiting_on_a_call_is_released_when_the_libp2p_loop_stops():
+    with echo_worker() as target:
+        portal = _portal(target)
+        with portal:
+            dialer, home_id = portal.value
+            channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
+            requests: queue.Queue = queue.Queue(maxsize=4)
+            call = channel.stream_stream(SESSION_METHOD)(iter(requests.get, None), timeout=60)
+        # The portal's loop is gone (its tasks were cancelled with it): no hang, a failed hop.
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        requests.put(None)
+        call._pump.join(10)
+        assert not call._pump.is_alive()
+        with pytest.raises(grpc.RpcError):      # a new call on a stopped loop fails the same way
+            channel.stream_stream(SESSION_METHOD)(iter([b"x"]))
