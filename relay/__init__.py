@@ -3,7 +3,8 @@
     framing.py       sans-I/O frame core of a relayed stream (bounded; counters; node byte budget)
     transport.py     RelayedFrameChannel (frames over a libp2p stream) + RelayedSessionServer
                      (serving side: each relayed session -> the node's worker over local gRPC)
-    bridge.py        trio <-> grpc bridge: one worker Session call as raw bytes, bounded queues
+    bridge.py        trio <-> grpc.aio bridge: one worker Session call as raw bytes, one thread hop per frame
+    handoff.py       bounded cross-thread hand-offs that wake the other side only when it waits
     client.py        circuit v2 client: reserve, dial through a relay (end-to-end Noise), STOP side
     hop.py           HopService: the relay's hop with meshd admission limits, bounded forwarding, counters
     service.py       `meshd relay`: host + hop + DHT server + control API; status view

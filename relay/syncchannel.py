@@ -146,14 +146,16 @@ class _RelayedCall:
     async def _start(self):
         """In the portal's loop: the writer and reader tasks, each under a scope ``cancel()`` cancels."""
         send, receive = trio.open_memory_channel(CALL_QUEUE_FRAMES + 1)   # + the end marker
-        trio.lowlevel.spawn_system_task(self._guarded, self._write_all, receive, name="relayed-call-writer")
-        trio.lowlevel.spawn_system_task(self._guarded, self._read_all, name="relayed-call-reader")
+        # Scopes exist before the tasks run, so a cancel() that comes first still reaches them.
+        self._scopes = [trio.CancelScope(), trio.CancelScope()]
+        trio.lowlevel.spawn_system_task(self._guarded, self._scopes[0], self._write_all, receive,
+                                        name="relayed-call-writer")
+        trio.lowlevel.spawn_system_task(self._guarded, self._scopes[1], self._read_all, name="relayed-call-reader")
         return trio.lowlevel.current_trio_token(), send
 
-    async def _guarded(self, afn, *args) -> None:
+    async def _guarded(self, scope: trio.CancelScope, afn, *args) -> None:
         """A system task must never raise: failures go to the driver through the inbox."""
-        with trio.CancelScope() as scope:
-            self._scopes.append(scope)
+        with scope:
             try:
                 await afn(*args)
             except Exception as exc:  # noqa: BLE001 - RelayError, ProtocolError, or a library surprise
