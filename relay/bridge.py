@@ -84,11 +84,19 @@ class WorkerLink:
     async def _open_channel(self) -> grpc.aio.Channel:
         return grpc.aio.insecure_channel(self.target, options=GRPC_OPTIONS)
 
+    async def _shutdown(self) -> None:
+        """Cancel the sessions still running (their calls with them), then close the channel."""
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in others:
+            task.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        await self.channel.close()
+
     def close(self) -> None:
         if self.loop.is_closed():
             return
         try:
-            asyncio.run_coroutine_threadsafe(self.channel.close(), self.loop).result(LINK_STOP_TIMEOUT_S)
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self.loop).result(LINK_STOP_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a channel that fails to close is dropped with its loop
             pass
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -109,6 +117,7 @@ class WorkerSession:
         self._requests: asyncio.Queue = asyncio.Queue()   # binds to the link's loop on first use; bounded by _up
         self._ended = trio.Event()
         self._closed_writing = False
+        self._cancelled = False
         self._future = None
 
     @classmethod
@@ -146,6 +155,8 @@ class WorkerSession:
                 self._to_trio(body)
         except asyncio.CancelledError:
             call.cancel()
+            if not self._cancelled:     # not our cancel(): the link is closing under the session
+                outcome = WorkerUnavailable(f"the bridge to worker {self._link.target} closed")
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 outcome = WorkerUnavailable(f"worker session failed: {exc.code().name}: {exc.details()}")
@@ -217,6 +228,7 @@ class WorkerSession:
         return item
 
     def cancel(self) -> None:
+        self._cancelled = True
         self._closed_writing = True
         if self._future is not None and not self._future.done():
             self._future.cancel()       # thread-safe: cancels the task in the link's loop

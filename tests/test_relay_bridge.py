@@ -146,6 +146,20 @@ def test_a_worker_that_stops_reading_stops_the_sender_at_the_bound():
         server.stop(grace=None)
 
 
+def test_closing_the_link_under_a_live_session_fails_it_with_a_typed_error():
+    async def main(target):
+        link = WorkerLink(target)
+        async with WorkerSession.open(link) as worker:
+            await worker.send(b"open")
+            assert await worker.receive() == ECHO_PREFIX + b"open"
+            await trio.to_thread.run_sync(link.close)
+            with trio.fail_after(10), pytest.raises(WorkerUnavailable, match="closed"):
+                await worker.receive()
+
+    with echo_worker() as target:
+        trio.run(main, target)
+
+
 def test_the_bridge_refuses_a_non_loopback_worker():
     with pytest.raises(ValueError, match="loopback"):
         WorkerLink("10.0.0.1:5000")
