@@ -3,7 +3,8 @@
     framing.py       sans-I/O frame core of a relayed stream (bounded; counters; node byte budget)
     transport.py     RelayedFrameChannel (frames over a libp2p stream) + RelayedSessionServer
                      (serving side: each relayed session -> the node's worker over local gRPC)
-    bridge.py        trio <-> grpc bridge: one worker Session call as raw bytes, bounded queues
+    bridge.py        trio <-> grpc.aio bridge: one worker Session call as raw bytes, one thread hop per frame
+    handoff.py       bounded cross-thread hand-offs that wake the other side only when it waits
     client.py        circuit v2 client: reserve, dial through a relay (end-to-end Noise), STOP side
     hop.py           HopService: the relay's hop with meshd admission limits, bounded forwarding, counters
     service.py       `meshd relay`: host + hop + DHT server + control API; status view
@@ -11,16 +12,21 @@
     syncchannel.py   grpc.Channel look-alike so shard's RouteDriver drives relayed hops unchanged
     node.py          `python -m relay.node`: a home node serving its worker through a relay
     harness.py       process orchestration for the relay benchmark and end-to-end tests
+    yamux_tuning.py  yamux WINDOW_UPDATEs batched at half the window (py-libp2p 0.8.1 sends ~one per read)
+    trace.py         opt-in cross-process timestamps along the relayed frame path (benchmark breakdown)
     errors.py        RelayError tree
 
-Yamux tuning: py-libp2p's yamux sends a WINDOW_UPDATE after every read by
-default (PY_YAMUX_RELEASE_ON_READ=1). On a relayed hop that is one extra
-Noise message per frame per direction through two hosts; batching updates at
-half the window (go-yamux's behaviour, the library's documented alternative)
-cut the relayed round trip of a 300-byte frame from ~18 ms to ~12 ms on the
-loaded reference machine. Set here for every process that relays frames,
-unless the user chose otherwise.
+Yamux tuning: py-libp2p's yamux sends a WINDOW_UPDATE after (almost) every
+read. On a relayed hop each frame is read at three yamux layers, so that is
+~5 extra Noise messages, TCP sends and wakeups per frame per direction.
+Importing this package makes every process that relays frames batch updates
+at half the window (go-yamux's rule): ``yamux_tuning.apply()`` (see there
+for the numbers), plus the library's own knob PY_YAMUX_RELEASE_ON_READ=0 for
+the code paths the patch does not replace, unless the user chose otherwise.
 """
 import os as _os
 
+from relay import yamux_tuning as _yamux_tuning
+
 _os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
+_yamux_tuning.apply()

@@ -114,11 +114,12 @@ def spawn_worker(workdir: Path, model: Path, layers: str, *, prefix: Sequence[st
 
 
 def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, worker: str, *,
-                    prefix: Sequence[str] = ()) -> Child:
+                    prefix: Sequence[str] = (), bench_echo: bool = False) -> Child:
     d = workdir / name
     d.mkdir(parents=True, exist_ok=True)
     return spawn_ready(name, ["relay.node", "--listen", listen, "--relay", relay_addr, "--worker", worker,
-                              "--data-dir", str(d), "--ready-file", str(d / "ready.json")], d / "ready.json",
+                              "--data-dir", str(d), "--ready-file", str(d / "ready.json"),
+                              *(["--bench-echo"] if bench_echo else [])], d / "ready.json",
                        prefix=prefix, check=lambda r: bool(r.get("relayed_addrs")))
 
 
@@ -174,7 +175,8 @@ def drive(spec: dict, on_sent=None) -> dict:
     {"hops": [{"endpoint": "127.0.0.1:P" | "p2p:<peer id>", "start", "end", "num_layers"}],
      "relayed": {"<peer id>": "<relayed multiaddr>"},
      "prompt": [ids], "max_new_tokens": n, "chunk_tokens": c}
-    Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "sent_bodies_hex"}.
+    Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "hop_execution_ns" (decode compute
+    per hop, as the workers report it), "sent_bodies_hex"}.
     ``on_sent(n)`` is called as the n-th request body leaves for a relayed hop (fault injection).
     """
 
@@ -209,7 +211,39 @@ def drive(spec: dict, on_sent=None) -> dict:
             result = driver.generate(spec["prompt"], spec["max_new_tokens"])
     return {"tokens": result.tokens, "logits": [l.tolist() for l in result.logits],
             "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "hop_execution_ns": list(result.hop_execution_ns),
             "sent_bodies_hex": [b.hex() for b in sent]}
+
+
+def relayed_echo_rtts(relayed_addr: str, *, frame_bytes: int, count: int) -> list[float]:
+    """Round trips (ms) of one ``frame_bytes`` frame to a ``--bench-echo`` home node through its relay,
+    timed inside the trio loop: libp2p (Noise + yamux, both hosts and the relay) and nothing of ours
+    beyond the framing -- the floor under a relayed decode step."""
+    import multiaddr
+    import trio
+
+    from meshd.host import build_host
+    from meshd.identity import Identity
+    from relay.client import dial_relayed, parse_relayed_addr
+    from relay.node import ECHO_PROTOCOL
+    from relay.transport import RelayedFrameChannel
+
+    async def main() -> list[float]:
+        host = build_host(Identity.from_seed(os.urandom(32)))
+        async with host.run([multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+            relay, dest = parse_relayed_addr(relayed_addr)
+            await dial_relayed(host, relay, dest)
+            channel = RelayedFrameChannel(await host.new_stream(dest, [ECHO_PROTOCOL]))
+            body, rtts = os.urandom(frame_bytes), []
+            for _ in range(count + 1):          # the first one warms up
+                t0 = time.perf_counter()
+                await channel.send(body)
+                if await channel.receive() != body:
+                    raise RuntimeError("the echo node answered with other bytes")
+                rtts.append((time.perf_counter() - t0) * 1e3)
+            await channel.close()
+            return rtts[1:]
+    return trio.run(main)
 
 
 def main(argv: list[str] | None = None) -> int:

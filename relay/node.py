@@ -25,24 +25,32 @@ import time
 
 import multiaddr
 import trio
+from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from meshd.host import connect_bootstrap, running_host
 from meshd.identity import Identity, load_or_create_identity
 from relay.client import stop_service
 from relay.reachability import keep_reserved, probe, serve_dialback
-from relay.transport import RelayedSessionServer
+from proto.errors import ProtocolError
+from relay.errors import RelayUnreachable
+from relay.transport import RelayedFrameChannel, RelayedSessionServer
+
+# Only with --bench-echo (benchmarks): frames sent back as they came, bounded by the framing.
+ECHO_PROTOCOL = TProtocol("/meshd/bench-echo/1")
 
 log = logging.getLogger(__name__)
 
 
 async def run_home_node(identity: Identity, listen: list[str], relay_addr: str, worker: str,
-                        on_ready, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                        on_ready, *, bench_echo: bool = False, task_status=trio.TASK_STATUS_IGNORED) -> None:
     relay = info_from_p2p_addr(multiaddr.Multiaddr(relay_addr))
     async with running_host(identity, listen) as host:
         serve_dialback(host)
         server = RelayedSessionServer(worker)
         server.attach(host)
+        if bench_echo:
+            host.set_stream_handler(ECHO_PROTOCOL, _echo)
         try:
             async with stop_service(host):
                 await connect_bootstrap(host, [relay_addr], timeout_s=15.0)
@@ -62,6 +70,17 @@ async def run_home_node(identity: Identity, listen: list[str], relay_addr: str, 
             server.close()
 
 
+async def _echo(stream) -> None:
+    """Send every frame back (the benchmark's floor: libp2p through the relay, no bridge)."""
+    channel = RelayedFrameChannel(stream)
+    try:
+        while (body := await channel.receive()) is not None:
+            await channel.send(body)
+        await channel.close()
+    except (ProtocolError, RelayUnreachable):
+        await channel.reset()
+
+
 def _write_json(path: str, value: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -76,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", required=True, help="host:port of this node's worker (loopback)")
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--ready-file", required=True)
+    parser.add_argument("--bench-echo", action="store_true",
+                        help="also serve an echo protocol (the relay benchmark's libp2p floor)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("libp2p").setLevel(logging.CRITICAL)
@@ -86,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     async def amain() -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(run_home_node, identity, args.listen, args.relay, args.worker,
-                                                  functools.partial(_write_json, args.ready_file)))
+                                                  functools.partial(_write_json, args.ready_file),
+                                                  bench_echo=args.bench_echo))
             print("ready", flush=True)
             with trio.open_signal_receiver(2, 15) as signals:  # SIGINT, SIGTERM
                 async for _ in signals:

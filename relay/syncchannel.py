@@ -7,12 +7,14 @@ response_deserializer=None)(request_iterator, timeout=...)`` (raw bytes in,
 raw bytes out), ``.cancel()`` on the call, and ``channel.close()``. So a
 relayed hop plugs in with no change to the driver:
 
-    driver thread ─ request_iterator ─▶ pump thread ─ portal.run(send) ─▶ trio: RelayedFrameChannel
-    driver thread ◀── next(call) = portal.run(receive) ◀──────────────── trio
+    driver thread ─ request_iterator ─▶ pump thread ─ run_sync_soon ─▶ trio writer task ─▶ stream
+    driver thread ◀── next(call): Inbox.get() ◀──────────────────────── trio reader task ◀─ stream
 
 ``TrioPortal`` runs one trio loop (the libp2p host) in a background thread
-and lets plain threads call into it. The channel holds no frames of its own:
-the driver's queue and the libp2p stream are the only buffers.
+and lets plain threads call into it. A call holds at most CALL_QUEUE_FRAMES
+frames per direction besides the driver's queue and the libp2p stream; a
+frame crosses threads once (see ``_RelayedCall``). Only ``portal.run`` is
+needed from a portal, so the daemon's own portal works too.
 
 Endpoints: ``RELAYED_SCHEME + <peer id>`` names a relayed hop; a
 ``channel_factory`` from ``relayed_channel_factory`` sends those through the
@@ -28,7 +30,9 @@ import trio
 from libp2p.peer.id import ID
 
 from proto.errors import ProtocolError
+from relay import trace
 from relay.errors import RelayError, RelayUnreachable
+from relay.handoff import Inbox
 from relay.transport import RelayedFrameChannel, open_session_channel
 
 __all__ = ["TrioPortal", "RelayedGrpcChannel", "RelayedRpcError", "relayed_channel_factory", "RELAYED_SCHEME"]
@@ -36,6 +40,12 @@ __all__ = ["TrioPortal", "RelayedGrpcChannel", "RelayedRpcError", "relayed_chann
 RELAYED_SCHEME = "p2p:"
 # Joining the portal thread after cancel: the host closes its listeners first.
 PORTAL_STOP_TIMEOUT_S = 30.0
+# Frames of one relayed call waiting between the driver's threads and the stream,
+# per direction: 2 lets the next request queue while one is in flight, like the bridge.
+CALL_QUEUE_FRAMES = 2
+# How often a pump blocked on a full queue checks whether its call was cancelled.
+PUMP_POLL_S = 0.5
+_END = object()
 
 
 class TrioPortal:
@@ -45,7 +55,7 @@ class TrioPortal:
         self._setup = setup
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
-        self._scope: trio.CancelScope | None = None
+        self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
         self.value = None
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="trio-portal", daemon=True)
@@ -105,26 +115,108 @@ class RelayedRpcError(grpc.RpcError):
 
 
 class _RelayedCall:
-    """One Session call over a relayed stream: iterate for responses, ``cancel()`` to reset."""
+    """One Session call over a relayed stream: iterate for responses, ``cancel()`` to reset.
+
+    Two tasks in the portal's trio loop own the stream for the call's life (a
+    writer fed by a memory channel, a reader filling an ``Inbox``); they end at
+    the stream's end, on a failure, or when ``cancel()`` cancels their scope.
+    Each frame crosses threads once: the pump thread hands a request to trio
+    with ``run_sync_soon`` (no wait for the write), the reader hands a response
+    to the driver thread through the inbox (no round trip into trio per
+    ``next``). Credits bound both directions to CALL_QUEUE_FRAMES frames.
+    """
 
     def __init__(self, portal: TrioPortal, channel: RelayedFrameChannel, requests: Iterator[bytes]) -> None:
         self._portal, self._channel = portal, channel
         self._done = False
         self._sent_all = False      # we half-closed: an end of stream is now the normal end
+        self._inbox: Inbox = Inbox(CALL_QUEUE_FRAMES)
+        self._up = threading.Semaphore(CALL_QUEUE_FRAMES)   # requests handed to trio, not yet written
+        self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
+        try:
+            self._token, self._to_writer = portal.run(self._start)
+        except RelayError as exc:       # the loop has stopped: the driver sees a failed hop
+            raise RelayedRpcError(exc) from exc
         self._pump = threading.Thread(target=self._send_all, args=(requests,), daemon=True,
                                       name="relayed-call-pump")
         self._pump.start()
 
+    # ------------------------------------------------------------- trio side
+
+    async def _start(self):
+        """In the portal's loop: the writer and reader tasks, each under a scope ``cancel()`` cancels."""
+        send, receive = trio.open_memory_channel(CALL_QUEUE_FRAMES + 1)   # + the end marker
+        # Scopes exist before the tasks run, so a cancel() that comes first still reaches them.
+        self._scopes = [trio.CancelScope(), trio.CancelScope()]
+        trio.lowlevel.spawn_system_task(self._guarded, self._scopes[0], self._write_all, receive,
+                                        name="relayed-call-writer")
+        trio.lowlevel.spawn_system_task(self._guarded, self._scopes[1], self._read_all, name="relayed-call-reader")
+        return trio.lowlevel.current_trio_token(), send
+
+    async def _guarded(self, scope: trio.CancelScope, afn, *args) -> None:
+        """A system task must never raise: failures go to the driver through the inbox."""
+        with scope:
+            try:
+                await afn(*args)
+            except Exception as exc:  # noqa: BLE001 - RelayError, ProtocolError, or a library surprise
+                self._stop_tasks()          # the other task stops too
+                cause = exc if isinstance(exc, (RelayError, ProtocolError)) else RelayUnreachable(repr(exc))
+                self._inbox.put(RelayedRpcError(cause))
+                await self._channel.reset()
+
+    def _stop_tasks(self) -> None:
+        for scope in self._scopes:
+            scope.cancel()
+
+    async def _write_all(self, requests) -> None:
+        async for body in requests:
+            if body is _END:
+                self._sent_all = True
+                await self._channel.close()
+                return
+            await self._channel.send(body)
+            self._up.release()
+
+    async def _read_all(self) -> None:
+        try:
+            while True:
+                while (waiter := self._inbox.credits.take(trio.Event)) is not None:
+                    await waiter.wait()
+                body = await self._channel.receive()
+                self._inbox.put(body)
+                if body is None:
+                    return
+        except trio.Cancelled:
+            if not self._done:
+                # Not our cancel(): a failed writer (its error is already queued first)
+                # or the portal's loop stopping under a driver that still waits.
+                self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
+            raise
+
+    # ----------------------------------------------------------- pump thread
+
     def _send_all(self, requests: Iterator[bytes]) -> None:
         try:
             for body in requests:
+                trace.mark("e.pump_got")
+                while not self._up.acquire(timeout=PUMP_POLL_S):
+                    if self._done:
+                        return
                 if self._done:
                     return
-                self._portal.run(self._channel.send, body)
-            self._sent_all = True
-            self._portal.run(self._channel.close)
-        except RelayError:
-            self.cancel()   # the driver sees the failure on its next read
+                self._token.run_sync_soon(self._hand_over, body)
+            self._token.run_sync_soon(self._hand_over, _END)
+        except trio.RunFinishedError:
+            self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
+
+    def _hand_over(self, item) -> None:
+        trace.mark("e.trio_got")
+        try:
+            self._to_writer.send_nowait(item)   # never full: bounded by self._up
+        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+            pass    # the writer is gone; the reader reports why
+
+    # ---------------------------------------------------------- driver thread
 
     def __iter__(self) -> "_RelayedCall":
         return self
@@ -132,28 +224,48 @@ class _RelayedCall:
     def __next__(self) -> bytes:
         if self._done:
             raise StopIteration
-        try:
-            body = self._portal.run(self._channel.receive)
-        except (RelayError, ProtocolError) as exc:
-            self._done = True
-            raise RelayedRpcError(exc) from exc
-        if body is None:
-            self._done = True
+        item, waiter = self._inbox.get()
+        if waiter is not None:
+            self._wake(waiter)
+        if isinstance(item, RelayedRpcError):
+            self._finish()
+            raise item
+        if item is None:
+            self._finish()
             if not self._sent_all:
                 # The server never ends a session first (a terminal ShardStatus would
                 # have come before): the circuit or the relay went away.
                 raise RelayedRpcError(RelayUnreachable("the relayed stream ended before our half-close"))
             raise StopIteration
-        return body
+        trace.mark("e.next_return")
+        return item
+
+    def _finish(self) -> None:
+        """The call is over: make sure neither task outlives it (a writer may still wait)."""
+        self._done = True
+        try:
+            self._token.run_sync_soon(self._stop_tasks)
+        except trio.RunFinishedError:
+            pass
+
+    def _wake(self, event: trio.Event) -> None:
+        try:
+            self._token.run_sync_soon(event.set)
+        except trio.RunFinishedError:
+            pass
 
     def cancel(self) -> None:
         if self._done:
             return
         self._done = True
         try:
-            self._portal.run(self._channel.reset)
+            self._portal.run(self._cancel)
         except RelayError:
             pass
+
+    async def _cancel(self) -> None:
+        self._stop_tasks()
+        await self._channel.reset()
 
 
 class RelayedGrpcChannel:

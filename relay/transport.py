@@ -8,8 +8,9 @@ a gRPC hop carries, each length-prefixed by proto.frames: the bytes of a hop
 do not depend on its transport.
 
     dialer: RelayedFrameChannel.send(request bytes) ──▶ stream ──▶ (relay: ciphertext)
-    server: RelayedSessionServer._handle(stream) ──▶ WorkerSession (relay/bridge.py)
-            ──▶ local gRPC Session stream of this node's own worker ──▶ responses
+    server: RelayedSessionServer._handle(stream) ──▶ WorkerSession (relay/bridge.py: one
+            thread hop into the node's grpc.aio loop) ──▶ local gRPC Session stream of
+            this node's own worker ──▶ responses
             ──▶ framed back on the same stream
 
 The server never parses a frame; the worker does (proto.frames.parse_request),
@@ -30,7 +31,8 @@ from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
 
 from proto.errors import ProtocolError
-from relay.bridge import WorkerSession, open_worker_channel
+from relay import trace
+from relay.bridge import WorkerLink, WorkerSession
 from relay.errors import RelayUnreachable, WorkerUnavailable
 from relay.framing import ByteBudget, FramedStream, RELAYED_MAX_FRAME_BYTES
 
@@ -42,8 +44,8 @@ __all__ = ["SESSION_PROTOCOL", "RelayedFrameChannel", "open_session_channel", "R
 SESSION_PROTOCOL = TProtocol("/meshd/shard-session/1")
 
 # Relayed sessions one node serves at once: each holds a worker gRPC stream
-# and two bridge threads; the worker's own KV budget admits far fewer real
-# sessions, so 16 only stops a peer from opening streams to exhaust threads.
+# and a coroutine in the bridge's loop; the worker's own KV budget admits far
+# fewer real sessions, so 16 only stops a peer from opening streams to tie up the worker.
 MAX_RELAYED_SESSIONS = 16
 # Opening the session stream is one multistream negotiation on a live connection.
 OPEN_STREAM_TIMEOUT_S = 10.0
@@ -53,8 +55,9 @@ class RelayedFrameChannel:
     """Send and receive whole frame bodies on one libp2p stream (either side)."""
 
     def __init__(self, stream, *, budget: ByteBudget | None = None,
-                 max_frame_bytes: int = RELAYED_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = RELAYED_MAX_FRAME_BYTES, side: str = "") -> None:
         self._stream = stream
+        self._side = side       # "e" (entry) / "h" (home) names this end in relay.trace marks
         self._core = FramedStream(max_frame_bytes)
         self._budget = budget
         self._held = 0          # budget bytes taken for the partial frame being read
@@ -71,6 +74,8 @@ class RelayedFrameChannel:
                 await self._stream.write(data)
             except Exception as exc:  # reset / closed connection
                 raise RelayUnreachable(f"relayed stream closed while sending: {exc}") from exc
+        if trace.ENABLED and self._side:
+            trace.mark(self._side + ".write_done")
 
     async def receive(self) -> bytes | None:
         """The next frame body; None when the far side ended the stream.
@@ -82,6 +87,8 @@ class RelayedFrameChannel:
             body = self._core.next_frame()
             if body is not None:
                 self._give_back()
+                if trace.ENABLED and self._side:
+                    trace.mark(self._side + ".read_done")
                 return body
             want = self._core.read_size()
             try:
@@ -132,7 +139,7 @@ async def open_session_channel(host, peer_id) -> RelayedFrameChannel:
             stream = await host.new_stream(peer_id, [SESSION_PROTOCOL])
         except Exception as exc:
             raise RelayUnreachable(f"cannot open a session stream to {peer_id}: {exc}") from exc
-        return RelayedFrameChannel(stream)
+        return RelayedFrameChannel(stream, side="e")
     raise RelayUnreachable(f"no session stream to {peer_id} within {OPEN_STREAM_TIMEOUT_S:g} s")
 
 
@@ -141,7 +148,7 @@ class RelayedSessionServer:
 
     def __init__(self, worker_target: str, *, max_sessions: int = MAX_RELAYED_SESSIONS,
                  budget: ByteBudget | None = None) -> None:
-        self._grpc = open_worker_channel(worker_target)
+        self._link = WorkerLink(worker_target)
         self.max_sessions = max_sessions
         self.budget = budget or ByteBudget()
         self.active = 0
@@ -152,7 +159,7 @@ class RelayedSessionServer:
         host.set_stream_handler(SESSION_PROTOCOL, self._handle)
 
     def close(self) -> None:
-        self._grpc.close()
+        self._link.close()
 
     async def _handle(self, stream) -> None:
         if self.active >= self.max_sessions:
@@ -160,7 +167,7 @@ class RelayedSessionServer:
             await _reset(stream)
             return
         self.active += 1
-        channel = RelayedFrameChannel(stream, budget=self.budget)
+        channel = RelayedFrameChannel(stream, budget=self.budget, side="h")
         try:
             await self._serve(channel)
             self.served += 1
@@ -172,7 +179,7 @@ class RelayedSessionServer:
             self.active -= 1
 
     async def _serve(self, channel: RelayedFrameChannel) -> None:
-        async with WorkerSession.open(self._grpc) as worker:
+        async with WorkerSession.open(self._link) as worker:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._uplink, channel, worker)
                 while (body := await worker.receive()) is not None:

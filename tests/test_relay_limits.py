@@ -118,13 +118,13 @@ def test_a_destination_that_never_reads_cannot_make_the_relay_buffer():
             t.home.set_stream_handler(SESSION_PROTOCOL, never_read)
             stream = await t.dialer.new_stream(t.home.get_id(), [SESSION_PROTOCOL])
             chunk = b"h" * 65536
-            pushed = 0
-            stopped = False
+            pushed = 0          # bytes handed to write(), the blocked write included: yamux
+            stopped = False     # sends the part of a chunk its window allows before blocking
             with trio.move_on_after(10) as blocked:
                 try:
                     while pushed < 64 * 1024 * 1024:
-                        await stream.write(chunk)
                         pushed += len(chunk)
+                        await stream.write(chunk)
                 except Exception:  # py-libp2p gives up after 5 s without a window update
                     stopped = True
             forwarded = t.hop.snapshot()["bytes_forwarded"]

@@ -64,3 +64,57 @@ def test_a_peer_without_the_session_protocol_fails_as_an_rpc_error():
         with pytest.raises(grpc.RpcError) as err:
             channel.stream_stream(SESSION_METHOD)(iter([b"x"]))
         assert isinstance(err.value, RelayedRpcError) and err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_pipelined_requests_come_back_in_order_and_cancel_ends_the_call():
+    with echo_worker() as target, _portal(target) as portal:
+        dialer, home_id = portal.value
+        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
+        requests: queue.Queue = queue.Queue(maxsize=16)
+        call = channel.stream_stream(SESSION_METHOD)(iter(requests.get, object()), timeout=60)
+        bodies = [b"%d" % i * (1 + 100 * i) for i in range(12)]
+        for body in bodies:                 # more than CALL_QUEUE_FRAMES before reading any
+            requests.put(body)
+        assert [next(call) for _ in bodies] == [ECHO_PREFIX + b for b in bodies]
+        call.cancel()                        # the driver's close(): the stream is reset
+        assert list(call) == []
+        requests.put(b"after cancel")        # the pump takes it, sees the call is over and stops
+        call._pump.join(10)
+        assert not call._pump.is_alive()
+
+
+def test_a_home_node_whose_worker_is_gone_fails_the_call_as_an_rpc_error():
+    """The home's bridge fails (nothing listens), it resets the stream, the driver sees UNAVAILABLE."""
+    with _portal("127.0.0.1:9") as portal:
+        dialer, home_id = portal.value
+        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
+        requests: queue.Queue = queue.Queue(maxsize=4)
+        call = channel.stream_stream(SESSION_METHOD)(iter(requests.get, None), timeout=60)
+        requests.put(b"open")
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(StopIteration):
+            next(call)
+        requests.put(None)
+        call._pump.join(10)
+        assert not call._pump.is_alive()
+
+
+def test_a_driver_waiting_on_a_call_is_released_when_the_libp2p_loop_stops():
+    with echo_worker() as target:
+        portal = _portal(target)
+        with portal:
+            dialer, home_id = portal.value
+            channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
+            requests: queue.Queue = queue.Queue(maxsize=4)
+            call = channel.stream_stream(SESSION_METHOD)(iter(requests.get, None), timeout=60)
+        # The portal's loop is gone (its tasks were cancelled with it): no hang, a failed hop.
+        with pytest.raises(grpc.RpcError) as err:
+            next(call)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        requests.put(None)
+        call._pump.join(10)
+        assert not call._pump.is_alive()
+        with pytest.raises(grpc.RpcError):      # a new call on a stopped loop fails the same way
+            channel.stream_stream(SESSION_METHOD)(iter([b"x"]))

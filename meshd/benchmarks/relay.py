@@ -16,14 +16,24 @@ Measured side by side in one run (medians over repeats, alternating order):
   on both sides, identical for both transports).
 * ``tokens_equal``: direct, relayed and the whole model in one process give
   the same greedy tokens; ``max_logit_diff`` is relayed vs whole model.
+* ``bare_libp2p_relayed_rtt_ms``: the floor under the overhead, measured in
+  the same run: an ``ECHO_FRAME_BYTES`` frame to the same home node through the same
+  relay and back, timed inside a trio loop (libp2p + framing, none of our
+  thread bridges, no gRPC, no compute).
+* ``relayed_step_breakdown_ms``: one extra relayed decode run with
+  relay.trace enabled in the entry and the home node; the median time of each
+  segment of a decode step's path (cross-process CLOCK_MONOTONIC marks).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import tempfile
 from pathlib import Path
 
 MIB = 1024 * 1024
+# The issue's reference point: a bare py-libp2p relayed round trip of an 8 KiB frame.
+ECHO_FRAME_BYTES = 8 * 1024
 HIDDEN = 1024
 CHUNK_TOKENS = MIB // (HIDDEN * 4)          # one chunk of fp32 hidden rows = 1 MiB
 MODEL = dict(hidden_size=HIDDEN, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
@@ -39,6 +49,7 @@ def run(quick: bool, progress=None) -> dict:
     import numpy as np
 
     from relay import harness as H
+    from relay import trace
     from shard.reference import WholeModel
     from shard.testmodels import build_random_llama
 
@@ -47,6 +58,8 @@ def run(quick: bool, progress=None) -> dict:
     chunks = 2 if quick else 4
     model = build_random_llama(seed=0, **MODEL)
     workdir = Path(tempfile.mkdtemp(prefix="meshd-bench-relay-"))
+    trace_dir = workdir / "trace"
+    trace_dir.mkdir()
     kids = []
     try:
         _say(progress, "starting the relay, two workers and the home node")
@@ -54,8 +67,14 @@ def run(quick: bool, progress=None) -> dict:
         kids.append(relay)
         head, tail = H.spawn_worker(workdir, model, "0:1"), H.spawn_worker(workdir, model, "1:2")
         kids += [head, tail]
-        home = H.spawn_home_node(workdir, "home", "/ip4/127.0.0.1/tcp/0", relay.ready["addrs"][0],
-                                 tail.ready["listen"])
+        # The home node records trace marks from the start (a list append per frame);
+        # the entry only during the extra traced run below.
+        os.environ[trace.TRACE_ENV] = str(trace_dir)
+        try:
+            home = H.spawn_home_node(workdir, "home", "/ip4/127.0.0.1/tcp/0", relay.ready["addrs"][0],
+                                     tail.ready["listen"], bench_echo=True)
+        finally:
+            os.environ.pop(trace.TRACE_ENV, None)
         kids.append(home)
         peer = home.ready["peer_id"]
 
@@ -87,6 +106,20 @@ def run(quick: bool, progress=None) -> dict:
                                "chunk_tokens": CHUNK_TOKENS})
                 rates[name].append(chunks / out["prefill_s"])
                 tokens[name].append(out["tokens"])
+        _say(progress, f"bare libp2p relayed round trips of {ECHO_FRAME_BYTES} B")
+        echo = H.relayed_echo_rtts(routes["relayed"]["relayed"][peer], frame_bytes=ECHO_FRAME_BYTES,
+                                   count=decode_tokens * repeats)
+        _say(progress, "traced relayed decode (breakdown)")
+        trace.enable(trace_dir)
+        try:
+            traced = H.drive({**routes["relayed"], "prompt": short, "max_new_tokens": decode_tokens})
+        finally:
+            trace.disable()
+        home.stop()                 # writes its marks at exit
+        breakdown = trace.breakdown(trace_dir, last=decode_tokens - 1)
+        if breakdown:
+            # Inside h.iter_yield->h.pump_got: the worker's own compute, as it reports it.
+            breakdown["worker_execution_mean"] = round(traced["hop_execution_ns"][-1] / decode_tokens / 1e6, 3)
         _say(progress, "whole-model reference")
         whole = WholeModel(model).generate(short, decode_tokens)
         max_diff = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(logits, whole.logits))
@@ -101,6 +134,8 @@ def run(quick: bool, progress=None) -> dict:
             "direct_chunk_mb_s": round(statistics.median(rates["direct"]), 3),
             "relayed_chunk_mb_s": round(statistics.median(rates["relayed"]), 3),
             "tokens_equal": bool(equal),
+            "bare_libp2p_relayed_rtt_ms": round(statistics.median(echo), 3),
+            "relayed_step_breakdown_ms": breakdown,
             "max_logit_diff": max_diff,
             "decode_tokens": decode_tokens, "prefill_chunks": chunks, "chunk_bytes": MIB,
             "repeats": repeats, "route": "head 0:1 direct + tail 1:2 (measured hop)",

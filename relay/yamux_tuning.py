@@ -1,0 +1,81 @@
+"""Yamux receive-window updates batched at half the window (go-yamux's rule) for py-libp2p 0.8.1.
+
+Why: py-libp2p 0.8.1's ``YamuxStream._auto_tune_and_send_window_update`` runs
+after every read and, whenever the consumed-but-uncredited bytes are above
+zero and below the batching threshold, sends a WINDOW_UPDATE at once (its
+"partial slack" branch; ``PY_YAMUX_RELEASE_ON_READ=0`` does not reach it). On
+a relayed hop every frame is read at three yamux layers (the receiving end's
+session stream, its circuit stream, and the relay's hop stream), so each
+frame drew ~5 extra Noise messages, TCP sends and process wakeups per
+direction; an in-process relayed round trip of a 300 B frame cost ~8.8 ms.
+
+What this does: ``apply()`` replaces that one method with go-yamux's
+``sendWindowUpdate``: credit the sender back only when the bytes consumed
+and not yet credited reach ``target_recv_window // 2`` (the library's own
+threshold, ``_grow_threshold``), keeping its auto-tune doubling. The receive
+window stays bounded by ``target_recv_window`` (the library's version could
+credit twice the bytes read); a reader that consumes keeps its sender going
+(at most half a window waits for credit); a reader that stops stops its
+sender (backpressure intact).
+
+State: none of ours; the patch is per process, applied by ``relay/__init__``
+for every process that carries relayed frames, only when the installed
+libp2p is the version it was written against and still has the method
+(otherwise it leaves the library alone and ``APPLIED`` stays False). A peer
+with or without the patch interoperates: WINDOW_UPDATE semantics are unchanged.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+
+__all__ = ["apply", "APPLIED", "TESTED_LIBP2P_VERSION"]
+
+# The library version whose YamuxStream internals (recv_window, target_recv_window,
+# _pending_recv_release, _grow_threshold, _apply_autotune_epoch) this was written against.
+TESTED_LIBP2P_VERSION = "0.8.1"
+APPLIED = False
+_ORIGINAL = None
+
+
+async def _batched_window_update(self, *, bytes_read: int = 0) -> None:
+    """go-yamux sendWindowUpdate: one WINDOW_UPDATE per half window consumed."""
+    total_delta = 0
+    async with self.window_lock:
+        buffered = len(self.conn.stream_buffers.get(self.stream_id, b""))
+        # Bytes the reader consumed that the sender has not been credited for yet.
+        delta = self.target_recv_window - (self.recv_window + buffered)
+        if delta > 0 and delta >= self._grow_threshold():
+            self.recv_window += delta
+            total_delta = delta + self._apply_autotune_epoch(buffered)
+            self._pending_recv_release = 0
+    if total_delta > 0:
+        await self.send_window_update(total_delta, skip_lock=True)
+
+
+def apply() -> bool:
+    """Install the batched window update (idempotent). True when it is in place."""
+    global APPLIED, _ORIGINAL
+    if APPLIED:
+        return True
+    try:
+        version = importlib.metadata.version("libp2p")
+        from libp2p.stream_muxer.yamux.yamux import YamuxStream
+    except Exception:  # libp2p missing or restructured: leave it alone
+        return False
+    needed = ("_auto_tune_and_send_window_update", "_grow_threshold", "_apply_autotune_epoch",
+              "send_window_update")
+    if version != TESTED_LIBP2P_VERSION or not all(hasattr(YamuxStream, name) for name in needed):
+        return False
+    _ORIGINAL = YamuxStream._auto_tune_and_send_window_update
+    YamuxStream._auto_tune_and_send_window_update = _batched_window_update
+    APPLIED = True
+    return True
+
+
+def restore() -> None:
+    """Put the library's method back (tests compare both)."""
+    global APPLIED
+    if APPLIED and _ORIGINAL is not None:
+        from libp2p.stream_muxer.yamux.yamux import YamuxStream
+        YamuxStream._auto_tune_and_send_window_update = _ORIGINAL
+        APPLIED = False
