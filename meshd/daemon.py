@@ -114,7 +114,7 @@ class Node:
 
     async def on_worker_ready(self, ready: WorkerReady) -> None:
         self._ready = ready
-        self.relaying.serve_worker(ready.listen)
+        self.relaying.serve_worker(ready.unix or ready.listen)   # the frame socket: no gRPC leg
         self.refresh_claim()
 
     def refresh_claim(self) -> None:

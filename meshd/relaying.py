@@ -106,7 +106,8 @@ class Relaying:
 
     # ------------------------------------------------------------------ worker
     def serve_worker(self, endpoint: str) -> None:
-        """Relayed sessions go to the worker at ``endpoint`` (loopback plaintext) from now on."""
+        """Relayed sessions go to the worker at ``endpoint`` from now on: its frame socket
+        (``unix:/path``, forwarded inside trio) or its loopback plaintext gRPC port."""
         old, self._server = self._server, RelayedSessionServer(endpoint)
         self._server.attach(self.host)
         if old is not None:

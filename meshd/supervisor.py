@@ -35,6 +35,7 @@ class WorkerReady:
     tls_listen: str
     pid: int
     report: pb.CapabilityReport = field(compare=False, repr=False)
+    unix: str = ""          # ``unix:/path`` of the worker's frame socket ("" if it has none)
 
 
 @dataclass(slots=True)

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -42,6 +43,10 @@ MAX_HEALTH_FAILURES = 3
 MAX_LINE_CHARS = 2000
 
 
+# sun_path is 108 bytes on Linux, with its terminating NUL.
+MAX_UNIX_PATH_BYTES = 100
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     model: Path
@@ -64,7 +69,15 @@ class WorkerSpec:
                "--threads", str(self.torch_threads)]
         if self.kv_budget_tokens is not None:
             cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
-        return cmd
+        return cmd + ["--unix-listen", str(self.socket_path())]
+
+    def socket_path(self) -> Path:
+        """The worker's frame socket (relayed sessions reach it there): in the private run
+        dir, or a private temp dir when that path is too long for AF_UNIX (108 bytes)."""
+        path = self.run_dir / "worker.sock"
+        if len(str(path).encode()) <= MAX_UNIX_PATH_BYTES:
+            return path
+        return Path(tempfile.mkdtemp(prefix="meshd-w-")) / "worker.sock"
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -154,7 +167,7 @@ class WorkerProcess:
                 ready = self._read_ready(ready_file, proc.pid)
                 report = await trio.to_thread.run_sync(fetch_capability, ready.listen)
                 check_report(report, spec.layers)
-                ready = WorkerReady(ready.listen, ready.tls_listen, proc.pid, report)
+                ready = WorkerReady(ready.listen, ready.tls_listen, proc.pid, report, ready.unix)
                 state.endpoint, state.tls_endpoint = ready.listen, ready.tls_listen
                 await on_ready(ready)
                 nursery.start_soon(self._watch_health, proc, ready.listen, state)
@@ -169,7 +182,8 @@ class WorkerProcess:
     def _read_ready(path: Path, pid: int) -> WorkerReady:
         try:
             data = json.loads(path.read_text()[:65536])
-            return WorkerReady(str(data["listen"]), str(data.get("tls_listen") or ""), pid, pb.CapabilityReport())
+            return WorkerReady(str(data["listen"]), str(data.get("tls_listen") or ""), pid, pb.CapabilityReport(),
+                               str(data.get("unix") or ""))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise WorkerFailed(f"the worker's ready file {path} is unusable: {exc}") from exc
 

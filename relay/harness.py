@@ -107,8 +107,11 @@ def spawn_relay(workdir: Path, listen: str, *, prefix: Sequence[str] = ()) -> Ch
 def spawn_worker(workdir: Path, model: Path, layers: str, *, prefix: Sequence[str] = (), threads: int = 1,
                  wait: bool = True) -> Child:
     d = Path(tempfile.mkdtemp(prefix=f"worker-{layers.replace(':', '-')}-", dir=workdir))
+    # Unix socket paths are limited to ~108 bytes: a short private dir of its own (0700).
+    sock = Path(tempfile.mkdtemp(prefix="mw-")) / "w.sock"
     return spawn_ready(f"worker {layers}", ["meshd", "worker", "--model", str(model), "--layers", layers,
                                             "--listen", "127.0.0.1:0", "--threads", str(threads),
+                                            "--unix-listen", str(sock),
                                             "--ready-file", str(d / "ready.json")], d / "ready.json", prefix=prefix,
                        wait=wait)
 

@@ -6,7 +6,7 @@ in itself: the same pieces, in the same order the daemon will use them.
     host (Noise + yamux, listening where told)
     ├── dial-back service (answers other peers' probes)
     ├── STOP service (accepts circuits addressed to us)
-    ├── RelayedSessionServer -> local worker gRPC (relay/transport.py)
+    ├── RelayedSessionServer -> local worker (Unix frame socket or gRPC; relay/transport.py)
     ├── probe: dial-back through the relay -> PUBLIC / PRIVATE / UNKNOWN
     └── keep_reserved on the relay (renewed), relayed addrs -> ready file
 
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m relay.node", description=__doc__.splitlines()[0])
     parser.add_argument("--listen", action="append", required=True)
     parser.add_argument("--relay", required=True, help="the relay's multiaddr, with /p2p/<id>")
-    parser.add_argument("--worker", required=True, help="host:port of this node's worker (loopback)")
+    parser.add_argument("--worker", required=True,
+                        help="this node's worker: unix:/path (its frame socket) or host:port (loopback gRPC)")
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--bench-echo", action="store_true",

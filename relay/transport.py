@@ -33,6 +33,7 @@ from libp2p.network.stream.exceptions import StreamEOF
 from proto.errors import ProtocolError
 from relay import trace
 from relay.bridge import WorkerLink, WorkerSession
+from relay.local_link import UNIX_SCHEME, UnixWorkerLink, UnixWorkerSession
 from relay.errors import RelayUnreachable, WorkerUnavailable
 from relay.framing import ByteBudget, FramedStream, RELAYED_MAX_FRAME_BYTES
 
@@ -148,7 +149,11 @@ class RelayedSessionServer:
 
     def __init__(self, worker_target: str, *, max_sessions: int = MAX_RELAYED_SESSIONS,
                  budget: ByteBudget | None = None) -> None:
-        self._link = WorkerLink(worker_target)
+        # ``unix:/path``: the worker's frame socket, forwarded inside trio; else loopback gRPC.
+        if worker_target.startswith(UNIX_SCHEME):
+            self._link, self._session_cls = UnixWorkerLink(worker_target), UnixWorkerSession
+        else:
+            self._link, self._session_cls = WorkerLink(worker_target), WorkerSession
         self.max_sessions = max_sessions
         self.budget = budget or ByteBudget()
         self.active = 0
@@ -179,7 +184,7 @@ class RelayedSessionServer:
             self.active -= 1
 
     async def _serve(self, channel: RelayedFrameChannel) -> None:
-        async with WorkerSession.open(self._link) as worker:
+        async with self._session_cls.open(self._link) as worker:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._uplink, channel, worker)
                 while (body := await worker.receive()) is not None:

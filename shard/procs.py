@@ -41,6 +41,7 @@ class WorkerProcess:
     endpoint: str
     pid: int
     tls_endpoint: str | None = None
+    unix_endpoint: str | None = None
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -78,7 +79,7 @@ class PendingWorker:
                 self.ready.unlink()
             self.ready.parent.rmdir()
         return WorkerProcess(proc=self.proc, endpoint=info["listen"], pid=info["pid"],
-                             tls_endpoint=info.get("tls_listen"))
+                             tls_endpoint=info.get("tls_listen"), unix_endpoint=info.get("unix"))
 
 
 def start_worker(model: str | os.PathLike, layers: str, *, dtype: str = "float32", threads: int = 2,

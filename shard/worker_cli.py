@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-listen", help="HOST:PORT for the TLS port peers dial")
     parser.add_argument("--tls-cert", help="PEM certificate for --tls-listen")
     parser.add_argument("--tls-key", help="PEM private key for --tls-listen")
-    parser.add_argument("--ready-file", help="write {listen, tls_listen, pid} JSON here once validated")
+    parser.add_argument("--unix-listen", help="also serve Session frames on this Unix socket (mode 0600; "
+                        "the daemon's own link for relayed sessions)")
+    parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
     parser.add_argument("--model-id", default="", help="human label reported in the capability")
 
 
@@ -121,6 +123,11 @@ def run(args: argparse.Namespace) -> int:
     server, port, tls_port = build_server(service, args.listen, tls_listen=args.tls_listen,
                                           tls_cert=tls[0], tls_key=tls[1])
     server.start()
+    unix = None
+    if args.unix_listen:
+        from shard.unix_server import UnixFrameServer
+
+        unix = UnixFrameServer(service, args.unix_listen).start()
     host = args.listen.rpartition(":")[0]
     listen = f"{host}:{port}"
     tls_listen = f"{args.tls_listen.rpartition(':')[0]}:{tls_port}" if tls_port else None
@@ -128,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     if args.ready_file:
-        _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid()})
+        _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid(),
+                                       "unix": unix.endpoint if unix else None})
     print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
     try:
         last_sweep = time.monotonic()
@@ -138,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
                     service.manager.expire()
                 last_sweep = time.monotonic()
     finally:
+        if unix is not None:
+            unix.close()
         server.stop(grace=1.0).wait()
         print("[worker] stopped", file=sys.stderr, flush=True)
     # Every stream is closed and nothing is left to flush; the interpreter's

@@ -77,7 +77,7 @@ def test_generation_through_a_home_node_behind_nat(tmp_path):
         kids += workers
         middle, head, tail = (H.wait_ready(w) for w in workers)
         node = H.spawn_home_node(tmp_path, "home1", f"/ip4/{topo.home_ip(1)}/tcp/4002", relay.ready["addrs"][0],
-                                 middle.ready["listen"], prefix=topo.prefix(home1))
+                                 middle.ready["unix"], prefix=topo.prefix(home1))
         kids.append(node)
 
         # The NAT is real: nobody outside home1 can open a connection to it...

@@ -72,7 +72,7 @@ def run(quick: bool, progress=None) -> dict:
         os.environ[trace.TRACE_ENV] = str(trace_dir)
         try:
             home = H.spawn_home_node(workdir, "home", "/ip4/127.0.0.1/tcp/0", relay.ready["addrs"][0],
-                                     tail.ready["listen"], bench_echo=True)
+                                     tail.ready["unix"], bench_echo=True)
         finally:
             os.environ.pop(trace.TRACE_ENV, None)
         kids.append(home)
