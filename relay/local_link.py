@@ -25,6 +25,7 @@ import trio
 from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
+from relay import trace
 from relay.errors import WorkerUnavailable
 
 __all__ = ["UNIX_SCHEME", "UnixWorkerLink", "UnixWorkerSession"]
@@ -76,6 +77,7 @@ class UnixWorkerSession:
     async def send(self, body: bytes) -> None:
         if self._closed_writing:
             raise WorkerUnavailable("worker session already finished")
+        trace.mark("h.iter_yield")
         try:
             await self._stream.send_all(encode_frame(body))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
@@ -98,6 +100,8 @@ class UnixWorkerSession:
         while True:
             body = self._reader.next_frame()
             if body is not None:
+                trace.mark("h.pump_got")
+                trace.mark("h.trio_got")     # same loop: no hand-off on this link
                 return body
             try:
                 data = await self._stream.receive_some(READ_BYTES)
