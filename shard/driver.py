@@ -83,6 +83,10 @@ class GenerationResult:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     hop_execution_ns: list[int] = field(default_factory=list)
+    # Per decode step: wall time of the round through every hop, and the hops' own
+    # execution time within it (the difference is transport + protocol work).
+    step_wall_ns: list[int] = field(default_factory=list)
+    step_execution_ns: list[int] = field(default_factory=list)
 
 
 class _HopStream:
@@ -248,7 +252,8 @@ class RouteDriver:
             stream.past_len = first + len(ids)
         return x
 
-    def _decode_one(self, token: int, position: int) -> dict[str, np.ndarray]:
+    def _decode_one(self, token: int, position: int, result: GenerationResult) -> dict[str, np.ndarray]:
+        t0, executed = time.perf_counter_ns(), 0
         x, step = np.array([token], dtype=np.int64), self._next_step()
         head = pb.DecodeStep(idempotency_step=step, position=position, expected_past_len=position)
         for stream in self._streams:
@@ -256,8 +261,11 @@ class RouteDriver:
             stream.send(wire.request_decode(head, name, x))
             resp, tensors = stream.recv()
             stream.execution_ns += resp.decode.execution_nanos
+            executed += resp.decode.execution_nanos
             x = tensors if stream.hop.layer_range.is_tail else tensors[HIDDEN]
             stream.past_len = position + 1
+        result.step_wall_ns.append(time.perf_counter_ns() - t0)
+        result.step_execution_ns.append(executed)
         return x
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
@@ -283,7 +291,7 @@ class RouteDriver:
             result.tokens.append(token)
             if len(result.tokens) >= max_new_tokens or token in stop_ids:
                 break
-            out = self._decode_one(token, position)
+            out = self._decode_one(token, position, result)
             position += 1
         result.decode_s = time.perf_counter() - t0
         result.hop_execution_ns = [s.execution_ns for s in self._streams]

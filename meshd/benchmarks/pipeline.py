@@ -18,7 +18,8 @@ more pass per split then asks the tail for its logits too, for
 Reported: ``tokens_equal`` / ``max_abs_logit_diff`` (2 and 3 workers against
 the whole model), ``decode_ratio_2|3`` and ``prefill_ratio_2|3`` (tokens/s
 split / whole), ``per_hop_overhead_ms`` (decode: wall time per step minus the
-hops' own execution time, per hop), ``per_hop_overhead_vs_whole_ms`` (split
+hops' own execution time, per hop; ``_median_`` variants take the median step
+instead of the mean, robust to a stray scheduling stall on a shared machine), ``per_hop_overhead_vs_whole_ms`` (split
 step minus whole step, per hop), the machine's round-trip floors measured in
 the same run (``meshd.benchmarks.hopfloor``: a bare gRPC stream and a raw
 socket whose peer holds for the hops' execution time) and
@@ -29,6 +30,7 @@ middle half of the layers, divided by the same for a whole-model worker.
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 
@@ -150,6 +152,8 @@ def run(quick: bool = False, progress=None) -> dict:
         out[f"prefill_ratio_{n}"] = best["whole_prefill"] / best[f"split{n}_prefill"]
         exec_s = sum(res.hop_execution_ns) / 1e9
         out[f"per_hop_overhead_ms_{n}"] = (res.decode_s - exec_s) / steps / n * 1000
+        out[f"per_hop_overhead_median_ms_{n}"] = statistics.median(
+            w - e for w, e in zip(res.step_wall_ns, res.step_execution_ns)) / n / 1e6
         out[f"per_hop_overhead_vs_whole_ms_{n}"] = (res.decode_s - ref.decode_s) / steps / n * 1000
     out["tokens_equal"] = bool(out["tokens_equal_2"] and out["tokens_equal_3"])
     out["max_abs_logit_diff"] = max(out["max_abs_logit_diff_2"], out["max_abs_logit_diff_3"])
@@ -161,6 +165,8 @@ def run(quick: bool = False, progress=None) -> dict:
     _say(progress, f"round-trip floors (peer holds {hold_ms:.1f} ms, like a hop)")
     out.update(hopfloor.measure(hold_ms, FLOOR_FRAME_BYTES, rounds=40 if quick else 100))
     out["per_hop_overhead_above_grpc_floor_ms"] = out["per_hop_overhead_ms"] - out["grpc_round_trip_floor_ms"]
+    out["per_hop_overhead_median_above_grpc_floor_ms"] = (out["per_hop_overhead_median_ms_2"]
+                                                          - out["grpc_round_trip_floor_ms"])
     out.update(_memory(path, progress))
     return out
 
