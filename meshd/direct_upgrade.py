@@ -209,20 +209,21 @@ class DirectUpgrader:
         """The verified direct connection to ``peer_id`` found by an attempt, if it is still open."""
         with self._lock:
             conn = self._direct.get(peer_id)
-            if conn is not None and getattr(conn, "is_closed", True):
-                del self._direct[peer_id]
-                conn = None
-        return conn
+        return None if conn is None or getattr(conn, "is_closed", True) else conn
+
+    def take_lost(self, peer_id: str) -> bool:
+        """True (once) when ``peer_id`` had a direct connection that has closed since."""
+        with self._lock:
+            conn = self._direct.get(peer_id)
+            if conn is None or not getattr(conn, "is_closed", True):
+                return False
+            del self._direct[peer_id]
+            return True
 
     def snapshot(self) -> dict:
         with self._lock:
             direct = sum(1 for c in self._direct.values() if not getattr(c, "is_closed", True))
         return {"attempts": self.attempts, "upgraded": self.upgraded, "direct_now": direct}
-
-    def forget(self, peer_id: str) -> None:
-        """A hop on the direct connection failed: new sessions go back to the circuit."""
-        with self._lock:
-            self._direct.pop(peer_id, None)
 
     async def _attempt(self, peer_id: str, limiter: trio.CapacityLimiter) -> None:
         _IN_UPGRADE.set(True)

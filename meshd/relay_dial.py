@@ -196,19 +196,19 @@ class RelayDialer:
     def retry_same_peer(self, peer_id: str) -> bool:
         """The hop to ``peer_id`` failed. If its relay is gone (our connection to it closed: the
         circuit rides on it), remember the relay as failed and return True when another
-        advertised relay is left; if the relay is alive the peer is to blame (False).
+        advertised relay or an open direct connection is left; if the relay is alive the peer
+        is to blame (False). A direct connection (DCUtR) that closed since is dropped (True,
+        once): the circuit is the way left.
 
         One dialer serves every generation of the daemon: when two generations lose the same
         circuit, the second one finds it already handled and gets the same answer."""
-        if self.upgrader is not None and self.upgrader.direct(peer_id) is not None:
-            # The hop may have run on the direct connection: drop it; the circuit (if any) is next.
-            self.upgrader.forget(peer_id)
-            return True
+        if self.upgrader is not None and self.upgrader.take_lost(peer_id):
+            return True   # our direct connection to the peer closed: the circuit is the way left
         with self._lock:
             held = self._circuits.get(peer_id)
             last = self._last_relay.get(peer_id)
         if held is None:
-            return last is not None and self.relay_failed_recently(last) and self._other_relay_left(peer_id, last)
+            return last is not None and self.relay_failed_recently(last) and self._other_way_left(peer_id, last)
         relay_id, conn = held
         try:
             relay_alive = self.portal.run(_still_connected, self.host, relay_id)
@@ -222,9 +222,12 @@ class RelayDialer:
         with self._lock:
             if self._circuits.get(peer_id) is held:
                 del self._circuits[peer_id]
-        return self._other_relay_left(peer_id, relay_id)
+        return self._other_way_left(peer_id, relay_id)
 
-    def _other_relay_left(self, peer_id: str, failed_relay: str) -> bool:
+    def _other_way_left(self, peer_id: str, failed_relay: str) -> bool:
+        """Another advertised relay that has not failed, or an open direct connection."""
+        if self.upgrader is not None and self.upgrader.direct(peer_id) is not None:
+            return True
         with self._lock:
             offered = self._offered.get(peer_id, ())
         return any(r != failed_relay and not self.relay_failed_recently(r) for r in offered)

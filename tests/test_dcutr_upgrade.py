@@ -200,6 +200,16 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 assert hop.snapshot()["bytes_forwarded"] - relayed_bytes < first_bytes // 20
                 # one attempt per peer per window: later generations ask for none
                 assert upgrader.attempts == 1 and upgrader.snapshot()["direct_now"] == 1
+
+                # The direct connection dies (NAT mapping gone): a failed hop is retried on the same
+                # peer, and new sessions take the circuit again (no new attempt within the window).
+                await conn.close()
+                assert await trio.to_thread.run_sync(dial.retry_same_peer, home_id)
+                channel = await trio.to_thread.run_sync(dial.channel, home_id, addrs)
+                assert is_relayed(channel._conn) and upgrader.attempts == 1
+                served_on.clear()
+                assert await trio.to_thread.run_sync(generate) == reference
+                assert served_on and all(served_on)
                 nursery.cancel_scope.cancel()
 
     try:
