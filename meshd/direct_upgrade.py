@@ -171,6 +171,7 @@ class DirectUpgrader:
         self.attempts = 0      # started
         self.upgraded = 0      # found a direct connection
         self.in_flight = 0     # queued or running
+        self.sessions_direct = 0   # session channels handed out on a direct connection
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Serve /libp2p/dcutr and run requested attempts until cancelled."""
@@ -211,6 +212,14 @@ class DirectUpgrader:
             conn = self._direct.get(peer_id)
         return None if conn is None or getattr(conn, "is_closed", True) else conn
 
+    def direct_for_session(self, peer_id: str):
+        """``direct`` for a new session: counted, so status shows the upgrade in use."""
+        conn = self.direct(peer_id)
+        if conn is not None:
+            with self._lock:
+                self.sessions_direct += 1
+        return conn
+
     def take_lost(self, peer_id: str) -> bool:
         """True (once) when ``peer_id`` had a direct connection that has closed since."""
         with self._lock:
@@ -223,7 +232,8 @@ class DirectUpgrader:
     def snapshot(self) -> dict:
         with self._lock:
             direct = sum(1 for c in self._direct.values() if not getattr(c, "is_closed", True))
-        return {"attempts": self.attempts, "upgraded": self.upgraded, "direct_now": direct}
+        return {"attempts": self.attempts, "upgraded": self.upgraded, "in_flight": self.in_flight,
+                "direct_now": direct, "sessions_direct": self.sessions_direct}
 
     async def _attempt(self, peer_id: str, limiter: trio.CapacityLimiter) -> None:
         _IN_UPGRADE.set(True)

@@ -161,7 +161,7 @@ class RelayDialer:
             for table in (self._failed, self._offered, self._last_relay, self._circuits):
                 while len(table) > MAX_TRACKED_PEERS:
                     table.pop(next(iter(table)))
-        direct = self.upgrader.direct(peer_id) if self.upgrader is not None else None
+        direct = self.upgrader.direct_for_session(peer_id) if self.upgrader is not None else None
         if direct is not None:
             return CircuitChannel(self.portal, self.host, direct)
         if held is not None and not getattr(held[1], "is_closed", True) \

@@ -200,6 +200,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 assert hop.snapshot()["bytes_forwarded"] - relayed_bytes < first_bytes // 20
                 # one attempt per peer per window: later generations ask for none
                 assert upgrader.attempts == 1 and upgrader.snapshot()["direct_now"] == 1
+                assert upgrader.snapshot()["sessions_direct"] >= 2   # our channel above + the hop's session
 
                 # The direct connection dies (NAT mapping gone): a failed hop is retried on the same
                 # peer, and new sessions take the circuit again (no new attempt within the window).
