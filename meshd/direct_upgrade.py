@@ -6,7 +6,7 @@ hole-punch requests from peers that reached it through a relay, and it owns
 the attempts this node starts itself:
 
     RelayDialer (driver thread) has an open circuit to peer P
-      -> upgrader.request(P)            thread-safe, never blocks, never raises
+      -> upgrader.request(P)            thread-safe, never raises, returns at once
          policy.admit(P, now)?          at most once per peer per RETRY_AFTER_S
          queue (bounded, full = drop)   -> run loop in the daemon's trio loop
       -> attempt(P) under UPGRADE_TIMEOUT_S:
@@ -44,9 +44,10 @@ log = logging.getLogger(__name__)
 __all__ = ["DirectUpgrader", "UpgradePolicy", "QuietDCUtR", "direct_connection", "is_relayed",
            "quiet_dcutr_logs", "UPGRADE_TIMEOUT_S", "RETRY_AFTER_S"]
 
-# One attempt: a unilateral dial (library dial timeout) plus up to three
-# hole-punch rounds of 5 s; past this the circuit is simply kept.
-UPGRADE_TIMEOUT_S = 20.0
+# One attempt: a unilateral dial (DCUTR_DIAL_TIMEOUT_S), the CONNECT/SYNC
+# exchange over the relay, then up to three hole-punch rounds of 5 s with 2 s
+# pauses (the library's schedule): about 30 s; past this the circuit is kept.
+UPGRADE_TIMEOUT_S = 30.0
 # A peer whose upgrade failed is not tried again for this long: NAT
 # behaviour rarely changes within minutes, and each attempt costs a few
 # dials and relay round trips.
@@ -188,12 +189,17 @@ class DirectUpgrader:
                     nursery.start_soon(self._attempt, peer_id, limiter)
 
     def request(self, peer_id: str) -> bool:
-        """From any thread: start an attempt to ``peer_id`` if the policy allows. Never blocks or raises."""
+        """From a driver thread: queue an attempt to ``peer_id`` if the policy allows.
+
+        Never raises and never waits for the attempt (at most one quick hop into the loop)."""
         token = self._token
         if token is None:
             return False
         with self._lock:
-            if peer_id in self._direct or not self.policy.admit(peer_id, self.clock()):
+            held = self._direct.get(peer_id)
+            if held is not None and not getattr(held, "is_closed", True):
+                return False
+            if not self.policy.admit(peer_id, self.clock()):
                 return False
         try:
             trio.from_thread.run_sync(self._enqueue, peer_id, trio_token=token)

@@ -16,7 +16,8 @@ import torch
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from meshd.direct_upgrade import DirectUpgrader, UpgradePolicy, is_relayed, quiet_dcutr_logs, _IN_UPGRADE
+from meshd.direct_upgrade import (RETRY_AFTER_S, UPGRADE_TIMEOUT_S, _IN_UPGRADE, DirectUpgrader, UpgradePolicy, is_relayed,
+                                  quiet_dcutr_logs)
 from meshd.relay_dial import LoopPortal, RelayDialer
 from meshd.route_driver import GenerationRequest, SwarmDriver, collect
 from meshd.swarm_routes import AdsRouteSource, PeerConnector
@@ -102,10 +103,12 @@ def test_hole_punch_chatter_is_demoted_to_debug_only_inside_an_upgrade():
 
 
 async def relay_and_home(nursery, worker_endpoint: str, home, *, home_upgrader: bool = True,
-                         served_on: list[bool] | None = None):
+                         served_on: list[bool] | None = None, dialable: bool = True):
     """Start relay + home (reserved, serving sessions to ``worker_endpoint``); the home's relayed addrs.
 
-    ``served_on`` collects, per session stream the home accepts, whether it arrived on a circuit."""
+    ``served_on`` collects, per session stream the home accepts, whether it arrived on a circuit.
+    Not ``dialable``: once reserved (its connection to the relay is outbound), the home closes its
+    listeners, as behind a NAT: any direct dial to it is refused, only the circuit reaches it."""
     relay = new_host()
     await nursery.start(_serve_host, relay)
     hop = HopService(relay, DEFAULT_HOP_LIMITS)
@@ -122,6 +125,9 @@ async def relay_and_home(nursery, worker_endpoint: str, home, *, home_upgrader: 
     if home_upgrader:
         await nursery.start(DirectUpgrader(home).run)
     addrs = relayed_addrs(await reserve(home, info(relay)), home.get_id().to_base58())
+    if not dialable:
+        for listener in list(home.get_network().listeners.values()):
+            await listener.close()
     return hop, addrs
 
 
@@ -183,8 +189,10 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 first_bytes = hop.snapshot()["bytes_forwarded"]
                 assert first_bytes > 0 and served_on and all(served_on)   # the first generation: the circuit
                 served_on.clear()
-                await wait_until(lambda: upgrader.attempts == 1 and upgrader.in_flight == 0, "attempt done")
+                await wait_until(lambda: upgrader.attempts == 1 and upgrader.in_flight == 0, "attempt done",
+                                 UPGRADE_TIMEOUT_S + 10)
                 conn = upgrader.direct(home_id)
+                assert conn is not None, f"the home is dialable on loopback, yet no upgrade: {upgrader.snapshot()}"
                 assert not is_relayed(conn) and "/p2p-circuit" not in str(conn.get_transport_addresses())
 
                 # new session streams to the home node now open on the direct connection
@@ -232,14 +240,15 @@ def test_a_failing_upgrade_keeps_the_circuit_and_generations_succeed_silently(ho
             async with trio.open_nursery() as nursery:
                 home = new_host()
                 home_id = home.get_id().to_base58()
-                hop, addrs = await relay_and_home(nursery, worker, home, home_upgrader=False)
+                hop, addrs = await relay_and_home(nursery, worker, home, home_upgrader=False, dialable=False)
                 if home_kind == "stalls":
                     home.set_stream_handler(DCUTR, _stall_dcutr)
                 dialer = new_host()
                 await nursery.start(_serve_host, dialer)
-                # The home is not dialable from here: its direct addresses were never learned and it
-                # offers none (stalls) or no DCUtR at all; only the circuit reaches it.
-                upgrader = DirectUpgrader(dialer, timeout_s=SHORT_UPGRADE_TIMEOUT_S)
+                # The home is not dialable and stalls the DCUtR exchange or does not speak it.
+                now = [0.0]
+                upgrader = DirectUpgrader(dialer, timeout_s=SHORT_UPGRADE_TIMEOUT_S, clock=lambda: now[0])
+                assert not upgrader.request(home_id)      # not running yet: no attempt, no error
                 await nursery.start(upgrader.run)
                 dial = RelayDialer(dialer, LoopPortal.current(), upgrader=upgrader)
 
@@ -259,6 +268,11 @@ def test_a_failing_upgrade_keeps_the_circuit_and_generations_succeed_silently(ho
                 assert upgrader.direct(home_id) is None and upgrader.upgraded == 0
                 assert await trio.to_thread.run_sync(through_circuit, b"three") == (True, [ECHO_PREFIX + b"three"])
                 assert upgrader.attempts == 1
+                # after the policy window, the next circuit use tries once more (and falls back again)
+                now[0] = RETRY_AFTER_S
+                assert await trio.to_thread.run_sync(through_circuit, b"four") == (True, [ECHO_PREFIX + b"four"])
+                await wait_until(lambda: upgrader.attempts == 2 and not upgrader.in_flight, "second attempt")
+                assert upgrader.direct(home_id) is None and upgrader.upgraded == 0
                 # (the relay's own library logger complains about the reservation stream the home closed;
                 # in a deployment that is the relay's process, not ours)
                 assert [f"{r.name}: {r.getMessage()}" for r in noisy.records if r.name != RELAY_LOGGER] == []
