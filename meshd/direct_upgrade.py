@@ -59,6 +59,9 @@ MAX_PENDING_REQUESTS = 16
 MAX_CONCURRENT_ATTEMPTS = 4
 # Peers remembered (policy and direct connections); the oldest are forgotten.
 MAX_TRACKED_PEERS = 1024
+# Hole punches we answer at once: each makes us dial up to 20 addresses the
+# peer chose, three rounds; a peer may run one at a time.
+MAX_INBOUND_PUNCHES = 4
 # The library's per-step bounds (ints for the library): a CONNECT/SYNC message
 # crosses the relay twice; a dial to a punched or loopback address is quick.
 DCUTR_READ_TIMEOUT_S = 10
@@ -108,12 +111,35 @@ class QuietDCUtR(DCUtRProtocol):
     async def _auto_drive_loop(self) -> None:
         return None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._inbound: set = set()    # peers whose hole punch we are answering
+        self.inbound_refused = 0
+
     async def _handle_dcutr_stream(self, stream) -> None:
+        """Answer a peer's hole punch only over a circuit, one per peer, MAX_INBOUND_PUNCHES in all."""
+        peer = stream.muxed_conn.peer_id
+        if (not is_relayed(stream.swarm_conn) or peer in self._inbound
+                or len(self._inbound) >= MAX_INBOUND_PUNCHES):
+            self.inbound_refused += 1
+            await _reset(stream)
+            return
         _IN_UPGRADE.set(True)   # this task only: the peer's hole punch is an upgrade too
-        await super()._handle_dcutr_stream(stream)
+        self._inbound.add(peer)
+        try:
+            await super()._handle_dcutr_stream(stream)
+        finally:
+            self._inbound.discard(peer)
 
     def _schedule_relay_close(self, peer_id: ID) -> None:
         return None
+
+
+async def _reset(stream) -> None:
+    try:
+        await stream.reset()
+    except Exception:  # noqa: BLE001 - already gone
+        pass
 
 
 class UpgradePolicy:

@@ -280,3 +280,29 @@ def test_a_failing_upgrade_keeps_the_circuit_and_generations_succeed_silently(ho
 
     with NoisyRecords() as noisy:
         trio.run(main, noisy)
+
+
+def test_a_hole_punch_is_answered_only_over_a_circuit():
+    """DCUtR makes us dial addresses the peer chose: a peer directly connected gets no answer."""
+    from libp2p.relay.circuit_v2.pb.dcutr_pb2 import HolePunch
+    from libp2p.relay.circuit_v2.utils import write_delimited_msg
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                home, peer = new_host(), new_host()
+                await nursery.start(_serve_host, home)
+                await nursery.start(_serve_host, peer)
+                upgrader = DirectUpgrader(home)
+                await nursery.start(upgrader.run)
+                await peer.connect(info(home))
+                with pytest.raises(Exception):   # reset by the home (even during negotiation), never answered
+                    stream = await peer.new_stream(home.get_id(), [DCUTR])
+                    await write_delimited_msg(stream, HolePunch(type=HolePunch.CONNECT, ObsAddrs=[]))
+                    while True:
+                        if not await stream.read(4096):
+                            raise EOFError("closed")
+                assert upgrader._dcutr.inbound_refused == 1
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
