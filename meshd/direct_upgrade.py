@@ -108,13 +108,13 @@ def quiet_dcutr_logs() -> None:
 class QuietDCUtR(DCUtRProtocol):
     """The library's DCUtR service without its own initiative: we decide when to punch."""
 
-    async def _auto_drive_loop(self) -> None:
-        return None
-
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._inbound: set = set()    # peers whose hole punch we are answering
         self.inbound_refused = 0
+
+    async def _auto_drive_loop(self) -> None:
+        return None
 
     async def _handle_dcutr_stream(self, stream) -> None:
         """Answer a peer's hole punch only over a circuit, one per peer, MAX_INBOUND_PUNCHES in all."""
@@ -282,6 +282,9 @@ class DirectUpgrader:
         with trio.move_on_after(self.timeout_s):
             try:
                 pid = ID.from_base58(peer_id)
+                # our policy paces attempts; the library's own budget (3 per connection) would
+                # otherwise end them for good on a long-lived circuit
+                self._dcutr._hole_punch_attempts.pop(pid, None)
                 await self._dcutr.initiate_hole_punch(pid)
                 conn = direct_connection(self.host, pid)
             except Exception as exc:  # noqa: BLE001 - any failure means: keep the circuit
