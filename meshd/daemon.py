@@ -7,6 +7,8 @@
                 ├── peer sync   (routing table <- connected peers, re-bootstrap)
                 ├── relaying    (dial-back probe; when private: STOP service,
                 │               relay reservations, relayed addrs)  meshd/relaying.py
+                ├── upgrader    (DCUtR handler; bounded background direct upgrades
+                │               of relayed hops)                    meshd/direct_upgrade.py
                 ├── advertiser  (publish / republish / withdraw)   meshd/advertiser.py
                 ├── control API (unix socket, JSON)                meshd/control.py
                 ├── supervisor  (worker subprocess)  meshd/supervisor.py, worker_process.py
@@ -37,6 +39,7 @@ from dht.records import live
 from meshd.advertiser import Advertiser, claim_from_report
 from meshd.config import DaemonConfig
 from meshd.control import serve_control
+from meshd.direct_upgrade import DirectUpgrader
 from meshd.errors import DaemonError
 from meshd.relay_dial import LoopPortal, RelayDialer
 from meshd.relaying import Relaying
@@ -90,7 +93,8 @@ class Node:
                                  on_change=self.refresh_claim, progress=progress)
         self._ready: WorkerReady | None = None
         # circuits to relayed peers, shared by every generation (remembers relays that failed)
-        self.relay_dialer = RelayDialer(host, LoopPortal.current())
+        self.upgrader = DirectUpgrader(host)   # answers peers' hole punches, tries ours
+        self.relay_dialer = RelayDialer(host, LoopPortal.current(), upgrader=self.upgrader)
         listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
         self.tls_bind_host = listen_ip
         unspecified = listen_ip in ("0.0.0.0", "::")
@@ -221,6 +225,7 @@ class Node:
             },
             "worker": worker,
             "reachability": self.relaying.status(),
+            "direct_upgrades": self.upgrader.snapshot(),
             "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
                          for d, v in coverage.items()},
         }
@@ -252,6 +257,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
             node = Node(config, identity, tls, host, dht, progress)
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.peer_sync)
+                await nursery.start(node.upgrader.run)
                 await nursery.start(node.relaying.run)
                 await nursery.start(node.advertiser.run)
                 await nursery.start(partial(serve_control, stream_handler=node.handle_stream),

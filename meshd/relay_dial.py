@@ -13,6 +13,13 @@ no second loop). ``RelayDialer.channel(peer, relayed_addrs)``:
            swarm would pick), carrying the same frames as a gRPC hop
     none worked -> HopFailure (the driver avoids the peer)
 
+With an ``upgrader`` (meshd/direct_upgrade.py), every channel handed out on
+a circuit also asks for a background DCUtR upgrade to that peer (bounded,
+rate-limited per peer, silent on failure). Once an attempt found a verified
+direct connection, ``channel`` opens NEW session streams on it instead (same
+protocol, same frames, still Noise); sessions already on the circuit keep it.
+A hop that fails on the direct connection drops it: the retry takes the circuit.
+
 When a relayed hop fails mid-generation the driver asks
 ``retry_same_peer(peer)``: the relay the hop used is remembered as failed
 and its circuit closed; if another advertised relay is left, the driver
@@ -86,7 +93,8 @@ async def open_session_on(host, conn) -> RelayedFrameChannel:
 
 
 class CircuitChannel:
-    """The subset of grpc.Channel the route driver uses, over one relayed circuit."""
+    """The subset of grpc.Channel the route driver uses, over one libp2p connection (a circuit, or
+    the direct connection a DCUtR upgrade found)."""
 
     def __init__(self, portal: LoopPortal, host, conn) -> None:
         self._portal, self._host, self._conn = portal, host, conn
@@ -116,8 +124,9 @@ class CircuitChannel:
 
 class RelayDialer:
     def __init__(self, host, portal: LoopPortal, *, clock: Callable[[], float] = time.monotonic,
-                 memory_s: float = FAILED_RELAY_MEMORY_S) -> None:
+                 memory_s: float = FAILED_RELAY_MEMORY_S, upgrader=None) -> None:
         self.host, self.portal, self.clock, self.memory_s = host, portal, clock, memory_s
+        self.upgrader = upgrader   # DirectUpgrader or None (no direct upgrades)
         self._lock = threading.Lock()
         self._failed: dict[str, float] = {}          # relay peer id -> skip until (clock)
         self._circuits: dict[str, tuple[str, object]] = {}   # peer id -> (relay peer id, connection)
@@ -152,9 +161,12 @@ class RelayDialer:
             for table in (self._failed, self._offered, self._last_relay, self._circuits):
                 while len(table) > MAX_TRACKED_PEERS:
                     table.pop(next(iter(table)))
+        direct = self.upgrader.direct_for_session(peer_id) if self.upgrader is not None else None
+        if direct is not None:
+            return CircuitChannel(self.portal, self.host, direct)
         if held is not None and not getattr(held[1], "is_closed", True) \
                 and not self.relay_failed_recently(held[0]):
-            return CircuitChannel(self.portal, self.host, held[1])
+            return self._on_circuit(peer_id, held[1])
         tried = []
         for relay_id, relay, dest in targets:
             if self.relay_failed_recently(relay_id):
@@ -172,22 +184,31 @@ class RelayDialer:
             with self._lock:
                 self._circuits[peer_id] = (relay_id, conn)
                 self._last_relay[peer_id] = relay_id
-            return CircuitChannel(self.portal, self.host, conn)
+            return self._on_circuit(peer_id, conn)
         raise HopFailure(0, peer_id, "no relay reaches the peer (" + ("; ".join(tried) or "no relayed address")
                          + ")")
+
+    def _on_circuit(self, peer_id: str, conn) -> CircuitChannel:
+        if self.upgrader is not None:
+            self.upgrader.request(peer_id)   # background, bounded; never delays or fails this hop
+        return CircuitChannel(self.portal, self.host, conn)
 
     def retry_same_peer(self, peer_id: str) -> bool:
         """The hop to ``peer_id`` failed. If its relay is gone (our connection to it closed: the
         circuit rides on it), remember the relay as failed and return True when another
-        advertised relay is left; if the relay is alive the peer is to blame (False).
+        advertised relay or an open direct connection is left; if the relay is alive the peer
+        is to blame (False). A direct connection (DCUtR) that closed since is dropped (True,
+        once): the circuit is the way left.
 
         One dialer serves every generation of the daemon: when two generations lose the same
         circuit, the second one finds it already handled and gets the same answer."""
+        if self.upgrader is not None and self.upgrader.take_lost(peer_id):
+            return True   # our direct connection to the peer closed: the circuit is the way left
         with self._lock:
             held = self._circuits.get(peer_id)
             last = self._last_relay.get(peer_id)
         if held is None:
-            return last is not None and self.relay_failed_recently(last) and self._other_relay_left(peer_id, last)
+            return last is not None and self.relay_failed_recently(last) and self._other_way_left(peer_id, last)
         relay_id, conn = held
         try:
             relay_alive = self.portal.run(_still_connected, self.host, relay_id)
@@ -201,9 +222,12 @@ class RelayDialer:
         with self._lock:
             if self._circuits.get(peer_id) is held:
                 del self._circuits[peer_id]
-        return self._other_relay_left(peer_id, relay_id)
+        return self._other_way_left(peer_id, relay_id)
 
-    def _other_relay_left(self, peer_id: str, failed_relay: str) -> bool:
+    def _other_way_left(self, peer_id: str, failed_relay: str) -> bool:
+        """Another advertised relay that has not failed, or an open direct connection."""
+        if self.upgrader is not None and self.upgrader.direct(peer_id) is not None:
+            return True
         with self._lock:
             offered = self._offered.get(peer_id, ())
         return any(r != failed_relay and not self.relay_failed_recently(r) for r in offered)

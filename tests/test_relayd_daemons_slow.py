@@ -3,10 +3,13 @@
 Two `meshd relay` processes (DHT servers too); the entry daemon serves layers
 [0, 2) of a 4-layer model, the home daemon [2, 4) with --reachability
 private: it finds both relays in the DHT, reserves on both, advertises only
-relayed addresses. Generation through the entry's control API equals the
-whole model's greedy tokens; then the relay carrying the hop is SIGKILLed
-mid-generation and the generation completes with the same tokens, the route
-unchanged (the same home peer, through the other relay).
+relayed addresses. The first generation through the entry's control API
+opens the hop on a circuit; the relay carrying it is SIGKILLed mid-generation
+and the generation completes with the whole model's greedy tokens, the route
+unchanged (the same home peer, through the other relay or through the direct
+connection a DCUtR upgrade found meanwhile). On loopback the home node is
+dialable, so the entry's background upgrade succeeds: the second generation
+runs on the direct connection with the same tokens.
 """
 from __future__ import annotations
 
@@ -103,11 +106,6 @@ def test_private_home_node_through_two_relays_survives_a_relay_death(tmp_path):
         home_ad = next(a for a in view["ads"] if a["peer_id"] == home_id)
         print("home ad:", json.dumps(home_ad))
 
-        first = run_generation(entry)
-        print("route:", first["route"], "tokens:", first["tokens"])
-        assert first["tokens"] == expected
-        assert any(h.startswith(home_id) for h in first["route"]) and not first["failovers"]
-
         # The relay listed first in the home's record carries the entry's circuit: kill it mid-decode.
         carrier_id = parse_relayed_addr(reach["relayed_addrs"][0])[0].peer_id.to_base58()
         carrier = next(r for r in relays if r.ready["peer_id"] == carrier_id)
@@ -117,13 +115,23 @@ def test_private_home_node_through_two_relays_survives_a_relay_death(tmp_path):
                 carrier.proc.kill()
                 carrier.proc.wait(30)
 
-        second = run_generation(entry, kill_at)
-        print("after killing relay", carrier_id[:16], "failovers:", json.dumps(second["failovers"])[:1500])
+        first = run_generation(entry, kill_at)
+        print("route:", first["route"], "tokens:", first["tokens"])
+        print("after killing relay", carrier_id[:16], "failovers:", json.dumps(first["failovers"])[:1500])
         assert carrier.proc.poll() is not None
+        assert first["tokens"] == expected
+        assert any(h.startswith(home_id) for h in first["route"])
+        assert first["failovers"], "the relay died mid-generation but nothing failed over"
+        assert all(f["failed_peer"] == home_id for f in first["failovers"])
+
+        # DCUtR: the entry tried one upgrade when the first circuit opened; on loopback it succeeds.
+        upgrades = wait_for(lambda: (status(entry) or {}).get("direct_upgrades", {}).get("direct_now") or None,
+                            "the entry's direct upgrade to the home node", START_TIMEOUT_S, entry)
+        print("entry direct upgrades:", status(entry)["direct_upgrades"], upgrades)
+        second = run_generation(entry)
         assert second["tokens"] == expected
-        assert second["failovers"], "the relay died mid-generation but nothing failed over"
-        assert all(f["failed_peer"] == home_id for f in second["failovers"])
-        assert second["route"] == first["route"]     # the same peers: the home node through the other relay
+        assert second["route"] == first["route"] and not second["failovers"]
+        assert status(entry)["direct_upgrades"]["attempts"] == 1     # once per peer per window
     finally:
         for d in daemons:
             d.stop()

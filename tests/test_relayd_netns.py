@@ -13,7 +13,10 @@ conntrack lets replies through). Checks:
     model's greedy tokens, and the route's middle hop is home1;
   * what the public namespace carried does not contain the middle hop's
     activation bytes, while home2's own loopback (its worker's plaintext
-    gRPC) does carry them -- so the probe bytes are the real ones.
+    gRPC) does carry them -- so the probe bytes are the real ones;
+  * the entry's background DCUtR upgrade to home1 ends (hole punching through
+    both firewalls may or may not work: the outcome is printed), and a second
+    generation equals the whole model either way, on the same route.
 If namespaces cannot be created the test FAILS and says why.
 """
 from __future__ import annotations
@@ -166,6 +169,29 @@ def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
             "the probe bytes are not the activations the entry handled (home2's loopback never carried them)"
         assert len(carried["public"]) > 10_000, "the public capture saw no relayed traffic"
         assert not any(p in carried["public"] for p in probes), "activation bytes crossed the relay in clear"
+
+        def upgrade_ended():
+            u = (entry.query("status") or {}).get("direct_upgrades") or {}
+            return u if u.get("attempts") and not u.get("in_flight") else None
+        upgrades = wait_for(upgrade_ended, "the entry's DCUtR attempt to end", START_TIMEOUT_S, entry)
+        print("DCUtR hole punch home2 -> home1:", "direct" if upgrades["direct_now"] else "failed, relayed", upgrades)
+        again = None
+        captures = {"public": _start_capture(topo.prefix(topo.public), tmp_path / "public2.cap")}
+        for event in entry.generate(PROMPT, max_tokens=NEW_TOKENS, raw=True):
+            if event.get("done"):
+                again = event
+        public_again = _stop_capture(captures.pop("public"), tmp_path / "public2.cap")
+        print(f"public namespace carried {len(carried['public'])} bytes in the first generation, "
+              f"{len(public_again)} in the second")
+        assert again is not None and again["tokens"] == expected
+        if upgrades["direct_now"]:
+            # Hole punched: the entry opened the middle hop's session on the direct connection, and the
+            # public namespace carried less: still the tail hop (its daemon serves [4, 6)), no longer
+            # the middle hop twice (entry -> relay -> home1).
+            assert entry.query("status")["direct_upgrades"]["sessions_direct"] >= 1
+            assert len(public_again) < len(carried["public"]), "the upgraded hop still went through public"
+        assert again["route"] == done["route"] and not again["failovers"]
+        assert entry.query("status")["direct_upgrades"]["attempts"] == 1
     finally:
         for proc in captures.values():
             proc.kill()
