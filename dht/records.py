@@ -164,35 +164,45 @@ def sign_withdrawal(model_artifact_digest: str, key, *, peer_id: str, sequence: 
 
 
 def _sign(payload: pb.CapabilityPayload, key) -> bytes:
-    data = sign_record(pb.RECORD_KIND_CAPABILITY, payload.SerializeToString(), key).SerializeToString()
+    return sign_payload(pb.RECORD_KIND_CAPABILITY, payload, key)
+
+
+def sign_payload(kind: int, payload, key) -> bytes:
+    """A serialized SignedRecord of ``kind`` over ``payload``; ValueError when over MAX_RECORD_BYTES."""
+    data = sign_record(kind, payload.SerializeToString(), key).SerializeToString()
     if len(data) > MAX_RECORD_BYTES:
         raise ValueError(f"record is {len(data)} bytes, over MAX_RECORD_BYTES={MAX_RECORD_BYTES}")
     return data
 
 
-def validate_capability(data: bytes, now_ms: int) -> CapabilityRecord:
-    """Check every rule in the module docstring; raise RecordRejected(reason) on the first broken."""
+def open_signed(data: bytes, kind: int, payload_cls):
+    """The rules every signed DHT record shares, in order: size, SignedRecord, ``kind``,
+    signature, payload of ``payload_cls``, schema version, key matches the payload's peer id."""
     if len(data) > MAX_RECORD_BYTES:
         raise RecordRejected("too_large", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
     try:
         signed = pb.SignedRecord.FromString(data)
     except DecodeError as exc:
         raise RecordRejected("malformed", "not a SignedRecord") from exc
-    if signed.kind != pb.RECORD_KIND_CAPABILITY:
-        raise RecordRejected("kind", f"record kind {signed.kind} is not CAPABILITY")
+    if signed.kind != kind:
+        raise RecordRejected("kind", f"record kind {signed.kind} is not {pb.RecordKind.Name(kind)[12:]}")
     try:
         verify_record_signature(signed)
     except PayloadCorrupt as exc:
         raise RecordRejected("signature", str(exc)) from exc
     try:
-        payload = pb.CapabilityPayload.FromString(signed.payload)
+        payload = payload_cls.FromString(signed.payload)
     except DecodeError as exc:
-        raise RecordRejected("malformed", "payload is not a CapabilityPayload") from exc
+        raise RecordRejected("malformed", f"payload is not a {payload_cls.__name__}") from exc
     if payload.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
         raise RecordRejected("schema", f"unknown schema version {payload.schema_version}")
     if peer_id_from_public_key(signed.public_key) != payload.peer_id:
         raise RecordRejected("peer_id", "the signing key does not match the peer id in the record")
-    _check_bounds(payload)
+    return payload
+
+
+def check_lifetime(payload, now_ms: int) -> tuple[int, int]:
+    """(issued, expires) once the record is not future-dated, not over-long and not expired."""
     issued, expires = payload.issued_at_unix_ms, payload.expires_at_unix_ms
     if issued > now_ms + MAX_CLOCK_SKEW_MS:
         raise RecordRejected("future", f"issued {issued - now_ms} ms in the future")
@@ -200,6 +210,14 @@ def validate_capability(data: bytes, now_ms: int) -> CapabilityRecord:
         raise RecordRejected("malformed", "lifetime must be within (0, MAX_RECORD_LIFETIME_MS]")
     if expires <= now_ms:
         raise RecordRejected("expired", f"expired {now_ms - expires} ms ago")
+    return issued, expires
+
+
+def validate_capability(data: bytes, now_ms: int) -> CapabilityRecord:
+    """Check every rule in the module docstring; raise RecordRejected(reason) on the first broken."""
+    payload = open_signed(data, pb.RECORD_KIND_CAPABILITY, pb.CapabilityPayload)
+    _check_bounds(payload)
+    issued, expires = check_lifetime(payload, now_ms)
     r = payload.shard_range
     return CapabilityRecord(raw=data, peer_id=payload.peer_id, sequence=payload.sequence,
                             model_artifact_digest=payload.model_artifact_digest,

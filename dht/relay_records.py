@@ -31,21 +31,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from google.protobuf.message import DecodeError
-
 from dht.records import (
     MAX_ADDR_CHARS,
-    MAX_CLOCK_SKEW_MS,
-    MAX_RECORD_BYTES,
     MAX_RECORD_LIFETIME_MS,
-    SUPPORTED_SCHEMA_VERSIONS,
+    check_lifetime,
     decode_record_set,
+    open_signed,
+    sign_payload,
 )
 from meshd.errors import RecordRejected
-from meshd.identity import peer_id_from_public_key
 from proto import shard_runtime_pb2 as pb
-from proto.errors import PayloadCorrupt
-from proto.records import sign_record, verify_record_signature
 
 __all__ = ["RelayRecord", "sign_relay", "validate_relay", "validate_relay_set", "parse_relay_set_lenient",
            "MAX_RELAY_ADDRS"]
@@ -103,47 +98,19 @@ def sign_relay(addrs: Sequence[str], key, *, peer_id: str, sequence: int, now_ms
         raise ValueError(f"ttl_ms must be within (0, {MAX_RECORD_LIFETIME_MS}]")
     payload = pb.RelayPayload(schema_version=pb.SCHEMA_VERSION_1, peer_id=peer_id, addrs=list(addrs),
                               issued_at_unix_ms=now_ms, expires_at_unix_ms=now_ms + ttl_ms, sequence=sequence)
-    data = sign_record(pb.RECORD_KIND_RELAY, payload.SerializeToString(), key).SerializeToString()
-    if len(data) > MAX_RECORD_BYTES:
-        raise ValueError(f"record is {len(data)} bytes, over MAX_RECORD_BYTES={MAX_RECORD_BYTES}")
-    return data
+    return sign_payload(pb.RECORD_KIND_RELAY, payload, key)
 
 
 def validate_relay(data: bytes, now_ms: int) -> RelayRecord:
     """Check every rule in the module docstring; raise RecordRejected(reason) on the first broken."""
-    if len(data) > MAX_RECORD_BYTES:
-        raise RecordRejected("too_large", f"{len(data)} bytes > {MAX_RECORD_BYTES}")
-    try:
-        signed = pb.SignedRecord.FromString(data)
-    except DecodeError as exc:
-        raise RecordRejected("malformed", "not a SignedRecord") from exc
-    if signed.kind != pb.RECORD_KIND_RELAY:
-        raise RecordRejected("kind", f"record kind {signed.kind} is not RELAY")
-    try:
-        verify_record_signature(signed)
-    except PayloadCorrupt as exc:
-        raise RecordRejected("signature", str(exc)) from exc
-    try:
-        payload = pb.RelayPayload.FromString(signed.payload)
-    except DecodeError as exc:
-        raise RecordRejected("malformed", "payload is not a RelayPayload") from exc
-    if payload.schema_version not in SUPPORTED_SCHEMA_VERSIONS:
-        raise RecordRejected("schema", f"unknown schema version {payload.schema_version}")
-    if peer_id_from_public_key(signed.public_key) != payload.peer_id:
-        raise RecordRejected("peer_id", "the signing key does not match the peer id in the record")
+    payload = open_signed(data, pb.RECORD_KIND_RELAY, pb.RelayPayload)
     if not 1 <= len(payload.addrs) <= MAX_RELAY_ADDRS:
         raise RecordRejected("malformed", f"a relay record carries 1..{MAX_RELAY_ADDRS} addresses")
     for addr in payload.addrs:
         problem = _addr_problem(addr, payload.peer_id)
         if problem:
             raise RecordRejected("malformed", problem)
-    issued, expires = payload.issued_at_unix_ms, payload.expires_at_unix_ms
-    if issued > now_ms + MAX_CLOCK_SKEW_MS:
-        raise RecordRejected("future", f"issued {issued - now_ms} ms in the future")
-    if not issued < expires <= issued + MAX_RECORD_LIFETIME_MS:
-        raise RecordRejected("malformed", "lifetime must be within (0, MAX_RECORD_LIFETIME_MS]")
-    if expires <= now_ms:
-        raise RecordRejected("expired", f"expired {now_ms - expires} ms ago")
+    issued, expires = check_lifetime(payload, now_ms)
     return RelayRecord(raw=data, peer_id=payload.peer_id, sequence=payload.sequence, addrs=tuple(payload.addrs),
                        issued_at_ms=issued, expires_at_ms=expires)
 
