@@ -51,6 +51,9 @@ def build_host(identity: Identity):
     """A BasicHost with the persistent identity, Noise-only security and yamux."""
     from libp2p import new_host
 
+    from relay import libp2p_fastpath
+
+    libp2p_fastpath.apply()
     key_pair = identity.libp2p_key_pair()
     return new_host(key_pair=key_pair, sec_opt=security_options(key_pair), muxer_opt=muxer_options(),
                     disable_identify_address_discovery=True)
