@@ -67,6 +67,8 @@ TESTED_LIBP2P_VERSION = "0.8.1"
 # the common case; the bound on what a connection holds read ahead.
 TCP_READ_AHEAD_BYTES = 64 * 1024
 APPLIED = False
+# The library's own methods this module replaced, by "Class.method" (tests compare both).
+LIBRARY: dict[str, object] = {}
 
 
 class QuickLock:
@@ -157,6 +159,12 @@ def _install(libp2p_version: str) -> bool:
         return False
     if getattr(Y, "read_exactly", None) is not utils.read_exactly or msgio.read_exactly is not utils.read_exactly:
         return False
+
+    LIBRARY.update({"TrioTCPStream.read": TrioTCPStream.__dict__["read"],
+                    "Yamux._write_frame": Y.Yamux._write_frame, "YamuxStream.write": Y.YamuxStream.write,
+                    "read_exactly": utils.read_exactly, "Yamux.read_stream": Y.Yamux.read_stream,
+                    "Yamux._read_data_body": Y.Yamux._read_data_body,
+                    "BaseNoiseMsgReadWriter.read_msg": noise_io.BaseNoiseMsgReadWriter.read_msg})
 
     # 1. locks
     _swap_locks(TrioTCPStream, ("read_lock", "write_lock"))
