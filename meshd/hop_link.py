@@ -17,7 +17,6 @@ State: the call, its bounded send queue, the credit window, ``past_len``
 """
 from __future__ import annotations
 
-import queue
 import time
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from proto.errors import MeshdError
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION
 from proto.zerocopy import read_response
+from shard.request_queue import RequestQueue
 from shard.server import SERVICE_NAME
 from shard.stream import HIDDEN, LOGITS, TOKEN_IDS
 
@@ -42,7 +42,6 @@ SEND_QUEUE_DEPTH = 16
 STREAM_TIMEOUT_S = 6 * 3600.0
 # A release is a courtesy to the peer; never wait long for it.
 RELEASE_TIMEOUT_S = 5.0
-_END = object()
 
 
 class HopFailure(MeshdError):
@@ -76,7 +75,7 @@ class LinkSpec:
 class HopLink:
     def __init__(self, index: int, spec: LinkSpec, channel: grpc.Channel) -> None:
         self.index, self.spec, self.channel = index, spec, channel
-        self._queue: "queue.Queue[object]" = queue.Queue(maxsize=SEND_QUEUE_DEPTH)
+        self._queue = RequestQueue(SEND_QUEUE_DEPTH)
         self._call = None
         self.window: CreditWindow | None = None
         self.past_len = 0
@@ -124,7 +123,7 @@ class HopLink:
     def open(self, step_deadline_s: float) -> None:
         s = self.spec
         call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        self._call = call(iter(self._queue.get, _END), timeout=STREAM_TIMEOUT_S)
+        self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
         tail = pb.TailOptions(return_logits=True) if s.is_tail else None
         self._send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
@@ -213,10 +212,7 @@ class HopLink:
                     except grpc.RpcError:
                         pass  # a dead hop holds nothing worth releasing; its TTL cleans up
         finally:
-            try:
-                self._queue.put_nowait(_END)
-            except queue.Full:
-                pass
+            self._queue.finish()
             if self._call is not None:
                 self._call.cancel()
             self.channel.close()

@@ -128,6 +128,27 @@ def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, work
 
 # ------------------------------------------------------------------ the entry node
 
+class _Recorded:
+    """A RequestQueue seen through ``record(body)`` (called before each body goes out)."""
+
+    def __init__(self, requests, record) -> None:
+        self._requests, self._record, self.depth = requests, record, requests.depth
+
+    def attach(self, push, finish) -> None:
+        def recorded(body):
+            self._record(body)
+            return push(body)
+        self._requests.attach(recorded, finish)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        body = next(self._requests)
+        self._record(body)
+        return body
+
+
 def _recording_factory(factory, sent: list[bytes], on_sent=None):
     """Wrap a channel factory so relayed hops keep their first request bodies (bounded)."""
     def wrap(endpoint: str):
@@ -140,12 +161,21 @@ def _recording_factory(factory, sent: list[bytes], on_sent=None):
             call = inner(method, **kw)
 
             def start(requests, timeout=None):
+                count = [0]
+
+                def record(body):
+                    count[0] += 1
+                    if len(sent) < KEEP_SENT_BODIES:
+                        sent.append(bytes(body))
+                    if on_sent is not None:
+                        on_sent(count[0])
+
+                if hasattr(requests, "attach"):     # keep the RequestQueue hand-off the product uses
+                    return call(_Recorded(requests, record), timeout=timeout)
+
                 def tee():
-                    for count, body in enumerate(requests, start=1):
-                        if len(sent) < KEEP_SENT_BODIES:
-                            sent.append(bytes(body))
-                        if on_sent is not None:
-                            on_sent(count)
+                    for body in requests:
+                        record(body)
                         yield body
                 return call(tee(), timeout=timeout)
             return start

@@ -7,7 +7,8 @@ response_deserializer=None)(request_iterator, timeout=...)`` (raw bytes in,
 raw bytes out), ``.cancel()`` on the call, and ``channel.close()``. So a
 relayed hop plugs in with no change to the driver:
 
-    driver thread ─ request_iterator ─▶ pump thread ─ run_sync_soon ─▶ trio writer task ─▶ stream
+    driver thread ─ RequestQueue.put ─ run_sync_soon ─▶ trio writer task ─▶ stream
+      (any other request_iterator: ─▶ pump thread ─ run_sync_soon ─▶ ...)
     driver thread ◀── next(call): Inbox.get() ◀──────────────────────── trio reader task ◀─ stream
 
 ``TrioPortal`` runs one trio loop (the libp2p host) in a background thread
@@ -131,21 +132,30 @@ class _RelayedCall:
         self._done = False
         self._sent_all = False      # we half-closed: an end of stream is now the normal end
         self._inbox: Inbox = Inbox(CALL_QUEUE_FRAMES)
-        self._up = threading.Semaphore(CALL_QUEUE_FRAMES)   # requests handed to trio, not yet written
+        # A RequestQueue (shard/request_queue.py) lets the driver's thread hand frames to
+        # trio itself, with the queue's own depth as the credit; any other iterator is
+        # drained by a pump thread (one more hand-off per frame).
+        attach = getattr(requests, "attach", None)
+        self._depth = requests.depth if attach is not None else CALL_QUEUE_FRAMES
+        self._up = threading.Semaphore(self._depth)   # requests handed to trio, not yet written
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
         try:
             self._token, self._to_writer = portal.run(self._start)
         except RelayError as exc:       # the loop has stopped: the driver sees a failed hop
             raise RelayedRpcError(exc) from exc
-        self._pump = threading.Thread(target=self._send_all, args=(requests,), daemon=True,
-                                      name="relayed-call-pump")
-        self._pump.start()
+        self._pump: threading.Thread | None = None
+        if attach is not None:
+            attach(self._push, self._push_end)
+        else:
+            self._pump = threading.Thread(target=self._send_all, args=(requests,), daemon=True,
+                                          name="relayed-call-pump")
+            self._pump.start()
 
     # ------------------------------------------------------------- trio side
 
     async def _start(self):
         """In the portal's loop: the writer and reader tasks, each under a scope ``cancel()`` cancels."""
-        send, receive = trio.open_memory_channel(CALL_QUEUE_FRAMES + 1)   # + the end marker
+        send, receive = trio.open_memory_channel(self._depth + 1)   # + the end marker
         # Scopes exist before the tasks run, so a cancel() that comes first still reaches them.
         self._scopes = [trio.CancelScope(), trio.CancelScope()]
         trio.lowlevel.spawn_system_task(self._guarded, self._scopes[0], self._write_all, receive,
@@ -196,15 +206,28 @@ class _RelayedCall:
     # ----------------------------------------------------------- pump thread
 
     def _send_all(self, requests: Iterator[bytes]) -> None:
+        for body in requests:
+            if not self._push(body):
+                return
+        self._push_end()
+
+    def _push(self, body: bytes) -> bool:
+        """Hand one request to the writer task (in the caller's thread); False once the call is over."""
+        trace.mark("e.pump_got")
+        while not self._up.acquire(timeout=PUMP_POLL_S):
+            if self._done:
+                return False
+        if self._done:
+            return False
         try:
-            for body in requests:
-                trace.mark("e.pump_got")
-                while not self._up.acquire(timeout=PUMP_POLL_S):
-                    if self._done:
-                        return
-                if self._done:
-                    return
-                self._token.run_sync_soon(self._hand_over, body)
+            self._token.run_sync_soon(self._hand_over, body)
+        except trio.RunFinishedError:
+            self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
+            return False
+        return True
+
+    def _push_end(self) -> None:
+        try:
             self._token.run_sync_soon(self._hand_over, _END)
         except trio.RunFinishedError:
             self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))

@@ -20,7 +20,6 @@ hop's typed ``pb.ShardError``; transport failures are mapped to it too.
 """
 from __future__ import annotations
 
-import queue
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from proto.zerocopy import read_response
 from shard.artifact import fingerprints_match
 from shard.backend import LayerRange
 from shard.sampling import Sampler, SamplingSpec, greedy_token
+from shard.request_queue import RequestQueue
 from shard.server import GRPC_OPTIONS, SERVICE_NAME
 from shard.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
@@ -52,7 +52,6 @@ SEND_QUEUE_DEPTH = 16
 DEFAULT_STREAM_TIMEOUT_S = 3600.0
 # Unary calls (capability, release) must answer within this.
 UNARY_TIMEOUT_S = 30.0
-_END = object()
 
 
 class HopError(MeshdError):
@@ -94,9 +93,9 @@ class _HopStream:
 
     def __init__(self, index: int, hop: Hop, channel: grpc.Channel, timeout_s: float) -> None:
         self.index, self.hop, self.channel = index, hop, channel
-        self._queue: "queue.Queue[object]" = queue.Queue(maxsize=SEND_QUEUE_DEPTH)
+        self._queue = RequestQueue(SEND_QUEUE_DEPTH)
         call = channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        self._responses = call(iter(self._queue.get, _END), timeout=timeout_s)
+        self._responses = call(self._queue, timeout=timeout_s)
         self.window: CreditWindow | None = None
         self.past_len = 0
         self.execution_ns = 0
@@ -138,10 +137,7 @@ class _HopStream:
             return resp, tensors
 
     def close(self) -> None:
-        try:
-            self._queue.put_nowait(_END)
-        except queue.Full:
-            pass
+        self._queue.finish()
         self._responses.cancel()
         self.channel.close()
 

@@ -10,6 +10,7 @@ import trio
 from relay.bridge import SESSION_METHOD
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import HopService
+from shard.request_queue import RequestQueue
 from relay.syncchannel import RelayedRpcError, TrioPortal, relayed_channel_factory
 from relay.transport import RelayedSessionServer
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
@@ -81,6 +82,23 @@ def test_pipelined_requests_come_back_in_order_and_cancel_ends_the_call():
         requests.put(b"after cancel")        # the pump takes it, sees the call is over and stops
         call._pump.join(10)
         assert not call._pump.is_alive()
+
+
+def test_a_request_queue_hands_frames_over_from_the_driver_thread_without_a_pump():
+    with echo_worker() as target, _portal(target) as portal:
+        dialer, home_id = portal.value
+        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
+        requests = RequestQueue(16)
+        call = channel.stream_stream(SESSION_METHOD)(requests, timeout=60)
+        assert call._pump is None
+        bodies = [b"%d" % i * (1 + 100 * i) for i in range(12)]
+        for body in bodies:                 # more than CALL_QUEUE_FRAMES before reading any
+            requests.put(body)
+        assert [next(call) for _ in bodies] == [ECHO_PREFIX + b for b in bodies]
+        requests.finish()                   # our half-close: the echo ends its side too
+        assert list(call) == []
+        requests.put(b"after the end")      # returns at once: the call is over
+        requests.finish()
 
 
 def test_a_home_node_whose_worker_is_gone_fails_the_call_as_an_rpc_error():
