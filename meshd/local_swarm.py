@@ -11,7 +11,6 @@ Blocking code (subprocess + the control socket); bounded waits only.
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from typing import Callable, Iterator, TypeVar
 from meshd.cmd_generate import stream_events
 from meshd.control import request
 from proto.errors import MeshdError
+from shard import procs
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 POLL_S = 0.25
@@ -35,13 +35,7 @@ class SwarmTimeout(MeshdError):
 
 
 def child_env(torch_threads: int = 1) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[var] = str(torch_threads)
-    return env
+    return procs.child_env(torch_threads)
 
 
 class LocalDaemon:

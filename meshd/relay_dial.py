@@ -8,7 +8,7 @@ no second loop). ``RelayDialer.channel(peer, relayed_addrs)``:
     for each relayed addr of the peer, in the advertised order:
         skip relays that failed within FAILED_RELAY_MEMORY_S
         dial_relayed (relay/client.py): HOP CONNECT + Noise + yamux end to end
-        -> CircuitChannel: grpc.Channel look-alike whose Session streams are
+        -> circuit_channel: grpc.Channel look-alike whose Session streams are
            opened ON THAT circuit connection (not whatever connection the
            swarm would pick), carrying the same frames as a gRPC hop
     none worked -> HopFailure (the driver avoids the peer)
@@ -33,6 +33,7 @@ peer the circuit in use, the relay it went through and the relays offered.
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Callable, Sequence
@@ -43,10 +44,10 @@ from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicat
 from meshd.hop_link import HopFailure
 from relay.client import dial_relayed, parse_relayed_addr
 from relay.errors import RelayError, RelayRefused, RelayUnreachable
-from relay.syncchannel import RelayedRpcError, _RelayedCall
+from relay.syncchannel import RelayedGrpcChannel
 from relay.transport import OPEN_STREAM_TIMEOUT_S, SESSION_PROTOCOL, RelayedFrameChannel
 
-__all__ = ["LoopPortal", "RelayDialer", "CircuitChannel", "FAILED_RELAY_MEMORY_S"]
+__all__ = ["LoopPortal", "RelayDialer", "circuit_channel", "FAILED_RELAY_MEMORY_S"]
 
 # A relay that failed is skipped for this long: long enough to finish the
 # generation on another relay, short enough that a restarted relay is used again.
@@ -88,38 +89,14 @@ async def open_session_on(host, conn) -> RelayedFrameChannel:
             stream.set_protocol(selected)
         except Exception as exc:  # closed circuit, refused protocol, reset
             raise RelayUnreachable(f"cannot open a session stream on the circuit: {exc}") from exc
-        return RelayedFrameChannel(stream)
+        return RelayedFrameChannel(stream, side="e")
     raise RelayUnreachable(f"no session stream on the circuit within {OPEN_STREAM_TIMEOUT_S:g} s")
 
 
-class CircuitChannel:
-    """The subset of grpc.Channel the route driver uses, over one libp2p connection (a circuit, or
-    the direct connection a DCUtR upgrade found)."""
-
-    def __init__(self, portal: LoopPortal, host, conn) -> None:
-        self._portal, self._host, self._conn = portal, host, conn
-
-    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):
-        if request_serializer is not None or response_deserializer is not None:
-            raise ValueError("relayed hops carry serialized frames: use raw-bytes (de)serializers")
-        if not method.endswith("/Session"):
-            raise ValueError(f"only the Session method travels over relayed hops, not {method}")
-
-        def call(request_iterator, timeout=None) -> _RelayedCall:
-            try:
-                channel = self._portal.run(open_session_on, self._host, self._conn)
-            except RelayError as exc:
-                raise RelayedRpcError(exc) from exc
-            return _RelayedCall(self._portal, channel, request_iterator)
-        return call
-
-    def unary_unary(self, method: str, **_):
-        def call(*args, **kwargs):
-            raise RelayedRpcError(RelayUnreachable(f"{method} is not carried over relayed hops"))
-        return call
-
-    def close(self) -> None:
-        pass
+def circuit_channel(portal: LoopPortal, host, conn) -> RelayedGrpcChannel:
+    """A grpc.Channel look-alike whose Session streams open on one libp2p connection (a circuit,
+    or the direct connection a DCUtR upgrade found)."""
+    return RelayedGrpcChannel(portal, functools.partial(open_session_on, host, conn))
 
 
 class RelayDialer:
@@ -145,7 +122,7 @@ class RelayDialer:
         with self._lock:
             self._failed[relay_peer_id] = self.clock() + self.memory_s
 
-    def channel(self, peer_id: str, relayed_addrs: Sequence[str]) -> CircuitChannel:
+    def channel(self, peer_id: str, relayed_addrs: Sequence[str]) -> RelayedGrpcChannel:
         """A channel to ``peer_id`` through the first relay of ``relayed_addrs`` that works."""
         targets = []
         for addr in relayed_addrs:
@@ -163,7 +140,7 @@ class RelayDialer:
                     table.pop(next(iter(table)))
         direct = self.upgrader.direct_for_session(peer_id) if self.upgrader is not None else None
         if direct is not None:
-            return CircuitChannel(self.portal, self.host, direct)
+            return circuit_channel(self.portal, self.host, direct)
         if held is not None and not getattr(held[1], "is_closed", True) \
                 and not self.relay_failed_recently(held[0]):
             return self._on_circuit(peer_id, held[1])
@@ -188,10 +165,10 @@ class RelayDialer:
         raise HopFailure(0, peer_id, "no relay reaches the peer (" + ("; ".join(tried) or "no relayed address")
                          + ")")
 
-    def _on_circuit(self, peer_id: str, conn) -> CircuitChannel:
+    def _on_circuit(self, peer_id: str, conn) -> RelayedGrpcChannel:
         if self.upgrader is not None:
             self.upgrader.request(peer_id)   # background, bounded; never delays or fails this hop
-        return CircuitChannel(self.portal, self.host, conn)
+        return circuit_channel(self.portal, self.host, conn)
 
     def retry_same_peer(self, peer_id: str) -> bool:
         """The hop to ``peer_id`` failed. If its relay is gone (our connection to it closed: the

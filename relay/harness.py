@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -25,20 +26,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from shard import procs
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Loading a model or starting libp2p on a loaded 2-core machine: bounded, generous.
 READY_TIMEOUT_S = 300.0
-STOP_GRACE_S = 10.0
 # The entry driver keeps at most this many relayed request bodies (for the capture check).
 KEEP_SENT_BODIES = 64
 
 
 def child_env(threads: int = 1) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env["OMP_NUM_THREADS"] = str(threads)
-    return env
+    return procs.child_env(threads)
 
 
 @dataclass
@@ -49,16 +47,13 @@ class Child:
     log: Path | None = None
     ready_path: Path | None = None
     check: object = None
+    scratch: Path | None = None     # a private directory of this child's, removed at stop()
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_GRACE_S)
-        return self.proc.returncode
+        code = procs.stop_process(self.proc)
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        return code
 
     def tail(self) -> str:
         return self.log.read_text()[-3000:] if self.log and self.log.exists() else ""
@@ -108,12 +103,18 @@ def spawn_worker(workdir: Path, model: Path, layers: str, *, prefix: Sequence[st
                  wait: bool = True) -> Child:
     d = Path(tempfile.mkdtemp(prefix=f"worker-{layers.replace(':', '-')}-", dir=workdir))
     # Unix socket paths are limited to ~108 bytes: a short private dir of its own (0700).
-    sock = Path(tempfile.mkdtemp(prefix="mw-")) / "w.sock"
-    return spawn_ready(f"worker {layers}", ["meshd", "worker", "--model", str(model), "--layers", layers,
-                                            "--listen", "127.0.0.1:0", "--threads", str(threads),
-                                            "--unix-listen", str(sock),
-                                            "--ready-file", str(d / "ready.json")], d / "ready.json", prefix=prefix,
-                       wait=wait)
+    scratch = Path(tempfile.mkdtemp(prefix="mw-"))
+    try:
+        child = spawn_ready(f"worker {layers}", ["meshd", "worker", "--model", str(model), "--layers", layers,
+                                                 "--listen", "127.0.0.1:0", "--threads", str(threads),
+                                                 "--unix-listen", str(scratch / "w.sock"),
+                                                 "--ready-file", str(d / "ready.json")], d / "ready.json",
+                            prefix=prefix, wait=wait)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    child.scratch = scratch
+    return child
 
 
 def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, worker: str, *,

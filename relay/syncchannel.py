@@ -292,10 +292,18 @@ class _RelayedCall:
 
 
 class RelayedGrpcChannel:
-    """The subset of grpc.Channel the route driver uses, over relayed session streams."""
+    """The subset of grpc.Channel the route driver uses, over libp2p session streams.
 
-    def __init__(self, portal: TrioPortal, host, peer_id: ID) -> None:
-        self._portal, self._host, self._peer = portal, host, peer_id
+    ``open_stream()`` (a coroutine function, run in the portal's loop) opens the
+    stream of one Session call: a new stream to a peer (``to_peer``) or on one
+    given connection (meshd/relay_dial.py)."""
+
+    def __init__(self, portal, open_stream: Callable[[], Awaitable[RelayedFrameChannel]]) -> None:
+        self._portal, self._open_stream = portal, open_stream
+
+    @classmethod
+    def to_peer(cls, portal, host, peer_id: ID) -> "RelayedGrpcChannel":
+        return cls(portal, lambda: open_session_channel(host, peer_id))
 
     def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):
         if request_serializer is not None or response_deserializer is not None:
@@ -305,14 +313,17 @@ class RelayedGrpcChannel:
 
         def call(request_iterator, timeout=None) -> _RelayedCall:
             try:
-                channel = self._portal.run(open_session_channel, self._host, self._peer)
+                channel = self._portal.run(self._open_stream)
             except RelayError as exc:
                 raise RelayedRpcError(exc) from exc
             return _RelayedCall(self._portal, channel, request_iterator)
         return call
 
     def unary_unary(self, method: str, **_):
-        raise RelayUnreachable(f"{method} is not available over a relayed hop; pass the route's fingerprint")
+        def call(*args, **kwargs):
+            raise RelayedRpcError(RelayUnreachable(
+                f"{method} is not carried over relayed hops; pass the route's fingerprint"))
+        return call
 
     def close(self) -> None:
         pass
@@ -322,6 +333,6 @@ def relayed_channel_factory(portal: TrioPortal, host, direct_factory: Callable[[
     """A RouteDriver ``channel_factory``: ``p2p:<peer id>`` endpoints go through the portal."""
     def factory(endpoint: str):
         if endpoint.startswith(RELAYED_SCHEME):
-            return RelayedGrpcChannel(portal, host, ID.from_base58(endpoint[len(RELAYED_SCHEME):]))
+            return RelayedGrpcChannel.to_peer(portal, host, ID.from_base58(endpoint[len(RELAYED_SCHEME):]))
         return direct_factory(endpoint)
     return factory

@@ -34,7 +34,7 @@ from proto.chunking import plan_prefill_chunks
 from proto.errors import MeshdError
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION
-from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
+from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS
 from proto.frames import parse_response
 from proto.tensors import decode_bundle
 from proto.zerocopy import read_response

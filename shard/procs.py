@@ -27,12 +27,27 @@ POLL_S = 0.05
 
 
 def child_env(threads: int | None = None) -> dict[str, str]:
+    """The environment of a child of this checkout: PYTHONPATH from its root, unbuffered output,
+    no model hub, and (when given) ``threads`` torch/BLAS threads."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
     if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(threads)
     return env
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> int | None:
+    """SIGTERM, then SIGKILL after ``grace_s``; the exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace_s)
+    return proc.returncode
 
 
 @dataclass
@@ -44,14 +59,7 @@ class WorkerProcess:
     unix_endpoint: str | None = None
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(STOP_GRACE_S)
-        return self.proc.returncode
+        return stop_process(self.proc)
 
 
 @dataclass
