@@ -96,7 +96,7 @@ async def open_session_on(host, conn) -> RelayedFrameChannel:
 def circuit_channel(portal: LoopPortal, host, conn) -> RelayedGrpcChannel:
     """A grpc.Channel look-alike whose Session streams open on one libp2p connection (a circuit,
     or the direct connection a DCUtR upgrade found)."""
-    return RelayedGrpcChannel(portal, functools.partial(open_session_on, host, conn))
+    return RelayedGrpcChannel(portal, functools.partial(open_session_on, host, conn), conn=conn)
 
 
 class RelayDialer:

@@ -296,10 +296,11 @@ class RelayedGrpcChannel:
 
     ``open_stream()`` (a coroutine function, run in the portal's loop) opens the
     stream of one Session call: a new stream to a peer (``to_peer``) or on one
-    given connection (meshd/relay_dial.py)."""
+    given connection ``conn``, meshd/relay_dial.py)."""
 
-    def __init__(self, portal, open_stream: Callable[[], Awaitable[RelayedFrameChannel]]) -> None:
+    def __init__(self, portal, open_stream: Callable[[], Awaitable[RelayedFrameChannel]], *, conn=None) -> None:
         self._portal, self._open_stream = portal, open_stream
+        self.conn = conn        # the one connection its streams open on, when it has one
 
     @classmethod
     def to_peer(cls, portal, host, peer_id: ID) -> "RelayedGrpcChannel":

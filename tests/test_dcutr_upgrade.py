@@ -197,7 +197,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
 
                 # new session streams to the home node now open on the direct connection
                 channel = await trio.to_thread.run_sync(dial.channel, home_id, addrs)
-                assert channel._conn is conn
+                assert channel.conn is conn
                 relayed_bytes = hop.snapshot()["bytes_forwarded"]   # now includes the DCUtR exchange
                 second = await trio.to_thread.run_sync(generate)
                 assert second == reference
@@ -215,7 +215,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 await conn.close()
                 assert await trio.to_thread.run_sync(dial.retry_same_peer, home_id)
                 channel = await trio.to_thread.run_sync(dial.channel, home_id, addrs)
-                assert is_relayed(channel._conn) and upgrader.attempts == 1
+                assert is_relayed(channel.conn) and upgrader.attempts == 1
                 served_on.clear()
                 assert await trio.to_thread.run_sync(generate) == reference
                 assert served_on and all(served_on)
@@ -254,7 +254,7 @@ def test_a_failing_upgrade_keeps_the_circuit_and_generations_succeed_silently(ho
 
                 def through_circuit(body: bytes):
                     channel = dial.channel(home_id, addrs)
-                    return is_relayed(channel._conn), echo_once(channel, body)
+                    return is_relayed(channel.conn), echo_once(channel, body)
 
                 noisy.records.clear()
                 # while the attempt runs (or stalls), the hop works on the circuit
