@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
 import struct
 
 import trio
@@ -63,6 +64,8 @@ import trio
 __all__ = ["apply", "APPLIED", "QuickLock", "TESTED_LIBP2P_VERSION", "TCP_READ_AHEAD_BYTES"]
 
 TESTED_LIBP2P_VERSION = "0.8.1"
+# MESHD_LIBP2P_FASTPATH=0 leaves the library exactly as it is (for comparison or a suspected bug).
+DISABLE_ENV = "MESHD_LIBP2P_FASTPATH"
 # One recv per wakeup: a whole Noise message (<= 65535 + 2 bytes) in one go in
 # the common case; the bound on what a connection holds read ahead.
 TCP_READ_AHEAD_BYTES = 64 * 1024
@@ -74,8 +77,9 @@ LIBRARY: dict[str, object] = {}
 class QuickLock:
     """A ``trio.Lock`` whose uncontended acquire does not yield to the scheduler.
 
-    Contended: ``trio.Lock.acquire`` (parks FIFO, cancellable, BrokenResourceError
-    if the owner exits holding it). Only ``async with``, ``acquire``,
+    Uncontended: a pending cancel is raised first (as ``trio.Lock`` does), then the
+    lock is taken without a scheduler pass. Contended: ``trio.Lock.acquire`` (parks
+    FIFO, cancellable, BrokenResourceError if the owner exits holding it). Only ``async with``, ``acquire``,
     ``acquire_nowait``, ``release``, ``locked`` and ``statistics`` exist, which
     is all py-libp2p uses of the locks it replaces."""
 
@@ -85,6 +89,11 @@ class QuickLock:
         self._lock = trio.Lock()
 
     async def acquire(self) -> None:
+        # Cancellation is delivered here exactly as trio.Lock delivers it (before the lock is
+        # taken, not after): a writer must not get as far as Noise-encrypting a message (which
+        # spends a nonce) that a pending cancel then stops at the socket -- the peer would fail
+        # to decrypt everything after it and close the connection.
+        await trio.lowlevel.checkpoint_if_cancelled()
         try:
             self._lock.acquire_nowait()
         except trio.WouldBlock:
@@ -272,6 +281,8 @@ def apply() -> bool:
     global APPLIED
     if APPLIED:
         return True
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return False
     try:
         version = importlib.metadata.version("libp2p")
         importlib.import_module("libp2p.stream_muxer.yamux.yamux")

@@ -16,6 +16,7 @@ from libp2p.io.trio import TrioTCPStream
 from libp2p.stream_muxer.yamux import yamux as Y
 
 from relay import libp2p_fastpath as F
+from relay.framing import FramedStream
 from relay.node import ECHO_PROTOCOL, _echo
 from relay.transport import RelayedFrameChannel
 from tests._relay_helpers import triangle
@@ -90,6 +91,40 @@ def test_a_contended_quick_lock_waits_in_order_and_can_be_cancelled():
             assert lock.locked() and lock.statistics().tasks_waiting == 3
             lock.release()
         assert order == ["a", "b", "c"] and not lock.locked()
+
+    trio.run(main)
+
+
+def test_a_pending_cancel_is_raised_at_the_quick_lock_before_it_is_taken():
+    async def main():
+        lock, reached = F.QuickLock(), []
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            async with lock:
+                reached.append(True)
+        assert scope.cancelled_caught and not reached and not lock.locked()
+
+    trio.run(main)
+
+
+def test_writes_cancelled_before_they_start_leave_the_relayed_connection_usable():
+    """A writer whose scope is already cancelled must stop before Noise spends a nonce on its
+    message; otherwise every later message on that connection fails to decrypt."""
+    async def main():
+        async with triangle() as t:
+            t.home.set_stream_handler(ECHO_PROTOCOL, _echo)
+            stream = await t.dialer.new_stream(t.home.get_id(), [ECHO_PROTOCOL])
+            channel = RelayedFrameChannel(stream)
+            for size in (10, 5000, 70_000):
+                with trio.CancelScope() as scope:       # straight to the libp2p stream, no lock of ours
+                    scope.cancel()
+                    await stream.write(FramedStream().frame(os.urandom(size)))
+                assert scope.cancelled_caught
+                body = os.urandom(size)
+                await channel.send(body)
+                with trio.fail_after(60):
+                    assert await channel.receive() == body
+            await channel.close()
 
     trio.run(main)
 
