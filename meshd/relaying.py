@@ -3,8 +3,9 @@
     Relaying.run (a child of the daemon's nursery)
     ├── decide: mode public/private, or (auto) the dial-back probe through
     │   connected peers (relay/reachability.py) -> Verdict; UNKNOWN (nobody
-    │   answered) counts as public and is probed again every REPROBE_S
-    └── when PRIVATE:
+    │   answered) counts as public and is probed again every REPROBE_S, a
+    │   decided verdict every RECHECK_S; a change starts or stops the relaying
+    └── while PRIVATE:
         ├── STOP service (relay/client.py): circuits addressed to us arrive
         ├── relay list: live relay records from the DHT (/meshd/relays/v1),
         │   refreshed every RELAY_REFRESH_S; fallback: our bootstrap peers
@@ -53,6 +54,9 @@ RELAY_REFRESH_S = 15.0
 MAX_PROBE_HELPERS = 3
 # With no answer (no peers yet), probe again this often.
 REPROBE_S = 30.0
+# A decided verdict (auto mode) is checked again this often: a home network
+# changes (new router, port forward added or gone) without telling us.
+RECHECK_S = 600.0
 # Relay candidates considered (records beyond this are ignored).
 MAX_RELAY_CANDIDATES = 16
 
@@ -120,20 +124,38 @@ class Relaying:
 
     # ------------------------------------------------------------------ tasks
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Decide the verdict, then (when PRIVATE) hold reservations until cancelled."""
+        """Decide the verdict; while PRIVATE hold reservations; in auto mode keep probing
+        (every REPROBE_S while UNKNOWN, every RECHECK_S once decided) and follow a change."""
         task_status.started()   # the probe takes seconds: the daemon does not wait for it
         try:
             await self._decide()
             self.on_change()
-            while self.verdict is Verdict.UNKNOWN:
-                await trio.sleep(REPROBE_S)
-                await self._decide()
-                if self.verdict is not Verdict.UNKNOWN:
-                    self.on_change()
-            if self.verdict is Verdict.PRIVATE:
-                await self._relay_forever()
+            while True:
+                if self.private:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._relay_forever)
+                        await self._until_private_is(False)
+                        nursery.cancel_scope.cancel()
+                    self._slots = [() for _ in range(MAX_RELAY_SLOTS)]
+                    self.progress("reachability: no longer relayed")
+                else:
+                    await self._until_private_is(True)
+                self.on_change()
         finally:
             self.close()
+
+    async def _until_private_is(self, private: bool) -> None:
+        """Probe again and again (auto mode only) until the verdict's private-ness is ``private``."""
+        if self.mode != "auto":
+            await trio.sleep_forever()
+        while True:
+            await trio.sleep(REPROBE_S if self.verdict is Verdict.UNKNOWN else RECHECK_S)
+            before = self.verdict
+            await self._decide()
+            if self.private == private:
+                return
+            if self.verdict is not before:
+                self.on_change()    # UNKNOWN -> PUBLIC: the same role, a settled verdict
 
     async def _decide(self) -> None:
         if self.mode == "public":

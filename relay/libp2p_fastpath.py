@@ -43,8 +43,15 @@ object, written against 0.8.1's code, keeping its semantics):
    plaintext buffer without a timeout scope; else the library's (timed) read.
 7. Noise ``read_msg`` without its per-message debug f-strings.
 
-Measured (same echo, ``FAST`` on/off alternating): about 1.7 -> 0.8-1.1 ms of
-CPU per round trip per process, bare relayed round trip 4.7-5.1 -> 2.4-3.0 ms.
+Measured (same echo, on/off alternating): about 1.7 -> 0.7-0.9 ms of user CPU
+per round trip per process, bare relayed round trip 4.7-5.1 -> 2.1-2.3 ms.
+``MESHD_LIBP2P_FASTPATH=0`` leaves the library untouched.
+
+Cancellation: ``QuickLock`` raises a pending cancel before taking the lock,
+as ``trio.Lock`` does. Without that, a writer whose scope was cancelled got
+as far as Noise-encrypting its message (spending a nonce) and was stopped at
+the socket; the peer then failed to decrypt the next message and closed the
+connection (found by the DCUtR test; tests/test_relay_fastpath.py keeps it).
 
 State: none of ours beyond the per-connection read-ahead. Applied per process
 by ``relay/__init__`` and ``meshd.host.build_host``, only when the installed

@@ -99,6 +99,43 @@ def test_auto_mode_probes_public_on_loopback_and_unknown_alone():
     trio.run(main)
 
 
+def test_auto_mode_checks_again_and_follows_a_changed_network(monkeypatch):
+    """Public, then the listeners close (a router that stops forwarding): the next check says
+    private and the node starts relaying; a listener again: public, the relay slots are let go."""
+    import multiaddr
+
+    from meshd import relaying
+    monkeypatch.setattr(relaying, "RECHECK_S", 0.2)
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b = [await stack.enter_async_context(running_host(Identity.from_seed(bytes([n]) * 32), LOOPBACK))
+                        for n in (73, 74)]
+                for h in (a, b):
+                    serve_dialback(h)
+                await connect_bootstrap(b, [f"{a.get_addrs()[0]}"], 10)
+                changes: list = []
+                part = Relaying(b, None, mode="auto", bootstrap=(),
+                                on_change=lambda: changes.append(part.verdict))
+                nursery = await stack.enter_async_context(trio.open_nursery())
+                await nursery.start(part.run)
+                await wait_for(lambda: part.decided)
+                assert part.verdict is Verdict.PUBLIC
+                for listener in list(b.get_network().listeners.values()):
+                    await listener.close()
+                b.get_network().listeners.clear()       # so that listen() below opens a new one
+                await wait_for(lambda: part.private)
+                assert changes[-1] is Verdict.PRIVATE and part.status()["verdict"] == "private"
+                await b.get_network().listen(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0"))
+                await wait_for(lambda: not part.private)
+                assert part.verdict is Verdict.PUBLIC and part.relayed_addrs == ()
+                assert changes[-1] is Verdict.PUBLIC
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
 def test_reachability_config_flag_and_status_rendering(tmp_path):
     import pytest
 
