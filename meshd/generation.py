@@ -117,7 +117,9 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
                             recipe_digest=claim.runtime_recipe_digest)
-    connector = PeerConnector(self_peer_id=me, own_endpoint=node.supervisor.state.endpoint, pins=swarm.pins,
+    state = node.supervisor.state
+    connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix,
+                              portal=node.relay_dialer.portal, pins=swarm.pins,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, connector, fingerprint=fingerprint, on_failover=lambda e: failovers.append(

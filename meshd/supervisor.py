@@ -47,6 +47,7 @@ class WorkerState:
     restarts: int = 0
     endpoint: str = ""
     tls_endpoint: str = ""
+    unix: str = ""          # the worker's frame socket (``unix:/path``), "" if none
     last_exit: int | None = None
     health: dict = field(default_factory=dict)
     stderr_tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=STDERR_TAIL_LINES))

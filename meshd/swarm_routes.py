@@ -7,7 +7,10 @@ a fixed list in tests); it runs on the driver's thread, so a daemon passes
 one that hops back into trio.
 
 ``PeerConnector`` turns a planned hop into a gRPC channel:
-    * our own peer id      -> loopback plaintext to our worker (meshd/tls.py)
+    * our own peer id      -> our worker's private frame socket, driven in the
+                               daemon's loop (relay/local_link.py; when the
+                               connector has both), else loopback plaintext
+                               gRPC to it (meshd/tls.py)
     * a peer with a pin     -> TLS, trusting only the certificate whose
                                SHA-256 the peer's signed record carries
     * a relayed hop         -> a circuit through one of the peer's relays
@@ -22,6 +25,7 @@ True tells the driver to rebuild the hop on the same peer via another relay.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -32,6 +36,8 @@ from meshd.adverts import ShardAd
 from meshd.hop_link import HopFailure
 from meshd.routing import Hop, Route, RouteCosts, plan_route, replacement_route
 from meshd.tls import loopback_channel, pinned_channel
+from relay.local_link import open_unix_frame_channel
+from relay.syncchannel import RelayedGrpcChannel
 from shard.server import GRPC_OPTIONS
 
 AdsSnapshot = Callable[[], Iterable[ShardAd]]
@@ -66,6 +72,8 @@ class AdsRouteSource:
 class PeerConnector:
     self_peer_id: str = ""
     own_endpoint: str = ""                       # our worker's loopback plaintext endpoint
+    own_unix: str = ""                           # our worker's frame socket (unix:/path), preferred
+    portal: object | None = None                 # the daemon's loop (meshd.relay_dial.LoopPortal)
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
     relay_dialer: object | None = None           # meshd.relay_dial.RelayDialer
@@ -75,6 +83,9 @@ class PeerConnector:
         return self.relay_dialer is not None and self.relay_dialer.retry_same_peer(peer_id)
 
     def channel(self, hop: Hop) -> grpc.Channel:
+        if hop.peer_id == self.self_peer_id and self.own_unix and self.portal is not None:
+            # our own worker's frame socket, driven in the daemon's loop: no loopback gRPC
+            return RelayedGrpcChannel(self.portal, functools.partial(open_unix_frame_channel, self.own_unix))
         if hop.peer_id == self.self_peer_id and self.own_endpoint:
             return loopback_channel(self.own_endpoint, GRPC_OPTIONS)
         if hop.relayed:

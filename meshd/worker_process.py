@@ -168,7 +168,7 @@ class WorkerProcess:
                 report = await trio.to_thread.run_sync(fetch_capability, ready.listen)
                 check_report(report, spec.layers)
                 ready = WorkerReady(ready.listen, ready.tls_listen, proc.pid, report, ready.unix)
-                state.endpoint, state.tls_endpoint = ready.listen, ready.tls_listen
+                state.endpoint, state.tls_endpoint, state.unix = ready.listen, ready.tls_listen, ready.unix
                 await on_ready(ready)
                 nursery.start_soon(self._watch_health, proc, ready.listen, state)
                 code = await proc.wait()

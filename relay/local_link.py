@@ -28,7 +28,7 @@ from proto.limits import MAX_FRAME_BYTES
 from relay import trace
 from relay.errors import WorkerUnavailable
 
-__all__ = ["UNIX_SCHEME", "UnixWorkerLink", "UnixWorkerSession"]
+__all__ = ["UNIX_SCHEME", "UnixWorkerLink", "UnixWorkerSession", "UnixFrameChannel", "open_unix_frame_channel"]
 
 UNIX_SCHEME = "unix:"
 # Bytes asked of the socket per read.
@@ -118,3 +118,38 @@ class UnixWorkerSession:
         """Drop the stream both ways: the worker sees EOF and ends the session's stream."""
         self._closed_writing = True
         self._shutdown(socket.SHUT_RDWR)
+
+
+class UnixFrameChannel:
+    """A session to our own worker with the surface of ``relay.transport.RelayedFrameChannel``."""
+
+    def __init__(self, session: UnixWorkerSession, stream: trio.SocketStream) -> None:
+        self._session, self._stream = session, stream
+
+    async def send(self, body: bytes) -> None:
+        await self._session.send(body)
+
+    async def receive(self) -> bytes | None:
+        body = await self._session.receive()
+        if body is None:            # the worker ended the stream: nothing more to hold open
+            await self._stream.aclose()
+        return body
+
+    async def close(self) -> None:
+        """Half-close: the worker answers what it has, then ends the stream."""
+        self._session.done_writing()
+
+    async def reset(self) -> None:
+        self._session.cancel()
+        await self._stream.aclose()
+
+
+async def open_unix_frame_channel(target: str) -> UnixFrameChannel:
+    """A new session stream to the worker at ``unix:/path``; WorkerUnavailable if it is gone."""
+    link = UnixWorkerLink(target)
+    try:
+        with trio.fail_after(CONNECT_TIMEOUT_S):
+            stream = await trio.open_unix_socket(link.path)
+    except (OSError, trio.TooSlowError) as exc:
+        raise WorkerUnavailable(f"cannot reach worker at {target}: {exc}") from exc
+    return UnixFrameChannel(UnixWorkerSession(link, stream), stream)
