@@ -210,7 +210,7 @@ def drive(spec: dict, on_sent=None) -> dict:
      "relayed": {"<peer id>": "<relayed multiaddr>"},
      "prompt": [ids], "max_new_tokens": n, "chunk_tokens": c}
     Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "hop_execution_ns" (decode compute
-    per hop, as the workers report it), "sent_bodies_hex"}.
+    per hop, as the workers report it), "step_wall_ns" (each decode step), "sent_bodies_hex"}.
     ``on_sent(n)`` is called as the n-th request body leaves for a relayed hop (fault injection).
     """
 
@@ -246,6 +246,7 @@ def drive(spec: dict, on_sent=None) -> dict:
     return {"tokens": result.tokens, "logits": [l.tolist() for l in result.logits],
             "prefill_s": result.prefill_s, "decode_s": result.decode_s,
             "hop_execution_ns": list(result.hop_execution_ns),
+            "step_wall_ns": list(result.step_wall_ns),
             "sent_bodies_hex": [b.hex() for b in sent]}
 
 

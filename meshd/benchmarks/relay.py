@@ -9,8 +9,11 @@ shard's RouteDriver with a libp2p host in a TrioPortal (relay/harness.py).
 
 Measured side by side in one run (medians over repeats, alternating order):
 * ``*_step_ms``: one decode step through the route (the hidden row crosses
-  the measured hop and the logits come back); the difference is the cost of
-  relaying that one hop (``relayed_step_overhead_ms``).
+  the measured hop and the logits come back), the median over every decode
+  step of every repeat; the difference is the cost of relaying that one hop
+  (``relayed_step_overhead_ms``). ``*_step_mean_ms`` and
+  ``relayed_step_overhead_mean_ms``: the same from each repeat's mean step
+  (the median of those), which a stray slow step (GC, a noisy neighbour) moves.
 * ``*_chunk_mb_s``: prefill with 256-token chunks, i.e. 1 MiB fp32 hidden
   frames into the measured hop, MiB per second of prefill (compute included
   on both sides, identical for both transports).
@@ -89,7 +92,8 @@ def run(quick: bool, progress=None) -> dict:
         rng = np.random.default_rng(0)
         short = [int(t) for t in rng.integers(3, 380, size=16)]
         long = [int(t) for t in rng.integers(3, 380, size=chunks * CHUNK_TOKENS)]
-        steps: dict[str, list[float]] = {"direct": [], "relayed": []}
+        steps: dict[str, list[float]] = {"direct": [], "relayed": []}          # per repeat: mean step
+        each_step: dict[str, list[float]] = {"direct": [], "relayed": []}      # every decode step
         rates: dict[str, list[float]] = {"direct": [], "relayed": []}
         tokens: dict[str, list] = {"direct": [], "relayed": []}
         logits = None
@@ -98,6 +102,7 @@ def run(quick: bool, progress=None) -> dict:
                 _say(progress, f"repeat {rep + 1}/{repeats}: {name} decode of {decode_tokens} tokens")
                 out = H.drive({**routes[name], "prompt": short, "max_new_tokens": decode_tokens})
                 steps[name].append(out["decode_s"] / (decode_tokens - 1) * 1e3)
+                each_step[name] += [ns / 1e6 for ns in out["step_wall_ns"]]
                 tokens[name].append(out["tokens"])
                 if name == "relayed":
                     logits = out["logits"]
@@ -123,7 +128,8 @@ def run(quick: bool, progress=None) -> dict:
         _say(progress, "whole-model reference")
         whole = WholeModel(model).generate(short, decode_tokens)
         max_diff = max(float(np.max(np.abs(np.asarray(a) - b))) for a, b in zip(logits, whole.logits))
-        direct_ms, relayed_ms = statistics.median(steps["direct"]), statistics.median(steps["relayed"])
+        direct_ms, relayed_ms = statistics.median(each_step["direct"]), statistics.median(each_step["relayed"])
+        direct_mean, relayed_mean = statistics.median(steps["direct"]), statistics.median(steps["relayed"])
         equal = (all(t == tokens["direct"][0] for t in tokens["direct"][::2] + tokens["relayed"][::2])
                  and all(t == tokens["direct"][1] for t in tokens["direct"][1::2] + tokens["relayed"][1::2])
                  and tokens["direct"][0] == whole.tokens)
@@ -131,6 +137,9 @@ def run(quick: bool, progress=None) -> dict:
             "direct_step_ms": round(direct_ms, 3),
             "relayed_step_ms": round(relayed_ms, 3),
             "relayed_step_overhead_ms": round(relayed_ms - direct_ms, 3),
+            "direct_step_mean_ms": round(direct_mean, 3),
+            "relayed_step_mean_ms": round(relayed_mean, 3),
+            "relayed_step_overhead_mean_ms": round(relayed_mean - direct_mean, 3),
             "direct_chunk_mb_s": round(statistics.median(rates["direct"]), 3),
             "relayed_chunk_mb_s": round(statistics.median(rates["relayed"]), 3),
             "tokens_equal": bool(equal),
