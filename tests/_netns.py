@@ -21,7 +21,31 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
+
+# What one test capture may write (a generation on the test model is far smaller).
+CAPTURE_MAX_BYTES = 256 * 1024 * 1024
+
+
+def start_capture(prefix: list[str], out: Path) -> subprocess.Popen:
+    """Capture every packet inside the namespace ``prefix`` runs in (this file's ``capture``), once ready."""
+    proc = subprocess.Popen([*prefix, sys.executable, str(Path(__file__)), "capture", str(out),
+                             str(CAPTURE_MAX_BYTES)], stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not Path(str(out) + ".ready").exists():
+        assert proc.poll() is None, f"capture failed: {proc.stderr.read().decode()}"
+        assert time.monotonic() < deadline, "capture did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def stop_capture(proc: subprocess.Popen, out: Path) -> bytes:
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    return out.read_bytes()
+
 
 SUBNET_PREFIX = "10.213"
 NFT_RULES = """table inet meshd_home {

@@ -16,42 +16,20 @@ If namespaces cannot be created the test FAILS and says why.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from relay import harness as H
-from tests._netns import NetnsUnavailable, new_topology, tcp_connects
+from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
 
 pytestmark = pytest.mark.netns
 
-CAPTURE_MAX_BYTES = 256 * 1024 * 1024
 LAYERS = 6
 PROMPT = [int(t) for t in np.random.default_rng(7).integers(3, 380, size=40)]
 NEW_TOKENS = 12
-
-
-def _start_capture(topo, out: Path) -> subprocess.Popen:
-    script = str(Path(__file__).with_name("_netns.py"))
-    proc = subprocess.Popen([*topo.prefix(topo.public), sys.executable, script, "capture", str(out),
-                             str(CAPTURE_MAX_BYTES)], stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not Path(str(out) + ".ready").exists():
-        assert proc.poll() is None, f"capture failed: {proc.stderr.read().decode()}"
-        assert time.monotonic() < deadline, "capture did not start"
-        time.sleep(0.05)
-    return proc
-
-
-def _stop_capture(proc: subprocess.Popen, out: Path) -> bytes:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-    return out.read_bytes()
 
 
 def test_generation_through_a_home_node_behind_nat(tmp_path):
@@ -68,7 +46,7 @@ def test_generation_through_a_home_node_behind_nat(tmp_path):
         except NetnsUnavailable as exc:
             pytest.fail(f"cannot build the NAT topology: {exc}")
         home1, home2 = topo.homes
-        capture = _start_capture(topo, tmp_path / "public.cap")
+        capture = start_capture(topo.prefix(topo.public), tmp_path / "public.cap")
         relay = H.spawn_relay(tmp_path, f"/ip4/{topo.public_ip(1)}/tcp/4001", prefix=topo.prefix(topo.public))
         kids.append(relay)
         workers = [H.spawn_worker(tmp_path, model, "2:4", prefix=topo.prefix(home1), wait=False),
@@ -100,7 +78,7 @@ def test_generation_through_a_home_node_behind_nat(tmp_path):
                                env=H.child_env(), capture_output=True, text=True, timeout=600)
         assert entry.returncode == 0, entry.stderr[-3000:]
         out = json.loads((tmp_path / "out.json").read_text())
-        carried = _stop_capture(capture, tmp_path / "public.cap")
+        carried = stop_capture(capture, tmp_path / "public.cap")
         capture = None
 
         whole = WholeModel(model).generate(PROMPT, NEW_TOKENS, chunk_tokens=16)

@@ -23,10 +23,8 @@ If namespaces cannot be created the test FAILS and says why.
 """
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,11 +33,10 @@ import pytest
 from meshd.control import request as control_request
 from meshd.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
 from relay import harness as H
-from tests._netns import NetnsUnavailable, new_topology, tcp_connects
+from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
 
 pytestmark = pytest.mark.netns
 
-CAPTURE_MAX_BYTES = 256 * 1024 * 1024
 START_TIMEOUT_S = 300
 RECORD_TTL_S = 20.0
 PROMPT = "behind the home router the middle layers still answer"
@@ -61,24 +58,6 @@ class NsDaemon(LocalDaemon):
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(), stdout=self._log_file,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-
-def _start_capture(prefix: list[str], out: Path) -> subprocess.Popen:
-    script = str(Path(__file__).with_name("_netns.py"))
-    proc = subprocess.Popen([*prefix, sys.executable, script, "capture", str(out), str(CAPTURE_MAX_BYTES)],
-                            stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while not Path(str(out) + ".ready").exists():
-        assert proc.poll() is None, f"capture failed: {proc.stderr.read().decode()}"
-        assert time.monotonic() < deadline, "capture did not start"
-        time.sleep(0.05)
-    return proc
-
-
-def _stop_capture(proc: subprocess.Popen, out: Path) -> bytes:
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-    return out.read_bytes()
 
 
 def _head_activation_probes(model: Path, ids: list[int]) -> tuple[list[bytes], bytes]:
@@ -165,13 +144,13 @@ def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
             return control_request(tmp_path / "relay" / "control.sock", "status",
                                    timeout_s=30.0)["relay"]["bytes_forwarded"]
 
-        captures = {"public": _start_capture(topo.prefix(topo.public), tmp_path / "public.cap")}
+        captures = {"public": start_capture(topo.prefix(topo.public), tmp_path / "public.cap")}
         forwarded_before = relay_forwarded()
         done = None
         for event in entry.generate(PROMPT, max_tokens=NEW_TOKENS, raw=True):
             if event.get("done"):
                 done = event
-        carried = {name: _stop_capture(proc, tmp_path / f"{name}.cap") for name, proc in captures.items()}
+        carried = {name: stop_capture(proc, tmp_path / f"{name}.cap") for name, proc in captures.items()}
         first_forwarded = relay_forwarded() - forwarded_before
         captures = {}
         assert done is not None
@@ -190,12 +169,12 @@ def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
         upgrades = wait_for(upgrade_ended, "the entry's DCUtR attempt to end", START_TIMEOUT_S, entry)
         print("DCUtR hole punch home2 -> home1:", "direct" if upgrades["direct_now"] else "failed, relayed", upgrades)
         again = None
-        captures = {"public": _start_capture(topo.prefix(topo.public), tmp_path / "public2.cap")}
+        captures = {"public": start_capture(topo.prefix(topo.public), tmp_path / "public2.cap")}
         forwarded_before = relay_forwarded()
         for event in entry.generate(PROMPT, max_tokens=NEW_TOKENS, raw=True):
             if event.get("done"):
                 again = event
-        public_again = _stop_capture(captures.pop("public"), tmp_path / "public2.cap")
+        public_again = stop_capture(captures.pop("public"), tmp_path / "public2.cap")
         second_forwarded = relay_forwarded() - forwarded_before
         print(f"public namespace carried {len(carried['public'])} bytes in the first generation, "
               f"{len(public_again)} in the second; the relay forwarded {first_forwarded} and {second_forwarded}")
