@@ -7,6 +7,9 @@
     validator.py  py-libp2p glue: strict NamespacedValidator for "meshd", and a
                   ValueStore that merges index values instead of replacing them
     node.py       DhtNode: KadDHT with the above; publish / fetch / sync_peers
+    relay_records.py  signed relay records (a public relay announces itself)
+    identity.py   the node's persistent Ed25519 identity and peer ids
+    errors.py     RecordRejected, IdentityError
 
 Public surface: ``DhtNode``, ``CapabilityClaim``, ``CapabilityRecord``,
 ``validate_capability``, ``sign_capability``, ``sign_withdrawal``.

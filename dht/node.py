@@ -36,7 +36,7 @@ from dht.records import CapabilityRecord, encode_record_set, merge_records, pars
     validate_capability
 from dht.relay_records import RelayRecord, parse_relay_set_lenient
 from dht.validator import MergingValueStore, check_value, namespaced_validator
-from meshd.errors import RecordRejected
+from dht.errors import RecordRejected
 
 log = logging.getLogger(__name__)
 

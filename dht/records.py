@@ -35,8 +35,8 @@ from typing import Iterable, Sequence
 
 from google.protobuf.message import DecodeError
 
-from meshd.errors import RecordRejected
-from meshd.identity import peer_id_from_public_key
+from dht.errors import RecordRejected
+from dht.identity import peer_id_from_public_key
 from proto import shard_runtime_pb2 as pb
 from proto.errors import PayloadCorrupt
 from proto.records import sign_record, verify_record_signature

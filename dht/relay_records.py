@@ -7,7 +7,7 @@ time, an expiry and a sequence. ``meshd relay`` signs one and republishes it
 ``/meshd/relays/v1`` (dht/keys.py), as a record set encoded exactly like a
 capability index (dht/records.py: at most one record per relay, merged by
 sequence, expired ones dropped). Nodes behind NAT read that key to find
-relays to reserve on (meshd/relaying.py).
+relays to reserve on (meshd/reach/relaying.py).
 
 Rules (checked in this order by ``validate_relay``), the same as for
 capability records:
@@ -39,7 +39,7 @@ from dht.records import (
     open_signed,
     sign_payload,
 )
-from meshd.errors import RecordRejected
+from dht.errors import RecordRejected
 from proto import shard_runtime_pb2 as pb
 
 __all__ = ["RelayRecord", "sign_relay", "validate_relay", "validate_relay_set", "parse_relay_set_lenient",

@@ -43,7 +43,7 @@ from dht.records import (
     validate_record_set,
 )
 from dht.relay_records import parse_relay_set_lenient, validate_relay_set
-from meshd.errors import RecordRejected
+from dht.errors import RecordRejected
 
 log = logging.getLogger(__name__)
 

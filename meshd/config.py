@@ -92,7 +92,7 @@ class DaemonConfig:
     record_ttl_s: float = DEFAULT_RECORD_TTL_S
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
     worker: WorkerConfig = field(default_factory=WorkerConfig)
-    # `--layers auto --memory 4GiB`: the tracker assigns the range (meshd/swarm.py).
+    # `--layers auto --memory 4GiB`: the tracker assigns the range (meshd/daemon/swarm_part.py).
     auto_layers: bool = False
     memory_bytes: int | None = None
     reachability: str = "auto"

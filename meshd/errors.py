@@ -1,18 +1,24 @@
-"""Errors raised by the daemon, placed in the project's error tree (proto.errors).
+"""Errors raised by meshd/, placed in the project's error tree (proto.errors).
+
+The ground floor every room of meshd/ may import. Errors born lower down are
+re-exported here so one import shows the whole tree::
 
     MeshdError
     ├── ProtocolError                  a remote peer's fault (proto.errors)
     │   └── ProtocolViolation
-    │       ├── RecordRejected         a DHT record failed validation; .reason says why
+    │       ├── RecordRejected         a DHT record failed validation (dht.errors)
     │       └── CertificateMismatch    a gRPC peer's certificate is not the pinned one
     ├── LocalError                     our own misuse (proto.errors)
+    │   ├── SizeError                  a human size we cannot read (--memory 4GiB)
     │   └── ConfigError                the user's configuration or command line
     │       ├── ModelPathMissing
     │       └── LayerRangeInvalid
+    ├── IdentityError                  the key file is unusable (dht.errors)
+    ├── HostError                      libp2p host: bad listen address, port in use,
+    │                                  no bootstrap peer answered (relay.errors)
+    ├── HopFailure                     one hop of a route failed or refused; the route
+    │                                  driver fails over (.index, .peer_id, .code)
     └── DaemonError                    the environment failed us
-        ├── IdentityError              the key file is unusable
-        ├── PortInUse
-        ├── BootstrapUnreachable
         ├── WorkerFailed               the shard worker died or never became ready
         └── ControlUnavailable         no local daemon answers on the control socket
 
@@ -20,22 +26,20 @@ Every message says what to do next; the CLI prints it as one line.
 """
 from __future__ import annotations
 
+from dht.errors import IdentityError, RecordRejected
+from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError, MeshdError, ProtocolViolation
+from relay.errors import BootstrapUnreachable, HostError, ListenAddressInvalid, PortInUse
+
+__all__ = [
+    "RecordRejected", "IdentityError", "HostError", "ListenAddressInvalid", "PortInUse", "BootstrapUnreachable",
+    "SizeError", "ConfigError", "ModelPathMissing", "LayerRangeInvalid", "DaemonError", "WorkerFailed",
+    "ControlUnavailable", "CertificateMismatch", "HopFailure",
+]
 
 
-class RecordRejected(ProtocolViolation):
-    """A signed DHT record was refused; ``reason`` is one of ``REASONS``."""
-
-    REASONS = frozenset({
-        "malformed", "signature", "peer_id", "schema", "expired", "future", "replayed",
-        "too_large", "key_mismatch", "kind",
-    })
-
-    def __init__(self, reason: str, detail: str) -> None:
-        if reason not in self.REASONS:
-            raise ValueError(f"unknown rejection reason {reason!r}")
-        super().__init__(f"record rejected ({reason}): {detail}")
-        self.reason = reason
+class SizeError(LocalError, ValueError):
+    """A human-written size (e.g. ``--memory 4GiB``) that cannot be read."""
 
 
 class ConfigError(LocalError):
@@ -54,18 +58,6 @@ class DaemonError(MeshdError):
     """The environment failed the daemon (ports, peers, the worker process)."""
 
 
-class IdentityError(DaemonError):
-    pass
-
-
-class PortInUse(DaemonError):
-    pass
-
-
-class BootstrapUnreachable(DaemonError):
-    pass
-
-
 class WorkerFailed(DaemonError):
     pass
 
@@ -76,3 +68,11 @@ class ControlUnavailable(DaemonError):
 
 class CertificateMismatch(ProtocolViolation):
     """A gRPC peer presented a certificate other than the one its signed record pins."""
+
+
+class HopFailure(MeshdError):
+    """The hop at ``index`` (peer ``peer_id``) failed or refused; the route driver fails over."""
+
+    def __init__(self, index: int, peer_id: str, detail: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
+        super().__init__(f"hop {index} ({peer_id[:16]}): {detail}")
+        self.index, self.peer_id, self.detail, self.code = index, peer_id, detail, code

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal, InvalidOperation
 
-from meshd.planning_errors import SizeError
+from meshd.errors import SizeError
 
 # 1 PiB: beyond any home machine's memory; keeps sizes inside int64/uint64.
 MAX_SIZE_BYTES = 1 << 50

@@ -9,6 +9,8 @@ Files and roles:
   torch_gguf.py     the exactness reference: dequantized GGUF range -> shard's TorchRangeBackend
   convert.py        safetensors artifact -> GGUF (F32, F16, BF16, Q8_0; Q4_K_M via llama.cpp's quantizer)
   factory.py        the worker's hook: FILE.gguf + --backend llama.cpp|torch -> a RangeBackend
+  packaged.py       models shipped in PyPI packages (SmolLM2 GGUF) prepared as artifacts, cached
+  cpu_build.py      llama.cpp build flags from CPU features and what the OS enabled (AMX)
 
 llama-cpp-python is the optional ``[native]`` extra (compiled from source; see
 scripts/install-native.sh); modules that need it import it lazily and raise

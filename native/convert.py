@@ -2,7 +2,7 @@
 
 Data flow: ``convert(artifact_dir, "Q8_0")`` reads ``config.json``, the
 ``*.safetensors`` weights and ``tokenizer.json`` of a Llama-family artifact
-(``shard.testmodels``), renames tensors to GGUF names, applies the HF->GGUF
+(``meshd.testing.models``), renames tensors to GGUF names, applies the HF->GGUF
 Q/K row permutation (GGUF stores each head's rotary halves interleaved, the
 layout llama.cpp's RoPE expects; ``unpermute_qk`` undoes it for torch),
 writes hparams and tokenizer metadata (byte-level BPE vocab, merges, token

@@ -7,15 +7,18 @@
     handoff.py       bounded cross-thread hand-offs that wake the other side only when it waits
     client.py        circuit v2 client: reserve, dial through a relay (end-to-end Noise), STOP side
     hop.py           HopService: the relay's hop with meshd admission limits, bounded forwarding, counters
-    service.py       `meshd relay`: host + hop + DHT server + control API; status view
+    host.py          the libp2p host: Noise-only security, yamux, bootstrap dialing
     reachability.py  dial-back probe (public/private) and the reservation keeper (renewal, failover)
-    syncchannel.py   grpc.Channel look-alike so shard's RouteDriver drives relayed hops unchanged
+    syncchannel.py   grpc.Channel look-alike so the route driver drives relayed hops unchanged
+    local_link.py    trio-native link to this node's own worker over its Unix frame socket
+    announce.py      a relay announces itself in the DHT
     node.py          `python -m relay.node`: a home node serving its worker through a relay
-    harness.py       process orchestration for the relay benchmark and end-to-end tests
     yamux_tuning.py  yamux WINDOW_UPDATEs batched at half the window (py-libp2p 0.8.1 sends ~one per read)
     libp2p_fastpath.py  a leaner TCP/Noise/yamux data path for py-libp2p 0.8.1 (same bytes on the wire)
     trace.py         opt-in cross-process timestamps along the relayed frame path (benchmark breakdown)
-    errors.py        RelayError tree
+    errors.py        RelayError and HostError trees
+
+`meshd relay` itself (host + hop + DHT server + control API) is meshd/daemon/relay_mode.py.
 
 Yamux tuning: py-libp2p's yamux sends a WINDOW_UPDATE after (almost) every
 read. On a relayed hop each frame is read at three yamux layers, so that is

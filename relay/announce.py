@@ -5,7 +5,7 @@
                     -> sign (dht/relay_records.py) -> publish (DhtNode.publish_relay)
 
 Sequence numbers are ``max(last + 1, wall ms)`` like capability records
-(meshd/advertiser.py): strictly increasing within a run and across restarts.
+(meshd/daemon/advertiser.py): strictly increasing within a run and across restarts.
 A publish that fails is retried after ``RETRY_S``; a stalled one is cut at
 the interval so the record never lapses from our own store. The relay's
 public addresses are its listen addresses minus unspecified ones
@@ -21,7 +21,7 @@ from typing import Awaitable, Callable, Iterable, Sequence
 import trio
 
 from dht.relay_records import MAX_RELAY_ADDRS, RelayRecord, sign_relay, validate_relay
-from meshd.identity import Identity
+from dht.identity import Identity
 
 log = logging.getLogger(__name__)
 

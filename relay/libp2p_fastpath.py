@@ -54,7 +54,7 @@ the socket; the peer then failed to decrypt the next message and closed the
 connection (found by the DCUtR test; tests/test_relay_fastpath.py keeps it).
 
 State: none of ours beyond the per-connection read-ahead. Applied per process
-by ``relay/__init__`` and ``meshd.host.build_host``, only when the installed
+by ``relay/__init__`` and ``relay.host.build_host``, only when the installed
 libp2p is ``TESTED_LIBP2P_VERSION`` and has every method it replaces
 (otherwise nothing is touched and ``APPLIED`` stays False). A patched peer and
 an unpatched one interoperate: nothing on the wire changes.

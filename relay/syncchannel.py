@@ -1,6 +1,6 @@
 """Relayed hops for synchronous callers (the RouteDriver): a grpc.Channel look-alike.
 
-The route driver (shard/driver.py) speaks to every hop through
+The route driver (meshd/benchmarks/star_driver.py) speaks to every hop through
 ``channel_factory(endpoint) -> channel`` and only calls
 ``channel.stream_stream(SESSION_METHOD, request_serializer=None,
 response_deserializer=None)(request_iterator, timeout=...)`` (raw bytes in,
@@ -132,7 +132,7 @@ class _RelayedCall:
         self._done = False
         self._sent_all = False      # we half-closed: an end of stream is now the normal end
         self._inbox: Inbox = Inbox(CALL_QUEUE_FRAMES)
-        # A RequestQueue (shard/request_queue.py) lets the driver's thread hand frames to
+        # A RequestQueue (meshd/generate/request_queue.py) lets the driver's thread hand frames to
         # trio itself, with the queue's own depth as the credit; any other iterator is
         # drained by a pump thread (one more hand-off per frame).
         attach = getattr(requests, "attach", None)
@@ -296,7 +296,7 @@ class RelayedGrpcChannel:
 
     ``open_stream()`` (a coroutine function, run in the portal's loop) opens the
     stream of one Session call: a new stream to a peer (``to_peer``) or on one
-    given connection ``conn``, meshd/relay_dial.py)."""
+    given connection ``conn``, meshd/reach/relay_dial.py)."""
 
     def __init__(self, portal, open_stream: Callable[[], Awaitable[RelayedFrameChannel]], *, conn=None) -> None:
         self._portal, self._open_stream = portal, open_stream

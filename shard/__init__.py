@@ -7,14 +7,14 @@ Files and roles (data flows top to bottom):
     adapters.py       per-family build/load/forward pieces (Llama family, Gemma 3)
     torch_backend.py  TorchRangeBackend: meta build + safe_open range loading, exact forward
     reference.py      the whole-model reference (transformers CausalLM in one process)
-    testmodels.py     seeded tiny Llama / Gemma 3 artifacts and SmolLM2 from its GGUF
     sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, LRU, budget
     sampling.py       greedy / temperature / top-k / top-p with a per-session seed
     errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...)
     service.py        ShardService: backend + sessions + lock; capability (validated), health
     stream.py         sans-I/O Session stream core: request bytes in, response bytes out
     server.py         the grpcio edge (identity-serialized Session stream, unary RPCs)
-    worker_cli.py     ``meshd worker``
-    driver.py         RouteDriver: star-topology generation through hops (tests, benchmarks)
-    procs.py          start/stop worker subprocesses
+    unix_server.py    the worker's private Unix frame socket (same stream core)
+
+The ``meshd worker`` command that picks a backend lives in meshd/cli/worker.py, so
+shard/ never imports native/.
 """

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from meshd.adverts import ShardAd
+from meshd.plan.adverts import ShardAd
 
 MODEL = "sha256:" + "11" * 32
 FAR_FUTURE_MS = 10**12

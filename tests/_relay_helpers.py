@@ -11,8 +11,8 @@ import grpc
 import multiaddr
 from libp2p.peer.peerinfo import PeerInfo
 
-from meshd.host import build_host
-from meshd.identity import Identity
+from relay.host import build_host
+from dht.identity import Identity
 from relay.bridge import GRPC_OPTIONS, SESSION_METHOD
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService

@@ -38,7 +38,7 @@ PROMPT = list(range(5, 45))
 def hops_for(workers, specs, num_layers):
     """Hops over disjoint ranges ``specs`` ("A:B") served by ``workers``."""
     from shard.backend import LayerRange
-    from shard.driver import Hop
+    from meshd.benchmarks.star_driver import Hop
 
     hops = []
     for w, spec in zip(workers, specs):
@@ -50,7 +50,7 @@ def hops_for(workers, specs, num_layers):
 def check_route_equals_whole(path, workers, specs, num_layers, *, dtype="float32", prompt=PROMPT,
                              new_tokens=32, chunk=16, label=""):
     """32 greedy tokens through the workers equal the whole model; returns the max logit diff."""
-    from shard.driver import RouteDriver
+    from meshd.benchmarks.star_driver import RouteDriver
     from shard.reference import WholeModel
 
     with RouteDriver(hops_for(workers, specs, num_layers), chunk_tokens=chunk) as driver:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from meshd.adverts import ShardAd
+from meshd.plan.adverts import ShardAd
 from shard.server import build_server
 from shard.service import ShardService
 from shard.sessions import SessionPolicy

@@ -7,7 +7,7 @@ import stat
 import pytest
 import trio
 
-from meshd.control import MAX_REQUEST_BYTES, request, serve_control
+from meshd.daemon.control import MAX_REQUEST_BYTES, request, serve_control
 from meshd.errors import ControlUnavailable, DaemonError
 
 

@@ -16,7 +16,7 @@ from dht import keys as K
 from dht.node import DhtNode
 from dht.records import validate_capability
 from meshd.errors import RecordRejected
-from meshd.host import connect_bootstrap, running_host
+from relay.host import connect_bootstrap, running_host
 from tests._daemon_helpers import DIGEST, as_record_set, forged_records, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -90,7 +90,7 @@ def spans_seen(daemon: Daemon) -> list[tuple[int, int]] | None:
 
 
 def test_four_daemon_swarm(tmp_path):
-    from shard.testmodels import build_random_llama
+    from meshd.testing.models import build_random_llama
 
     model = build_random_llama(seed=0)
     daemons: list[Daemon] = []
@@ -171,7 +171,7 @@ def _alive(pid: int) -> bool:
 def _check_pinned_endpoint(status: dict, other: Daemon) -> None:
     """Dial ``other``'s worker with the endpoint and pin that daemon 0 read from the DHT."""
     from meshd.errors import CertificateMismatch
-    from meshd.tls import pinned_channel
+    from meshd.reach.tls import pinned_channel
     from proto import shard_runtime_pb2 as pb
     from proto import shard_runtime_pb2_grpc as pb_grpc
 
@@ -197,8 +197,8 @@ def _push_forgeries(target: Daemon, victim: Daemon) -> None:
     import multiaddr
 
     from dht import keys as K
-    from meshd.host import running_host
-    from meshd.identity import Identity
+    from relay.host import running_host
+    from dht.identity import Identity
     from tests._daemon_helpers import as_record_set, forged_records, identity
 
     before = target.status()
@@ -235,9 +235,9 @@ def _push_forgeries(target: Daemon, victim: Daemon) -> None:
 
 def _generate_over_pinned_route(status: dict, model: Path) -> None:
     """Hops 0:2 -> 2:4 -> 4:6 from the coverage map; every channel pinned by the DHT record."""
-    from meshd.tls import pinned_channel_factory
+    from meshd.reach.tls import pinned_channel_factory
     from shard.backend import LayerRange
-    from shard.driver import Hop, RouteDriver
+    from meshd.benchmarks.star_driver import Hop, RouteDriver
     from shard.reference import WholeModel
 
     (entries,) = status["coverage"].values()

@@ -10,8 +10,8 @@ import trio
 
 from meshd.config import DaemonConfig, load_config, parse_layers
 from meshd.errors import ConfigError, IdentityError, PortInUse
-from meshd.host import running_host
-from meshd.identity import KEY_FILE_NAME, load_or_create_identity
+from relay.host import running_host
+from dht.identity import KEY_FILE_NAME, load_or_create_identity
 from tests._daemon_helpers import identity
 
 
@@ -98,7 +98,7 @@ def test_peer_id_matches_libp2p():
     from libp2p.crypto.ed25519 import Ed25519PublicKey
     from libp2p.peer.id import ID
 
-    from meshd.identity import peer_id_from_public_key
+    from dht.identity import peer_id_from_public_key
 
     for seed in range(1, 40):
         ident = identity(seed)

@@ -6,9 +6,9 @@ import trio
 import trio.testing
 
 from dht.records import merge_records, validate_capability, live
-from meshd.advertiser import Advertiser
+from meshd.daemon.advertiser import Advertiser
 from meshd.errors import WorkerFailed
-from meshd.supervisor import Backoff, Supervisor, WorkerReady
+from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from proto import shard_runtime_pb2 as pb
 from tests._daemon_helpers import NOW_MS, claim, identity
 

@@ -1,4 +1,4 @@
-"""Certificate pinning of direct gRPC hops (meshd/tls.py) with a real TLS gRPC server."""
+"""Certificate pinning of direct gRPC hops (meshd/reach/tls.py) with a real TLS gRPC server."""
 from __future__ import annotations
 
 import stat
@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from meshd.errors import CertificateMismatch, ConfigError
-from meshd.tls import (
+from meshd.reach.tls import (
     channel_trusting, pinned_channel_factory, generate_self_signed, load_or_create_tls, loopback_channel, pinned_channel,
     server_credentials,
 )

@@ -1,4 +1,4 @@
-"""DCUtR direct upgrade of relayed hops (meshd/direct_upgrade.py, meshd/relay_dial.py), real hosts on loopback.
+"""DCUtR direct upgrade of relayed hops (meshd/reach/direct_upgrade.py, meshd/reach/relay_dial.py), real hosts on loopback.
 
 The home node advertises only a relayed address, but it is dialable on
 loopback, so an upgrade can succeed: the second generation's hop then runs on
@@ -16,17 +16,17 @@ import torch
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from meshd.direct_upgrade import (RETRY_AFTER_S, UPGRADE_TIMEOUT_S, _IN_UPGRADE, DirectUpgrader, UpgradePolicy, is_relayed,
+from meshd.reach.direct_upgrade import (RETRY_AFTER_S, UPGRADE_TIMEOUT_S, _IN_UPGRADE, DirectUpgrader, UpgradePolicy, is_relayed,
                                   quiet_dcutr_logs)
-from meshd.relay_dial import LoopPortal, RelayDialer
-from meshd.route_driver import GenerationRequest, SwarmDriver, collect
-from meshd.swarm_routes import AdsRouteSource, PeerConnector
+from meshd.reach.relay_dial import LoopPortal, RelayDialer
+from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
+from meshd.generate.routes import AdsRouteSource, PeerConnector
 from relay.bridge import SESSION_METHOD
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
 from relay.transport import SESSION_PROTOCOL, RelayedSessionServer
 from shard.reference import WholeModel
-from shard.testmodels import build_random_llama
+from meshd.testing.models import build_random_llama
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
 from tests._swarm_helpers import start_shard
 

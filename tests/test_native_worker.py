@@ -11,9 +11,9 @@ from native.convert import convert
 from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
 from proto import shard_runtime_pb2 as pb
 from shard.backend import LayerRange
-from shard.driver import Hop, HopError, RouteDriver
-from shard.procs import child_env, spawn_worker
-from shard.testmodels import build_random_llama
+from meshd.benchmarks.star_driver import Hop, HopError, RouteDriver
+from meshd.testing.procs import child_env, spawn_worker
+from meshd.testing.models import build_random_llama
 from tests._native_helpers import greedy_chain
 
 pytestmark = pytest.mark.native

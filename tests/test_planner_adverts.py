@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.adverts import CoverageMap, ShardAd, Span, live_adverts
-from meshd.planning_errors import AdvertRejected, PlanInputError
+from meshd.plan.adverts import CoverageMap, ShardAd, Span, live_adverts
+from meshd.plan.errors import AdvertRejected, PlanInputError
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError, ProtocolError
 from tests._planner_helpers import MODEL, make_ad, swarms

@@ -7,12 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.adverts import Span
-from meshd.assignment import DirectiveIntent
-from meshd.directives import (CLOCK_SKEW_MS, MAX_DIRECTIVE_TTL_MS, MAX_SEEN_DIRECTIVES,
+from meshd.plan.adverts import Span
+from meshd.plan.assignment import DirectiveIntent
+from meshd.plan.directives import (CLOCK_SKEW_MS, MAX_DIRECTIVE_TTL_MS, MAX_SEEN_DIRECTIVES,
                               DirectiveLedger, NodeView, accept_directive, build_directive)
-from meshd.planning_errors import DirectiveRefused, PlanInputError, RefusalReason
-from meshd.tracker import TRACKER_EPOCH_MS, rank_trackers
+from meshd.plan.errors import DirectiveRefused, PlanInputError, RefusalReason
+from meshd.plan.tracker import TRACKER_EPOCH_MS, rank_trackers
 from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolError
 from tests._planner_helpers import MODEL, make_ad

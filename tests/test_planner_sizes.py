@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshd.planning_errors import SizeError
+from meshd.plan.errors import SizeError
 from meshd.sizes import MAX_SIZE_BYTES, format_size, parse_size
 
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.planning_errors import PlanInputError
-from meshd.tracker import (TRACKER_DOMAIN, TRACKER_EPOCH_MS, current_tracker, eligible_peers,
+from meshd.plan.errors import PlanInputError
+from meshd.plan.tracker import (TRACKER_DOMAIN, TRACKER_EPOCH_MS, current_tracker, eligible_peers,
                            epoch_at, peer_distance, rank_trackers, tracker_key)
 from tests._planner_helpers import MODEL, make_ad
 

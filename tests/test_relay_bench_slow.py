@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from relay import harness as H
-
+from meshd.benchmarks import relay_harness as H
 pytestmark = pytest.mark.slow
 
 

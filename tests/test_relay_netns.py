@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import pytest
 
-from relay import harness as H
+from meshd.benchmarks import relay_harness as H
 from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
 
 pytestmark = pytest.mark.netns
@@ -34,7 +34,7 @@ NEW_TOKENS = 12
 
 def test_generation_through_a_home_node_behind_nat(tmp_path):
     from shard.reference import WholeModel
-    from shard.testmodels import build_random_llama
+    from meshd.testing.models import build_random_llama
 
     model = build_random_llama(seed=0)
     topo = new_topology()
@@ -73,7 +73,7 @@ def test_generation_through_a_home_node_behind_nat(tmp_path):
                 "relayed": {peer: relayed_addr}, "prompt": PROMPT, "max_new_tokens": NEW_TOKENS,
                 "chunk_tokens": 16}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
-        entry = subprocess.run([*topo.prefix(home2), sys.executable, "-m", "relay.harness", "drive",
+        entry = subprocess.run([*topo.prefix(home2), sys.executable, "-m", "meshd.benchmarks.relay_harness", "drive",
                                 str(tmp_path / "spec.json"), str(tmp_path / "out.json")],
                                env=H.child_env(), capture_output=True, text=True, timeout=600)
         assert entry.returncode == 0, entry.stderr[-3000:]

@@ -4,14 +4,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from relay import harness as H
-
+from meshd.benchmarks import relay_harness as H
 pytestmark = pytest.mark.slow
 
 
 def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
     from shard.reference import WholeModel
-    from shard.testmodels import build_random_llama
+    from meshd.testing.models import build_random_llama
 
     model = build_random_llama(seed=0)
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 380, size=40)]
@@ -50,8 +49,8 @@ def test_a_relay_that_dies_mid_generation_fails_the_hop_promptly(tmp_path):
     import signal
     import time
 
-    from shard.driver import HopError
-    from shard.testmodels import build_random_llama
+    from meshd.benchmarks.star_driver import HopError
+    from meshd.testing.models import build_random_llama
 
     model = build_random_llama(seed=0)
     kids: list[H.Child] = []

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from meshd.local_swarm import LocalDaemon, wait_for
-from relay import harness as H
+from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
+from meshd.benchmarks import relay_harness as H
 from relay.client import parse_relayed_addr
 
 pytestmark = pytest.mark.slow
@@ -63,9 +63,9 @@ def run_generation(daemon: LocalDaemon, on_token=None) -> dict:
 def test_private_home_node_through_two_relays_survives_a_relay_death(tmp_path):
     import torch
 
-    from meshd.tokenizer import EntryTokenizer
+    from meshd.generate.tokenizer import EntryTokenizer
     from shard.reference import WholeModel
-    from shard.testmodels import build_random_llama
+    from meshd.testing.models import build_random_llama
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=5, num_hidden_layers=LAYERS)

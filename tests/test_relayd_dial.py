@@ -1,4 +1,4 @@
-"""Entry-side relayed hops (meshd/relay_dial.py) with real libp2p hosts on loopback:
+"""Entry-side relayed hops (meshd/reach/relay_dial.py) with real libp2p hosts on loopback:
 two relays, a home node reserved on both that serves an echo gRPC worker, and a
 dialer whose RelayDialer is driven from a plain thread through LoopPortal."""
 from __future__ import annotations
@@ -7,10 +7,10 @@ import pytest
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from meshd.hop_link import HopFailure
-from meshd.relay_dial import LoopPortal, RelayDialer
-from meshd.routing import Hop
-from meshd.swarm_routes import PeerConnector
+from meshd.errors import HopFailure
+from meshd.reach.relay_dial import LoopPortal, RelayDialer
+from meshd.plan.routing import Hop
+from meshd.generate.routes import PeerConnector
 from relay.bridge import SESSION_METHOD
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
@@ -106,7 +106,7 @@ def test_connector_without_a_dialer_refuses_relayed_hops_and_skips_bad_addresses
 
 
 def test_failed_relays_are_forgotten_after_the_memory_and_tables_stay_bounded():
-    from meshd.relay_dial import MAX_TRACKED_PEERS
+    from meshd.reach.relay_dial import MAX_TRACKED_PEERS
 
     now = [0.0]
     dial = RelayDialer(host=None, portal=None, clock=lambda: now[0], memory_s=120.0)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshd.route_driver import GenerationRequest, RouteFailed, SwarmDriver, collect
-from meshd.swarm_routes import AdsRouteSource
-from meshd.tls import loopback_channel
+from meshd.generate.driver import GenerationRequest, RouteFailed, SwarmDriver, collect
+from meshd.generate.routes import AdsRouteSource
+from meshd.reach.tls import loopback_channel
 from shard.reference import WholeModel
 from shard.server import GRPC_OPTIONS
-from shard.testmodels import build_random_llama
+from meshd.testing.models import build_random_llama
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

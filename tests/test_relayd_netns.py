@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.control import request as control_request
-from meshd.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
-from relay import harness as H
+from meshd.daemon.control import request as control_request
+from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
+from meshd.benchmarks import relay_harness as H
 from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
 
 pytestmark = pytest.mark.netns
@@ -79,9 +79,9 @@ def _head_activation_probes(model: Path, ids: list[int]) -> tuple[list[bytes], b
 def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
     import torch
 
-    from meshd.tokenizer import EntryTokenizer
+    from meshd.generate.tokenizer import EntryTokenizer
     from shard.reference import WholeModel
-    from shard.testmodels import build_random_llama
+    from meshd.testing.models import build_random_llama
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=0)

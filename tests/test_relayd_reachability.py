@@ -1,4 +1,4 @@
-"""The daemon's reachability part (meshd/relaying.py) with real libp2p hosts on loopback:
+"""The daemon's reachability part (meshd/reach/relaying.py) with real libp2p hosts on loopback:
 relays found through the DHT, reservations on two of them, the verdict of the probe."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import trio
 from dht.node import DhtNode
 from dht.relay_records import sign_relay, validate_relay
 from meshd.config import DaemonConfig
-from meshd.host import connect_bootstrap, running_host
-from meshd.identity import Identity
-from meshd.relaying import MAX_RELAY_SLOTS, Relaying, relay_candidates
+from relay.host import connect_bootstrap, running_host
+from dht.identity import Identity
+from meshd.reach.relaying import MAX_RELAY_SLOTS, Relaying, relay_candidates
 from relay.client import parse_relayed_addr
 from relay.reachability import Verdict, serve_dialback
-from relay.service import run_relay
+from meshd.daemon.relay_mode import run_relay
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TEST_TIMEOUT_S = 90
@@ -104,7 +104,7 @@ def test_auto_mode_checks_again_and_follows_a_changed_network(monkeypatch):
     private and the node starts relaying; a listener again: public, the relay slots are let go."""
     import multiaddr
 
-    from meshd import relaying
+    from meshd.reach import relaying
     monkeypatch.setattr(relaying, "RECHECK_S", 0.2)
 
     async def main():
@@ -141,7 +141,7 @@ def test_reachability_config_flag_and_status_rendering(tmp_path):
 
     from meshd.config import load_config
     from meshd.errors import ConfigError
-    from meshd.status_view import render_status
+    from meshd.cli.status_view import render_status
 
     assert load_config(None, {"data_dir": tmp_path}).reachability == "auto"
     assert load_config(None, {"data_dir": tmp_path, "reachability": "private"}).reachability == "private"

@@ -6,9 +6,7 @@ import json
 import pytest
 
 from shard.backend import LayerRange
-from shard import testmodels
-
-
+from meshd.testing import models as testmodels
 def test_layer_range_properties():
     r = LayerRange(0, 3, 6)
     assert r.is_head and not r.is_tail and r.count == 3

@@ -15,10 +15,10 @@ import torch
 from proto import shard_runtime_pb2 as pb
 from proto.limits import MAX_FRAME_BYTES
 from proto.tensors import encode_tensor
-from shard import testmodels
+from meshd.testing import models as testmodels
 from shard.backend import LayerRange
-from shard.driver import Hop, HopError, RouteDriver, _default_channel, _HopStream
-from shard.procs import spawn_workers
+from meshd.benchmarks.star_driver import Hop, HopError, RouteDriver, _default_channel, _HopStream
+from meshd.testing.procs import spawn_workers
 from shard.reference import WholeModel
 from shard.server import SERVICE_NAME
 from tests._shard_helpers import PROMPT, check_route_equals_whole, hops_for

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shard import testmodels
-from shard.procs import spawn_workers
+from meshd.testing import models as testmodels
+from meshd.testing.procs import spawn_workers
 from tests._shard_helpers import check_route_equals_whole
 
 torch.set_num_threads(1)
@@ -85,7 +85,7 @@ def test_tls_port_serves_a_generation(tmp_path):
     import grpc
 
     from shard.backend import LayerRange
-    from shard.driver import Hop, RouteDriver
+    from meshd.benchmarks.star_driver import Hop, RouteDriver
     from shard.reference import WholeModel
     from shard.server import GRPC_OPTIONS
     from tests._shard_helpers import PROMPT
@@ -114,7 +114,7 @@ def test_plaintext_refused_off_loopback(tmp_path):
     import subprocess
     import sys
 
-    from shard.procs import child_env
+    from meshd.testing.procs import child_env
 
     out = subprocess.run([sys.executable, "-m", "meshd", "worker", "--model", str(testmodels.build_random_llama()),
                           "--layers", "0:6", "--listen", "0.0.0.0:0"], env=child_env(1), capture_output=True,

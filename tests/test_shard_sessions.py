@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from proto.errors import LimitExceeded, ProtocolViolation
-from shard import testmodels
+from meshd.testing import models as testmodels
 from shard.errors import (
     CacheMiss, Cancelled, EpochStale, InternalError, ResourceExhausted, to_shard_error,
 )

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from proto import shard_runtime_pb2 as pb
 from proto.tensors import encode_bundle, encode_tensor
-from shard import testmodels
+from meshd.testing import models as testmodels
 from shard.service import ShardService
 from shard.sessions import SessionPolicy
 from shard.stream import SessionStream

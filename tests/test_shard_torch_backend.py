@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from shard import testmodels
+from meshd.testing import models as testmodels
 from shard.adapters import UnsupportedArchitecture, adapter_for
 from shard.backend import BackendCache, RangeBackend
 from shard.reference import WholeModel

@@ -18,9 +18,9 @@ from proto.frames import FrameReader, encode_frame, parse_response
 from proto.limits import MAX_FRAME_BYTES
 from relay.errors import WorkerUnavailable
 from relay.local_link import UnixWorkerLink, UnixWorkerSession
-from shard import testmodels
-from shard.driver import RouteDriver, _default_channel
-from shard.procs import spawn_workers
+from meshd.testing import models as testmodels
+from meshd.benchmarks.star_driver import RouteDriver, _default_channel
+from meshd.testing.procs import spawn_workers
 from shard.reference import WholeModel
 from tests._shard_helpers import PROMPT, hops_for
 

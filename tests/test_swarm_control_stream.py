@@ -7,8 +7,8 @@ import socket
 import pytest
 import trio
 
-from meshd.cmd_generate import stream_events
-from meshd.control import serve_control
+from meshd.daemon.control import stream_events
+from meshd.daemon.control import serve_control
 from meshd.errors import ControlUnavailable
 
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from meshd.hop_link import HopFailure
-from meshd.route_driver import GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver, collect
-from meshd.swarm_routes import AdsRouteSource, PeerConnector
+from meshd.errors import HopFailure
+from meshd.generate.driver import GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver, collect
+from meshd.generate.routes import AdsRouteSource, PeerConnector
 from shard.reference import WholeModel
 from shard.sampling import SamplingSpec
-from shard.testmodels import build_random_llama
+from meshd.testing.models import build_random_llama
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

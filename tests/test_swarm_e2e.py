@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from meshd.local_swarm import LocalSwarm, wait_for
+from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,7 @@ PROMPT = "the swarm answers"
 
 @pytest.fixture(scope="module")
 def model():
-    from shard.testmodels import build_random_llama
+    from meshd.testing.models import build_random_llama
 
     return build_random_llama(seed=3)
 
@@ -76,7 +76,7 @@ def whole(model):
 
 
 def reference_tokens(whole, model, prompt: str, n: int) -> list[int]:
-    from meshd.tokenizer import EntryTokenizer
+    from meshd.generate.tokenizer import EntryTokenizer
 
     tok = EntryTokenizer(model)
     tokens = whole.generate(tok.encode_prompt(prompt, raw=True), n).tokens
@@ -133,8 +133,8 @@ def test_meshd_generate_streams_the_same_text(swarm, whole, model):
     import subprocess
     import sys
 
-    from meshd.local_swarm import REPO_ROOT, child_env
-    from meshd.tokenizer import EntryTokenizer
+    from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+    from meshd.generate.tokenizer import EntryTokenizer
 
     r = subprocess.run([sys.executable, "-m", "meshd", "generate", PROMPT, "--raw", "--max-tokens", "12",
                         "--data-dir", str(swarm.daemons[0].data_dir)], cwd=REPO_ROOT, env=child_env(),
@@ -146,9 +146,9 @@ def test_meshd_generate_streams_the_same_text(swarm, whole, model):
 
 
 def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
-    from meshd.host import running_host
-    from meshd.identity import Identity
-    from meshd.swarm_wire import DIRECTIVE_PROTOCOL, exchange
+    from relay.host import running_host
+    from dht.identity import Identity
+    from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange
     from proto import shard_runtime_pb2 as pb
 
     addr = daemon.address()
@@ -163,12 +163,12 @@ def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
 
 
 def test_directives_not_from_the_tracker_expired_forged_or_replayed_are_refused(swarm):
-    from meshd.adverts import Span
-    from meshd.assignment import DirectiveIntent
-    from meshd.directives import build_directive
-    from meshd.identity import Identity, load_or_create_identity
-    from meshd.swarm_wire import sign_directive
-    from meshd.tracker import epoch_at
+    from meshd.plan.adverts import Span
+    from meshd.plan.assignment import DirectiveIntent
+    from meshd.plan.directives import build_directive
+    from dht.identity import Identity, load_or_create_identity
+    from meshd.swarm.wire import sign_directive
+    from meshd.plan.tracker import epoch_at
     from proto import shard_runtime_pb2 as pb
 
     target = swarm.daemons[3]

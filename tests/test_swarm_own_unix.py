@@ -12,12 +12,12 @@ import pytest
 import torch
 import trio
 
-from meshd.route_driver import GenerationRequest, SwarmDriver, collect
-from meshd.routing import Hop
-from meshd.swarm_routes import AdsRouteSource, PeerConnector
+from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
+from meshd.plan.routing import Hop
+from meshd.generate.routes import AdsRouteSource, PeerConnector
 from relay.syncchannel import RelayedGrpcChannel, TrioPortal
 from shard.reference import WholeModel
-from shard.testmodels import build_random_llama
+from meshd.testing.models import build_random_llama
 from shard.unix_server import UnixFrameServer
 from tests._swarm_helpers import start_shard
 

@@ -5,16 +5,16 @@ import random
 
 import pytest
 
-from meshd.adverts import ShardAd, Span
-from meshd.assignment import DirectiveIntent, ModelFootprint
-from meshd.directives import DirectiveLedger, NodeView, accept_directive, build_directive
-from meshd.generation import GenerateParams
-from meshd.identity import Identity
-from meshd.planning_errors import DirectiveRefused
-from meshd.swarm_view import SwarmSnapshot
-from meshd.swarm_wire import open_directive, sign_directive
-from meshd.tracker import epoch_at
-from meshd.tracker_duty import GAP_CONFIRMATIONS, PENDING_LOAD_MS, TrackerDuty
+from meshd.plan.adverts import ShardAd, Span
+from meshd.plan.assignment import DirectiveIntent, ModelFootprint
+from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive, build_directive
+from meshd.generate.service import GenerateParams
+from dht.identity import Identity
+from meshd.plan.errors import DirectiveRefused
+from meshd.swarm.view import SwarmSnapshot
+from meshd.swarm.wire import open_directive, sign_directive
+from meshd.plan.tracker import epoch_at
+from meshd.swarm.tracker_duty import GAP_CONFIRMATIONS, PENDING_LOAD_MS, TrackerDuty
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError, ProtocolError
 
@@ -128,8 +128,8 @@ def test_generate_params_are_validated(bad):
 def test_entry_tokenizer_matches_transformers_on_the_test_model():
     from transformers import AutoTokenizer
 
-    from meshd.tokenizer import EntryTokenizer
-    from shard.testmodels import build_random_llama
+    from meshd.generate.tokenizer import EntryTokenizer
+    from meshd.testing.models import build_random_llama
 
     path = build_random_llama(seed=3)
     ours, theirs = EntryTokenizer(path), AutoTokenizer.from_pretrained(str(path))
@@ -141,9 +141,9 @@ def test_entry_tokenizer_matches_transformers_on_the_test_model():
 
 
 def test_demo_memory_makes_three_joiners_cover_the_model():
-    from meshd.cmd_demo import demo_memory, simulate_joins
-    from meshd.footprint import artifact_footprint
-    from shard.testmodels import build_random_llama
+    from meshd.plan.assignment import even_memory_for as demo_memory, simulate_joins
+    from meshd.plan.footprint import artifact_footprint
+    from meshd.testing.models import build_random_llama
 
     fp = artifact_footprint(build_random_llama(seed=3), DIGEST)
     memory = demo_memory(fp, 3, 1024)

@@ -7,7 +7,7 @@ the same machine charges for a round trip that does no meshd work at all:
 
 * ``grpc``: a bidi stream to a grpcio sync server in a subprocess (the
   worker's own server setup and options, identity serializers), fed from a
-  bounded queue like ``shard.driver``; the server spins ``hold_ms`` (the
+  bounded queue like ``meshd.benchmarks.star_driver``; the server spins ``hold_ms`` (the
   hops' measured execution time) and echoes a body of the decode frame's size.
 * ``socket``: the same over a raw AF_UNIX socketpair with a forked peer: no
   gRPC, no threads; the floor of any transport on this machine.
@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-SERVICE = "meshd.bench.Echo"
+SERVICE = "meshd.cli.bench.Echo"
 WARMUP = 20
 # Echo server start-up bound (a python + grpc import).
 SERVE_TIMEOUT_S = 60.0
@@ -67,7 +67,7 @@ def serve(port_file: str, hold_ms: float) -> None:
 def grpc_floor_ms(hold_ms: float, size: int, rounds: int) -> float:
     import grpc
 
-    from shard.procs import child_env
+    from meshd.testing.procs import child_env
     from shard.server import GRPC_OPTIONS
 
     port_file = os.path.join(tempfile.mkdtemp(prefix="meshd-hopfloor-"), "port")

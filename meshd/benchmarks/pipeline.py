@@ -1,11 +1,11 @@
 """``meshd bench pipeline``: a split model through local worker processes vs the whole model.
 
-Default model: SmolLM2-135M-Instruct dequantized to fp32 (``shard.testmodels``),
+Default model: SmolLM2-135M-Instruct dequantized to fp32 (``meshd.testing.models``),
 30 layers. In one run, side by side:
 
 * whole model in this process (transformers CausalLM, sdpa, DynamicCache);
 * 2 workers (layers 0:15, 15:30) and 3 workers (0:10, 10:20, 20:30), each a
-  ``meshd worker`` subprocess on loopback, driven by ``shard.driver.RouteDriver``.
+  ``meshd worker`` subprocess on loopback, driven by ``meshd.benchmarks.star_driver.RouteDriver``.
 
 Every configuration runs the same prompt (chunked prefill, 128 tokens per
 chunk) and greedy decode; rounds alternate between configurations and the
@@ -60,7 +60,7 @@ def _rss_of(pid: int) -> int:
 
 def _baseline_rss() -> int:
     """RSS of a bare process with torch and transformers imported (no weights)."""
-    from shard.procs import child_env
+    from meshd.testing.procs import child_env
 
     code = ("import torch, transformers, sys; torch.set_num_threads(%d); "
             "from transformers import AutoModelForCausalLM, LlamaConfig; "
@@ -73,7 +73,7 @@ def _baseline_rss() -> int:
 
 def _route(workers, specs, num_layers):
     from shard.backend import LayerRange
-    from shard.driver import Hop
+    from meshd.benchmarks.star_driver import Hop
 
     hops = []
     for w, spec in zip(workers, specs):
@@ -88,10 +88,10 @@ def run(quick: bool = False, progress=None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from shard.driver import RouteDriver
-    from shard.procs import spawn_workers
+    from meshd.benchmarks.star_driver import RouteDriver
+    from meshd.testing.procs import spawn_workers
     from shard.reference import WholeModel
-    from shard.testmodels import smollm2_artifact
+    from native.packaged import smollm2_artifact
 
     torch.set_num_threads(THREADS)
     rounds, new_tokens = (2, 32) if quick else (3, 64)
@@ -172,7 +172,7 @@ def run(quick: bool = False, progress=None) -> dict:
 
 
 def _memory(path, progress) -> dict:
-    from shard.procs import spawn_workers
+    from meshd.testing.procs import spawn_workers
 
     _say(progress, "measuring resident memory: bare process, middle-half worker, whole-model worker")
     base = _baseline_rss()

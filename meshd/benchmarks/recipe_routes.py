@@ -40,8 +40,8 @@ def _vmhwm_bytes(pid: int) -> int:
 def measure_route(model: Path, backend: str, cut: int, num_layers: int, plan: Plan,
                   prompts: dict[str, list[int]], threads: int, progress: TextIO | None):
     from shard.backend import LayerRange
-    from shard.driver import Hop, RouteDriver
-    from shard.procs import spawn_worker
+    from meshd.benchmarks.star_driver import Hop, RouteDriver
+    from meshd.testing.procs import spawn_worker
 
     extra = ["--backend", backend, "--kv-budget-tokens", str(WORKER_KV_TOKENS), "--max-sessions", "8"]
     workers = []

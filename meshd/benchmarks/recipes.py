@@ -1,7 +1,7 @@
 """``meshd bench recipes``: safetensors versus GGUF under the seeds' DGR-001 v1 contract.
 
 Recipes (model: SmolLM2-135M-Instruct, the safetensors artifact that
-``shard.testmodels.smollm2_artifact`` dequantizes from the shipped Q4_1 GGUF,
+``meshd.testing.models.smollm2_artifact`` dequantizes from the shipped Q4_1 GGUF,
 and GGUFs converted from that same artifact by ``native.convert``):
 
   transformers-safetensors-reference  quality lane, the reference (float32:
@@ -48,7 +48,7 @@ def _bytes(path: Path) -> int:
 
 
 def _run_child(spec: dict[str, Any], progress: TextIO | None) -> dict[str, Any]:
-    from shard.procs import child_env
+    from meshd.testing.procs import child_env
 
     with tempfile.TemporaryDirectory(prefix="meshd-recipe-") as tmp:
         spec_path = Path(tmp) / "spec.json"
@@ -79,7 +79,7 @@ def run(quick: bool, progress: TextIO | None) -> dict[str, Any]:
     from meshd.benchmarks.recipe_routes import measure_route, vocab_projection_probe
     from native.convert import convert
     from native.llama_engine import runtime_version
-    from shard.testmodels import smollm2_artifact
+    from native.packaged import smollm2_artifact
 
     plan = Plan(repeats=1, warmups=1) if quick else Plan()
     artifact = smollm2_artifact("float32")

@@ -5,7 +5,7 @@ Setup (real processes on loopback): a seeded random Llama with hidden 1024 and
 1:2 (the tail). B is reached either directly over gRPC, or through
 ``meshd relay`` via a home node (``python -m relay.node``) that forwards the
 relayed session to B over its local gRPC. The entry node is this process:
-shard's RouteDriver with a libp2p host in a TrioPortal (relay/harness.py).
+shard's RouteDriver with a libp2p host in a TrioPortal (meshd/benchmarks/relay_harness.py).
 
 Measured side by side in one run (medians over repeats, alternating order):
 * ``*_step_ms``: one decode step through the route (the hidden row crosses
@@ -51,10 +51,10 @@ def _say(progress, line: str) -> None:
 def run(quick: bool, progress=None) -> dict:
     import numpy as np
 
-    from relay import harness as H
+    from meshd.benchmarks import relay_harness as H
     from relay import trace
     from shard.reference import WholeModel
-    from shard.testmodels import build_random_llama
+    from meshd.testing.models import build_random_llama
 
     repeats = 1 if quick else 3
     decode_tokens = 16 if quick else 48

@@ -5,7 +5,7 @@ random ranges of 1..8 layers, measured-looking decode times, 10% relayed
 peers, a partial RTT map) and times ``plan_route`` and ``replacement_route``
 over it in the same run. Reported: ``route_plan_ms`` (median full plan),
 ``replacement_plan_ms`` (median re-plan after the middle hop fails) and
-their ratio. Not registered in meshd/bench.py: the integrator folds
+their ratio. Not registered in meshd/cli/bench.py: the integrator folds
 ``route_plan_ms`` into ``meshd bench swarm``.
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ import statistics
 import time
 from typing import TextIO
 
-from meshd.adverts import ShardAd
-from meshd.routing import plan_route, replacement_route
+from meshd.plan.adverts import ShardAd
+from meshd.plan.routing import plan_route, replacement_route
 
 MODEL = "sha256:" + "ab" * 32
 # Ranges are 1..MAX_SPAN layers: home nodes hold a handful of layers each.

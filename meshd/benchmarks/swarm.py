@@ -49,12 +49,13 @@ def run(quick: bool = False, progress: TextIO | None = None) -> dict:
     import torch
 
     from meshd.benchmarks import route_plan
-    from meshd.cmd_demo import DEMO_KV_TOKENS, NODES, demo_memory
-    from meshd.footprint import artifact_footprint
-    from meshd.local_swarm import LocalSwarm
-    from meshd.tokenizer import EntryTokenizer
+    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES as NODES
+    from meshd.plan.assignment import even_memory_for as demo_memory
+    from meshd.plan.footprint import artifact_footprint
+    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.generate.tokenizer import EntryTokenizer
     from shard.reference import WholeModel
-    from shard.testmodels import smollm2_artifact
+    from native.packaged import smollm2_artifact
 
     new_tokens = 32 if quick else 64
     rounds = 1 if quick else 2

@@ -1,0 +1,76 @@
+"""``meshd join``: run the daemon in the foreground, serving a layer range of a model."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from meshd.cli.common import add_config_arguments, fail, first_meshd_error, setup_logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, help="model artifact directory or .gguf file")
+    parser.add_argument("--layers", help="layer range A:B to serve (half-open), or 'auto': the tracker assigns one")
+    parser.add_argument("--memory", help="memory this node offers with --layers auto (weights + KV), e.g. 4GiB")
+    parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
+    parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
+    parser.add_argument("--advertise-host", help="host or IP peers use to reach our TLS gRPC endpoint")
+    parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our DHT records, seconds")
+    parser.add_argument("--reachability", choices=("auto", "public", "private"),
+                        help="auto (default): probe whether peers can dial us and use relays if not; "
+                             "private: always reserve on relays; public: never")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"))
+    parser.add_argument("--backend", choices=("torch", "llama.cpp"))
+    parser.add_argument("--kv-budget-tokens", type=int)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log the libp2p and DHT details")
+    add_config_arguments(parser)
+
+
+def _progress(line: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.verbose)
+    try:
+        from meshd.config import load_config, parse_layers
+        from meshd.plan.modelinfo import check_layers, model_num_layers
+        from meshd.sizes import parse_size
+
+        overrides = {
+            "data_dir": args.data_dir, "model": args.model,
+            "layers": parse_layers(args.layers) if args.layers and args.layers != "auto" else None,
+            "auto_layers": True if args.layers == "auto" else None,
+            "memory_bytes": parse_size(args.memory) if args.memory else None,
+            "listen": tuple(args.listen) if args.listen else None,
+            "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
+            "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
+            "worker.dtype": args.dtype, "worker.backend": args.backend,
+            "worker.kv_budget_tokens": args.kv_budget_tokens,
+        }
+        config = load_config(args.config, overrides)
+        if config.model is None:
+            return fail("meshd join needs --model PATH and --layers A:B (or model/layers in --config)", 2)
+        if config.auto_layers:
+            num_layers = model_num_layers(config.model)
+            _progress(f"model {config.model}: {num_layers} layers; range: auto (asking the tracker)")
+        else:
+            num_layers = check_layers(config.model, config.layers)
+            _progress(f"model {config.model}: {num_layers} layers; serving {config.layers[0]}:{config.layers[1]}")
+        import trio  # the daemon's imports (libp2p, grpc) take seconds: only after the checks
+
+        from meshd.daemon.node import run_daemon
+
+        setup_logging(args.verbose)  # again: importing libp2p reset its logger
+        trio.run(run_daemon, config, _progress)
+    except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
+        ours = first_meshd_error(exc)
+        if ours is not None:
+            return fail(str(ours))
+        if isinstance(exc, KeyboardInterrupt) or (
+                isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None):
+            print("meshd: interrupted", file=sys.stderr)
+            return 130
+        raise
+    return 0

@@ -1,0 +1,11 @@
+"""The daemon: one trio process per node, one tree of nurseries.
+
+    node.py            ``run_daemon``: the composition root (host, DHT, parts below), status
+    control.py         the local control socket (JSON lines; server and blocking client)
+    advertiser.py      keeps our signed capability record alive in the DHT
+    supervisor.py      restarts the worker with backoff, withdraws meanwhile
+    worker_process.py  the life of one ``meshd worker`` subprocess
+    worker_slot.py     the worker of a ``--layers auto`` node (range assigned at run time)
+    swarm_part.py      the daemon's swarm part: tracker duty, auto ranges, directives, generate
+    relay_mode.py      ``meshd relay``: circuit relay v2 hop + DHT server + control API
+"""

@@ -1,0 +1,283 @@
+"""The meshd daemon: one trio process, one tree of nurseries.
+
+    run_daemon(config)
+    └── host (libp2p, Noise + yamux)              relay/host.py
+        └── DHT service (KadDHT, our validator)   dht/node.py
+            └── nursery
+                ├── peer sync   (routing table <- connected peers, re-bootstrap)
+                ├── relaying    (dial-back probe; when private: STOP service,
+                │               relay reservations, relayed addrs)  meshd/reach/relaying.py
+                ├── upgrader    (DCUtR handler; bounded background direct upgrades
+                │               of relayed hops)                    meshd/reach/direct_upgrade.py
+                ├── advertiser  (publish / republish / withdraw)   meshd/daemon/advertiser.py
+                ├── control API (unix socket, JSON)                meshd/daemon/control.py
+                ├── supervisor  (worker subprocess)  meshd/daemon/supervisor.py, worker_process.py
+                ├── swarm       (tracker duty, --layers auto, directives, generate)  meshd/daemon/swarm_part.py
+                └── signals     (SIGINT/SIGTERM -> graceful leave)
+
+Graceful leave: stop advertising and publish the withdrawal (bounded), then
+cancel the tree: the supervisor SIGTERMs the worker (it drains or cancels
+its sessions) and waits for it, the DHT and the host close last.
+
+``Node`` is the composition root: it wires the parts and answers the
+control API; each part owns its own state.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import replace
+from functools import partial
+from typing import Callable
+
+import trio
+
+from dht import keys as K
+from dht.node import DhtNode
+from dht.records import live
+from meshd.daemon.advertiser import Advertiser, claim_from_report
+from meshd.config import DaemonConfig
+from meshd.daemon.control import serve_control
+from meshd.reach.direct_upgrade import DirectUpgrader
+from meshd.errors import DaemonError
+from meshd.reach.relay_dial import LoopPortal, RelayDialer
+from meshd.reach.relaying import Relaying
+from meshd.daemon.swarm_part import Swarm
+from relay.host import connect_bootstrap, running_host
+from dht.identity import Identity, load_or_create_identity
+from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
+from relay.reachability import serve_dialback
+from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from meshd.daemon.worker_process import WorkerProcess, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+# Connected peers join the routing table within this delay.
+PEER_SYNC_INTERVAL_S = 2.0
+# With no peer at all, try the bootstrap list again this often.
+REBOOTSTRAP_INTERVAL_S = 10.0
+# `meshd status` waits at most this long for the DHT reads behind the coverage map.
+STATUS_FETCH_TIMEOUT_S = 10.0
+# Models shown in the coverage map: ours plus the indexes we hold, bounded.
+MAX_STATUS_MODELS = 16
+
+Progress = Callable[[str], None]
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _ip_of(multiaddr_text: str) -> str | None:
+    parts = multiaddr_text.split("/")
+    if len(parts) >= 3 and parts[1] in ("ip4", "ip6"):
+        return parts[2]
+    return None
+
+
+class Node:
+    def __init__(self, config: DaemonConfig, identity: Identity, tls: TlsMaterial, host, dht: DhtNode,
+                 progress: Progress) -> None:
+        self.config = config
+        self.identity = identity
+        self.tls = tls
+        self.host = host
+        self.dht = dht
+        self.progress = progress
+        self.advertiser = Advertiser(identity, dht.publish, ttl_s=config.record_ttl_s, wall_ms=wall_ms)
+        self.supervisor: Supervisor | None = None
+        self.swarm = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
+        self.model_digest: str | None = None
+        self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
+                                 on_change=self.refresh_claim, progress=progress)
+        self._ready: WorkerReady | None = None
+        # circuits to relayed peers, shared by every generation (remembers relays that failed)
+        self.upgrader = DirectUpgrader(host)   # answers peers' hole punches, tries ours
+        self.relay_dialer = RelayDialer(host, LoopPortal.current(), upgrader=self.upgrader)
+        listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
+        self.tls_bind_host = listen_ip
+        unspecified = listen_ip in ("0.0.0.0", "::")
+        self.advertise_host = config.advertise_host or ("127.0.0.1" if unspecified else listen_ip)
+        if unspecified and not config.advertise_host:
+            progress("note: listening on all interfaces but no --advertise-host given; peers are told "
+                     "127.0.0.1 for our TLS gRPC endpoint (set advertise_host to a reachable address)")
+
+    # ------------------------------------------------------------------ addresses
+
+    def direct_addrs(self) -> tuple[str, ...]:
+        out = []
+        for addr in self.host.get_addrs():
+            text = str(addr)
+            if "/ip4/0.0.0.0/" in text or "/ip6/::/" in text:
+                continue
+            out.append(text)
+        return tuple(out[:16])
+
+    # ------------------------------------------------------------------ worker hooks
+
+    async def on_worker_ready(self, ready: WorkerReady) -> None:
+        self._ready = ready
+        self.relaying.serve_worker(ready.unix or ready.listen)   # the frame socket: no gRPC leg
+        self.refresh_claim()
+
+    def refresh_claim(self) -> None:
+        """(Re)build our claim from the ready worker and our reachability; the advertiser
+        publishes it at once when it changed. Nothing is claimed before the verdict is known:
+        a private node must never advertise endpoints nobody can dial."""
+        ready = self._ready
+        if ready is None or not self.relaying.decided:
+            return
+        if self.relaying.private and not self.relaying.relayed_addrs and self.advertiser.claim is None:
+            return   # not reachable yet: the first reservation will call us again
+        if self.relaying.private:
+            endpoint, direct, pin = "", (), b""
+        else:
+            port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
+            endpoint = f"{self.advertise_host}:{port}" if port else ""
+            direct, pin = self.direct_addrs(), (self.tls.sha256 if endpoint else b"")
+        claim = claim_from_report(ready.report, grpc_endpoint=endpoint, tls_cert_sha256=pin, direct_addrs=direct)
+        if self.relaying.private:
+            claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
+        if claim == self.advertiser.claim:
+            return
+        first = self.advertiser.claim is None
+        self.model_digest = claim.model_artifact_digest
+        self.advertiser.set_claim(claim)
+        if first:
+            self.progress(f"ready: worker serves layers {claim.start_layer}:{claim.end_layer} of "
+                          f"{claim.num_layers} ({claim.model_artifact_digest[:23]}...), advertising"
+                          + (f" through {len(claim.relayed_addrs)} relayed addrs" if self.relaying.private else ""))
+
+    async def on_worker_down(self) -> None:
+        self._ready = None
+        if self.advertiser.claim is not None:
+            self.progress("worker down: withdrawing our records")
+        self.advertiser.set_claim(None)
+
+    # ------------------------------------------------------------------ tasks
+
+    async def peer_sync(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        last_bootstrap = trio.current_time()
+        while True:
+            await self.dht.sync_peers()
+            if (self.config.bootstrap and not self.host.get_connected_peers()
+                    and trio.current_time() - last_bootstrap >= REBOOTSTRAP_INTERVAL_S):
+                last_bootstrap = trio.current_time()
+                try:
+                    await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s)
+                except Exception as exc:  # keep trying; the status shows zero peers
+                    log.info("re-bootstrap failed: %s", exc)
+            await trio.sleep(PEER_SYNC_INTERVAL_S)
+
+    async def handle(self, request: dict) -> dict:
+        if request["op"] == "ping":
+            return {"peer_id": self.identity.peer_id}
+        if request["op"] == "swarm" and self.swarm is not None:
+            return await self.swarm.view()
+        return await self.status()
+
+    async def handle_stream(self, request: dict, send) -> None:
+        from meshd.generate.service import run_generate
+
+        if self.swarm is None:
+            raise DaemonError("this daemon serves no model: nothing to generate with")
+        await run_generate(self.swarm, request, send)
+
+    async def status(self) -> dict:
+        digests = []
+        if self.model_digest:
+            digests.append(self.model_digest)
+        digests += [d for d in self.dht.local_models() if d not in digests]
+        coverage: dict[str, list[dict]] = {}
+        now = wall_ms()
+
+        async def fetch(digest: str) -> None:
+            with trio.move_on_after(STATUS_FETCH_TIMEOUT_S):
+                records = await self.dht.fetch(K.model_key(digest))
+                coverage[digest] = [{
+                    "peer_id": r.peer_id, "start": r.start_layer, "end": r.end_layer,
+                    "num_layers": r.num_layers, "sequence": r.sequence,
+                    "expires_in_s": round((r.expires_at_ms - now) / 1000, 1),
+                    "grpc_endpoint": r.payload.reachability.grpc_endpoint,
+                    "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
+                    "model_id": r.payload.model_id,
+                } for r in live(records, now)]
+
+        async with trio.open_nursery() as nursery:
+            for digest in digests[:MAX_STATUS_MODELS]:
+                nursery.start_soon(fetch, digest)
+        advert = self.advertiser.status()
+        worker = self.supervisor.state.as_dict() if self.supervisor else {"state": "none"}
+        return {
+            "peer_id": self.identity.peer_id,
+            "addresses": [str(a) for a in self.host.get_addrs()],
+            "peers": sorted(p.to_base58() for p in self.host.get_connected_peers()),
+            "routing_table": self.dht.routing_table_size(),
+            "own": {
+                "model": str(self.config.model) if self.config.model else None,
+                "layers": list(self.config.layers) if self.config.layers else None,
+                "model_digest": self.model_digest,
+                "advertising": advert.advertising, "sequence": advert.sequence,
+                "expires_in_s": round((advert.expires_at_ms - now) / 1000, 1) if advert.expires_at_ms else None,
+                "acks": advert.last_acks, "tls_cert_sha256": self.tls.sha256.hex(),
+            },
+            "worker": worker,
+            "reachability": self.relaying.status(),
+            "direct_upgrades": self.upgrader.snapshot(),
+            "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
+                         for d, v in coverage.items()},
+        }
+
+
+async def _wait_for_signal(cancel_scope: trio.CancelScope, node: Node, progress: Progress) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            progress(f"{signal.Signals(signum).name}: leaving the swarm (withdrawing records, stopping the worker)")
+            await node.advertiser.withdraw_now()
+            cancel_scope.cancel()
+            return
+
+
+async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals: bool = True,
+                     task_status=trio.TASK_STATUS_IGNORED) -> None:
+    identity = load_or_create_identity(config.data_dir)
+    tls = load_or_create_tls(config.data_dir, identity.peer_id)
+    progress(f"peer id {identity.peer_id}")
+    async with running_host(identity, config.listen) as host:
+        serve_dialback(host)   # every node answers other peers' reachability probes
+        dht = DhtNode(host, wall_ms)
+        async with dht.running():
+            progress("listening on " + " ".join(str(a) for a in host.get_addrs()))
+            reached = await connect_bootstrap(host, config.bootstrap, config.bootstrap_timeout_s)
+            if config.bootstrap:
+                progress(f"bootstrap: connected to {len(reached)} of {len(config.bootstrap)} peers")
+            await dht.sync_peers()
+            node = Node(config, identity, tls, host, dht, progress)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.peer_sync)
+                await nursery.start(node.upgrader.run)
+                await nursery.start(node.relaying.run)
+                await nursery.start(node.advertiser.run)
+                await nursery.start(partial(serve_control, stream_handler=node.handle_stream),
+                                    config.control_socket, node.handle)
+                if handle_signals:
+                    nursery.start_soon(_wait_for_signal, nursery.cancel_scope, node, progress)
+                if config.model is not None and config.layers is not None:
+                    w = config.worker
+                    spec = WorkerSpec(model=config.model, layers=config.layers, run_dir=config.data_dir,
+                                      tls=tls, tls_host=node.tls_bind_host, dtype=w.dtype, backend=w.backend,
+                                      kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads,
+                                      ready_timeout_s=w.ready_timeout_s)
+                    worker = WorkerProcess(spec, progress=lambda line: progress(f"worker: {line}"))
+                    node.supervisor = Supervisor(worker.life, on_ready=node.on_worker_ready,
+                                                 on_down=node.on_worker_down,
+                                                 backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s))
+                    progress(f"starting the worker for layers {config.layers[0]}:{config.layers[1]} of {config.model}")
+                    await nursery.start(node.supervisor.run)
+                if config.model is not None:
+                    node.swarm = Swarm(node)
+                    await nursery.start(node.swarm.run)
+                task_status.started(node)
+    progress("stopped")

@@ -1,0 +1,271 @@
+"""The daemon's swarm part: tracker duty, automatic ranges, directives, generation.
+
+    Swarm.run  (child of the daemon's nursery; meshd/daemon/node.py starts it)
+    ├── worker slot     meshd/daemon/worker_slot.py   (only with --layers auto)
+    └── refresh loop    every DUTY_REFRESH_S:
+          read the model's live ads (meshd/swarm/view.py)
+          not serving yet (auto)  -> no tracker: plan our own range (plan_join)
+                                     else ask the tracker (/meshd/join/1)
+          on tracker duty         -> push rebalancing directives (meshd/swarm/tracker_duty.py)
+    stream handlers: /meshd/join/1 (answered by TrackerDuty when on duty),
+                     /meshd/directive/1 (accepted via directives.accept_directive)
+    control API:     "generate" (meshd/generate/service.py), "swarm" (this view)
+
+A directive is acted on only after ``accept_directive`` said yes in this
+node's own view (current tracker, expiry, replay ledger, no gap while our
+worker has sessions); LOAD (re)starts the worker on the range, DROP stops it.
+Nodes started with a fixed ``--layers A:B`` refuse directives: the user chose.
+
+State: the model digest and footprint (from the artifact, once), the last
+snapshot, the directive ledger, the worker slot. Everything else is the
+daemon's (Node) and is read through it.
+"""
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import trio
+
+from meshd.plan.adverts import CoverageMap
+from meshd.plan.assignment import DEFAULT_KV_BUDGET_TOKENS, JoinRequest, plan_join
+from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
+from meshd.plan.errors import DirectiveRefused, PlanningError
+from meshd.sizes import format_size
+from meshd.swarm.view import SwarmSnapshot, fetch_snapshot
+from meshd.swarm.wire import (DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, open_directive,
+                              serve)
+from meshd.swarm.tracker_duty import DUTY_REFRESH_S, TrackerDuty
+from meshd.daemon.worker_slot import WorkerSlot
+from proto import shard_runtime_pb2 as pb
+from proto.errors import MeshdError
+
+log = logging.getLogger(__name__)
+
+# Peers of our model we dial per refresh when not connected yet, and how long
+# each dial may take. A home swarm becomes a full mesh among the nodes of a
+# model, so records reach every node directly and the swarm survives the
+# death of the node everyone bootstrapped through.
+MAX_MESH_DIALS = 8
+MESH_DIAL_TIMEOUT_S = 5.0
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Swarm:
+    def __init__(self, node, *, refresh_s: float = DUTY_REFRESH_S) -> None:
+        self.node = node
+        self.config = node.config
+        self.refresh_s = refresh_s
+        self.auto = bool(self.config.auto_layers)
+        self.kv_budget = self.config.worker.kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
+        self.slot = WorkerSlot(node, memory_bytes=self.config.memory_bytes or 0) if self.auto else None
+        self.digest: str | None = None
+        self.num_layers = 0
+        self.duty: TrackerDuty | None = None
+        self.snapshot: SwarmSnapshot | None = None
+        self.ledger = DirectiveLedger()
+        self.pins: dict[str, bytes] = {}
+        self.last_join: str = ""
+        self.tokenizer = None
+
+    # ------------------------------------------------------------------ setup
+    async def _describe_model(self) -> None:
+        from meshd.plan.footprint import artifact_footprint
+        from meshd.plan.modelinfo import model_num_layers
+        from shard.artifact import artifact_digest
+
+        model = self.config.model
+        self.num_layers = model_num_layers(model)
+        if model.is_file():
+            self.node.progress("tracker duty and --layers auto need an artifact directory; off for a .gguf")
+            return
+        self.node.progress("hashing the model artifact (tracker duty, route planning)")
+        self.digest = await trio.to_thread.run_sync(artifact_digest, model)
+        footprint = artifact_footprint(model, self.digest, self.config.worker.dtype)
+        self.duty = TrackerDuty(self.node.identity.peer_id, footprint, self.node.identity.signing_key,
+                                self.kv_budget, rng=random.Random())
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        if self.config.model is None:
+            task_status.started()
+            return
+        await self._describe_model()
+        serve(self.node.host, JOIN_PROTOCOL, self._on_join)
+        serve(self.node.host, DIRECTIVE_PROTOCOL, self._on_directive)
+        async with trio.open_nursery() as nursery:
+            if self.slot is not None:
+                await nursery.start(self.slot.run)
+            nursery.start_soon(self._preload_tokenizer)
+            task_status.started()
+            while self.duty is not None:
+                try:
+                    await self.refresh()
+                except MeshdError as exc:
+                    log.info("swarm refresh: %s", exc)
+                await trio.sleep(self.refresh_s)
+
+    async def _preload_tokenizer(self) -> None:
+        """The entry's tokenizer, loaded once in the background (transformers imports take seconds)."""
+        from meshd.generate.service import load_tokenizer
+
+        try:
+            tokenizer = await trio.to_thread.run_sync(load_tokenizer, self.config.model)
+        except Exception as exc:  # noqa: BLE001 - generate loads it again and reports the error
+            log.info("could not preload the tokenizer: %s", exc)
+            return
+        self.tokenizer = self.tokenizer or tokenizer
+
+    # ------------------------------------------------------------------ refresh
+    async def fresh_snapshot(self) -> SwarmSnapshot:
+        snap = await fetch_snapshot(self.node.dht, self.digest, wall_ms())
+        self.snapshot = snap
+        self.pins.update(snap.pins)
+        return snap
+
+    async def _mesh(self, snap: SwarmSnapshot) -> None:
+        """Connect to the model's peers we are not connected to yet (bounded, concurrent)."""
+        import multiaddr
+        from libp2p.peer.id import ID
+        from libp2p.peer.peerinfo import PeerInfo
+
+        host = self.node.host
+        connected = {p.to_base58() for p in host.get_connected_peers()}
+        todo = [(p, a) for p, a in snap.addrs.items()
+                if a and p != self.node.identity.peer_id and p not in connected][:MAX_MESH_DIALS]
+
+        async def dial(peer: str, addrs: tuple[str, ...]) -> None:
+            with trio.move_on_after(MESH_DIAL_TIMEOUT_S):
+                try:
+                    await host.connect(PeerInfo(ID.from_base58(peer),
+                                                [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
+                except Exception as exc:  # an unreachable peer is the routing planner's business
+                    log.info("mesh dial to %s failed: %s", peer[:16], exc)
+
+        async with trio.open_nursery() as nursery:
+            for peer, addrs in todo:
+                nursery.start_soon(dial, peer, addrs)
+
+    async def refresh(self) -> None:
+        snap = await self.fresh_snapshot()
+        await self._mesh(snap)
+        now = wall_ms()
+        if self.slot is not None and (self.slot.layers is None or self.slot.failure):
+            await self._join(snap, now)
+        for target, records in self.duty.rebalance(snap, now):
+            await self._push(target, records, snap)
+
+    async def _join(self, snap: SwarmSnapshot, now: int) -> None:
+        tracker = self.duty.tracker(snap, now)
+        me = self.node.identity.peer_id
+        request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget)
+        if tracker is None or tracker == me:
+            empty = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
+            try:
+                plan = plan_join(empty, self.duty.footprint, request)
+            except PlanningError as exc:
+                self._note_join(f"cannot plan a range: {exc}")
+                return
+            self.node.progress(f"no tracker for the model yet: taking layers {plan.span.start}:{plan.span.end} "
+                               f"({format_size(plan.needed_bytes)} of {format_size(request.memory_bytes)})")
+            await self.slot.load((plan.span.start, plan.span.end))
+            return
+        ask = pb.JoinAsk(schema_version=pb.SCHEMA_VERSION_1, model_artifact_digest=self.digest,
+                         memory_budget_bytes=request.memory_bytes, kv_budget_tokens=self.kv_budget)
+        try:
+            raw = await exchange(self.node.host, tracker, snap.addrs.get(tracker, ()), JOIN_PROTOCOL,
+                                 ask.SerializeToString())
+            reply = pb.JoinReply.FromString(raw)
+        except (SwarmUnreachable, MeshdError, ValueError) as exc:
+            self._note_join(f"tracker {tracker[:16]} unreachable: {exc}")
+            return
+        if not reply.HasField("directive"):
+            self._note_join(f"tracker {tracker[:16]} refused: {reply.refusal[:300]}")
+            return
+        ack = await self._apply(reply.directive.SerializeToString())
+        if not ack.accepted:
+            self._note_join(f"refused the tracker's directive: {ack.detail}")
+
+    def _note_join(self, line: str) -> None:
+        if line != self.last_join:
+            self.node.progress(line)
+        self.last_join = line
+
+    async def _push(self, target: str, records: list[bytes], snap: SwarmSnapshot) -> None:
+        for record in records:
+            try:
+                raw = await exchange(self.node.host, target, snap.addrs.get(target, ()), DIRECTIVE_PROTOCOL, record)
+                ack = pb.DirectiveAck.FromString(raw)
+            except (MeshdError, ValueError) as exc:
+                log.info("directive to %s not delivered: %s", target[:16], exc)
+                return
+            self.node.progress(f"tracker: directive to {target[:16]}: "
+                               + ("accepted" if ack.accepted else f"refused ({ack.reason}: {ack.detail[:200]})"))
+            if not ack.accepted:
+                return
+
+    # ------------------------------------------------------------------ directives
+    def _active_sessions(self) -> int:
+        sup = self.node.supervisor
+        return int(sup.state.health.get("active_sessions", 0)) if sup is not None else 0
+
+    async def _apply(self, record: bytes) -> pb.DirectiveAck:
+        """Verify and accept one signed directive in our own fresh view; act on it."""
+        try:
+            directive, signer = open_directive(record)
+        except MeshdError as exc:
+            return pb.DirectiveAck(accepted=False, reason="malformed", detail=str(exc)[:500])
+        if self.slot is None:
+            return pb.DirectiveAck(accepted=False, reason="fixed_range",
+                                   detail="this node serves the range its operator gave (--layers A:B)")
+        snap = await self.fresh_snapshot()
+        now = wall_ms()
+        view = NodeView(self.node.identity.peer_id, self.digest, self.num_layers, snap.ads,
+                        active_sessions=self._active_sessions())
+        try:
+            accepted, self.ledger = accept_directive(directive, signer_peer_id=signer, view=view,
+                                                     ledger=self.ledger, now_ms=now)
+        except DirectiveRefused as exc:
+            self.node.progress(f"refused a directive from {signer[:16]}: {exc}")
+            return pb.DirectiveAck(accepted=False, reason=exc.reason.value, detail=str(exc)[:500])
+        span = accepted.intent.span
+        if accepted.intent.action == pb.DIRECTIVE_ACTION_DROP_SHARD:
+            self.node.progress(f"directive from tracker {signer[:16]}: drop layers {span.start}:{span.end}")
+            await self.slot.drop()
+        else:
+            self.node.progress(f"directive from tracker {signer[:16]}: load layers {span.start}:{span.end}")
+            await self.slot.load((span.start, span.end))
+        return pb.DirectiveAck(accepted=True)
+
+    async def _on_directive(self, remote: str, body: bytes) -> bytes:
+        return (await self._apply(body)).SerializeToString()
+
+    async def _on_join(self, remote: str, body: bytes) -> bytes:
+        try:
+            ask = pb.JoinAsk.FromString(body)
+        except ValueError:
+            return pb.JoinReply(refusal="JoinAsk does not parse").SerializeToString()
+        if self.duty is None:
+            return pb.JoinReply(refusal="this node has no tracker duty").SerializeToString()
+        snap = await self.fresh_snapshot()
+        return self.duty.answer_join(remote, ask, snap, wall_ms()).SerializeToString()
+
+    # ------------------------------------------------------------------ control API
+    async def view(self) -> dict:
+        snap = await self.fresh_snapshot() if self.digest else None
+        now = wall_ms()
+        tracker = self.duty.tracker(snap, now) if self.duty and snap else None
+        coverage = None
+        if snap is not None:
+            cmap = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
+            coverage = {"fully_covered": cmap.fully_covered, "counts": list(cmap.counts),
+                        "gaps": [[g.start, g.end] for g in cmap.gaps()]}
+        return {"peer_id": self.node.identity.peer_id, "model_digest": self.digest, "num_layers": self.num_layers,
+                "tracker": tracker, "on_duty": tracker == self.node.identity.peer_id,
+                "auto": self.auto, "layers": list(self.slot.layers) if self.slot and self.slot.layers else
+                (list(self.config.layers) if self.config.layers else None),
+                "serving": bool(self.node.advertiser.claim), "coverage": coverage,
+                "ads": [{"peer_id": a.peer_id, "start": a.start, "end": a.end} for a in snap.ads] if snap else []}

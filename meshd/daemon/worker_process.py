@@ -1,0 +1,307 @@
+"""The real life of one shard worker process (injected into meshd.daemon.supervisor).
+
+``WorkerProcess.life``: spawn ``python -m meshd worker`` with a ready file;
+wait (bounded) for its "ready" line; ask it for its CapabilityReport over
+loopback gRPC -- in a thread, grpc stays out of the trio loop -- and check it
+is validated for exactly our range; hand it to ``on_ready``; then poll Health
+until the process exits. Cancellation sends SIGTERM (the worker drains its
+sessions), waits ``STOP_GRACE_S``, then SIGKILL. Worker output goes to
+``worker.log`` in the data dir and, line by line, to the progress callback.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import trio
+
+from meshd.errors import WorkerFailed
+from meshd.daemon.supervisor import OnReady, WorkerReady, WorkerState
+from meshd.reach.tls import TlsMaterial, loopback_channel
+from proto import shard_runtime_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# SIGTERM lets the worker drain its sessions; after this it is killed.
+STOP_GRACE_S = 10.0
+# Loopback gRPC calls to our own worker answer in milliseconds when healthy.
+CAPABILITY_TIMEOUT_S = 30.0
+HEALTH_TIMEOUT_S = 5.0
+HEALTH_INTERVAL_S = 5.0
+# Three missed health checks in a row: the worker is wedged, restart it.
+MAX_HEALTH_FAILURES = 3
+# A worker line longer than this is cut (a peer never writes here, but a traceback might).
+MAX_LINE_CHARS = 2000
+
+
+# sun_path is 108 bytes on Linux, with its terminating NUL.
+MAX_UNIX_PATH_BYTES = 100
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    model: Path
+    layers: tuple[int, int]
+    run_dir: Path
+    tls: TlsMaterial
+    tls_host: str = "127.0.0.1"
+    dtype: str = "float32"
+    backend: str = "torch"
+    kv_budget_tokens: int | None = None
+    torch_threads: int = 1
+    ready_timeout_s: float = 900.0
+
+    def command(self, ready_file: Path) -> list[str]:
+        cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(self.model),
+               "--layers", f"{self.layers[0]}:{self.layers[1]}", "--listen", "127.0.0.1:0",
+               "--dtype", self.dtype, "--backend", self.backend,
+               "--tls-listen", f"{self.tls_host}:0", "--tls-cert", str(self.tls.cert_path),
+               "--tls-key", str(self.tls.key_path), "--ready-file", str(ready_file),
+               "--threads", str(self.torch_threads)]
+        if self.kv_budget_tokens is not None:
+            cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
+        return cmd + ["--unix-listen", str(self.socket_path())]
+
+    def socket_path(self) -> Path:
+        """The worker's frame socket (relayed sessions reach it there): in the private run
+        dir, or a private temp dir when that path is too long for AF_UNIX (108 bytes)."""
+        path = self.run_dir / "worker.sock"
+        if len(str(path).encode()) <= MAX_UNIX_PATH_BYTES:
+            return path
+        return Path(tempfile.mkdtemp(prefix="meshd-w-")) / "worker.sock"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+            env[var] = str(self.torch_threads)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+
+def check_report(report: pb.CapabilityReport, layers: tuple[int, int]) -> None:
+    r = report.shard_range
+    if not report.validated:
+        raise WorkerFailed(f"the worker's capability is not validated: {report.detail[:200]}")
+    if report.schema_version != pb.SCHEMA_VERSION_1:
+        raise WorkerFailed(f"the worker speaks schema {report.schema_version}")
+    if (r.start_layer, r.end_layer) != tuple(layers) or not r.end_layer <= report.num_layers:
+        raise WorkerFailed(f"the worker serves {r.start_layer}:{r.end_layer}, we asked for {layers[0]}:{layers[1]}")
+    if not report.fingerprint.model_artifact_digest:
+        raise WorkerFailed("the worker's capability has no artifact digest")
+
+
+def fetch_capability(endpoint: str) -> pb.CapabilityReport:
+    """Blocking; call through trio.to_thread."""
+    import grpc
+    from proto import shard_runtime_pb2_grpc as pb_grpc
+
+    try:
+        with loopback_channel(endpoint) as channel:
+            return pb_grpc.ShardRuntimeStub(channel).GetCapability(
+                pb.CapabilityRequest(schema_version=pb.SCHEMA_VERSION_1), timeout=CAPABILITY_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        raise WorkerFailed(f"GetCapability on {endpoint} failed: {exc.code().name}") from exc
+
+
+def fetch_health(endpoint: str) -> pb.HealthReport:
+    import grpc
+    from proto import shard_runtime_pb2_grpc as pb_grpc
+
+    try:
+        with loopback_channel(endpoint) as channel:
+            return pb_grpc.ShardRuntimeStub(channel).Health(
+                pb.HealthRequest(schema_version=pb.SCHEMA_VERSION_1), timeout=HEALTH_TIMEOUT_S)
+    except grpc.RpcError as exc:
+        raise WorkerFailed(f"Health on {endpoint} failed: {exc.code().name}") from exc
+
+
+class WorkerProcess:
+    """The real life of a worker subprocess (see module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, progress: Callable[[str], None] | None = None) -> None:
+        self.spec = spec
+        self.progress = progress or (lambda line: None)
+
+    async def life(self, on_ready: OnReady, state: WorkerState) -> int:
+        spec = self.spec
+        spec.run_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        ready_file = spec.run_dir / "worker-ready.json"
+        ready_file.unlink(missing_ok=True)
+        log_path = spec.run_dir / "worker.log"
+        ready_line = trio.Event()
+        proc = _ChildProcess.spawn(spec.command(ready_file), spec.env())
+        state.pid = proc.pid
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, proc.stdout, log_path, state, ready_line)
+                nursery.start_soon(self._pump, proc.stderr, log_path, state, None)
+                with trio.move_on_after(spec.ready_timeout_s) as ready_scope:
+                    async with trio.open_nursery() as race:
+                        async def died() -> None:
+                            await proc.wait()
+                            race.cancel_scope.cancel()
+
+                        async def readied() -> None:
+                            await ready_line.wait()
+                            race.cancel_scope.cancel()
+
+                        race.start_soon(died)
+                        race.start_soon(readied)
+                if ready_scope.cancelled_caught:
+                    raise WorkerFailed(f"the worker was not ready within {spec.ready_timeout_s:g} s")
+                if proc.returncode is not None:
+                    await proc.wait()
+                    nursery.cancel_scope.cancel()
+                    return proc.returncode
+                ready = self._read_ready(ready_file, proc.pid)
+                report = await trio.to_thread.run_sync(fetch_capability, ready.listen)
+                check_report(report, spec.layers)
+                ready = WorkerReady(ready.listen, ready.tls_listen, proc.pid, report, ready.unix)
+                state.endpoint, state.tls_endpoint, state.unix = ready.listen, ready.tls_listen, ready.unix
+                await on_ready(ready)
+                nursery.start_soon(self._watch_health, proc, ready.listen, state)
+                code = await proc.wait()
+                nursery.cancel_scope.cancel()
+                return code
+        finally:
+            with trio.CancelScope(shield=True):
+                await _stop(proc)
+
+    @staticmethod
+    def _read_ready(path: Path, pid: int) -> WorkerReady:
+        try:
+            data = json.loads(path.read_text()[:65536])
+            return WorkerReady(str(data["listen"]), str(data.get("tls_listen") or ""), pid, pb.CapabilityReport(),
+                               str(data.get("unix") or ""))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise WorkerFailed(f"the worker's ready file {path} is unusable: {exc}") from exc
+
+    async def _pump(self, stream, log_path: Path, state: WorkerState, ready_line: trio.Event | None) -> None:
+        buf = b""
+        with open(log_path, "ab") as log_file:
+            async for chunk in stream:
+                buf += chunk
+                while b"\n" in buf:
+                    raw, buf = buf.split(b"\n", 1)
+                    log_file.write(raw + b"\n")
+                    log_file.flush()
+                    line = raw.decode("utf-8", "replace").rstrip()[:MAX_LINE_CHARS]
+                    if ready_line is not None and (line == "ready" or line.startswith("ready ")):
+                        ready_line.set()
+                    elif line:
+                        state.stderr_tail.append(line)
+                        self.progress(line)
+                if len(buf) > MAX_LINE_CHARS * 4:
+                    buf = buf[-MAX_LINE_CHARS:]
+
+    async def _watch_health(self, proc, endpoint: str, state: WorkerState) -> None:
+        failures = 0
+        while True:
+            await trio.sleep(HEALTH_INTERVAL_S)
+            try:
+                report = await trio.to_thread.run_sync(fetch_health, endpoint)
+            except WorkerFailed as exc:
+                failures += 1
+                state.health = {"error": str(exc), "failures": failures}
+                if failures >= MAX_HEALTH_FAILURES:
+                    log.warning("worker failed %d health checks; stopping it", failures)
+                    proc.terminate()
+                    return
+                continue
+            failures = 0
+            state.health = {"state": pb.ServingState.Name(report.state).removeprefix("SERVING_STATE_").lower(),
+                            "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3)}
+
+
+_PR_SET_PDEATHSIG = 1
+if sys.platform.startswith("linux"):
+    import ctypes
+
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now, not in the forked child
+else:  # pragma: no cover - the parent-death signal is a Linux feature
+    _prctl = None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM me when my parent thread dies."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class _ChildProcess:
+    """A subprocess spawned from the trio thread itself, awaited through a pidfd.
+
+    trio.lowlevel.open_process forks from a worker thread, and Linux delivers
+    the parent-death signal when the *thread* that forked exits -- trio's idle
+    threads exit after seconds, killing a healthy worker. Forking here, from
+    the thread that runs the daemon, ties the worker's life to the daemon's:
+    a daemon killed with SIGKILL leaves no orphan worker holding the model.
+    Its own session keeps a terminal's Ctrl-C away from the worker; the daemon
+    stops it in order.
+    """
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self.stdout = trio.lowlevel.FdStream(os.dup(popen.stdout.fileno()))
+        self.stderr = trio.lowlevel.FdStream(os.dup(popen.stderr.fileno()))
+        popen.stdout.close()
+        popen.stderr.close()
+
+    @classmethod
+    def spawn(cls, cmd: list[str], env: dict[str, str]) -> "_ChildProcess":
+        popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
+        return cls(popen)
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    async def wait(self) -> int:
+        while self.popen.poll() is None:
+            try:
+                pidfd = os.pidfd_open(self.pid)
+            except ProcessLookupError:
+                continue  # exited between poll() and pidfd_open(): poll() reaps it
+            try:
+                await trio.lowlevel.wait_readable(pidfd)
+            finally:
+                os.close(pidfd)
+        return self.popen.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+async def _stop(proc: _ChildProcess) -> None:
+    """SIGTERM (the worker drains), SIGKILL after STOP_GRACE_S; always reaps and closes pipes."""
+    try:
+        if proc.returncode is None:
+            proc.terminate()
+            with trio.move_on_after(STOP_GRACE_S):
+                await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    finally:
+        await proc.stdout.aclose()
+        await proc.stderr.aclose()

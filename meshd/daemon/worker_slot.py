@@ -1,0 +1,100 @@
+"""The worker of a node whose range is assigned at run time (``--layers auto``).
+
+``WorkerSlot.run`` is a child of the daemon's nursery and owns one inner
+nursery; ``load(layers)`` stops the current supervisor (its worker gets
+SIGTERM; the daemon withdraws its records through ``on_down``) and starts a
+new ``Supervisor`` for the new range in that nursery. A worker that fails
+before it is ever ready ends only its own supervisor, not the daemon: the
+slot records the failure (``failure``) and the node asks the tracker again.
+
+State: the current range, the supervisor's cancel scope, the last failure.
+The daemon's ``Node.supervisor`` is pointed at the live supervisor so that
+``meshd status`` shows it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Callable
+
+import trio
+
+from meshd.errors import WorkerFailed
+from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
+from meshd.daemon.worker_process import WorkerProcess, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSlot:
+    def __init__(self, node, *, memory_bytes: int = 0, on_loaded: Callable[[tuple[int, int]], None] | None = None):
+        self.node = node
+        self.memory_bytes = memory_bytes
+        self.on_loaded = on_loaded
+        self.layers: tuple[int, int] | None = None
+        self.ready = False
+        self.failure: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self._scope: trio.CancelScope | None = None
+        self._stopped: trio.Event | None = None
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def spec(self, layers: tuple[int, int]) -> WorkerSpec:
+        config, w = self.node.config, self.node.config.worker
+        return WorkerSpec(model=config.model, layers=layers, run_dir=config.data_dir, tls=self.node.tls,
+                          tls_host=self.node.tls_bind_host, dtype=w.dtype, backend=w.backend,
+                          kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads,
+                          ready_timeout_s=w.ready_timeout_s)
+
+    async def drop(self) -> None:
+        if self._scope is not None:
+            self._scope.cancel()
+            await self._stopped.wait()
+            self._scope = None
+        self.layers, self.ready = None, False
+
+    async def load(self, layers: tuple[int, int]) -> None:
+        """Serve ``layers`` from now on (restarting the worker if it served another range)."""
+        if layers == self.layers and self.failure is None:
+            return
+        await self.drop()
+        self.layers, self.failure = layers, None
+        node, w = self.node, self.node.config.worker
+        worker = WorkerProcess(self.spec(layers), progress=lambda line: node.progress(f"worker: {line}"))
+        supervisor = Supervisor(worker.life, on_ready=self._on_ready, on_down=self._on_down,
+                                backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s))
+        node.supervisor = supervisor
+        node.progress(f"starting the worker for layers {layers[0]}:{layers[1]} of {node.config.model}")
+        assert self._nursery is not None, "WorkerSlot.run must be started first"
+        self._scope = await self._nursery.start(self._supervise, supervisor, layers)
+
+    async def _supervise(self, supervisor: Supervisor, layers, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        stopped = self._stopped = trio.Event()
+        try:
+            with trio.CancelScope() as scope:
+                task_status.started(scope)
+                try:
+                    await supervisor.run()
+                except WorkerFailed as exc:
+                    self.failure = str(exc)
+                    self.node.progress(f"worker for layers {layers[0]}:{layers[1]} failed: {exc}")
+        finally:
+            stopped.set()
+
+    async def _on_ready(self, ready: WorkerReady) -> None:
+        await self.node.on_worker_ready(ready)
+        claim = self.node.advertiser.claim
+        if claim is not None and self.memory_bytes:
+            self.node.advertiser.set_claim(replace(claim, memory_budget_bytes=self.memory_bytes))
+        self.ready = True
+        if self.on_loaded is not None and self.layers is not None:
+            self.on_loaded(self.layers)
+
+    async def _on_down(self) -> None:
+        self.ready = False
+        await self.node.on_worker_down()

@@ -1,0 +1,359 @@
+"""The entry node's route driver: one generation through the swarm, surviving hop failures.
+
+Topology is a star (as in meshd/benchmarks/star_driver.py): the entry opens one Session per
+hop and carries each hop's output to the next hop itself, so it sees every
+boundary. That makes recovery exact and local:
+
+    boundary rows   for every layer boundary b the route crosses, the rows
+                    fed into b for positions 0..P-1 (layer 0: the token
+                    history itself). Kept until the generation ends; bounded
+                    by the session's max tokens.
+    advance(P)      for each hop in order: feed it positions [past_len, P)
+                    from its effective start's rows (chunked prefill for many
+                    positions, the decode fast path for one), write its
+                    output rows at its end boundary; the tail returns the
+                    logits of position P-1.
+    failure         any HopFailure (refusal, closed stream, transport error,
+                    step deadline) -> ask the RouteSource for a replacement
+                    route that avoids every failed peer (planner's
+                    replacement_route: the prefix before the failed hop is
+                    kept); hops that are not kept (hops_to_reprefill) get a
+                    fresh session at a bumped epoch and past_len 0; then
+                    advance(P) again -- new hops are re-prefilled from the
+                    boundary rows, kept hops continue where they were, a hop
+                    that already finished position P-1 is skipped.
+
+Greedy output is therefore identical with and without failures (same
+inputs, same recipe on every route: the source pins the recipe). Sampling
+runs here, at the entry, with one seeded Sampler advanced once per emitted
+token, so a seeded run is reproducible across failures too.
+
+Threads: ``generate`` is blocking and runs in a worker thread; ``cancel`` is
+safe from any thread (the current step finishes, then every hop's KV is
+released). A watchdog thread cuts a call that outlives its step deadline.
+
+Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
+daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses
+loopback plaintext to its own worker; relayed hops (``hop.relayed``) get a
+circuit through one of the peer's relays (meshd/reach/relay_dial.py). When a
+relayed hop fails only because its relay died, the connector's optional
+``retry_same_peer(peer)`` says so: the route is kept, the failed hop alone
+gets a fresh session (through another relay) and is re-prefilled from the
+boundary rows -- the peer is not avoided, the output is unchanged.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol, Sequence
+
+import grpc
+import numpy as np
+
+from meshd.errors import HopFailure
+from meshd.generate.hop_link import HopLink, LinkSpec, StepCounter
+from meshd.plan.errors import MissingLayersError
+from meshd.plan.routing import Hop, Route, hops_to_reprefill
+from proto import shard_runtime_pb2 as pb
+from proto.errors import LocalError, MeshdError
+from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS
+from shard.sampling import Sampler, SamplingSpec
+
+# Failovers one generation may go through before giving up (each needs a
+# distinct failed peer, so this also bounds the peers we try).
+MAX_FAILOVERS = 8
+# One step (a 128-token prefill chunk of a big model on a slow CPU) must
+# answer within this; a hop silent for longer is treated as dead.
+DEFAULT_STEP_DEADLINE_S = 120.0
+# When no replacement route exists yet (records of a new server still
+# propagating), re-plan every REPLAN_POLL_S for at most REPLAN_WAIT_S.
+REPLAN_WAIT_S = 30.0
+REPLAN_POLL_S = 0.5
+# Watchdog resolution for step deadlines.
+WATCHDOG_TICK_S = 0.25
+# Longest generation (prompt + new tokens) one driver accepts: the boundary
+# rows kept for recovery grow with it.
+MAX_SESSION_TOKENS = 32768
+
+
+class GenerationCancelled(MeshdError):
+    """The caller cancelled (client gone, Ctrl-C); every hop's KV was released."""
+
+
+class RouteFailed(MeshdError):
+    """No route could finish the generation; the message says what to do."""
+
+
+class RouteSource(Protocol):
+    def plan(self, needed_tokens: int) -> Route: ...
+
+    def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route: ...
+
+
+class HopConnector(Protocol):
+    def channel(self, hop: Hop) -> grpc.Channel: ...
+
+    # optional: def retry_same_peer(self, peer_id: str) -> bool  (relayed hops whose relay died)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingSpec = SamplingSpec()
+    stop_ids: frozenset[int] = frozenset()
+    chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids or any(not isinstance(t, int) or t < 0 for t in self.prompt_ids):
+            raise LocalError("the prompt must be a non-empty sequence of token ids")
+        if not 1 <= self.max_new_tokens or len(self.prompt_ids) + self.max_new_tokens > MAX_SESSION_TOKENS:
+            raise LocalError(f"need 1 <= max_new_tokens and prompt + new tokens <= {MAX_SESSION_TOKENS}")
+        if self.chunk_tokens < 1:
+            raise LocalError("chunk_tokens must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class FailoverEvent:
+    failed_peer: str
+    position: int
+    detail: str
+    route: Route
+    reprefilled: tuple[int, ...]
+    failed_at: float  # time.monotonic() when the failure surfaced
+
+
+@dataclass(slots=True)
+class DriverStats:
+    routes: list[Route] = field(default_factory=list)
+    failovers: list[FailoverEvent] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)  # monotonic time of each emitted token
+
+
+class _Rows:
+    """A growable [positions, ...] buffer (amortised appends, no O(n^2) copies)."""
+
+    __slots__ = ("data", "n")
+
+    def __init__(self, first: np.ndarray) -> None:
+        self.data = np.empty((max(16, first.shape[0] * 2), *first.shape[1:]), dtype=first.dtype)
+        self.n = 0
+        self.write(0, first)
+
+    def write(self, at: int, rows: np.ndarray) -> None:
+        if at > self.n:
+            raise LocalError(f"boundary rows written at {at} but only {self.n} exist")
+        end = at + rows.shape[0]
+        if end > self.data.shape[0]:
+            grown = np.empty((max(end, self.data.shape[0] * 2), *self.data.shape[1:]), dtype=self.data.dtype)
+            grown[:self.n] = self.data[:self.n]
+            self.data = grown
+        self.data[at:end] = rows
+        self.n = end
+
+    def read(self, start: int, end: int) -> np.ndarray:
+        if end > self.n:
+            raise LocalError(f"boundary rows {start}..{end} requested, {self.n} held")
+        return self.data[start:end]
+
+
+class SwarmDriver:
+    def __init__(self, source: RouteSource, connector: HopConnector, *, fingerprint: pb.Fingerprint,
+                 step_deadline_s: float = DEFAULT_STEP_DEADLINE_S, replan_wait_s: float = REPLAN_WAIT_S,
+                 session_id: str | None = None, on_failover: Callable[[FailoverEvent], None] | None = None) -> None:
+        self.source, self.connector, self.fingerprint = source, connector, fingerprint
+        self.step_deadline_s, self.replan_wait_s = step_deadline_s, replan_wait_s
+        self.session_id = session_id or uuid.uuid4().hex
+        self.on_failover = on_failover
+        self.stats = DriverStats()
+        self._cancel = threading.Event()
+        self._links: list[HopLink] = []
+        self._route: Route | None = None
+        self._epoch = 0
+        self._steps = StepCounter()
+        self._rows: dict[int, _Rows] = {}
+        self._failed: set[str] = set()
+        self._lock = threading.Lock()  # guards _links against the watchdog / cancel threads
+
+    # ------------------------------------------------------------------ public
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def generate(self, request: GenerationRequest) -> Iterator[int]:
+        """Yield the generated token ids one by one (a generator; close() it to stop early)."""
+        pick = Sampler(request.sampling)
+        self._max_tokens = len(request.prompt_ids) + request.max_new_tokens
+        self._chunk_tokens = request.chunk_tokens
+        watchdog = threading.Thread(target=self._watch, name="route-watchdog", daemon=True)
+        done = threading.Event()
+        self._done = done
+        watchdog.start()
+        try:
+            self._set_route(self._plan_first())
+            self._rows[0] = _Rows(np.asarray(request.prompt_ids, dtype=np.int64))
+            target = len(request.prompt_ids)
+            for produced in range(request.max_new_tokens):
+                logits = self._advance_with_failover(target)
+                token = pick(np.asarray(logits, dtype=np.float32))
+                self.stats.token_times.append(time.monotonic())
+                yield token
+                if token in request.stop_ids or produced + 1 == request.max_new_tokens:
+                    return
+                self._rows[0].write(target, np.array([token], dtype=np.int64))
+                target += 1
+        finally:
+            done.set()
+            self._close_all()
+
+    # ------------------------------------------------------------------ routing
+    def _plan_first(self) -> Route:
+        return self._replan(lambda: self.source.plan(self._max_tokens))
+
+    def _replan(self, attempt: Callable[[], Route], after: HopFailure | None = None) -> Route:
+        deadline = time.monotonic() + self.replan_wait_s
+        while True:
+            self._check_cancel()
+            try:
+                return attempt()
+            except MissingLayersError as exc:
+                if time.monotonic() >= deadline:
+                    cause = f" (after {after})" if after is not None else ""
+                    raise RouteFailed(f"no route through the swarm{cause}: {exc}") from exc
+            self._cancel.wait(REPLAN_POLL_S)
+
+    def _set_route(self, route: Route, keep: dict[int, HopLink] | None = None) -> None:
+        links = []
+        for i, hop in enumerate(route.hops):
+            link = (keep or {}).get(i)
+            if link is None:
+                link = self._new_link(i, hop, route.num_layers)
+            link.index = i
+            links.append(link)
+        with self._lock:
+            self._links = links
+        self._route = route
+        self.stats.routes.append(route)
+
+    def _new_link(self, index: int, hop: Hop, num_layers: int) -> HopLink:
+        spec = LinkSpec(peer_id=hop.peer_id, start=hop.start, end=hop.end, effective_start=hop.effective_start,
+                        num_layers=num_layers, session_id=self.session_id, epoch=self._epoch,
+                        fingerprint=self.fingerprint, chunk_tokens=self._chunk_tokens, max_tokens=self._max_tokens)
+        return _LazyLink(index, spec, hop, self.connector)
+
+    # ------------------------------------------------------------------ stepping
+    def _advance_with_failover(self, target: int) -> np.ndarray:
+        while True:
+            self._check_cancel()
+            try:
+                return self._advance(target)
+            except HopFailure as failure:
+                self._check_cancel()
+                self._failover(failure, target)
+
+    def _advance(self, target: int) -> np.ndarray:
+        logits = None
+        for link in self._links:
+            spec = link.spec
+            if link.past_len >= target:
+                continue  # this hop already ran position target-1 before a later hop failed
+            if not link.is_open:
+                link.open(self.step_deadline_s)
+            rows = self._rows.get(spec.effective_start)
+            if rows is None or rows.n < target:
+                raise LocalError(f"no boundary rows at layer {spec.effective_start} up to {target}")
+            out = link.run(rows.read(link.past_len, target), self._steps, self.step_deadline_s)
+            if spec.is_tail:
+                logits = out
+            else:
+                first = target - out.shape[0]
+                if spec.end in self._rows:
+                    self._rows[spec.end].write(first, out)
+                elif first == 0:
+                    self._rows[spec.end] = _Rows(out)
+                else:
+                    raise LocalError(f"boundary {spec.end} first written at position {first}")
+        if logits is None:
+            raise LocalError("the tail already ran this position: nothing to sample from")
+        return logits
+
+    def _failover(self, failure: HopFailure, target: int) -> None:
+        old = self._route
+        assert old is not None
+        if len(self.stats.failovers) >= MAX_FAILOVERS:
+            raise RouteFailed(f"gave up after {MAX_FAILOVERS} failovers; last: {failure}") from failure
+        failed_at = time.monotonic()
+        retry = getattr(self.connector, "retry_same_peer", None)
+        if retry is not None and 0 <= failure.index < len(old.hops) \
+                and old.hops[failure.index].peer_id == failure.peer_id and retry(failure.peer_id):
+            new, fresh = old, {failure.index}   # same peer through another relay: only this hop restarts
+        else:
+            self._failed.add(failure.peer_id)
+            avoid = frozenset(self._failed)
+            new = self._replan(lambda: self.source.replace(old, failure.peer_id, avoid, self._max_tokens), failure)
+            fresh = set(hops_to_reprefill(old, new))
+        by_hop = {(l.spec.peer_id, l.spec.start, l.spec.end, l.spec.effective_start): l for l in self._links}
+        keep: dict[int, HopLink] = {}
+        for i, hop in enumerate(new.hops):
+            if i not in fresh:
+                keep[i] = by_hop.pop((hop.peer_id, hop.start, hop.end, hop.effective_start))
+        self._epoch += 1  # new sessions supersede anything a reused peer still holds for this id
+        for link in by_hop.values():  # dropped hops: release what they hold (best effort)
+            link.close(release=link.spec.peer_id != failure.peer_id)
+        self._set_route(new, keep)
+        event = FailoverEvent(failure.peer_id, target, str(failure), new, tuple(sorted(fresh)), failed_at)
+        self.stats.failovers.append(event)
+        if self.on_failover is not None:
+            self.on_failover(event)
+
+    # ------------------------------------------------------------------ housekeeping
+    def _check_cancel(self) -> None:
+        if self._cancel.is_set():
+            raise GenerationCancelled("the generation was cancelled; its KV is released on every hop")
+
+    def _watch(self) -> None:
+        while not self._done.wait(WATCHDOG_TICK_S):
+            now = time.monotonic()
+            with self._lock:
+                late = [l for l in self._links if l.deadline and now > l.deadline]
+            for link in late:
+                link.cancel_call()
+
+    def _close_all(self) -> None:
+        with self._lock:
+            links, self._links = self._links, []
+        for link in links:
+            link.close(release=True)
+
+
+class _LazyLink(HopLink):
+    """A HopLink whose channel is made when it is first opened (so a dead peer fails inside the step loop)."""
+
+    def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector: HopConnector) -> None:
+        self._hop, self._connector = hop, connector
+        self._channel = None
+        super().__init__(index, spec, None)  # type: ignore[arg-type]
+
+    def open(self, step_deadline_s: float) -> None:
+        if self.channel is None:
+            try:
+                self.channel = self._connector.channel(self._hop)
+            except MeshdError as exc:  # e.g. CertificateMismatch, unreachable endpoint, relayed hop
+                detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
+                raise HopFailure(self.index, self.spec.peer_id, detail) from exc
+        super().open(step_deadline_s)
+
+    def close(self, *, release: bool) -> None:
+        if self.channel is None:
+            return
+        super().close(release=release)
+
+
+def collect(driver: SwarmDriver, request: GenerationRequest) -> list[int]:
+    """Run a whole generation and return its tokens (tests, benchmarks)."""
+    return list(driver.generate(request))
+
+
+def route_summary(route: Route) -> Sequence[str]:
+    return [f"{h.peer_id[-8:]}[{h.effective_start}:{h.end})" for h in route.hops]

@@ -1,0 +1,281 @@
+"""Coverage-first shard assignment (the tracker's planning half; pure).
+
+Data flow::
+
+    CoverageMap (adverts.py) + ModelFootprint + JoinRequest(peer, memory, kv)
+        -> plan_join()       -> Assignment(span, reason, needed bytes, intents)
+    CoverageMap + ModelFootprint + live ShardAds
+        -> plan_rebalance()  -> intents moving one fully redundant peer into a gap
+    intents -> directives.build_directive() -> signed by the daemon -> DHT/peer
+
+Rules (ADR-0009 in the seeds: fill every gap before adding redundancy):
+
+1. Target: while the model has gaps, the largest gap (longest, then first);
+   only when fully covered, the weakest span (fewest servers, then longest,
+   then first). ``CoverageMap.weakest_span`` encodes exactly this order.
+2. Inside the target, the longest window whose footprint fits the node's
+   declared memory: weights of the range (+ embeddings when it holds layer 0,
+   + final norm/lm_head when it holds the last layer) + a KV budget of
+   ``kv_budget_tokens`` positions for every layer of the range. Ties: the
+   leftmost window, so a partly filled gap stays one contiguous gap.
+3. If the window covers the whole target and memory is left, grow it one
+   layer at a time towards the less redundant neighbour (right on a tie)
+   while it fits: a node's memory is used, never idle.
+4. A node that cannot hold one layer of the target gets ``NoFitError``
+   (strictly coverage-first: it is not sent to add redundancy while a gap
+   it cannot fill exists); the message says how much memory would do.
+
+The footprint cost of a range only grows as the range grows, which is what
+makes the window search a binary search. State: none; the caller passes the
+coverage map of live ads (``plan_join`` removes the joiner's own ad).
+"""
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import accumulate
+
+from meshd.plan.adverts import MAX_LAYERS, MAX_MEMORY_BYTES, CoverageMap, ShardAd, Span
+from meshd.plan.errors import NoFitError, PlanInputError
+from meshd.sizes import format_size
+from proto import shard_runtime_pb2 as pb
+
+# Positions of KV cache a new range reserves per layer by default: one
+# 2048-token context for two concurrent sessions. The worker's
+# --kv-budget-tokens is the same number.
+DEFAULT_KV_BUDGET_TOKENS = 4096
+# Upper bound on a KV budget: 16M positions is beyond any model's context.
+MAX_KV_BUDGET_TOKENS = 1 << 24
+# Bytes of one layer's weights, bounded so sums stay exact and meaningful.
+MAX_LAYER_BYTES = 1 << 40
+
+
+class AssignmentReason(enum.Enum):
+    FILL_GAP = "fill_gap"
+    ADD_REDUNDANCY = "add_redundancy"
+    UNCHANGED = "unchanged"  # the node already serves the range it would get
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFootprint:
+    """Memory a range of one model needs; per-layer weights may differ."""
+
+    model_digest: str
+    layer_weight_bytes: tuple[int, ...]
+    head_extra_bytes: int = 0          # token embeddings, held with layer 0
+    tail_extra_bytes: int = 0          # final norm + lm_head, held with the last layer
+    kv_bytes_per_token_layer: int = 0  # K and V of one position in one layer
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layer_weight_bytes, tuple) or not 1 <= len(self.layer_weight_bytes) <= MAX_LAYERS:
+            raise PlanInputError(f"layer_weight_bytes must be a tuple of 1..{MAX_LAYERS} ints")
+        for name, value in (("head_extra_bytes", self.head_extra_bytes),
+                            ("tail_extra_bytes", self.tail_extra_bytes),
+                            ("kv_bytes_per_token_layer", self.kv_bytes_per_token_layer),
+                            *(("layer_weight_bytes", b) for b in self.layer_weight_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LAYER_BYTES:
+                raise PlanInputError(f"{name}={value!r} must be an int in [0, {MAX_LAYER_BYTES}]")
+
+    @classmethod
+    def uniform(cls, model_digest: str, num_layers: int, layer_bytes: int, **extra: int) -> ModelFootprint:
+        return cls(model_digest, (layer_bytes,) * num_layers, **extra)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_weight_bytes)
+
+    def range_bytes(self, start: int, end: int, kv_budget_tokens: int) -> int:
+        """Bytes to hold ``[start, end)`` with a KV budget (weights + extras + KV)."""
+        return _Costs(self, kv_budget_tokens).of(start, end)
+
+
+class _Costs:
+    """Prefix sums for O(1) range footprints (internal, built per plan)."""
+
+    __slots__ = ("fp", "prefix", "kv_per_layer")
+
+    def __init__(self, fp: ModelFootprint, kv_budget_tokens: int) -> None:
+        self.fp = fp
+        self.prefix = (0, *accumulate(fp.layer_weight_bytes))
+        self.kv_per_layer = kv_budget_tokens * fp.kv_bytes_per_token_layer
+
+    def of(self, start: int, end: int) -> int:
+        n = self.fp.num_layers
+        if not 0 <= start < end <= n:
+            raise PlanInputError(f"range [{start}, {end}) outside a {n}-layer model")
+        return (self.prefix[end] - self.prefix[start]
+                + (self.fp.head_extra_bytes if start == 0 else 0)
+                + (self.fp.tail_extra_bytes if end == n else 0)
+                + self.kv_per_layer * (end - start))
+
+    def best_window(self, target: Span, memory: int) -> Span | None:
+        """Longest (then leftmost) sub-span of ``target`` that fits ``memory``."""
+        best: Span | None = None
+        for s in range(target.start, target.end):
+            ends = range(s + 1, target.end + 1)
+            fits = bisect.bisect_right(ends, memory, key=lambda e, s=s: self.of(s, e))
+            if fits and (best is None or fits > best.length):
+                best = Span(s, s + fits)
+        return best
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    """A node asking for a range: ``meshd join --layers auto --memory 4GiB``."""
+
+    peer_id: str
+    memory_bytes: int
+    kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, str) or not self.peer_id:
+            raise PlanInputError("peer_id must be a non-empty string")
+        for name, value, hi in (("memory_bytes", self.memory_bytes, MAX_MEMORY_BYTES),
+                                ("kv_budget_tokens", self.kv_budget_tokens, MAX_KV_BUDGET_TOKENS)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
+                raise PlanInputError(f"{name}={value!r} must be an int in [0, {hi}]")
+
+
+@dataclass(frozen=True, slots=True)
+class DirectiveIntent:
+    """What the tracker wants one node to do; directives.py turns it into a payload."""
+
+    action: int  # pb.DirectiveAction: LOAD_SHARD or DROP_SHARD
+    target_peer_id: str
+    span: Span
+
+    def __post_init__(self) -> None:
+        if self.action not in (pb.DIRECTIVE_ACTION_LOAD_SHARD, pb.DIRECTIVE_ACTION_DROP_SHARD):
+            raise PlanInputError(f"directive action must be LOAD_SHARD or DROP_SHARD, got {self.action!r}")
+        if not isinstance(self.target_peer_id, str) or not self.target_peer_id:
+            raise PlanInputError("target_peer_id must be a non-empty string")
+        if not isinstance(self.span, Span):
+            raise PlanInputError("span must be a Span")
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    peer_id: str
+    span: Span
+    reason: AssignmentReason
+    target: Span            # the gap / weakest span the choice started from
+    needed_bytes: int       # footprint of ``span`` with the request's KV budget
+    intents: tuple[DirectiveIntent, ...]
+
+
+def _grow(costs: _Costs, window: Span, counts: tuple[int, ...], memory: int) -> Span:
+    """Extend a window layer by layer towards the less redundant side while it fits."""
+    s, e = window.start, window.end
+    n = len(counts)
+    while True:
+        options = []
+        if e < n:
+            options.append((counts[e], 0, s, e + 1))      # right wins ties (0 < 1)
+        if s > 0:
+            options.append((counts[s - 1], 1, s - 1, e))
+        for _, _, ns, ne in sorted(options):
+            if costs.of(ns, ne) <= memory:
+                s, e = ns, ne
+                break
+        else:
+            return Span(s, e)
+
+
+def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinRequest, *,
+              current: Span | None = None) -> Assignment:
+    """Choose the range a joining (or re-planned) node should load.
+
+    ``current`` is the range the node serves now, if any: its own servers
+    entry is ignored, and the intents become DROP(current) + LOAD(new), or
+    nothing if the answer is the range it already has. Whether moving a
+    serving node is safe is the caller's call (``plan_rebalance`` checks it).
+    """
+    if coverage.num_layers != footprint.num_layers or coverage.model_digest != footprint.model_digest:
+        raise PlanInputError(f"coverage ({coverage.model_digest}, {coverage.num_layers} layers) and "
+                             f"footprint ({footprint.model_digest}, {footprint.num_layers}) disagree")
+    view = coverage.without(request.peer_id)
+    counts = view.counts
+    costs = _Costs(footprint, request.kv_budget_tokens)
+    target, redundancy = view.weakest_span()
+    window = costs.best_window(target, request.memory_bytes)
+    if window is None:
+        cheapest = min(costs.of(layer, layer + 1) for layer in range(target.start, target.end))
+        kind = "the coverage gap" if redundancy == 0 else "the weakest span"
+        raise NoFitError(
+            f"{format_size(request.memory_bytes)} cannot hold one layer of {kind} {target} "
+            f"(needs at least {format_size(cheapest)} with a KV budget of "
+            f"{request.kv_budget_tokens} tokens); declare more memory with --memory, lower "
+            "--kv-budget-tokens, or let a larger node take this span")
+    if window == target:
+        window = _grow(costs, window, counts, request.memory_bytes)
+    reason = AssignmentReason.FILL_GAP if redundancy == 0 else AssignmentReason.ADD_REDUNDANCY
+    intents: tuple[DirectiveIntent, ...]
+    if current == window:
+        reason, intents = AssignmentReason.UNCHANGED, ()
+    else:
+        load = DirectiveIntent(pb.DIRECTIVE_ACTION_LOAD_SHARD, request.peer_id, window)
+        intents = (load,) if current is None else (
+            DirectiveIntent(pb.DIRECTIVE_ACTION_DROP_SHARD, request.peer_id, current), load)
+    return Assignment(request.peer_id, window, reason, target,
+                      costs.of(window.start, window.end), intents)
+
+
+def plan_rebalance(coverage: CoverageMap, footprint: ModelFootprint, ads: Iterable[ShardAd], *,
+                   kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS) -> tuple[DirectiveIntent, ...]:
+    """Move at most one peer whose whole range is redundant into a gap.
+
+    Candidates are live ads of the model whose removal opens no new gap and
+    whose advertised memory budget fits part of the largest gap. The one
+    covering the most gap layers wins (ties: smallest peer id). Returns
+    DROP(old) + LOAD(new) for it, or () when there is no gap or no candidate.
+    The tracker calls this each refresh; one move at a time keeps routes of
+    running sessions valid (each DROP leaves its layers covered).
+    """
+    if coverage.fully_covered:
+        return ()
+    gap_layers = {layer for layer, servers in enumerate(coverage.servers) if not servers}
+    best: tuple[int, str, Assignment] | None = None
+    for ad in sorted(ads, key=lambda a: a.peer_id):
+        if ad.model_digest != coverage.model_digest or ad.num_layers != coverage.num_layers:
+            continue
+        if coverage.without(ad.peer_id).gaps() != coverage.gaps():
+            continue  # its range is not redundant: moving it opens a gap
+        try:
+            plan = plan_join(coverage, footprint,
+                             JoinRequest(ad.peer_id, ad.memory_budget_bytes, kv_budget_tokens),
+                             current=ad.span)
+        except NoFitError:
+            continue
+        gained = len(gap_layers.intersection(range(plan.span.start, plan.span.end)))
+        if gained and (best is None or (-gained, ad.peer_id) < (-best[0], best[1])):
+            best = (gained, ad.peer_id, plan)
+    return best[2].intents if best else ()
+
+
+def simulate_joins(footprint, nodes: int, memory: int, kv_tokens: int):
+    """The ranges ``nodes`` equal joiners get, one after the other (the tracker's pure planner)."""
+    ads: list[ShardAd] = []
+    for i in range(nodes):
+        coverage = CoverageMap.build(ads, model_digest=footprint.model_digest, num_layers=footprint.num_layers)
+        span = plan_join(coverage, footprint, JoinRequest(f"node{i}", memory, kv_tokens)).span
+        ads.append(ShardAd(peer_id=f"node{i}", model_digest=footprint.model_digest, start=span.start, end=span.end,
+                           num_layers=footprint.num_layers, decode_ms_per_layer=1.0, prefill_tokens_per_s=1.0,
+                           free_kv_tokens=kv_tokens, memory_budget_bytes=memory, relayed=False,
+                           expires_at_ms=2**62))
+    return CoverageMap.build(ads, model_digest=footprint.model_digest, num_layers=footprint.num_layers)
+
+
+def even_memory_for(footprint, nodes: int, kv_tokens: int) -> int:
+    """The smallest memory (in half-layer steps) with which ``nodes`` joiners cover the model."""
+    step = max(1, footprint.range_bytes(0, 1, kv_tokens) - footprint.head_extra_bytes) // 2
+    memory = footprint.range_bytes(0, 1, kv_tokens)
+    for _ in range(4 * footprint.num_layers):
+        try:
+            if simulate_joins(footprint, nodes, memory, kv_tokens).fully_covered:
+                return memory
+        except NoFitError:
+            pass
+        memory += step
+    return footprint.range_bytes(0, footprint.num_layers, kv_tokens)

@@ -1,0 +1,78 @@
+"""Memory footprint of a model artifact, per layer, for coverage-first assignment.
+
+``artifact_footprint(path, digest, dtype)`` reads only the safetensors
+headers (tensor names, shapes -- no weights) and ``config.json``:
+
+    layer l        every tensor named ``*.layers.<l>.*``
+    head extra     everything else that is not the final norm / lm_head
+                   (token embeddings), held by the node serving layer 0
+    tail extra     ``*norm.weight`` outside the layers + ``lm_head.*``; with
+                   tied embeddings the tail holds the embedding matrix too
+    KV per token   2 (K and V) x kv heads x head dim, per layer
+
+Sizes are in the *runtime* dtype the worker will compute in (float32 or
+bfloat16), not the file's: the torch backend converts on load.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+from meshd.plan.assignment import ModelFootprint
+from meshd.errors import ConfigError
+
+# A safetensors header is JSON; real ones are well under a few MiB.
+MAX_HEADER_BYTES = 64 << 20
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _headers(path: Path) -> dict[str, list[int]]:
+    shapes: dict[str, list[int]] = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path} holds no .safetensors files")
+    for file in files:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > MAX_HEADER_BYTES:
+                raise ConfigError(f"{file} has an implausible header of {size} bytes")
+            header = json.loads(f.read(size))
+        for name, info in header.items():
+            if name != "__metadata__":
+                shapes[name] = list(info["shape"])
+    return shapes
+
+
+def artifact_footprint(path: Path, model_digest: str, dtype: str = "float32") -> ModelFootprint:
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config") or config
+    num_layers = int(text["num_hidden_layers"])
+    width = DTYPE_BYTES[dtype]
+    layers = [0] * num_layers
+    head = tail = 0
+    embed = 0
+    for name, shape in _headers(path).items():
+        count = 1
+        for dim in shape:
+            count *= int(dim)
+        nbytes = count * width
+        m = _LAYER.search(name)
+        if m:
+            index = int(m.group(1))
+            if index < num_layers:
+                layers[index] += nbytes
+        elif name.startswith("lm_head") or name.endswith("norm.weight"):
+            tail += nbytes
+        else:
+            head += nbytes
+            if "embed" in name:
+                embed = nbytes
+    if config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)):
+        tail += embed
+    heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    return ModelFootprint(model_digest, tuple(layers), head_extra_bytes=head, tail_extra_bytes=tail,
+                          kv_bytes_per_token_layer=2 * heads * head_dim * width)

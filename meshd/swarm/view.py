@@ -1,0 +1,59 @@
+"""The swarm as the planner sees it: live shard ads of one model, from the DHT.
+
+``fetch_snapshot(dht, model_digest, now_ms)`` reads the model's index key
+(dht/keys.py ``/meshd/model/<digest>``), keeps the live records (validated,
+signed, unexpired and not withdrawn -- dht/ already enforces that) and turns
+each payload into a planner ``ShardAd``; an ad the planner refuses is the
+advertiser's fault and is skipped. Alongside the ads it keeps, per peer,
+what the edges need to reach it: the TLS certificate pin for gRPC, the
+libp2p addresses for the control protocols and, for a node behind NAT, its
+relayed (p2p-circuit) addresses for relayed hops (meshd/reach/relay_dial.py).
+
+State: none; a ``SwarmSnapshot`` is an immutable value.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from dht import keys as K
+from dht.records import CapabilityRecord, live
+from meshd.plan.adverts import ShardAd
+from meshd.plan.errors import AdvertRejected
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmSnapshot:
+    model_digest: str
+    ads: tuple[ShardAd, ...] = ()
+    pins: dict[str, bytes] = field(default_factory=dict)            # peer id -> TLS cert SHA-256
+    addrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peer id -> libp2p multiaddrs
+    relayed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peer id -> p2p-circuit multiaddrs
+
+    def ad_of(self, peer_id: str) -> ShardAd | None:
+        return next((a for a in self.ads if a.peer_id == peer_id), None)
+
+
+def snapshot_from_records(model_digest: str, records: list[CapabilityRecord], now_ms: int) -> SwarmSnapshot:
+    ads, pins, addrs, relayed = [], {}, {}, {}
+    for rec in live(records, now_ms):
+        try:
+            ad = ShardAd.from_payload(rec.payload)
+        except AdvertRejected as exc:
+            log.info("skipping an advert: %s", exc)
+            continue
+        ads.append(ad)
+        reach = rec.payload.reachability
+        if reach.tls_cert_sha256:
+            pins[ad.peer_id] = bytes(reach.tls_cert_sha256)
+        addrs[ad.peer_id] = tuple(reach.direct_addrs)
+        if reach.relayed_addrs:
+            relayed[ad.peer_id] = tuple(reach.relayed_addrs)
+    return SwarmSnapshot(model_digest, tuple(ads), pins, addrs, relayed)
+
+
+async def fetch_snapshot(dht, model_digest: str, now_ms: int) -> SwarmSnapshot:
+    records = await dht.fetch(K.model_key(model_digest))
+    return snapshot_from_records(model_digest, records, now_ms)

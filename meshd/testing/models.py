@@ -1,0 +1,151 @@
+"""Model artifacts for tests and benchmarks, built locally (no model hub).
+
+An artifact is a directory with ``config.json``, ``*.safetensors`` weights and
+a tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), exactly what
+``shard.torch_backend`` and ``transformers.AutoModelForCausalLM`` load.
+
+* ``build_random_llama(seed, **overrides)``: a tiny LlamaForCausalLM with
+  seeded random weights and a byte-level BPE tokenizer trained on a fixed
+  text (``build_tokenizer``).
+* ``build_random_gemma3(seed, **overrides)``: the second family, a tiny
+  Gemma 3 text model (scaled embeddings, (1 + w) RMSNorm, sliding/full
+  attention layers with two rotary bases, tied embeddings, logit softcap).
+* ``smollm2_artifact`` / ``smollm2_gguf_path``: re-exported from
+  ``native.packaged`` (product code: the demo runs them too).
+
+Only tests and benchmarks import this package (the import-direction test
+enforces it). Artifacts are cached like the packaged ones
+(``native.packaged.cached_build``: keyed by what they were built from,
+moved into place atomically).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from native.packaged import (MARKER_NAME, cache_root, cached_build as _cached_build, key as _key, say as _say,  # noqa: F401
+                             smollm2_artifact, smollm2_gguf_path)
+
+# Fixed text the test tokenizer is trained on: small, varied, deterministic.
+_TOKENIZER_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+    "A shard is a contiguous range of transformer layers; each node serves one range. "
+    "Activations travel from node to node, and the tail samples the next token. "
+    "Hello world! 0123456789 = + - * / ( ) [ ] { } < > , . ; : ' \" ? ! "
+    "meshd pools home machines to run language models too big for one machine."
+)
+TOKENIZER_VOCAB_SIZE = 384
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer trained on a fixed text, as PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_TOKENIZER_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+
+
+def _save_random(model_cls, config, seed: int, out: Path) -> None:
+    import torch
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _special_ids(tokenizer) -> dict[str, int]:
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+
+def build_random_llama(seed: int = 0, **overrides: Any) -> Path:
+    """A tiny seeded LlamaForCausalLM artifact (safetensors + tokenizer)."""
+    params = {**LLAMA_DEFAULTS, **overrides}
+
+    def build(out: Path) -> None:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(**{**params, **_special_ids(build_tokenizer())})
+        _save_random(LlamaForCausalLM, config, seed, out)
+
+    info = {"family": "llama", "seed": seed, "params": params}
+    return _cached_build(f"random-llama-{_key(info)}", build, info)
+
+
+GEMMA3_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "query_pre_attn_scalar": 16,
+    # Small window so a 40-token test exercises the sliding layers' cache.
+    "sliding_window": 8,
+    "layer_types": [
+        "sliding_attention", "sliding_attention", "full_attention",
+        "sliding_attention", "sliding_attention", "full_attention",
+    ],
+    "final_logit_softcapping": 30.0,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": True,
+}
+
+
+def build_random_gemma3(seed: int = 0, **overrides: Any) -> Path:
+    """A tiny seeded Gemma 3 (text) artifact: the second architecture family."""
+    params = {**GEMMA3_DEFAULTS, **overrides}
+
+    def build(out: Path) -> None:
+        from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+        config = Gemma3TextConfig(**{**params, **_special_ids(build_tokenizer())})
+        _save_random(Gemma3ForCausalLM, config, seed, out)
+
+    info = {"family": "gemma3_text", "seed": seed, "params": params}
+    return _cached_build(f"random-gemma3-{_key(info)}", build, info)
+
+
+def main() -> int:
+    """``python -m meshd.testing.models``: build every test artifact and print the paths."""
+    for path in (build_random_llama(), build_random_gemma3(), smollm2_artifact()):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

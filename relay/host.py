@@ -1,0 +1,151 @@
+"""The libp2p host: Noise as the only security transport, yamux as the only muxer.
+
+py-libp2p's ``new_host`` offers Noise, TLS, secio *and plaintext* unless the
+security options are restricted, so this module passes exactly one security
+transport (``/noise``) and one muxer (``/yamux/1.0.0``): a dialer that offers
+anything else fails multistream negotiation and never gets a connection.
+
+Data flow: ``running_host(identity, listen)`` builds the host from the
+persistent identity and listens only on the configured multiaddrs; it raises
+``PortInUse`` when a listener could not bind (the library only logs that).
+``connect_bootstrap`` dials the configured peers, each under a timeout, and
+raises ``BootstrapUnreachable`` when none answers.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Sequence
+
+import trio
+
+from dht.identity import Identity
+from relay.errors import BootstrapUnreachable, ListenAddressInvalid, PortInUse
+
+log = logging.getLogger(__name__)
+
+NOISE_PROTOCOL = "/noise"
+YAMUX_PROTOCOL = "/yamux/1.0.0"
+
+
+def security_options(key_pair) -> dict:
+    """Noise only: no plaintext, no secio, no TLS fallback."""
+    from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
+    from libp2p.custom_types import TProtocol
+    from libp2p.security.noise.transport import PROTOCOL_ID, Transport as NoiseTransport
+
+    assert PROTOCOL_ID == NOISE_PROTOCOL
+    return {TProtocol(PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=new_x25519().private_key)}
+
+
+def muxer_options() -> dict:
+    from libp2p.custom_types import TProtocol
+    from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID, Yamux
+
+    return {TProtocol(PROTOCOL_ID): Yamux}
+
+
+def build_host(identity: Identity):
+    """A BasicHost with the persistent identity, Noise-only security and yamux."""
+    from libp2p import new_host
+
+    from relay import libp2p_fastpath
+
+    libp2p_fastpath.apply()
+    key_pair = identity.libp2p_key_pair()
+    return new_host(key_pair=key_pair, sec_opt=security_options(key_pair), muxer_opt=muxer_options(),
+                    disable_identify_address_discovery=True)
+
+
+def _parse_listen(listen: Sequence[str]) -> list:
+    import multiaddr
+
+    out = []
+    for text in listen:
+        addr = multiaddr.Multiaddr(text)
+        protos = [p.name for p in addr.protocols()]
+        if protos[:1] not in (["ip4"], ["ip6"]) or "tcp" not in protos:
+            raise ListenAddressInvalid(f"listen address {text} must be /ip4/HOST/tcp/PORT (or /ip6/...)")
+        out.append(addr)
+    return out
+
+
+def _bind_error(addr) -> str:
+    """Reproduce the bind failure the library swallowed, for a precise message."""
+    values = {p.name: addr.value_for_protocol(p.code) for p in addr.protocols()}
+    host = values.get("ip4") or values.get("ip6")
+    port = int(values["tcp"])
+    family = socket.AF_INET6 if "ip6" in values else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return f"port {port} on {host} is already in use; pick another with --listen"
+        return f"cannot listen on {addr}: {exc.strerror}"
+    return f"cannot listen on {addr}"
+
+
+@asynccontextmanager
+async def running_host(identity: Identity, listen: Sequence[str]) -> AsyncIterator:
+    """Run a host listening on exactly ``listen``; yields the host."""
+    addrs = _parse_listen(listen)
+    host = build_host(identity)
+    failure: PortInUse | None = None
+    async with host.run(addrs):
+        bound = host.get_transport_addrs()
+        if len(bound) < len(addrs):
+            bound_text = {str(a) for a in bound}
+            missing = [a for a in addrs if str(a) not in bound_text and not str(a).endswith("/tcp/0")]
+            failure = PortInUse(_bind_error(missing[0] if missing else addrs[0]))
+        else:
+            yield host
+    if failure is not None:
+        # raised outside the library's nursery so the caller sees one plain error
+        raise failure
+
+
+async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float) -> list[str]:
+    """Dial every bootstrap peer (concurrently, each under ``timeout_s``).
+
+    Returns the peer ids reached; raises BootstrapUnreachable when the list was
+    non-empty and none answered. Partial failures are logged, not fatal.
+    """
+    import multiaddr
+    from libp2p.peer.peerinfo import info_from_p2p_addr
+
+    if not bootstrap:
+        return []
+    reached: list[str] = []
+    failures: list[str] = []
+
+    async def dial(text: str) -> None:
+        try:
+            info = info_from_p2p_addr(multiaddr.Multiaddr(text))
+        except Exception as exc:  # library raises assorted types for a bad address
+            failures.append(f"{text}: {exc}")
+            return
+        if info.peer_id == host.get_id():
+            return
+        with trio.move_on_after(timeout_s) as scope:
+            try:
+                await host.connect(info)
+            except Exception as exc:  # dial errors: refused, negotiation failed, ...
+                failures.append(f"{text}: {type(exc).__name__}")
+                return
+        if scope.cancelled_caught:
+            failures.append(f"{text}: no answer within {timeout_s:g} s")
+            return
+        reached.append(info.peer_id.to_base58())
+
+    async with trio.open_nursery() as nursery:
+        for text in bootstrap:
+            nursery.start_soon(dial, text)
+    if not reached and failures:
+        raise BootstrapUnreachable(
+            f"no bootstrap peer answered ({failures[0]}); check the address and that the peer is running")
+    for failure in failures:
+        log.warning("bootstrap peer unreachable: %s", failure)
+    return reached
