@@ -113,3 +113,13 @@ def test_the_checker_sees_upward_imports(tmp_path):
         (tmp_path / rel).write_text(src)
     found = violations(tmp_path)
     assert {v.split(":")[0] for v in found} == {"shard/a.py", "dht/b.py", "meshd/plan/c.py", "meshd/daemon/d.py"}, found
+
+
+def test_repo_root_constants_point_at_the_checkout():
+    # children get PYTHONPATH=REPO_ROOT: after a module moves, its REPO_ROOT must still be the checkout
+    from meshd.benchmarks import local_swarm, recipes, relay_harness
+    from meshd.daemon import worker_process
+    from meshd.testing import procs
+
+    for module in (local_swarm, recipes, relay_harness, worker_process, procs):
+        assert module.REPO_ROOT == ROOT, module.__name__

@@ -23,7 +23,7 @@ from meshd.daemon.control import stream_events
 from meshd.daemon.control import request
 from proto.errors import MeshdError
 from meshd.testing import procs
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.25
 STOP_GRACE_S = 15.0
 # The demo's swarm (``meshd demo``, ``meshd bench swarm``): three joiners, and a

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Sequence
 
 from meshd.testing import procs
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Loading a model or starting libp2p on a loaded 2-core machine: bounded, generous.
 READY_TIMEOUT_S = 300.0
 # The entry driver keeps at most this many relayed request bodies (for the capture check).

@@ -30,7 +30,7 @@ from proto import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # SIGTERM lets the worker drain its sessions; after this it is killed.
 STOP_GRACE_S = 10.0
 # Loopback gRPC calls to our own worker answer in milliseconds when healthy.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Loading SmolLM2 on a busy 2-core machine can take a minute; never wait forever.
 READY_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
