@@ -6,6 +6,8 @@ the last line counts peers per layer and names the gaps.
 """
 from __future__ import annotations
 
+from relay.adjustments import render_library
+
 # Bars wider than this are scaled down so a 120-layer model fits a terminal.
 MAX_BAR_CHARS = 64
 # Connected peers listed by name; the rest are counted.
@@ -96,6 +98,7 @@ def render_status(s: dict) -> str:
         if worker.get("tls_endpoint"):
             desc += f", tls {worker['tls_endpoint']}"
         lines.append(f"worker     {desc}")
+    lines += render_library(s.get("libp2p"))
     lines.append("")
     if not s["coverage"]:
         lines.append("coverage: no model seen in the DHT yet")
