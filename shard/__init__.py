@@ -9,7 +9,9 @@ Files and roles (data flows top to bottom):
     reference.py      the whole-model reference (transformers CausalLM in one process)
     sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, LRU, budget
     sampling.py       greedy / temperature / top-k / top-p with a per-session seed
-    errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...)
+    errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...), ArtifactError;
+                      foreign exceptions mapped (map_failure) and logged (log_failure)
+    worklog.py        the worker's stderr log: one line per record, traceback lines marked
     service.py        ShardService: backend + sessions + lock; capability (validated), health
     stream.py         sans-I/O Session stream core: request bytes in, response bytes out
     server.py         the grpcio edge (identity-serialized Session stream, unary RPCs)
