@@ -275,7 +275,8 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                     worker = WorkerProcess(spec, progress=lambda line: progress(f"worker: {line}"))
                     node.supervisor = Supervisor(worker.life, on_ready=node.on_worker_ready,
                                                  on_down=node.on_worker_down,
-                                                 backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s))
+                                                 backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s,
+                                                                 w.restart_backoff_reset_s))
                     progress(f"starting the worker for layers {config.layers[0]}:{config.layers[1]} of {config.model}")
                     await nursery.start(node.supervisor.run)
                 if config.model is not None:
