@@ -4,6 +4,7 @@ Files and roles (data flows top to bottom):
 
     backend.py        LayerRange; RangeBackend / BackendCache protocols (torch and llama.cpp)
     artifact.py       artifact digest, recipe digest, pb.Fingerprint builder
+    digests.py        digests computed once per file: on-disk cache keyed by (path, size, mtime_ns, inode)
     adapters.py       per-family build/load/forward pieces (Llama family, Gemma 3)
     torch_backend.py  TorchRangeBackend: meta build + safe_open range loading, exact forward
     reference.py      the whole-model reference (transformers CausalLM in one process)

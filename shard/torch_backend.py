@@ -169,8 +169,9 @@ class TorchRangeBackend:
         leftover = [n for n, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
         if leftover:
             raise RuntimeError(f"tensors left on the meta device: {leftover[:5]}")
-        say("hashing the artifact for its fingerprint")
-        fingerprint = make_fingerprint(artifact_digest(model_path), torch_recipe(dtype, adapter.adapter_name))
+        say("the artifact's digest for its fingerprint (cached per file)")
+        fingerprint = make_fingerprint(artifact_digest(model_path, progress),
+                                       torch_recipe(dtype, adapter.adapter_name))
         backend = cls(config=config, adapter=adapter, modules=modules, layer_range=layer_range,
                       dtype=dtype, fingerprint=fingerprint, model_path=model_path)
         say(f"loaded {backend.weight_bytes / 1e6:.1f} MB of weights in {time.monotonic() - t0:.1f}s")
