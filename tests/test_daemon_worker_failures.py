@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import trio
 import trio.testing
 
@@ -176,3 +177,66 @@ def test_failure_lines_render_when_how_and_the_tail():
     assert lines[0].endswith("(42 s ago): the worker exited with code 1 before it was ready")
     assert lines[1:] == ["           cannot load /m layers 0:1: bad file", "  log      /data/worker.log"]
     assert os.path.basename(lines[-1].split()[-1]) == "worker.log"
+
+
+# ------------------------------------------------------------------ through a real daemon
+
+BAD_MODEL_CONFIG = ('{"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, '
+                    '"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, '
+                    '"hidden_act": "no_such_act"}')
+DAEMON_TIMEOUT_S = 240
+
+
+@pytest.mark.slow
+def test_a_daemon_whose_worker_cannot_load_the_model_says_why_in_status_not_with_a_traceback(tmp_path):
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    from tests._daemon_helpers import REPO_ROOT
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(BAD_MODEL_CONFIG)
+    save_file({"x": torch.zeros(2)}, str(model / "model.safetensors"))
+    data = tmp_path / "data"
+    terminal = open(tmp_path / "terminal.txt", "w")
+    daemon = subprocess.Popen([sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", "0:1",
+                               "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(data)],
+                              cwd=REPO_ROOT, env=subprocess_env(), stdout=terminal, stderr=subprocess.STDOUT)
+
+    def status(as_json=True):
+        r = subprocess.run([sys.executable, "-m", "meshd", "status", "--data-dir", str(data)]
+                           + (["--json"] if as_json else []), cwd=REPO_ROOT, env=subprocess_env(),
+                           capture_output=True, text=True, timeout=60)
+        return (json.loads(r.stdout) if as_json else r.stdout) if r.returncode == 0 else None
+
+    try:
+        deadline = time.monotonic() + DAEMON_TIMEOUT_S
+        worker = None
+        while time.monotonic() < deadline and daemon.poll() is None:
+            s = status()
+            worker = s and s["worker"]
+            if worker and worker.get("last_failure"):
+                break
+            time.sleep(1.0)
+        assert daemon.poll() is None, (tmp_path / "terminal.txt").read_text()[-3000:]
+        failure = worker["last_failure"]
+        assert failure["exit_code"] == 1 and not failure["was_ready"]
+        why = f"cannot load {model} layers 0:1: unexpected KeyError: 'no_such_act' (traceback in the worker log)"
+        assert failure["stderr_tail"][-1] == why
+        text = status(as_json=False)
+        assert "the worker exited with code 1 before it was ready" in text and why in text
+        assert f"log      {data / 'worker.log'}" in text
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        code = daemon.wait(60)
+        terminal.close()
+    shown = (tmp_path / "terminal.txt").read_text()
+    assert code == 0 and why in shown
+    assert "Traceback" not in shown and TRACE_MARK not in shown and '  File "' not in shown, shown[-3000:]
+    assert TRACE_MARK + "KeyError: 'no_such_act'" in (data / "worker.log").read_text()
