@@ -23,31 +23,42 @@ from tests._relay_helpers import LOOPBACK, REPO_ROOT, new_host
 CHILD_TIMEOUT_S = 120
 DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath"}
 
-# Run in a child: report what the library looks like and what the registry says.
+# Run in a child: ``report()`` prints what the library looks like and what the registry says.
 PROBE = r"""
 import json, os, sys
+
+def report():
+    from libp2p.io.trio import TrioTCPStream
+    from libp2p.stream_muxer.yamux import yamux as Y
+    from relay import adjustments as A
+    print(json.dumps({{
+        "registry": A.snapshot(),
+        "yamux_patched": Y.YamuxStream._auto_tune_and_send_window_update.__module__ != Y.__name__,
+        "tcp_read_patched": TrioTCPStream.read.__module__ != "libp2p.io.trio",
+        "write_patched": Y.YamuxStream.write.__module__ != Y.__name__,
+        "release_env": os.environ.get(A.RELEASE_ON_READ_ENV),
+    }}))
+
 {setup}
-from libp2p.io.trio import TrioTCPStream
-from libp2p.stream_muxer.yamux import yamux as Y
-from relay import adjustments as A
-print(json.dumps({{
-    "registry": A.snapshot(),
-    "yamux_patched": Y.YamuxStream._auto_tune_and_send_window_update.__module__ != Y.__name__,
-    "tcp_read_patched": TrioTCPStream.read.__module__ != "libp2p.io.trio",
-    "write_patched": Y.YamuxStream.write.__module__ != Y.__name__,
-    "release_env": os.environ.get(A.RELEASE_ON_READ_ENV),
-}}))
+report()
 """
+BUILD_A_HOST = ("import os; from relay.host import build_host; from dht.identity import Identity; "
+                "build_host(Identity.from_seed(os.urandom(32)))")
 
 
-def _child(setup: str, **env_extra: str) -> dict:
+def _children(setup: str, **env_extra: str) -> list[dict]:
+    """Every ``report()`` of a child running ``setup`` (and one more at its end)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MESHD_LIBP2P_FASTPATH", A.RELEASE_ON_READ_ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env.update(env_extra)
     out = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup)], env=env, cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+
+
+def _child(setup: str, **env_extra: str) -> dict:
+    return _children(setup, **env_extra)[-1]
 
 
 def _by_name(rows: list[dict]) -> dict[str, dict]:
@@ -80,19 +91,15 @@ def test_the_gates_refuse_any_other_version_and_say_which():
     assert dcutr_policy_check("0.8.1") is None and yamux_tuning.check("0.8.1") is None
 
 
-def test_importing_relay_alone_applies_nothing():
-    got = _child("import relay, relay.host, relay.transport, relay.libp2p_fastpath, relay.yamux_tuning, "
-                 "meshd.reach.direct_upgrade, meshd.daemon.node")
-    assert got == {"registry": [], "yamux_patched": False, "tcp_read_patched": False, "write_patched": False,
-                   "release_env": None}
-
-
-def test_the_host_builder_applies_them_in_a_fresh_process():
-    got = _child("import os; from relay.host import build_host; from dht.identity import Identity; "
-                 "build_host(Identity.from_seed(os.urandom(32)))")
-    assert got["yamux_patched"] and got["tcp_read_patched"] and got["write_patched"]
-    assert got["release_env"] == "0"
-    assert {r["name"]: r["applied"] for r in got["registry"]} == dict.fromkeys(DATA_PATH, True)
+def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them():
+    imported, built = _children("import relay, relay.host, relay.transport, relay.libp2p_fastpath, "
+                                "relay.yamux_tuning, meshd.reach.direct_upgrade, meshd.daemon.node; report(); "
+                                + BUILD_A_HOST)
+    assert imported == {"registry": [], "yamux_patched": False, "tcp_read_patched": False,
+                        "write_patched": False, "release_env": None}
+    assert built["yamux_patched"] and built["tcp_read_patched"] and built["write_patched"]
+    assert built["release_env"] == "0"
+    assert {r["name"]: r["applied"] for r in built["registry"]} == dict.fromkeys(DATA_PATH, True)
 
 
 def test_another_version_leaves_the_library_untouched_and_the_registry_says_why():
@@ -109,9 +116,7 @@ def test_another_version_leaves_the_library_untouched_and_the_registry_says_why(
 
 
 def test_the_fast_path_switch_and_a_users_yamux_knob_are_honoured():
-    got = _child("import os; from relay.host import build_host; from dht.identity import Identity; "
-                 "build_host(Identity.from_seed(os.urandom(32)))",
-                 MESHD_LIBP2P_FASTPATH="0", PY_YAMUX_RELEASE_ON_READ="1")
+    got = _child(BUILD_A_HOST, MESHD_LIBP2P_FASTPATH="0", PY_YAMUX_RELEASE_ON_READ="1")
     rows = _by_name(got["registry"])
     assert not got["tcp_read_patched"] and not got["write_patched"] and got["yamux_patched"]
     assert rows["libp2p_fastpath"] == {"name": "libp2p_fastpath", "applied": False,
