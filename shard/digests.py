@@ -57,8 +57,9 @@ MAX_ENTRY_BYTES = 1 << 20
 HASH_CHUNK_BYTES = 8 << 20
 # Below this an artifact hashes in well under a second: no progress lines.
 PROGRESS_MIN_BYTES = 64 << 20
-# At most one progress line per this many seconds ("a few per second" at most).
-PROGRESS_INTERVAL_S = 0.5
+# At most one progress line per this many seconds: the lines reach the user's
+# terminal through the daemon, so a minute of hashing is about 60 lines.
+PROGRESS_INTERVAL_S = 1.0
 # Temp files older than this were left by a process that died mid-write.
 STALE_TMP_S = 3600.0
 ENTRY_FORMAT = 1

@@ -229,6 +229,10 @@ def test_a_daemon_whose_worker_cannot_load_the_model_says_why_in_status_not_with
         assert failure["exit_code"] == 1 and not failure["was_ready"]
         why = f"cannot load {model} layers 0:1: unexpected KeyError: 'no_such_act' (traceback in the worker log)"
         assert failure["stderr_tail"][-1] == why
+        # the daemon built its host through the host builder, and runs our DCUtR policy: all on
+        assert {a["name"]: a["applied"] for a in s["libp2p"]["adjustments"]} == {
+            "dcutr_policy": True, "libp2p_fastpath": True, "yamux_release_on_read": True,
+            "yamux_window_batching": True}
         text = status(as_json=False)
         assert "the worker exited with code 1 before it was ready" in text and why in text
         assert f"log      {data / 'worker.log'}" in text

@@ -152,8 +152,8 @@ def test_hashing_a_large_file_reports_progress_a_few_times_per_second(tmp_path, 
     value = digests.hash_files([(b"", big)], label="big.gguf", progress=out, clock=lambda: next(ticks))
     assert value == "sha256:" + hashlib.sha256(b"\0" * (80 << 20)).hexdigest()
     lines = out.getvalue().splitlines()
-    # 80 chunks over 8 s of clock: one line per 0.5 s at most, then the closing line
-    assert 10 <= len(lines) - 1 <= 16, lines
+    # 80 chunks over 8 s of clock: one line per second at most, then the closing line
+    assert 6 <= len(lines) - 1 <= 8, lines
     assert lines[0].startswith("[meshd] hashing big.gguf: ") and " of 84 MB (" in lines[0]
     assert lines[-1].startswith("[meshd] hashed big.gguf: 84 MB in 8.")
     small = tmp_path / "small.gguf"

@@ -220,6 +220,9 @@ class WorkerProcess:
                 state.health = {"error": str(exc), "failures": failures}
                 if failures >= MAX_HEALTH_FAILURES:
                     log.warning("worker failed %d health checks; stopping it", failures)
+                    # in the tail that status shows: why a SIGTERM ended this life
+                    state.stderr_tail.append(f"[daemon] {failures} health checks failed in a row ({exc}); "
+                                             "stopping the worker")
                     proc.terminate()
                     return
                 continue
