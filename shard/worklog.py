@@ -19,12 +19,14 @@ import sys
 import threading
 from typing import TextIO
 
-__all__ = ["TRACE_MARK", "WorkerLogFormatter", "install", "is_trace_line", "LOG_PREFIX"]
+__all__ = ["TRACE_MARK", "WorkerLogFormatter", "install", "is_trace_line", "LOG_PREFIX", "LOG_ONLY"]
 
 # Starts every line of a traceback in the worker's stderr.
 TRACE_MARK = "  | "
 # Starts every log record's first line (the worker's other output has its own prefixes).
 LOG_PREFIX = "[worker]"
+# ``logger.info(..., extra=LOG_ONLY)``: every line of the record marked, so it reaches worker.log only.
+LOG_ONLY = {"log_only": True}
 
 
 class WorkerLogFormatter(logging.Formatter):
@@ -41,6 +43,8 @@ class WorkerLogFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
+        if getattr(record, "log_only", False):      # the whole record stays in the log file
+            return "\n".join(TRACE_MARK + line for line in text.split("\n"))
         first, *rest = text.split("\n")
         # a multi-line message gets marked too: only the first line is the record's summary
         return "\n".join([first] + [line if line.startswith(TRACE_MARK) else TRACE_MARK + line for line in rest])

@@ -21,6 +21,7 @@ import torch
 from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
 from shard import worklog
+from shard.worklog import TRACE_MARK
 from shard.errors import MAX_DETAIL_CHARS, ResourceExhausted, is_out_of_memory, map_failure
 from shard.service import ShardService
 from shard.sessions import SessionPolicy
@@ -182,6 +183,7 @@ def test_the_worker_log_marks_every_traceback_line_and_catches_thread_crashes():
             {}["missing"]
         except KeyError:
             logging.getLogger("shard.x").exception("lookup failed")
+            logging.getLogger("shard.x").info("said already", exc_info=True, extra=worklog.LOG_ONLY)
 
         def crash():
             raise ValueError("in a stream thread")
@@ -202,6 +204,7 @@ def test_the_worker_log_marks_every_traceback_line_and_catches_thread_crashes():
     assert any("Traceback (most recent call last):" in line for line in traces)
     assert any("KeyError: 'missing'" in line for line in traces)
     assert any("ValueError: in a stream thread" in line for line in traces)
+    assert TRACE_MARK + "[worker] INFO shard.x: said already" in traces      # the whole record, marked
 
 
 # ------------------------------------------------------------------ a worker that cannot load its model
@@ -244,6 +247,8 @@ def test_the_worker_turns_a_load_failure_into_one_line_and_logs_an_unexpected_on
     truncated = _bad_model(tmp_path / "truncated", LLAMA % (2, "silu"), os.urandom(2000))
     service, why = worker._load_and_validate(parser.parse_args(["--model", str(truncated), "--layers", "0:1"]))
     assert service is None and "model.safetensors is not a readable safetensors file" in why
+    [rec] = [r for r in caplog.records if r.name == "meshd.worker" and r.levelno == logging.INFO]
+    assert rec.exc_info and getattr(rec, "log_only", False)       # the cause, for worker.log only
 
 
 @pytest.mark.slow
@@ -251,9 +256,9 @@ def test_a_worker_that_cannot_load_its_model_ends_with_one_clear_line(tmp_path):
     llama = ('{"model_type": "llama", "num_hidden_layers": %s, "hidden_size": 64, "intermediate_size": 128, '
              '"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 100, "hidden_act": "%s"}')
     cases = {
-        # a safetensors file that does not parse: an ArtifactError, one line, nothing else
+        # a safetensors file that does not parse: an ArtifactError in one line (its cause in the log only)
         "corrupt": (_bad_model(tmp_path / "corrupt", llama % (2, "silu"), os.urandom(2000)), "0:1",
-                    "is not a readable safetensors file", False),
+                    "is not a readable safetensors file", True),
         # an activation transformers does not know: nothing maps it, so its traceback is logged first
         "unexpected": (_bad_model(tmp_path / "odd", llama % (2, "no_such_act"), b""), "0:1",
                        "unexpected KeyError: 'no_such_act' (traceback in the worker log)", True),
@@ -271,4 +276,4 @@ def test_a_worker_that_cannot_load_its_model_ends_with_one_clear_line(tmp_path):
         assert lines[-1].startswith(f"cannot load {path} layers {span}: ") and why in lines[-1], err[-2000:]
         unmarked = [line for line in lines if not worklog.is_trace_line(line)]
         assert not any(line.startswith(("Traceback", "  File ")) for line in unmarked), err[-2000:]
-        assert any(worklog.is_trace_line(line) for line in lines) == traced, err[-2000:]
+        assert any(worklog.is_trace_line(line) and "Traceback" in line for line in lines) == traced, err[-2000:]

@@ -108,11 +108,12 @@ def _load_and_validate(args: argparse.Namespace):
     """(service, None) once validated, or (None, the one-line reason it cannot serve)."""
     from shard.service import ShardService
     from shard.sessions import SessionPolicy
+    from shard.worklog import LOG_ONLY
 
     try:
         backend = load_backend(args)
     except (OSError, ValueError, MeshdError) as exc:  # bad path, malformed file, wrong range
-        log.debug("loading failed", exc_info=exc)
+        log.info("loading %s layers %s failed", args.model, args.layers, exc_info=exc, extra=LOG_ONLY)
         return None, _one_line(exc)
     except Exception as exc:  # noqa: BLE001 - unexpected: the traceback goes to the log first
         log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
