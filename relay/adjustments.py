@@ -95,9 +95,12 @@ def _release_on_read(version: str) -> Adjustment:
     if prior is not None and prior.applied:
         return prior
     user = os.environ.get(RELEASE_ON_READ_ENV)
-    if user is not None:
+    if user is not None and user != "0":
         return record("yamux_release_on_read", False, f"off: {RELEASE_ON_READ_ENV}={user} set by the user, kept",
                       version)
+    if user == "0":     # inherited from a meshd parent, or the user's own choice: the same setting
+        return record("yamux_release_on_read", True,
+                      _on(version) + f" ({RELEASE_ON_READ_ENV}=0, already in the environment)", version)
     os.environ[RELEASE_ON_READ_ENV] = "0"
     return record("yamux_release_on_read", True, _on(version) + f" ({RELEASE_ON_READ_ENV}=0)", version)
 

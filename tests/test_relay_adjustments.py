@@ -124,6 +124,8 @@ def test_the_fast_path_switch_and_a_users_yamux_knob_are_honoured():
     assert got["release_env"] == "1" and not rows["yamux_release_on_read"]["applied"]
     assert "PY_YAMUX_RELEASE_ON_READ=1 set by the user" in rows["yamux_release_on_read"]["reason"]
     assert rows["yamux_window_batching"]["applied"]
+    inherited = _by_name(_child(BUILD_A_HOST, PY_YAMUX_RELEASE_ON_READ="0")["registry"])["yamux_release_on_read"]
+    assert inherited["applied"] and "already in the environment" in inherited["reason"]   # e.g. from a meshd parent
 
 
 def test_the_upgrader_records_the_dcutr_policy_and_off_means_no_dcutr_service():
