@@ -21,6 +21,9 @@ TOML layout (every key optional; names match the dataclass fields)::
     dtype = "float32"
     backend = "torch"
     kv_budget_tokens = 4096
+    restart_backoff_s = 1             # first restart delay after a worker died; doubles ...
+    restart_backoff_max_s = 300       # ... up to this
+    restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
 """
 from __future__ import annotations
 
@@ -45,9 +48,13 @@ MIN_RECORD_TTL_S = 2.0
 MAX_RECORD_TTL_S = 3600.0
 # A worker loads weights and runs a validation forward before it is ready.
 DEFAULT_WORKER_READY_TIMEOUT_S = 900.0
-# Restart backoff for a dead worker: doubles from the first to the cap.
+# Restart backoff for a dead worker: doubles from the first to the cap (about 5
+# minutes: a crash loop costs a start every 5 min, a fixed model file is
+# picked up within that), and starts over once a worker has served this long
+# (a failure after that is news, not a crash loop).
 DEFAULT_RESTART_BACKOFF_S = 1.0
-DEFAULT_RESTART_BACKOFF_MAX_S = 60.0
+DEFAULT_RESTART_BACKOFF_MAX_S = 300.0
+DEFAULT_RESTART_BACKOFF_RESET_S = 120.0
 # How long to wait for each bootstrap peer before calling it unreachable.
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 15.0
 MAX_BOOTSTRAP_PEERS = 64
@@ -66,6 +73,7 @@ class WorkerConfig:
     ready_timeout_s: float = DEFAULT_WORKER_READY_TIMEOUT_S
     restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
     restart_backoff_max_s: float = DEFAULT_RESTART_BACKOFF_MAX_S
+    restart_backoff_reset_s: float = DEFAULT_RESTART_BACKOFF_RESET_S
     torch_threads: int = 1
 
     def __post_init__(self) -> None:
@@ -77,6 +85,8 @@ class WorkerConfig:
             raise ConfigError("worker.kv_budget_tokens must be positive")
         if not 0 < self.restart_backoff_s <= self.restart_backoff_max_s:
             raise ConfigError("need 0 < worker.restart_backoff_s <= worker.restart_backoff_max_s")
+        if self.restart_backoff_reset_s <= 0:
+            raise ConfigError("worker.restart_backoff_reset_s must be positive")
         if self.ready_timeout_s <= 0 or self.torch_threads <= 0:
             raise ConfigError("worker.ready_timeout_s and worker.torch_threads must be positive")
 

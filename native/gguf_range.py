@@ -8,8 +8,9 @@ only the header pages), checks the architecture and the range, and returns a
 and ``output`` (or the tied ``token_embd``) for the tail. No tensor byte is
 read until a consumer (the slice writer, the torch dequantizer) touches a view.
 
-State: none beyond a per-process digest memo keyed by (path, size, mtime), so
-a worker that opens the same file twice hashes it once.
+State: none of its own. The file's digest is computed once and cached on
+disk (``shard/digests.py``, keyed by path, size, mtime_ns and inode), so a
+restart, a LOAD or a respawn never rehashes an unchanged file.
 
 Identity: ``artifact_digest`` is SHA-256 over the whole file (what
 ``sha256sum`` prints), streamed with progress; ``gguf_recipe`` names backend,
@@ -22,7 +23,6 @@ Errors: a file gguf cannot parse (truncated, corrupt, not GGUF) is an
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections import Counter
@@ -34,6 +34,7 @@ import gguf
 import numpy as np
 
 from native.errors import ArtifactError, RangeUnavailable
+from shard import digests
 from shard.artifact import Recipe
 from shard.backend import LayerRange
 
@@ -45,11 +46,6 @@ __all__ = [
 # Architectures whose GGUF tensor layout we know how to slice and to map back
 # to HF names; anything else is refused up front rather than run wrongly.
 SUPPORTED_ARCHITECTURES = frozenset({"llama"})
-# Hash in 8 MiB reads: large enough that Python overhead vanishes next to
-# SHA-256 (~1 GB/s), small enough to keep the worker's RSS flat.
-HASH_CHUNK_BYTES = 8 << 20
-# One progress line per this many bytes hashed (a 1 GB file prints ~4 lines).
-HASH_PROGRESS_BYTES = 256 << 20
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -212,29 +208,14 @@ def tensor_array(tensor: gguf.ReaderTensor) -> np.ndarray:
     return tensor.data
 
 
-_DIGEST_MEMO: dict[tuple[str, int, int], str] = {}
+# The framing of the GGUF digest: the file's bytes alone (what ``sha256sum`` prints).
+GGUF_SCHEME = "file-sha256"
 
 
 def artifact_digest(path: str | os.PathLike[str], progress: TextIO | None = None) -> str:
-    """``sha256:<hex>`` over every byte of the file, streamed; memoised per process."""
+    """``sha256:<hex>`` over every byte of the file, streamed with progress; cached on disk."""
     path = Path(path).resolve()
-    stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key in _DIGEST_MEMO:
-        return _DIGEST_MEMO[key]
-    digest = hashlib.sha256()
-    done = next_report = 0
-    with path.open("rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
-            done += len(chunk)
-            if progress is not None and done >= next_report:
-                print(f"[meshd gguf] hashing {path.name}: {done * 100 // max(stat.st_size, 1)}%",
-                      file=progress, flush=True)
-                next_report = done + HASH_PROGRESS_BYTES
-    value = "sha256:" + digest.hexdigest()
-    _DIGEST_MEMO[key] = value
-    return value
+    return digests.cached_digest(GGUF_SCHEME, [path], lambda i, key: b"", label=path.name, progress=progress)
 
 
 def gguf_recipe(*, backend: str, info: GGUFModelInfo, compute_dtype: str,

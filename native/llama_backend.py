@@ -30,7 +30,7 @@ from typing import TextIO
 
 import numpy as np
 
-from native.errors import RangeUnavailable, RuntimeUnavailable
+from native.errors import KvCellsExhausted, RangeUnavailable, RuntimeUnavailable
 from native.gguf_range import GGUFModelInfo, artifact_digest, gguf_recipe, model_info, open_reader
 from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, load_llama_cpp
 from native.slice import FAKE_VOCAB, slice_path
@@ -204,6 +204,8 @@ class LlamaRangeBackend:
             engine.forget(cache.seq_id)
             if isinstance(exc, ValueError):
                 raise ProtocolViolation(str(exc)) from exc
+            if isinstance(exc, KvCellsExhausted):      # the shared KV cells are full: no room, retry later
+                raise KvBudgetExhausted(f"{exc}; the session's cells were dropped") from exc
             raise
         cache.past_len += count
         return out

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from native.errors import RuntimeUnavailable
+from native.errors import KvCellsExhausted, RuntimeUnavailable
 
 __all__ = ["EngineConfig", "LlamaEngine", "load_llama_cpp", "runtime_version"]
 
@@ -172,7 +172,8 @@ class LlamaEngine:
 
         ``inputs``: int token ids [T] or float32 embeddings [T, n_embd].
         Returns the residual [T, n_embd] (``want_hidden``) or the last logits [n_vocab].
-        Raises RuntimeUnavailable if llama.cpp refuses the batch (e.g. no KV cells left).
+        Raises KvCellsExhausted when llama.cpp has no KV cells left for the batch,
+        RuntimeUnavailable when it refuses the batch otherwise.
         """
         n = int(inputs.shape[0])
         if want_hidden and self._target is None:
@@ -203,9 +204,10 @@ class LlamaEngine:
                 rc = ll.llama_decode(self._ctx, batch)
             finally:
                 self._want_hidden = False
+            if rc == 1:
+                raise KvCellsExhausted(f"llama_decode found no free KV cells for {n} positions")
             if rc != 0:
-                raise RuntimeUnavailable(f"llama_decode failed with code {rc} "
-                                         "(1 = no KV cells left for this batch)")
+                raise RuntimeUnavailable(f"llama_decode failed with code {rc}")
             if want_hidden:
                 hidden = np.concatenate(self._captured) if self._captured else None
                 if hidden is None or hidden.shape != (n, self.n_embd):

@@ -5,6 +5,9 @@ security options are restricted, so this module passes exactly one security
 transport (``/noise``) and one muxer (``/yamux/1.0.0``): a dialer that offers
 anything else fails multistream negotiation and never gets a connection.
 
+Library adjustments: ``build_host`` applies them (``relay/adjustments.py``)
+before the host exists; nothing is patched at import.
+
 Data flow: ``running_host(identity, listen)`` builds the host from the
 persistent identity and listens only on the configured multiaddrs; it raises
 ``PortInUse`` when a listener could not bind (the library only logs that).
@@ -48,12 +51,15 @@ def muxer_options() -> dict:
 
 
 def build_host(identity: Identity):
-    """A BasicHost with the persistent identity, Noise-only security and yamux."""
+    """A BasicHost with the persistent identity, Noise-only security and yamux.
+
+    Applies meshd's py-libp2p adjustments first (relay/adjustments.py: version-gated,
+    idempotent), so the host's connections are built on the adjusted data path."""
     from libp2p import new_host
 
-    from relay import libp2p_fastpath
+    from relay.adjustments import apply_libp2p_adjustments
 
-    libp2p_fastpath.apply()
+    apply_libp2p_adjustments()
     key_pair = identity.libp2p_key_pair()
     return new_host(key_pair=key_pair, sec_opt=security_options(key_pair), muxer_opt=muxer_options(),
                     disable_identify_address_discovery=True)

@@ -54,9 +54,10 @@ the socket; the peer then failed to decrypt the next message and closed the
 connection (found by the DCUtR test; tests/test_relay_fastpath.py keeps it).
 
 State: none of ours beyond the per-connection read-ahead. Applied per process
-by ``relay/__init__`` and ``relay.host.build_host``, only when the installed
-libp2p is ``TESTED_LIBP2P_VERSION`` and has every method it replaces
-(otherwise nothing is touched and ``APPLIED`` stays False). A patched peer and
+by ``relay.adjustments.apply_libp2p_adjustments`` (called by
+``relay.host.build_host``, never at import), only when the installed libp2p
+is ``TESTED_LIBP2P_VERSION`` and has every method it replaces (otherwise
+nothing is touched, ``APPLIED`` stays False and ``check`` or the registry says why). A patched peer and
 an unpatched one interoperate: nothing on the wire changes.
 """
 from __future__ import annotations
@@ -68,7 +69,7 @@ import struct
 
 import trio
 
-__all__ = ["apply", "APPLIED", "QuickLock", "TESTED_LIBP2P_VERSION", "TCP_READ_AHEAD_BYTES"]
+__all__ = ["apply", "check", "APPLIED", "QuickLock", "TESTED_LIBP2P_VERSION", "TCP_READ_AHEAD_BYTES"]
 
 TESTED_LIBP2P_VERSION = "0.8.1"
 # MESHD_LIBP2P_FASTPATH=0 leaves the library exactly as it is (for comparison or a suspected bug).
@@ -283,17 +284,32 @@ def _install(libp2p_version: str) -> bool:
     return True
 
 
-def apply() -> bool:
-    """Install the fast path (idempotent). True when it is in place."""
+def check(version: str) -> str | None:
+    """None when the fast path may go in for ``version``; else why it stays off (no library change)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return f"off: {DISABLE_ENV}=0"
+    if version != TESTED_LIBP2P_VERSION:
+        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
+    try:
+        importlib.import_module("libp2p.stream_muxer.yamux.yamux")
+    except ImportError as exc:  # libp2p missing or restructured: leave it alone
+        return f"off: cannot import libp2p's yamux ({exc})"
+    return None
+
+
+def apply(version: str | None = None) -> bool:
+    """Install the fast path (idempotent). True when it is in place.
+
+    ``version``: the library version to decide for (default: the installed one)."""
     global APPLIED
     if APPLIED:
         return True
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return False
-    try:
-        version = importlib.metadata.version("libp2p")
-        importlib.import_module("libp2p.stream_muxer.yamux.yamux")
-    except Exception:  # libp2p missing or restructured: leave it alone
+    if version is None:
+        try:
+            version = importlib.metadata.version("libp2p")
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    if check(version) is not None:
         return False
     APPLIED = _install(version)
     return APPLIED

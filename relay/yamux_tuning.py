@@ -18,17 +18,18 @@ credit twice the bytes read); a reader that consumes keeps its sender going
 (at most half a window waits for credit); a reader that stops stops its
 sender (backpressure intact).
 
-State: none of ours; the patch is per process, applied by ``relay/__init__``
-for every process that carries relayed frames, only when the installed
-libp2p is the version it was written against and still has the method
-(otherwise it leaves the library alone and ``APPLIED`` stays False). A peer
+State: none of ours; the patch is per process, applied by
+``relay.adjustments.apply_libp2p_adjustments`` (called by the host builder,
+never at import), only when the installed libp2p is the version it was
+written against and still has the method (otherwise it leaves the library
+alone, ``APPLIED`` stays False and ``check`` says why). A peer
 with or without the patch interoperates: WINDOW_UPDATE semantics are unchanged.
 """
 from __future__ import annotations
 
 import importlib.metadata
 
-__all__ = ["apply", "APPLIED", "TESTED_LIBP2P_VERSION"]
+__all__ = ["apply", "check", "restore", "APPLIED", "TESTED_LIBP2P_VERSION"]
 
 # The library version whose YamuxStream internals (recv_window, target_recv_window,
 # _pending_recv_release, _grow_threshold, _apply_autotune_epoch) this was written against.
@@ -52,20 +53,37 @@ async def _batched_window_update(self, *, bytes_read: int = 0) -> None:
         await self.send_window_update(total_delta, skip_lock=True)
 
 
-def apply() -> bool:
-    """Install the batched window update (idempotent). True when it is in place."""
+_NEEDED = ("_auto_tune_and_send_window_update", "_grow_threshold", "_apply_autotune_epoch", "send_window_update")
+
+
+def check(version: str) -> str | None:
+    """None when the patch fits ``version`` and the installed library; else why it stays off."""
+    if version != TESTED_LIBP2P_VERSION:
+        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
+    try:
+        from libp2p.stream_muxer.yamux.yamux import YamuxStream
+    except ImportError as exc:  # libp2p missing or restructured: leave it alone
+        return f"off: cannot import libp2p's yamux ({exc})"
+    missing = [name for name in _NEEDED if not hasattr(YamuxStream, name)]
+    return f"off: YamuxStream lacks {', '.join(missing)}" if missing else None
+
+
+def apply(version: str | None = None) -> bool:
+    """Install the batched window update (idempotent). True when it is in place.
+
+    ``version``: the library version to decide for (default: the installed one)."""
     global APPLIED, _ORIGINAL
     if APPLIED:
         return True
-    try:
-        version = importlib.metadata.version("libp2p")
-        from libp2p.stream_muxer.yamux.yamux import YamuxStream
-    except Exception:  # libp2p missing or restructured: leave it alone
+    if version is None:
+        try:
+            version = importlib.metadata.version("libp2p")
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    if check(version) is not None:
         return False
-    needed = ("_auto_tune_and_send_window_update", "_grow_threshold", "_apply_autotune_epoch",
-              "send_window_update")
-    if version != TESTED_LIBP2P_VERSION or not all(hasattr(YamuxStream, name) for name in needed):
-        return False
+    from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
     _ORIGINAL = YamuxStream._auto_tune_and_send_window_update
     YamuxStream._auto_tune_and_send_window_update = _batched_window_update
     APPLIED = True

@@ -4,12 +4,15 @@ Files and roles (data flows top to bottom):
 
     backend.py        LayerRange; RangeBackend / BackendCache protocols (torch and llama.cpp)
     artifact.py       artifact digest, recipe digest, pb.Fingerprint builder
+    digests.py        digests computed once per file: on-disk cache keyed by (path, size, mtime_ns, inode)
     adapters.py       per-family build/load/forward pieces (Llama family, Gemma 3)
     torch_backend.py  TorchRangeBackend: meta build + safe_open range loading, exact forward
     reference.py      the whole-model reference (transformers CausalLM in one process)
     sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, LRU, budget
     sampling.py       greedy / temperature / top-k / top-p with a per-session seed
-    errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...)
+    errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...), ArtifactError;
+                      foreign exceptions mapped (map_failure) and logged (log_failure)
+    worklog.py        the worker's stderr log: one line per record, traceback lines marked
     service.py        ShardService: backend + sessions + lock; capability (validated), health
     stream.py         sans-I/O Session stream core: request bytes in, response bytes out
     server.py         the grpcio edge (identity-serialized Session stream, unary RPCs)

@@ -8,9 +8,10 @@
   names) and the architecture adapter. Two peers agree on numerics only if
   both digests match, so both go into every ``pb.Fingerprint``.
 
-Pure functions over the file system; the only state is an in-process memo
-keyed by (path, size, mtime) so a worker hashing a 500 MB artifact twice pays
-once.
+Functions over the file system. The artifact digest is computed once per
+file: ``shard/digests.py`` caches it on disk keyed by every file's (path,
+size, mtime_ns, inode), so a restart, a LOAD directive or a worker respawn
+never rehashes an unchanged model (and hashing a large one shows progress).
 """
 from __future__ import annotations
 
@@ -20,15 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proto import shard_runtime_pb2 as pb
+from shard import digests
 
-# Read size for hashing: large enough to stream at disk speed, small enough
-# to keep memory flat.
-HASH_CHUNK_BYTES = 1 << 20
 DIGEST_PREFIX = "sha256:"
 # Version of the recipe description itself; bump if its fields change.
 RECIPE_FORMAT = "meshd-recipe-v1"
-
-_memo: dict[tuple, str] = {}
+# The framing of the artifact digest below (the digest cache keys on it).
+ARTIFACT_SCHEME = "artifact-dir-v1"
 
 
 def _files(root: Path) -> list[tuple[str, Path]]:
@@ -46,24 +45,16 @@ def _files(root: Path) -> list[tuple[str, Path]]:
     return found
 
 
-def artifact_digest(path: str | os.PathLike) -> str:
-    """sha256 over every (sorted relative path, size, bytes) of the artifact."""
+def artifact_digest(path: str | os.PathLike, progress: digests.Progress = None) -> str:
+    """sha256 over every (sorted relative path, size, bytes) of the artifact; cached on disk per file set."""
     root = Path(path).resolve()
     files = _files(root)
-    key = (str(root), tuple((rel, p.stat().st_size, p.stat().st_mtime_ns) for rel, p in files))
-    if key in _memo:
-        return _memo[key]
-    h = hashlib.sha256()
-    for rel, p in files:
-        encoded = rel.encode("utf-8")
-        h.update(len(encoded).to_bytes(4, "big") + encoded)
-        h.update(p.stat().st_size.to_bytes(8, "big"))
-        with open(p, "rb") as fh:
-            while chunk := fh.read(HASH_CHUNK_BYTES):
-                h.update(chunk)
-    digest = DIGEST_PREFIX + h.hexdigest()
-    _memo[key] = digest
-    return digest
+
+    def frame(i: int, key: digests.FileKey) -> bytes:
+        encoded = files[i][0].encode("utf-8")
+        return len(encoded).to_bytes(4, "big") + encoded + key.size.to_bytes(8, "big")
+
+    return digests.cached_digest(ARTIFACT_SCHEME, [p for _, p in files], frame, label=root.name, progress=progress)
 
 
 @dataclass(frozen=True, slots=True)

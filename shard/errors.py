@@ -2,10 +2,12 @@
 
     proto.errors.MeshdError
     ├── ProtocolError (proto)          the peer's bytes or order were wrong
+    ├── ArtifactError                  the model artifact is unusable as it is (truncated,
+    │                                  corrupt, unsupported); fix or replace the files
     └── ShardRefusal                   the shard declines this work; .code + details
         ├── CacheMiss                  expected_past_len != actual; carries actual_past_len
         ├── EpochStale                 a newer epoch of the route session exists
-        ├── ResourceExhausted          KV budget full; carries retry_after_ms
+        ├── ResourceExhausted          KV budget full or out of memory; carries retry_after_ms
         ├── Cancelled                  the session was cancelled
         ├── FingerprintMismatch        artifact/recipe digests differ from ours
         ├── RangeMismatch              the requested range is not the one we serve
@@ -15,8 +17,18 @@
 ``to_shard_error(exc)`` maps any of these (and ProtocolError) to the wire
 ``pb.ShardError``; anything else becomes INTERNAL with a sanitized detail.
 What to do next is in each docstring and ``retryable``.
+
+Foreign exceptions (a backend's, torch's, llama.cpp's) become ours at the
+edge that catches them, through ``map_failure``: our refusals and a peer's
+protocol errors stay as they are; only a real lack of memory
+(``is_out_of_memory``) becomes ResourceExhausted -- never a cache or load
+failure of another kind --; anything else is InternalError. ``log_failure``
+puts our own failures in the worker's log with their traceback (the wire
+detail names the exception type only; the log has the rest).
 """
 from __future__ import annotations
+
+import logging
 
 from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError, ProtocolError
@@ -24,6 +36,14 @@ from proto.errors import MeshdError, ProtocolError
 # ShardError.detail is operator-facing text; bound it so a long message never
 # bloats a frame.
 MAX_DETAIL_CHARS = 300
+# Retry hint after running out of memory: other sessions may finish and free theirs.
+OOM_RETRY_AFTER_MS = 1000
+# torch's CPU allocator reports ENOMEM as a RuntimeError with this text (c10 alloc_cpu.cpp).
+_TORCH_CPU_OOM = ("DefaultCPUAllocator: can't allocate memory", "DefaultCPUAllocator: not enough memory")
+
+
+class ArtifactError(MeshdError):
+    """The model artifact cannot be used as it is (truncated, corrupt, unsupported); fix or replace it."""
 
 
 class ShardRefusal(MeshdError):
@@ -89,6 +109,36 @@ class InternalError(ShardRefusal):
 
     code = pb.ERROR_CODE_INTERNAL
     retryable = True
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A real lack of memory: MemoryError (Python, numpy) or torch's allocator failing (ENOMEM)."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _TORCH_CPU_OOM)
+
+
+def map_failure(exc: BaseException, doing: str) -> MeshdError:
+    """``exc`` (raised while ``doing``, e.g. "creating a KV cache") as a typed error.
+
+    Our refusals and protocol errors pass unchanged; a real lack of memory is
+    ResourceExhausted; anything else is InternalError naming the exception type."""
+    if isinstance(exc, (ShardRefusal, ProtocolError)):
+        return exc
+    if is_out_of_memory(exc):
+        return ResourceExhausted(f"out of memory {doing}", retry_after_ms=OOM_RETRY_AFTER_MS)
+    return InternalError(f"{doing} failed ({type(exc).__name__}); the traceback is in the worker's log")
+
+
+def log_failure(logger: logging.Logger, exc: BaseException, doing: str) -> None:
+    """A foreign exception (our own failure) goes to the worker's log with its traceback.
+
+    Call it with the exception as caught, before ``map_failure``: a peer's protocol error
+    or one of our deliberate refusals is answered on the wire and not logged."""
+    if isinstance(exc, (ProtocolError, ShardRefusal)):
+        return
+    level = logging.WARNING if is_out_of_memory(exc) else logging.ERROR
+    logger.log(level, "%s failed: %s: %s", doing, type(exc).__name__, _clip(str(exc)), exc_info=exc)
 
 
 def _clip(text: str) -> str:

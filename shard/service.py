@@ -10,10 +10,13 @@ Session stream on top; ``shard/server.py`` is the gRPC edge.
 Capability is *validated*: ``validate()`` runs a bounded real forward over the
 range (a short prefill and decode steps on a throwaway cache, outputs checked
 for shape and finiteness) and only then reports ``validated=True`` with the
-measured decode ms/layer and prefill tokens/s.
+measured decode ms/layer and prefill tokens/s. A failed validation keeps its
+reason in ``detail`` (the exception's type and message, bounded by
+MAX_DETAIL_CHARS) and logs the traceback in the worker's log.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable
@@ -25,7 +28,7 @@ from proto.errors import ProtocolError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
 from shard.backend import RangeBackend
-from shard.errors import ShardRefusal, to_shard_error
+from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
 from shard.sessions import SessionKey, SessionManager, SessionPolicy
 
 # Validation forward: enough positions to exercise prefill and the cache, few
@@ -35,6 +38,13 @@ VALIDATION_DECODE_STEPS = 4
 VALIDATION_SEED = 1234
 ACCEPTED_COMPRESSION = (pb.COMPRESSION_NONE, pb.COMPRESSION_ZSTD)
 BOUNDARY_DTYPES = {"float32": pb.DTYPE_FLOAT32, "bfloat16": pb.DTYPE_BFLOAT16}
+
+log = logging.getLogger(__name__)
+
+
+def _bounded(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    text = " ".join(text.split())          # one line: tracebacks and torch messages span several
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _rss_bytes() -> int:
@@ -70,10 +80,11 @@ class ShardService:
         """Run the bounded real forward and record the validated capability."""
         b, lr = self.backend, self.backend.layer_range
         rng = np.random.default_rng(VALIDATION_SEED)
-        cache = b.new_cache(VALIDATION_PREFILL_TOKENS + VALIDATION_DECODE_STEPS)
         detail = "validated by a real forward over the range"
         ok = True
+        cache = None
         try:
+            cache = b.new_cache(VALIDATION_PREFILL_TOKENS + VALIDATION_DECODE_STEPS)
             t0 = time.perf_counter()
             out = b.forward(cache, self._validation_inputs(VALIDATION_PREFILL_TOKENS, rng),
                             effective_start=lr.start)
@@ -84,12 +95,19 @@ class ShardService:
                 out = b.forward(cache, self._validation_inputs(1, rng), effective_start=lr.start)
                 decode_s += time.perf_counter() - t0
             want = (b.vocab_size,) if lr.is_tail else (1, b.hidden_size)
-            if out.shape != want or not np.isfinite(np.asarray(out, np.float32)).all():
-                ok, detail = False, f"validation output shape {out.shape} or values are wrong"
-        except Exception as exc:  # the capability says why; never a raw trace to peers
-            ok, detail, prefill_s, decode_s = False, f"validation forward failed ({type(exc).__name__})", 0, 0
+            if out.shape != want:
+                ok, detail = False, f"validation output has shape {tuple(out.shape)}, expected {want}"
+            elif not np.isfinite(np.asarray(out, np.float32)).all():
+                ok, detail = False, "validation output holds NaN or infinite values (broken weights?)"
+            if not ok:
+                log.error("validation of layers %s failed: %s", lr, detail)
+        except Exception as exc:  # the capability says why (bounded); the traceback goes to the log
+            log.error("validation of layers %s failed", lr, exc_info=exc)
+            ok, prefill_s, decode_s = False, 0, 0
+            detail = _bounded(f"validation forward failed: {type(exc).__name__}: {exc}")
         finally:
-            cache.release()
+            if cache is not None:
+                cache.release()
         stats = self.manager.stats()
         self._capability = pb.CapabilityReport(
             schema_version=SCHEMA_VERSION,
@@ -143,6 +161,10 @@ class ShardService:
                 return pb.ReleaseResponse(released=self.manager.release(key))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.ReleaseResponse(released=False, error=to_shard_error(exc))
+        except Exception as exc:  # ours (a backend's cache release): logged, typed
+            log_failure(log, exc, "releasing a session")
+            return pb.ReleaseResponse(released=False, error=to_shard_error(
+                InternalError(f"releasing the session failed ({type(exc).__name__}); see the worker's log")))
 
     def cancel(self, request: pb.CancelRequest) -> pb.CancelResponse:
         try:
@@ -151,3 +173,7 @@ class ShardService:
                 return pb.CancelResponse(cancelled_work_items=self.manager.cancel(key))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.CancelResponse(error=to_shard_error(exc))
+        except Exception as exc:  # ours (a backend's cache release): logged, typed
+            log_failure(log, exc, "cancelling a session")
+            return pb.CancelResponse(error=to_shard_error(
+                InternalError(f"cancelling the session failed ({type(exc).__name__}); see the worker's log")))

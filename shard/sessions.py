@@ -16,17 +16,25 @@ Rules, checked in this order on every ``step``:
      expected_past_len != the cache's real length -> CacheMiss(actual);
   5. inputs are validated against the backend (dtype, shape, room in the
      reservation) before the backend is called; a backend failure drops the
-     cache (the session restarts at past_len 0) and raises InternalError.
+     cache (the session restarts at past_len 0) and raises a typed error
+     (``shard.errors.map_failure``: the backend's own refusal or the peer's
+     protocol error as it is, ResourceExhausted only for a real lack of
+     memory, else InternalError), logged with its traceback.
 Admission (``open``): reservations are counted in tokens against
 ``kv_budget_tokens``; when full, least-recently-used sessions idle for at
 least ``min_idle_before_evict_s`` are evicted; if that is not enough the new
-session gets ResourceExhausted with ``retry_after_ms``. A higher epoch of an
+session gets ResourceExhausted with ``retry_after_ms``. The backend's own
+cache may refuse too: its ResourceExhausted (llama.cpp's sequences or cells)
+and a real MemoryError are "no room"; any other failure to create a cache is
+InternalError (logged), never reported as lack of room. A higher epoch of an
 id supersedes (and frees) the lower ones. ``release`` frees at once.
 
-No I/O, no threads: the gRPC/relay edges serialize calls (one lock).
+No I/O, no threads: the gRPC/relay edges serialize calls (one lock). The only
+side effect is the worker log line of a failure that is ours.
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -37,7 +45,9 @@ import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
 from shard.backend import RangeBackend
-from shard.errors import CacheMiss, Cancelled, EpochStale, InternalError, ResourceExhausted
+from shard.errors import (CacheMiss, Cancelled, EpochStale, ResourceExhausted, log_failure, map_failure)
+
+log = logging.getLogger(__name__)
 
 # SessionOpen.max_tokens == 0 means "unspecified": reserve this many.
 DEFAULT_SESSION_TOKENS = 2048
@@ -223,9 +233,9 @@ class SessionManager:
         self._make_room(tokens)
         try:
             cache = self.backend.new_cache(tokens)
-        except Exception as exc:  # a backend with its own KV pool (llama.cpp) may be full
-            raise ResourceExhausted(f"the backend has no room for {tokens} more KV tokens",
-                                    retry_after_ms=MIN_RETRY_AFTER_MS) from exc
+        except Exception as exc:  # llama.cpp's pool may be full (its ResourceExhausted); else ours
+            log_failure(log, exc, f"creating a KV cache of {tokens} tokens")
+            raise map_failure(exc, f"creating a KV cache of {tokens} tokens") from exc
         self._remember_epoch(key)
         self._sessions[key] = _Session(key, cache, tokens, self.clock(), attachment)
         return 0
@@ -278,13 +288,16 @@ class SessionManager:
             output = self.backend.forward(session.cache, inputs, effective_start=effective_start)
             payload = post(output) if post is not None else output
         except Exception as exc:
+            doing = f"running {inputs.shape[0]} positions at {actual} (session cache reset to 0)"
+            log_failure(log, exc, doing)
             session.cache.release()
             try:
                 session.cache = self.backend.new_cache(session.max_tokens)
                 session.last_step, session.last_payload = None, None
-            except Exception:
-                self._sessions.pop(key, None)  # no fresh cache: the next request is a CACHE_MISS at 0
-            raise InternalError("the backend failed; the session cache was reset to 0") from exc
+            except Exception as again:  # no fresh cache: the next request is a CACHE_MISS at 0
+                log_failure(log, again, "creating a fresh KV cache after a failure")
+                self._sessions.pop(key, None)
+            raise map_failure(exc, doing) from exc
         elapsed = time.perf_counter_ns() - t0
         session.last_step, session.last_payload = step, payload
         return StepResult(payload, session.cache.past_len, False, elapsed)

@@ -21,12 +21,19 @@ INTERNAL...) answer that one piece of
 work with a non-terminal ShardStatus and the stream stays usable. Nothing a
 peer sends here touches another stream's sessions.
 
+Our own failures: an exception that is neither a protocol error nor one of
+our refusals (a bug, a backend failure outside the session manager) ends
+this stream with a typed terminal ShardStatus (``map_failure``: INTERNAL, or
+RESOURCE_EXHAUSTED for a real lack of memory) and is logged with its
+traceback in the worker's log; it never ends the worker.
+
 Flow control: each chunk/decode consumes one credit granted in
 SessionAccepted; credits are returned in batches (a FlowControl response when
 the peer's outstanding credit falls to half the window).
 """
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable
 
@@ -41,10 +48,12 @@ from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
 from shard.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
-                          to_shard_error)
+                          log_failure, map_failure, to_shard_error)
 from shard.sampling import Sampler, SamplingSpec
 from shard.service import ACCEPTED_COMPRESSION, ShardService
 from shard.sessions import SessionKey
+
+log = logging.getLogger(__name__)
 
 # Boundary tensor names (contract with every driver).
 TOKEN_IDS = "token_ids"
@@ -105,6 +114,7 @@ class SessionStream:
         if self.state == CLOSED:
             return []
         session_id = self.key.session_id if self.key else ""
+        kind = None
         try:
             req, tensors = read_small_or_large(data)
             kind = req.WhichOneof("kind")
@@ -121,7 +131,10 @@ class SessionStream:
             return [_status(exc, terminal=True, session_id=session_id)]
         except Exception as exc:  # our bug: end this stream only, never the worker
             self.state = CLOSED
-            return [_status(exc, terminal=True, session_id=session_id)]
+            doing = (f"handling the {kind} message" if kind else "reading a request") + (
+                f" of session {session_id[:32]}" if session_id else "")
+            log_failure(log, exc, doing)
+            return [_status(map_failure(exc, doing), terminal=True, session_id=session_id)]
 
     # -- open ---------------------------------------------------------------------------
     def _on_open(self, req: pb.SessionRequest, _tensors) -> list[bytes]:

@@ -12,6 +12,11 @@ State: the backend holds the weights (read-only after load). Each session's
 created on the first forward for that session's ``effective_start``
 (overlapping routes may skip the first owned layers).
 
+Load errors: a directory that is not an artifact is FileNotFoundError; a
+config.json transformers cannot read, a safetensors file that does not parse,
+or tensors whose shapes disagree with the config are ``ArtifactError`` (one
+line that names the file and says what to do).
+
 Boundary tensors cross as numpy: int64 token ids at the head, hidden states in
 the compute dtype (float32 or ml_dtypes.bfloat16) elsewhere, float32 logits of
 the last position at the tail.
@@ -32,6 +37,7 @@ from proto import shard_runtime_pb2 as pb
 from shard.adapters import RangeModules, adapter_for, range_config
 from shard.artifact import artifact_digest, make_fingerprint, torch_recipe
 from shard.backend import LayerRange
+from shard.errors import ArtifactError
 
 DTYPES = {"float32": (torch.float32, np.dtype(np.float32)), "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16))}
 
@@ -62,6 +68,10 @@ def _to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype == ml_dtypes.bfloat16:
         return torch.from_numpy(np.ascontiguousarray(array).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -102,7 +112,10 @@ class TorchRangeBackend:
         files = sorted(model_path.glob("*.safetensors"))
         if not (model_path / "config.json").is_file() or not files:
             raise FileNotFoundError(f"{model_path} is not a model artifact (config.json + *.safetensors)")
-        config = AutoConfig.from_pretrained(model_path)
+        try:
+            config = AutoConfig.from_pretrained(model_path)
+        except Exception as exc:  # not JSON, no model_type, an unknown one, a field of the wrong type
+            raise ArtifactError(f"{model_path / 'config.json'} cannot be read: {_one_line(exc)}") from exc
         config = config.get_text_config(decoder=True)
         adapter = adapter_for(config)
         layer_range = LayerRange(start, config.num_hidden_layers if end is None else end, config.num_hidden_layers)
@@ -120,12 +133,21 @@ class TorchRangeBackend:
         expected = {k for k in modules.state_dict().keys()}
         loaded_layers: set[str] = set()
         for file in files:
-            with safe_open(str(file), framework="pt") as fh:
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # SafetensorError (header, truncation), OSError
+                raise ArtifactError(f"{file} is not a readable safetensors file ({_one_line(exc)}); "
+                                    "re-create or re-download it") from exc
+            with handle as fh:
                 for key in fh.keys():
                     targets = adapter.local_names(key, layer_range)
                     if not targets:
                         continue
-                    tensor = fh.get_tensor(key).to(torch_dtype)
+                    try:
+                        tensor = fh.get_tensor(key).to(torch_dtype)
+                    except Exception as exc:  # a truncated body reads past the end
+                        raise ArtifactError(f"{file}: tensor {key} cannot be read ({_one_line(exc)}); "
+                                            "re-create or re-download it") from exc
                     for target in targets:
                         state[target] = tensor
                         if target.startswith("layers."):
@@ -137,15 +159,19 @@ class TorchRangeBackend:
         missing = expected - state.keys()
         if missing:
             raise FileNotFoundError(f"{model_path} lacks tensors for this range: {sorted(missing)[:5]}")
-        modules.load_state_dict(state, strict=True, assign=True)
+        try:
+            modules.load_state_dict(state, strict=True, assign=True)
+        except RuntimeError as exc:  # size mismatch: the tensors are not the model config.json describes
+            raise ArtifactError(f"{model_path}: tensors do not match config.json ({_one_line(exc)[:300]})") from exc
         if modules.embed is not None:
             adapter.finish_embedding(modules.embed)
         modules.eval().requires_grad_(False)
         leftover = [n for n, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
         if leftover:
             raise RuntimeError(f"tensors left on the meta device: {leftover[:5]}")
-        say("hashing the artifact for its fingerprint")
-        fingerprint = make_fingerprint(artifact_digest(model_path), torch_recipe(dtype, adapter.adapter_name))
+        say("the artifact's digest for its fingerprint (cached per file)")
+        fingerprint = make_fingerprint(artifact_digest(model_path, progress),
+                                       torch_recipe(dtype, adapter.adapter_name))
         backend = cls(config=config, adapter=adapter, modules=modules, layer_range=layer_range,
                       dtype=dtype, fingerprint=fingerprint, model_path=model_path)
         say(f"loaded {backend.weight_bytes / 1e6:.1f} MB of weights in {time.monotonic() - t0:.1f}s")

@@ -133,6 +133,14 @@ def test_backoff_doubles_caps_and_resets():
     assert b.after_death(8.0) == 1.0  # a long healthy life resets it
     with pytest.raises(ValueError):
         Backoff(0, 1)
+    # the defaults: doubling up to 5 minutes, reset after 2 minutes of service
+    from meshd.config import WorkerConfig
+
+    w = WorkerConfig()
+    assert (w.restart_backoff_s, w.restart_backoff_max_s, w.restart_backoff_reset_s) == (1.0, 300.0, 120.0)
+    b = Backoff(w.restart_backoff_s, w.restart_backoff_max_s, w.restart_backoff_reset_s)
+    assert [b.after_death(0) for _ in range(11)] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]
+    assert b.after_death(119.9) == 300 and b.after_death(120.0) == 1
 
 
 def test_supervisor_restarts_with_backoff_and_withdraws_meanwhile():
@@ -172,7 +180,7 @@ def test_supervisor_restarts_with_backoff_and_withdraws_meanwhile():
     _run(main)
 
 
-def test_worker_failing_before_first_ready_is_fatal():
+def test_worker_failing_before_first_ready_ends_a_supervisor_that_gives_up():
     async def life(on_ready, state):
         state.stderr_tail.append("ValueError: no such layer")
         await trio.sleep(0.2)
@@ -182,8 +190,11 @@ def test_worker_failing_before_first_ready_is_fatal():
         pass
 
     async def main():
-        sup = Supervisor(life, on_ready=noop, on_down=noop, backoff=Backoff(1.0, 8.0))
+        sup = Supervisor(life, on_ready=noop, on_down=noop, backoff=Backoff(1.0, 8.0), give_up_before_ready=True)
         with pytest.raises(WorkerFailed, match="code 2 before it was ready: ValueError: no such layer"):
             await sup.run()
+        assert sup.state.state == "failed"
+        failure = sup.state.as_dict()["last_failure"]
+        assert failure["exit_code"] == 2 and failure["next_restart_in_s"] is None and not failure["was_ready"]
 
     _run(main)

@@ -19,7 +19,13 @@ from relay import libp2p_fastpath as F
 from relay.framing import FramedStream
 from relay.node import ECHO_PROTOCOL, _echo
 from relay.transport import RelayedFrameChannel
-from tests._relay_helpers import triangle
+from tests._relay_helpers import new_host, triangle
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _host_built():
+    """The host builder installs the fast path (relay/adjustments.py), not the import: build one first."""
+    new_host()
 
 
 def test_the_fast_path_is_installed_on_the_tested_version():

@@ -43,6 +43,10 @@ def test_meshd_relay_relays_and_counts(tmp_path):
                     r = s["relay"]
                     assert r["reservations_active"] == 1 and r["circuits_active"] == 1
                     assert r["circuits_opened"] == 1 and r["bytes_forwarded"] > 6000
+                    # relay mode builds its host through the host builder: the data-path patches are on
+                    on = {a["name"]: a["applied"] for a in s["libp2p"]["adjustments"]}
+                    assert on == {"libp2p_fastpath": True, "yamux_release_on_read": True,
+                                  "yamux_window_batching": True}, s["libp2p"]
                 finally:
                     server.close()
 

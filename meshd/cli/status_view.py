@@ -6,6 +6,10 @@ the last line counts peers per layer and names the gaps.
 """
 from __future__ import annotations
 
+import time
+
+from relay.adjustments import render_library
+
 # Bars wider than this are scaled down so a 120-layer model fits a terminal.
 MAX_BAR_CHARS = 64
 # Connected peers listed by name; the rest are counted.
@@ -61,6 +65,19 @@ def _gaps(per_layer: list[int]) -> list[tuple[int, int]]:
     return gaps
 
 
+def failure_lines(failure: dict, log_path: str = "", now: float | None = None) -> list[str]:
+    """The worker's last failure: when, how it ended, the last lines of its stderr, where its log is."""
+    now = time.time() if now is None else now
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(failure["at_unix_s"]))
+    ago = max(0, round(now - failure["at_unix_s"]))
+    how = failure["message"] + ("" if failure.get("was_ready") else " before it was ready")
+    lines = [f"  failed   {when} ({ago} s ago): {how}"]
+    lines += [f"           {line}" for line in failure.get("stderr_tail") or []]
+    if log_path:
+        lines.append(f"  log      {log_path}")
+    return lines
+
+
 def render_status(s: dict) -> str:
     own, worker = s["own"], s["worker"]
     lines = [f"peer id    {s['peer_id']}"]
@@ -95,7 +112,13 @@ def render_status(s: dict) -> str:
             desc += f", health: {health['error']}"
         if worker.get("tls_endpoint"):
             desc += f", tls {worker['tls_endpoint']}"
+        failure = worker.get("last_failure")
+        if failure and failure.get("next_restart_in_s") is not None:
+            desc += f", next start in {failure['next_restart_in_s']:.0f} s"
         lines.append(f"worker     {desc}")
+        if failure:
+            lines += failure_lines(failure, worker.get("log", ""))
+    lines += render_library(s.get("libp2p"))
     lines.append("")
     if not s["coverage"]:
         lines.append("coverage: no model seen in the DHT yet")

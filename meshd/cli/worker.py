@@ -8,12 +8,19 @@ Order: load the range (progress on stderr) -> validate it with a bounded real
 forward -> listen -> write the ready file ({"listen", "tls_listen", "pid"},
 atomically) and print one "ready" line on stdout -> serve until SIGTERM /
 SIGINT. Plaintext listens only on loopback; peers use the TLS port.
+
+Errors: stderr is the worker's log (shard/worklog.py: tracebacks marked so the
+daemon keeps them in worker.log, off the user's terminal). A model that cannot
+be loaded or validated ends the worker with exit code 1 and one clear last
+line, ``cannot load MODEL layers A:B: why``; an unexpected exception logs its
+traceback first.
 """
 from __future__ import annotations
 
 import argparse
 import ipaddress
 import json
+import logging
 import os
 import signal
 import sys
@@ -22,6 +29,8 @@ import time
 from pathlib import Path
 
 from proto.errors import MeshdError
+
+log = logging.getLogger("meshd.worker")
 
 # Idle sessions are swept this often even when no request arrives.
 SWEEP_INTERVAL_S = 5.0
@@ -91,7 +100,38 @@ def _write_ready(path: str, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:500] or type(exc).__name__
+
+
+def _load_and_validate(args: argparse.Namespace):
+    """(service, None) once validated, or (None, the one-line reason it cannot serve)."""
+    from shard.service import ShardService
+    from shard.sessions import SessionPolicy
+    from shard.worklog import LOG_ONLY
+
+    try:
+        backend = load_backend(args)
+    except (OSError, ValueError, MeshdError) as exc:  # bad path, malformed file, wrong range
+        log.info("loading %s layers %s failed", args.model, args.layers, exc_info=exc, extra=LOG_ONLY)
+        return None, _one_line(exc)
+    except Exception as exc:  # noqa: BLE001 - unexpected: the traceback goes to the log first
+        log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
+        return None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
+    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
+                           min_idle_before_evict_s=args.min_idle_evict)
+    service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name)
+    print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)
+    report = service.validate()
+    if not report.validated:
+        return None, report.detail
+    return service, None
+
+
 def run(args: argparse.Namespace) -> int:
+    from shard import worklog
+
+    worklog.install(sys.stderr)
     if not _is_loopback(args.listen):
         print(f"refusing plaintext on {args.listen}: --listen must be loopback; peers use --tls-listen",
               file=sys.stderr)
@@ -103,21 +143,10 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)
     from shard.server import build_server
-    from shard.service import ShardService
-    from shard.sessions import SessionPolicy
 
-    try:
-        backend = load_backend(args)
-    except (OSError, ValueError, MeshdError) as exc:
-        print(f"cannot load {args.model} layers {args.layers}: {exc}", file=sys.stderr)
-        return 1
-    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
-                           min_idle_before_evict_s=args.min_idle_evict)
-    service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name)
-    print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)
-    report = service.validate()
-    if not report.validated:
-        print(f"[worker] validation failed: {report.detail}", file=sys.stderr)
+    service, failure = _load_and_validate(args)
+    if service is None:
+        print(f"cannot load {args.model} layers {args.layers}: {failure}", file=sys.stderr, flush=True)
         return 1
     tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes()) if args.tls_listen else (None, None)
     server, port, tls_port = build_server(service, args.listen, tls_listen=args.tls_listen,

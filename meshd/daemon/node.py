@@ -44,6 +44,7 @@ from meshd.errors import DaemonError
 from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.daemon.swarm_part import Swarm
+from relay.adjustments import library_status
 from relay.host import connect_bootstrap, running_host
 from dht.identity import Identity, load_or_create_identity
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
@@ -226,6 +227,7 @@ class Node:
             "worker": worker,
             "reachability": self.relaying.status(),
             "direct_upgrades": self.upgrader.snapshot(),
+            "libp2p": library_status(),
             "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
                          for d, v in coverage.items()},
         }
@@ -273,7 +275,8 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                     worker = WorkerProcess(spec, progress=lambda line: progress(f"worker: {line}"))
                     node.supervisor = Supervisor(worker.life, on_ready=node.on_worker_ready,
                                                  on_down=node.on_worker_down,
-                                                 backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s))
+                                                 backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s,
+                                                                 w.restart_backoff_reset_s))
                     progress(f"starting the worker for layers {config.layers[0]}:{config.layers[1]} of {config.model}")
                     await nursery.start(node.supervisor.run)
                 if config.model is not None:

@@ -9,7 +9,8 @@
                     ├── announce (signed relay record -> /meshd/relays/v1,
                     │   republished every ttl/3; relay/announce.py)
                     └── control API (meshd/daemon/control.py): `meshd status` gets
-                        {"mode": "relay", "peer_id", "addrs", "peers", "relay": {...}}
+                        {"mode": "relay", "peer_id", "addrs", "peers", "relay": {...},
+                         "libp2p": {version, adjustments}}
 
 The relay keeps no state beyond the library's reservations and its own
 counters (HopService.snapshot). It never runs a worker and never parses a
@@ -27,6 +28,7 @@ import trio
 from libp2p.tools.anyio_service import background_trio_service
 
 from meshd.config import DaemonConfig
+from relay.adjustments import library_status, render_library
 from relay.announce import announce_relay, public_addrs
 from relay.host import connect_bootstrap, running_host
 from dht.identity import load_or_create_identity
@@ -63,6 +65,7 @@ def render_relay_status(s: dict) -> str:
     announced = s.get("announced")
     lines.append(f"  DHT relay record: seq {announced['sequence']}, {announced['acks']} remote stores acked"
                  if announced else "  DHT relay record: not published (no public address or no DHT)")
+    lines += ["  " + line for line in render_library(s.get("libp2p"))]
     return "\n".join(lines) + "\n"
 
 
@@ -88,7 +91,8 @@ class RelayNode:
             return {"peer_id": self.peer_id}
         return {"mode": "relay", "peer_id": self.peer_id, "addrs": self.addrs(),
                 "dht_routing_table": self.dht.routing_table_size() if self.dht else None,
-                "relay": relay_status(self.hop, self.host), "announced": self.announced}
+                "relay": relay_status(self.hop, self.host), "announced": self.announced,
+                "libp2p": library_status()}
 
     async def peer_sync(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()

@@ -83,8 +83,8 @@ class Swarm:
         if model.is_file():
             self.node.progress("tracker duty and --layers auto need an artifact directory; off for a .gguf")
             return
-        self.node.progress("hashing the model artifact (tracker duty, route planning)")
-        self.digest = await trio.to_thread.run_sync(artifact_digest, model)
+        self.node.progress("the model artifact's digest (tracker duty, route planning; cached per file)")
+        self.digest = await trio.to_thread.run_sync(artifact_digest, model, self.node.progress)
         footprint = artifact_footprint(model, self.digest, self.config.worker.dtype)
         self.duty = TrackerDuty(self.node.identity.peer_id, footprint, self.node.identity.signing_key,
                                 self.kv_budget, rng=random.Random())

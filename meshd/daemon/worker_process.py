@@ -6,7 +6,9 @@ loopback gRPC -- in a thread, grpc stays out of the trio loop -- and check it
 is validated for exactly our range; hand it to ``on_ready``; then poll Health
 until the process exits. Cancellation sends SIGTERM (the worker drains its
 sessions), waits ``STOP_GRACE_S``, then SIGKILL. Worker output goes to
-``worker.log`` in the data dir and, line by line, to the progress callback.
+``worker.log`` in the data dir and, line by line, to the progress callback
+and the state's stderr tail (``meshd status``) -- except the lines of a
+traceback (marked by the worker, shard/worklog.py), which stay in the log file.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import OnReady, WorkerReady, WorkerState
 from meshd.reach.tls import TlsMaterial, loopback_channel
 from proto import shard_runtime_pb2 as pb
+from shard.worklog import is_trace_line
 
 log = logging.getLogger(__name__)
 
@@ -139,6 +142,7 @@ class WorkerProcess:
         ready_file = spec.run_dir / "worker-ready.json"
         ready_file.unlink(missing_ok=True)
         log_path = spec.run_dir / "worker.log"
+        state.log_path = str(log_path)
         ready_line = trio.Event()
         proc = _ChildProcess.spawn(spec.command(ready_file), spec.env())
         state.pid = proc.pid
@@ -199,7 +203,7 @@ class WorkerProcess:
                     line = raw.decode("utf-8", "replace").rstrip()[:MAX_LINE_CHARS]
                     if ready_line is not None and (line == "ready" or line.startswith("ready ")):
                         ready_line.set()
-                    elif line:
+                    elif line and not is_trace_line(line):
                         state.stderr_tail.append(line)
                         self.progress(line)
                 if len(buf) > MAX_LINE_CHARS * 4:
@@ -216,6 +220,9 @@ class WorkerProcess:
                 state.health = {"error": str(exc), "failures": failures}
                 if failures >= MAX_HEALTH_FAILURES:
                     log.warning("worker failed %d health checks; stopping it", failures)
+                    # in the tail that status shows: why a SIGTERM ended this life
+                    state.stderr_tail.append(f"[daemon] {failures} health checks failed in a row ({exc}); "
+                                             "stopping the worker")
                     proc.terminate()
                     return
                 continue

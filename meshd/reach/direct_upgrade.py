@@ -22,6 +22,14 @@ no closing of the relayed connection after an upgrade (a live session may
 keep its circuit). The library logs hole-punch failures at WARNING/ERROR;
 ``quiet_dcutr_logs`` demotes its records to DEBUG (fall back silently).
 
+These overrides reach into py-libp2p 0.8.1's private methods, so they are a
+library adjustment like the data-path patches (relay/adjustments.py): ``run``
+checks the exact version and the methods first (``dcutr_policy_check``) and
+records the decision as ``dcutr_policy`` in the registry ``meshd status``
+shows. On any other version the DCUtR service is not started at all (the
+library's own policy would punch every relayed peer and close circuits under
+live sessions): relayed hops simply stay relayed, and status says why.
+
 State owned here: the policy table (peer -> last attempt), the direct
 connections found (peer -> connection), both bounded by MAX_TRACKED_PEERS and
 guarded by one lock (read from driver threads, written in the trio loop).
@@ -39,10 +47,12 @@ from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 
+from relay.adjustments import Adjustment, installed_version, record, version_gate
+
 log = logging.getLogger(__name__)
 
 __all__ = ["DirectUpgrader", "UpgradePolicy", "QuietDCUtR", "direct_connection", "is_relayed",
-           "quiet_dcutr_logs", "UPGRADE_TIMEOUT_S", "RETRY_AFTER_S"]
+           "quiet_dcutr_logs", "dcutr_policy_check", "apply_dcutr_policy", "UPGRADE_TIMEOUT_S", "RETRY_AFTER_S"]
 
 # One attempt: a unilateral dial (DCUTR_DIAL_TIMEOUT_S), the CONNECT/SYNC
 # exchange over the relay, then up to three hole-punch rounds of 5 s with 2 s
@@ -135,6 +145,36 @@ class QuietDCUtR(DCUtRProtocol):
         return None
 
 
+# The library's members our overrides replace or use (py-libp2p 0.8.1's DCUtRProtocol).
+_DCUTR_MEMBERS = ("_auto_drive_loop", "_handle_dcutr_stream", "_schedule_relay_close", "initiate_hole_punch")
+DCUTR_POLICY = "dcutr_policy"
+
+
+def dcutr_policy_check(version: str) -> str | None:
+    """None when our DCUtR overrides fit ``version`` and the installed class; else why not."""
+    refused = version_gate(version)
+    if refused:
+        return refused
+    missing = [name for name in _DCUTR_MEMBERS if not hasattr(DCUtRProtocol, name)]
+    return f"off: DCUtRProtocol lacks {', '.join(missing)}" if missing else None
+
+
+def apply_dcutr_policy(version: str | None = None) -> Adjustment:
+    """Decide (and record) whether this process runs our narrowed DCUtR; quiets its logs when on.
+
+    Returns this decision (the registry keeps an earlier "on" for the process)."""
+    version = installed_version() if version is None else version
+    reason = dcutr_policy_check(version)
+    if reason is not None:
+        decision = Adjustment(DCUTR_POLICY, False, reason + "; direct upgrades disabled (hops stay relayed)",
+                              version)
+    else:
+        quiet_dcutr_logs()
+        decision = Adjustment(DCUTR_POLICY, True, f"on: libp2p {version}, the version it was written for", version)
+    record(decision.name, decision.applied, decision.reason, decision.library_version)
+    return decision
+
+
 async def _reset(stream) -> None:
     try:
         await stream.reset()
@@ -186,8 +226,10 @@ def direct_connection(host, peer_id: ID):
 
 class DirectUpgrader:
     def __init__(self, host, *, timeout_s: float = UPGRADE_TIMEOUT_S, policy: UpgradePolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, dcutr_factory=QuietDCUtR) -> None:
+                 clock: Callable[[], float] = time.monotonic, dcutr_factory=QuietDCUtR,
+                 libp2p_version: str | None = None) -> None:
         self.host, self.timeout_s, self.clock = host, timeout_s, clock
+        self._libp2p_version = libp2p_version    # decide for this version (default: the installed one)
         self.policy = policy or UpgradePolicy()
         self._dcutr_factory = dcutr_factory
         self._dcutr = None
@@ -199,10 +241,18 @@ class DirectUpgrader:
         self.upgraded = 0      # found a direct connection
         self.in_flight = 0     # queued or running
         self.sessions_direct = 0   # session channels handed out on a direct connection
+        self.adjustment: Adjustment | None = None   # the dcutr_policy decision, once run
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Serve /libp2p/dcutr and run requested attempts until cancelled."""
-        quiet_dcutr_logs()
+        """Serve /libp2p/dcutr and run requested attempts until cancelled.
+
+        When the overrides do not fit the installed library (``apply_dcutr_policy``), no
+        DCUtR runs: ``request`` returns False and relayed hops stay relayed."""
+        self.adjustment = apply_dcutr_policy(self._libp2p_version)
+        if not self.adjustment.applied:
+            log.info("DCUtR direct upgrades disabled: %s", self.adjustment.reason)
+            task_status.started()
+            await trio.sleep_forever()
         self._dcutr = self._dcutr_factory(self.host, read_timeout=DCUTR_READ_TIMEOUT_S,
                                           write_timeout=DCUTR_WRITE_TIMEOUT_S, dial_timeout=DCUTR_DIAL_TIMEOUT_S)
         async with background_trio_service(self._dcutr):
@@ -265,7 +315,8 @@ class DirectUpgrader:
         with self._lock:
             direct = sum(1 for c in self._direct.values() if not getattr(c, "is_closed", True))
         return {"attempts": self.attempts, "upgraded": self.upgraded, "in_flight": self.in_flight,
-                "direct_now": direct, "sessions_direct": self.sessions_direct}
+                "direct_now": direct, "sessions_direct": self.sessions_direct,
+                "enabled": bool(self.adjustment and self.adjustment.applied)}
 
     async def _attempt(self, peer_id: str, limiter: trio.CapacityLimiter) -> None:
         _IN_UPGRADE.set(True)

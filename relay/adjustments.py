@@ -1,0 +1,143 @@
+"""Explicit adjustments to py-libp2p: applied by the host builder, gated on the exact version.
+
+meshd changes a few things inside py-libp2p 0.8.1 (see each module for why):
+
+    yamux_release_on_read   PY_YAMUX_RELEASE_ON_READ=0, the library's own knob (unless the user set it)
+    yamux_window_batching   relay/yamux_tuning.py: WINDOW_UPDATEs at half the window
+    libp2p_fastpath         relay/libp2p_fastpath.py: leaner TCP/Noise/yamux data path
+                            (MESHD_LIBP2P_FASTPATH=0 leaves it off)
+    dcutr_policy            meshd/reach/direct_upgrade.py: our DCUtR service narrows the library's
+                            (no auto-drive, no relay close, bounded inbound punches); recorded here
+                            by the code that sets DCUtR up
+
+Nothing here runs at import. ``apply_libp2p_adjustments()`` is called by
+``relay.host.build_host`` (so every process that builds a host -- daemon,
+relay mode, ``python -m relay.node``, the benchmark harness -- gets the same
+data path before its first connection exists); each adjustment is applied
+only when the installed library is exactly ``TESTED_LIBP2P_VERSION`` (and
+still has what it replaces). Anything else leaves the library untouched and
+says why.
+
+State: the registry, name -> ``Adjustment`` (applied or not, and the reason),
+one per process, guarded by a lock; ``snapshot()`` is what ``meshd status``
+shows. Patches are process-wide and never undone by this module: once an
+adjustment is on, a later call keeps reporting it on.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import threading
+from dataclasses import asdict, dataclass
+
+__all__ = ["Adjustment", "TESTED_LIBP2P_VERSION", "installed_version", "version_gate", "record",
+           "snapshot", "apply_libp2p_adjustments", "library_status", "render_library", "RELEASE_ON_READ_ENV"]
+
+# The one py-libp2p release every adjustment was written and measured against.
+TESTED_LIBP2P_VERSION = "0.8.1"
+# py-libp2p's own yamux knob (read at call time): "0" stops crediting partial reads at once.
+RELEASE_ON_READ_ENV = "PY_YAMUX_RELEASE_ON_READ"
+
+
+@dataclass(frozen=True, slots=True)
+class Adjustment:
+    name: str
+    applied: bool
+    reason: str            # why it is on, or why it is off
+    library_version: str   # the libp2p version the decision was made for ("" if none is installed)
+
+
+_lock = threading.Lock()
+_apply_lock = threading.Lock()     # one apply at a time (two threads building hosts at once)
+_registry: dict[str, Adjustment] = {}
+
+
+def installed_version() -> str:
+    """The installed py-libp2p version, "" when it is not installed."""
+    try:
+        return importlib.metadata.version("libp2p")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+def version_gate(version: str) -> str | None:
+    """None when ``version`` is the tested one; else the reason every adjustment stays off."""
+    if not version:
+        return "off: py-libp2p is not installed"
+    if version != TESTED_LIBP2P_VERSION:
+        return f"off: libp2p {version} is installed, written for {TESTED_LIBP2P_VERSION} only"
+    return None
+
+
+def record(name: str, applied: bool, reason: str, version: str) -> Adjustment:
+    """Remember the decision for ``name``; an adjustment already on stays on (patches are not undone)."""
+    with _lock:
+        old = _registry.get(name)
+        if old is not None and old.applied and not applied:
+            return old
+        adj = Adjustment(name, applied, reason, version)
+        _registry[name] = adj
+        return adj
+
+
+def snapshot() -> list[dict]:
+    """The registry as JSON-able rows, by name (``meshd status``)."""
+    with _lock:
+        return [asdict(_registry[name]) for name in sorted(_registry)]
+
+
+def _on(version: str) -> str:
+    return f"on: libp2p {version}, the version it was written for"
+
+
+def _release_on_read(version: str) -> Adjustment:
+    prior = _registry.get("yamux_release_on_read")
+    if prior is not None and prior.applied:
+        return prior
+    user = os.environ.get(RELEASE_ON_READ_ENV)
+    if user is not None and user != "0":
+        return record("yamux_release_on_read", False, f"off: {RELEASE_ON_READ_ENV}={user} set by the user, kept",
+                      version)
+    if user == "0":     # inherited from a meshd parent, or the user's own choice: the same setting
+        return record("yamux_release_on_read", True,
+                      _on(version) + f" ({RELEASE_ON_READ_ENV}=0, already in the environment)", version)
+    os.environ[RELEASE_ON_READ_ENV] = "0"
+    return record("yamux_release_on_read", True, _on(version) + f" ({RELEASE_ON_READ_ENV}=0)", version)
+
+
+def apply_libp2p_adjustments(version: str | None = None) -> list[Adjustment]:
+    """Apply the data-path adjustments (idempotent); returns their registry entries.
+
+    ``version`` is the library version to decide for (default: the installed one);
+    tests pass another string to see the gate refuse."""
+    from relay import libp2p_fastpath, yamux_tuning
+
+    version = installed_version() if version is None else version
+    refused = version_gate(version)
+    with _apply_lock:
+        out = [record("yamux_release_on_read", False, refused, version) if refused else _release_on_read(version)]
+        for name, module in (("yamux_window_batching", yamux_tuning), ("libp2p_fastpath", libp2p_fastpath)):
+            reason = refused or module.check(version)
+            if reason is None and module.apply(version):
+                out.append(record(name, True, _on(version), version))
+            else:
+                out.append(record(name, False, reason or "off: the library lacks what it replaces", version))
+        return out
+
+
+def library_status() -> dict:
+    """The ``libp2p`` section of ``meshd status``: installed version and every adjustment's decision."""
+    return {"version": installed_version(), "tested_version": TESTED_LIBP2P_VERSION, "adjustments": snapshot()}
+
+
+def render_library(status: dict | None) -> list[str]:
+    """Text lines for a ``library_status()`` dict (pure; used by both status views)."""
+    if not status:
+        return []
+    rows = status.get("adjustments") or []
+    lines = [f"libp2p     {status.get('version') or '(not installed)'} "
+             f"({sum(1 for r in rows if r['applied'])} of {len(rows)} adjustments on)"]
+    width = max((len(r["name"]) for r in rows), default=0)
+    for r in rows:
+        lines.append(f"  {'on ' if r['applied'] else 'off'}  {r['name'].ljust(width)}  {r['reason']}")
+    return lines

@@ -1,0 +1,173 @@
+"""py-libp2p adjustments (relay/adjustments.py): applied by the host builder, gated on the version, reported.
+
+What a fresh process does is checked in a fresh process (the patches are process-wide):
+importing ``relay`` changes nothing, another version string leaves the library alone,
+MESHD_LIBP2P_FASTPATH=0 and a user's PY_YAMUX_RELEASE_ON_READ are honoured."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import trio
+from libp2p.stream_muxer.yamux.yamux import YamuxStream
+
+from meshd.cli.status_view import render_status
+from meshd.daemon.relay_mode import render_relay_status
+from meshd.reach.direct_upgrade import DCUTR_POLICY, DirectUpgrader, apply_dcutr_policy, dcutr_policy_check
+from relay import adjustments as A
+from relay import libp2p_fastpath, yamux_tuning
+from tests._relay_helpers import LOOPBACK, REPO_ROOT, new_host
+
+CHILD_TIMEOUT_S = 120
+DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath"}
+
+# Run in a child: ``report()`` prints what the library looks like and what the registry says.
+PROBE = r"""
+import json, os, sys
+
+def report():
+    from libp2p.io.trio import TrioTCPStream
+    from libp2p.stream_muxer.yamux import yamux as Y
+    from relay import adjustments as A
+    print(json.dumps({{
+        "registry": A.snapshot(),
+        "yamux_patched": Y.YamuxStream._auto_tune_and_send_window_update.__module__ != Y.__name__,
+        "tcp_read_patched": TrioTCPStream.read.__module__ != "libp2p.io.trio",
+        "write_patched": Y.YamuxStream.write.__module__ != Y.__name__,
+        "release_env": os.environ.get(A.RELEASE_ON_READ_ENV),
+    }}))
+
+{setup}
+report()
+"""
+BUILD_A_HOST = ("import os; from relay.host import build_host; from dht.identity import Identity; "
+                "build_host(Identity.from_seed(os.urandom(32)))")
+
+
+def _children(setup: str, **env_extra: str) -> list[dict]:
+    """Every ``report()`` of a child running ``setup`` (and one more at its end)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MESHD_LIBP2P_FASTPATH", A.RELEASE_ON_READ_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
+    env.update(env_extra)
+    out = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup)], env=env, cwd=REPO_ROOT,
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads(line) for line in out.stdout.strip().splitlines() if line.startswith("{")]
+
+
+def _child(setup: str, **env_extra: str) -> dict:
+    return _children(setup, **env_extra)[-1]
+
+
+def _by_name(rows: list[dict]) -> dict[str, dict]:
+    return {r["name"]: r for r in rows}
+
+
+def test_building_a_host_turns_every_data_path_adjustment_on_for_the_tested_version():
+    new_host()
+    rows = _by_name(A.snapshot())
+    assert DATA_PATH <= set(rows)
+    for name in DATA_PATH:
+        assert rows[name]["applied"], rows[name]
+        assert rows[name]["library_version"] == A.TESTED_LIBP2P_VERSION == "0.8.1"
+        assert rows[name]["reason"].startswith("on: libp2p 0.8.1")
+    assert yamux_tuning.APPLIED and libp2p_fastpath.APPLIED
+    assert YamuxStream._auto_tune_and_send_window_update is yamux_tuning._batched_window_update
+    assert os.environ[A.RELEASE_ON_READ_ENV] == "0"
+    # a second build (another host in the same process) keeps them on and changes nothing
+    new_host()
+    assert _by_name(A.snapshot()) == rows
+
+
+def test_the_gates_refuse_any_other_version_and_say_which():
+    assert A.version_gate("0.8.1") is None
+    for other in ("0.8.2", "0.9.0", "0.8.1rc1"):
+        for reason in (A.version_gate(other), yamux_tuning.check(other), libp2p_fastpath.check(other),
+                       dcutr_policy_check(other)):
+            assert reason is not None and reason.startswith("off:") and other in reason and "0.8.1" in reason
+    assert A.version_gate("") == "off: py-libp2p is not installed"
+    assert dcutr_policy_check("0.8.1") is None and yamux_tuning.check("0.8.1") is None
+
+
+def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them():
+    imported, built = _children("import relay, relay.host, relay.transport, relay.libp2p_fastpath, "
+                                "relay.yamux_tuning, meshd.reach.direct_upgrade, meshd.daemon.node; report(); "
+                                + BUILD_A_HOST)
+    assert imported == {"registry": [], "yamux_patched": False, "tcp_read_patched": False,
+                        "write_patched": False, "release_env": None}
+    assert built["yamux_patched"] and built["tcp_read_patched"] and built["write_patched"]
+    assert built["release_env"] == "0"
+    assert {r["name"]: r["applied"] for r in built["registry"]} == dict.fromkeys(DATA_PATH, True)
+
+
+def test_another_version_leaves_the_library_untouched_and_the_registry_says_why():
+    got = _child("from relay.adjustments import apply_libp2p_adjustments as go; go('0.9.3'); "
+                 "from meshd.reach.direct_upgrade import apply_dcutr_policy; apply_dcutr_policy('0.9.3')")
+    assert not (got["yamux_patched"] or got["tcp_read_patched"] or got["write_patched"])
+    assert got["release_env"] is None
+    rows = _by_name(got["registry"])
+    assert set(rows) == DATA_PATH | {DCUTR_POLICY}
+    for row in rows.values():
+        assert not row["applied"] and row["library_version"] == "0.9.3"
+        assert "off: libp2p 0.9.3 is installed, written for 0.8.1 only" in row["reason"]
+    assert "direct upgrades disabled" in rows[DCUTR_POLICY]["reason"]
+
+
+def test_the_fast_path_switch_and_a_users_yamux_knob_are_honoured():
+    got = _child(BUILD_A_HOST, MESHD_LIBP2P_FASTPATH="0", PY_YAMUX_RELEASE_ON_READ="1")
+    rows = _by_name(got["registry"])
+    assert not got["tcp_read_patched"] and not got["write_patched"] and got["yamux_patched"]
+    assert rows["libp2p_fastpath"] == {"name": "libp2p_fastpath", "applied": False,
+                                       "reason": "off: MESHD_LIBP2P_FASTPATH=0", "library_version": "0.8.1"}
+    assert got["release_env"] == "1" and not rows["yamux_release_on_read"]["applied"]
+    assert "PY_YAMUX_RELEASE_ON_READ=1 set by the user" in rows["yamux_release_on_read"]["reason"]
+    assert rows["yamux_window_batching"]["applied"]
+    inherited = _by_name(_child(BUILD_A_HOST, PY_YAMUX_RELEASE_ON_READ="0")["registry"])["yamux_release_on_read"]
+    assert inherited["applied"] and "already in the environment" in inherited["reason"]   # e.g. from a meshd parent
+
+
+def test_the_upgrader_records_the_dcutr_policy_and_off_means_no_dcutr_service():
+    async def main():
+        host = new_host()
+        async with host.run(LOOPBACK):
+            upgrader = DirectUpgrader(host)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(upgrader.run)
+                assert upgrader.adjustment.applied and upgrader.snapshot()["enabled"]
+                assert "/libp2p/dcutr" in [str(p) for p in host.get_mux().get_protocols()]
+                nursery.cancel_scope.cancel()
+            off = DirectUpgrader(host, libp2p_version="0.9.0")
+            async with trio.open_nursery() as nursery:
+                await nursery.start(off.run)
+                assert not off.adjustment.applied and not off.snapshot()["enabled"]
+                assert off.request(host.get_id().to_base58()) is False      # nothing is queued
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    row = _by_name(A.snapshot())[DCUTR_POLICY]
+    assert row["applied"] and row["reason"] == "on: libp2p 0.8.1, the version it was written for"
+    assert not apply_dcutr_policy("0.9.0").applied
+    assert _by_name(A.snapshot())[DCUTR_POLICY] == row    # once on in this process, the registry says on
+
+
+def test_status_views_show_each_adjustment_and_why():
+    new_host()
+    status = A.library_status()
+    lines = A.render_library(status)
+    assert lines[0].startswith("libp2p     0.8.1 (") and "adjustments on)" in lines[0]
+    assert any(line.split()[:2] == ["on", "libp2p_fastpath"] for line in lines[1:])
+    off = {"version": "0.9.0", "adjustments": [{"name": "libp2p_fastpath", "applied": False,
+                                                "reason": "off: libp2p 0.9.0 is installed, written for 0.8.1 only",
+                                                "library_version": "0.9.0"}]}
+    assert A.render_library(off) == ["libp2p     0.9.0 (0 of 1 adjustments on)",
+                                     "  off  libp2p_fastpath  off: libp2p 0.9.0 is installed, written for 0.8.1 only"]
+    daemon = {"peer_id": "p", "addresses": [], "peers": [], "routing_table": 0, "coverage": {},
+              "own": {"layers": None}, "worker": {"state": "none"}, "libp2p": off}
+    assert "off  libp2p_fastpath  off: libp2p 0.9.0" in render_status(daemon)
+    relay = {"peer_id": "r", "addrs": [], "dht_routing_table": 0, "announced": None, "libp2p": off,
+             "relay": {"circuits_refused": {}, "peers_connected": 0, "reservations_active": 0,
+                       "circuits_active": 0, "circuits_opened": 0, "bytes_forwarded": 0,
+                       "limits": {"reservations_total": 1, "circuits_total": 1}}}
+    assert "off  libp2p_fastpath  off: libp2p 0.9.0" in render_relay_status(relay)
