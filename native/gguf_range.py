@@ -59,6 +59,11 @@ __all__ = [
 HASH_CHUNK_BYTES = 8 << 20
 # One progress line per this many bytes hashed (a 1 GB file prints ~4 lines).
 HASH_PROGRESS_BYTES = 256 << 20
+# Bounds on what metadata may claim: shard.backend.LayerRange allows 4096 layers;
+# widths (hidden, vocab, heads, ffn) and contexts far above any real model.
+MAX_MODEL_LAYERS = 4096
+MAX_WIDTH = 1 << 24
+MAX_CONTEXT = 1 << 30
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 # Metadata of a self-describing slice (``meshd slice``; see slice.write_user_slice).
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
@@ -87,10 +92,13 @@ class GGUFModelInfo:
     value_head_dim: int = 0  # V head size when it differs from K's (0: same as head_dim)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "vocab_size", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "context_length"):
-            if getattr(self, name) <= 0:
-                raise ArtifactError(f"GGUF metadata gives {name} = {getattr(self, name)}; the file is corrupt")
+        for name, limit in (("num_layers", MAX_MODEL_LAYERS), ("hidden_size", MAX_WIDTH),
+                            ("vocab_size", MAX_WIDTH), ("num_heads", MAX_WIDTH), ("num_kv_heads", MAX_WIDTH),
+                            ("head_dim", MAX_WIDTH), ("intermediate_size", MAX_WIDTH),
+                            ("context_length", MAX_CONTEXT)):
+            if not 0 < getattr(self, name) <= limit:
+                raise ArtifactError(f"GGUF metadata gives {name} = {getattr(self, name)} (expected 1..{limit}); "
+                                    "the file is corrupt")
         if self.num_heads % self.num_kv_heads:
             raise ArtifactError("GGUF metadata: head_count is not a multiple of head_count_kv")
 
