@@ -50,7 +50,7 @@ from shard.backend import LayerRange
 
 __all__ = [
     "GGUFModelInfo", "RangeTensors", "open_reader", "model_info", "read_range", "held_range",
-    "artifact_digest", "model_digest", "gguf_recipe", "layer_tensor_bytes", "SUPPORTED_ARCHITECTURES",
+    "artifact_digest", "model_digest", "gguf_recipe", "size_table", "SizeTable", "SUPPORTED_ARCHITECTURES",
     "SLICE_KEYS",
 ]
 
@@ -69,7 +69,9 @@ _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
 SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
 SLICE_KEYS = {"source_digest": "meshd.slice.source_digest", "start": "meshd.slice.start",
               "end": "meshd.slice.end", "num_layers": "meshd.slice.num_layers",
-              "vocab_size": "meshd.slice.vocab_size", "tied": "meshd.slice.tied_embeddings"}
+              "vocab_size": "meshd.slice.vocab_size", "tied": "meshd.slice.tied_embeddings",
+              "layer_bytes": "meshd.slice.layer_bytes", "layer_elements": "meshd.slice.layer_elements",
+              "single_bytes": "meshd.slice.single_bytes", "single_elements": "meshd.slice.single_elements"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,18 +266,42 @@ def read_range(reader: GGUFFile, layer_range: LayerRange) -> RangeTensors:
     return RangeTensors(info, layer_range, tuple(blocks), token_embd, output_norm, output)
 
 
-def layer_tensor_bytes(reader: GGUFFile, info: GGUFModelInfo | None = None) -> tuple[list[int], dict[str, int]]:
-    """Stored bytes per layer (``blk.N.*``) and of every other tensor, by name (the planner's sizes)."""
+# The tensors outside the blocks that the planner sizes: embedding, final norm, output.
+SIZED_SINGLES = ("token_embd.weight", "output_norm.weight", "output.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class SizeTable:
+    """Stored bytes and element counts per layer and of the sized singles (of the whole model)."""
+
+    layer_bytes: tuple[int, ...]
+    layer_elements: tuple[int, ...]
+    single_bytes: tuple[int, ...]       # in SIZED_SINGLES order; 0 = absent
+    single_elements: tuple[int, ...]
+
+
+def size_table(reader: GGUFFile, info: GGUFModelInfo | None = None) -> SizeTable:
+    """The model's tensor sizes: counted from the file, or (a slice) the source's, from its metadata."""
     info = info or model_info(reader)
-    layers = [0] * info.num_layers
-    others: dict[str, int] = {}
+    n = info.num_layers
+    if reader.get_field(SLICE_KEYS["source_digest"]) is not None:
+        parts = [reader.value(SLICE_KEYS[k]) for k in ("layer_bytes", "layer_elements", "single_bytes",
+                                                         "single_elements")]
+        want = (n, n, len(SIZED_SINGLES), len(SIZED_SINGLES))
+        if not all(isinstance(p, list) and len(p) == w and all(isinstance(x, int) and 0 <= x < 1 << 50 for x in p)
+                   for p, w in zip(parts, want)):
+            raise ArtifactError("slice metadata lacks or garbles the source's tensor sizes; re-create the slice")
+        return SizeTable(*(tuple(p) for p in parts))
+    layer_bytes, layer_elements = [0] * n, [0] * n
+    singles = {t.name: t for t in reader.tensors if t.name in SIZED_SINGLES}
     for tensor in reader.tensors:
         match = _BLOCK_NAME.match(tensor.name)
-        if match is None:
-            others[tensor.name] = tensor.n_bytes
-        elif int(match.group(1)) < info.num_layers:
-            layers[int(match.group(1))] += tensor.n_bytes
-    return layers, others
+        if match is not None and int(match.group(1)) < n:
+            layer_bytes[int(match.group(1))] += tensor.n_bytes
+            layer_elements[int(match.group(1))] += tensor.n_elements
+    return SizeTable(tuple(layer_bytes), tuple(layer_elements),
+                     tuple(singles[k].n_bytes if k in singles else 0 for k in SIZED_SINGLES),
+                     tuple(singles[k].n_elements if k in singles else 0 for k in SIZED_SINGLES))
 
 
 def tensor_array(tensor: GGUFTensor):

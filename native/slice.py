@@ -51,7 +51,7 @@ import numpy as np
 from native.errors import ArtifactError
 from native.gguf_file import GGUFField, GGUFFile, GGUFTensor, VType
 from native.gguf_range import (SLICE_KEYS, RangeTensors, held_range, model_digest, model_info, open_reader,
-                               read_range)
+                               read_range, size_table)
 from shard.backend import LayerRange
 
 __all__ = ["slice_path", "write_slice", "write_user_slice", "slice_cache_root", "FAKE_VOCAB",
@@ -73,6 +73,8 @@ def slice_cache_root() -> Path:
 
 
 def _copy_field(writer: gguf.GGUFWriter, field: GGUFField, value=None) -> None:
+    if field.vtype == VType.ARRAY and not len(field.value):
+        return  # gguf's writer cannot write an empty array; no model key needs one
     writer.add_key_value(field.name, field.contents() if value is None else value, field.vtype, field.sub_type)
 
 
@@ -189,6 +191,7 @@ def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: 
     layer_range = LayerRange(start, end, info.num_layers)
     tensors = read_range(reader, layer_range)  # RangeUnavailable outside a source slice
     digest = model_digest(source, progress, reader)
+    sizes = size_table(reader, info)  # the whole model's, so a slice holder can plan for others
     keep = {t.name for block in tensors.blocks for t in block.values()}
     keep |= {t.name for t in (tensors.token_embd, tensors.output_norm, tensors.output) if t is not None}
     if progress is not None:
@@ -203,6 +206,8 @@ def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: 
         writer.add_string(SLICE_KEYS["source_digest"], digest)
         writer.add_uint32(SLICE_KEYS["vocab_size"], info.vocab_size)
         writer.add_bool(SLICE_KEYS["tied"], info.tied_embeddings)
+        for key, values in zip(("layer_bytes", "layer_elements", "single_bytes", "single_elements"), sizes):
+            writer.add_key_value(SLICE_KEYS[key], [int(v) for v in values], VType.ARRAY, VType.UINT64)
         writer.add_uint32(SLICE_KEYS["start"], start)
         writer.add_uint32(SLICE_KEYS["end"], end)
         writer.add_uint32(SLICE_KEYS["num_layers"], info.num_layers)
