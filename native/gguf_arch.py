@@ -19,7 +19,9 @@ layer's *index*: Gemma 3 makes layer ``il`` sliding-window unless
 ``il % 6 == 5`` (and picks the rotary base by that). A slice renumbers its
 blocks from 0, so the adapter writes the explicit per-layer flags
 (``gemma3.attention.sliding_window_pattern``, a bool array llama.cpp reads in
-preference to the period) for the slice's original layers. Any ``{arch}.*``
+preference to the period) for the slice's original layers (a slice of global
+layers only gets window 0: llama.cpp refuses an SWA model without a sliding
+layer, and window 0 builds exactly the global layers' graph). Any ``{arch}.*``
 array with one entry per layer is cut to the slice's layers generically.
 
 State: none; adapters are immutable singletons in ``ARCHITECTURES``.
@@ -145,6 +147,10 @@ class _Gemma3(Architecture):
         if not fields.get(self.key("attention.sliding_window")):
             return {}
         flags = self.sliding_layers(fields, num_layers)[start:end]
+        if not any(flags):
+            # Only global layers: llama.cpp asserts an SWA model has a sliding layer, and a
+            # window of 0 gives exactly the global layers' graph (full attention, global rope base).
+            return {self.key("attention.sliding_window"): (0, V.UINT32, None)}
         return {self.key("attention.sliding_window_pattern"): (flags, V.ARRAY, V.BOOL)}
 
     def to_hf(self, suffix: str, value: np.ndarray, info) -> np.ndarray:

@@ -58,7 +58,7 @@ __all__ = ["slice_path", "write_slice", "write_user_slice", "slice_cache_root", 
            "SLICE_FORMAT_VERSION"]
 
 # Bump when write_slice changes what it writes, so stale cached slices are not reused.
-SLICE_FORMAT_VERSION = 2
+SLICE_FORMAT_VERSION = 3
 # Dummy vocabulary of a non-head, non-tail slice: llama.cpp needs a token_embd
 # of shape [hidden, n_vocab] to load a model; 8 rows cost 18 KiB at hidden 576.
 FAKE_VOCAB = 8
@@ -206,7 +206,8 @@ def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: 
         writer.add_string(SLICE_KEYS["source_digest"], digest)
         writer.add_uint32(SLICE_KEYS["vocab_size"], info.vocab_size)
         writer.add_bool(SLICE_KEYS["tied"], info.tied_embeddings)
-        for key, values in zip(("layer_bytes", "layer_elements", "single_bytes", "single_elements"), sizes):
+        for key in ("layer_bytes", "layer_elements", "single_bytes", "single_elements"):
+            values = getattr(sizes, key)
             writer.add_key_value(SLICE_KEYS[key], [int(v) for v in values], VType.ARRAY, VType.UINT64)
         writer.add_uint32(SLICE_KEYS["start"], start)
         writer.add_uint32(SLICE_KEYS["end"], end)
