@@ -68,6 +68,8 @@ def reference_generate(path: str | Path, prompt: list[int] | tuple[int, ...], ma
     if not prompt or max_new_tokens < 1 or not 1 <= chunk_tokens <= MAX_BATCH_TOKENS:
         raise ValueError("need a prompt, max_new_tokens >= 1 and chunk_tokens in 1..MAX_BATCH_TOKENS")
     info = model_info(open_reader(path))
+    if min(prompt) < 0 or max(prompt) >= info.vocab_size:
+        raise ValueError(f"prompt token ids must lie in 0..{info.vocab_size - 1}")
     n_ctx = max(64, len(prompt) + max_new_tokens + 16)
     config = EngineConfig(n_threads=n_threads, n_ctx=n_ctx, n_seq_max=1, n_batch=MAX_BATCH_TOKENS,
                           flash_attn=flash_attn)

@@ -28,7 +28,7 @@ from native.packaged import key as _key
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # Bump when the builder writes something else, so cached files are rebuilt.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 DEFAULTS: dict[str, Any] = {"hidden": 64, "layers": 6, "heads": 4, "kv_heads": 2, "head_dim": 16, "ffn": 160,
                             "context": 1024, "sliding_window": 8}
 _QTYPES = {"F16": np.float16, "F32": np.float32}
@@ -47,7 +47,7 @@ def _tokenizer(writer: gguf.GGUFWriter) -> int:
         if text in special:
             types[index] = 3
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre("default")  # llama.cpp knows "default" (GPT-2 split), not "gpt2"
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]])
