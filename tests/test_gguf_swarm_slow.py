@@ -156,8 +156,10 @@ def test_slice_holders_join_serve_and_stay_inside_their_slices(tmp_path):
         done = _generate(entry, N_TOKENS)
         print("route:", done["route"])
         assert done["tokens"] == expected
-        assert all(int(h.split(":")[2]) <= 12 or int(h.split(":")[1]) >= 12 for h in done["route"]
-                   if h.split(":")[0] == b.swarm()["peer_id"])
+        held = {a.swarm()["peer_id"]: (18, 30), b.swarm()["peer_id"]: (0, 12), c.swarm()["peer_id"]: (0, 30)}
+        for hop in done["route"]:
+            peer, start, end = hop.split(":")
+            assert held[peer][0] <= int(start) < int(end) <= held[peer][1], hop
 
 
 def test_a_route_never_mixes_recipes(tmp_path):
@@ -178,3 +180,41 @@ def test_a_route_never_mixes_recipes(tmp_path):
         done = _generate(head, 8)
         assert torch_tail.swarm()["peer_id"] not in " ".join(done["route"])
         assert done["tokens"] == _reference(path, 8)
+
+
+def test_relayed_llama_cpp_hop(tmp_path):
+    """A --reachability private llama.cpp daemon reached only through a relay circuit: same tokens."""
+    from meshd.benchmarks import relay_harness as H
+    from meshd.benchmarks.local_swarm import LocalDaemon
+    from meshd.testing.gguf_models import build_random_gguf
+
+    path = build_random_gguf("qwen3")
+    expected = _reference(path, N_TOKENS)
+    relay_dir = tmp_path / "relay"
+    relay_dir.mkdir()
+    relay = H.spawn_ready("relay", ["meshd", "relay", "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir",
+                                    str(relay_dir), "--ready-file", str(relay_dir / "ready.json")],
+                          relay_dir / "ready.json")
+    daemons = []
+    try:
+        boot = relay.ready["addrs"][0]
+        entry = LocalDaemon(tmp_path, "entry", path, layers="0:3", record_ttl_s=RECORD_TTL_S,
+                            extra=(*LLAMA, "--bootstrap", boot, "--reachability", "public"))
+        home = LocalDaemon(tmp_path, "home", path, layers="3:6", record_ttl_s=RECORD_TTL_S,
+                           extra=(*LLAMA, "--bootstrap", boot, "--reachability", "private"))
+        daemons += [entry, home]
+
+        def covered():
+            v = entry.swarm()
+            return v if v and (v.get("coverage") or {}).get("fully_covered") else None
+        wait_for(lambda: ((home.query("status") or {}).get("reachability") or {}).get("relayed_addrs") or None,
+                 "the home node's relayed addrs", START_TIMEOUT_S, home)
+        wait_for(covered, "coverage through the relayed home node", START_TIMEOUT_S, entry)
+        done = _generate(entry, N_TOKENS)
+        home_id = home.query("status")["peer_id"]
+        print("\nrelayed route:", done["route"])
+        assert done["tokens"] == expected and any(h.startswith(home_id) for h in done["route"])
+    finally:
+        for d in daemons:
+            d.stop()
+        relay.stop()
