@@ -136,6 +136,7 @@ def test_slice_holders_join_serve_and_stay_inside_their_slices(tmp_path):
     roomy = fp.range_bytes(0, 30, KV_TOKENS)  # enough for the whole model: only the slice limits them
     whole_node = fp.range_bytes(10, 20, KV_TOKENS)
     expected = _reference(path, N_TOKENS)
+    (tmp_path / "swarm").mkdir()
     with LocalSwarm(tmp_path / "swarm", path, kv_budget_tokens=KV_TOKENS, record_ttl_s=RECORD_TTL_S,
                     extra=LLAMA) as swarm:
         a = swarm.add(memory=roomy, model=high)
@@ -160,6 +161,42 @@ def test_slice_holders_join_serve_and_stay_inside_their_slices(tmp_path):
         for hop in done["route"]:
             peer, start, end = hop.split(":")
             assert held[peer][0] <= int(start) < int(end) <= held[peer][1], hop
+        ack = _deliver_from_tracker(swarm, a, (0, 12))  # a valid tracker directive outside a's slice
+        print("outside-the-slice directive:", ack.accepted, ack.reason, ack.detail)
+        assert not ack.accepted and ack.reason == "not_held"
+        assert tuple(a.swarm()["layers"]) == tuple(view["layers"])
+
+
+def _deliver_from_tracker(swarm, target, span):
+    """Sign a LOAD of ``span`` for ``target`` with the current tracker's key and deliver it."""
+    import random
+
+    import trio
+
+    from dht.identity import Identity, load_or_create_identity
+    from meshd.plan.adverts import Span
+    from meshd.plan.assignment import DirectiveIntent
+    from meshd.plan.directives import build_directive
+    from meshd.plan.tracker import epoch_at
+    from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange, sign_directive
+    from proto import shard_runtime_pb2 as pb
+    from relay.host import running_host
+
+    view = target.swarm()
+    tracker_id = view["tracker"]
+    tracker = next(d for d in swarm.daemons if d.alive() and (d.swarm() or {}).get("peer_id") == tracker_id)
+    now = int(time.time() * 1000)
+    directive = build_directive(DirectiveIntent(pb.DIRECTIVE_ACTION_LOAD_SHARD, view["peer_id"], Span(*span)),
+                                tracker_peer_id=tracker_id, model_digest=view["model_digest"],
+                                epoch=epoch_at(now), now_ms=now, rng=random.Random(7))
+    record = sign_directive(directive, load_or_create_identity(tracker.data_dir).signing_key)
+    addr = target.address()
+
+    async def main():
+        async with running_host(Identity.from_seed(random.randbytes(32)), ["/ip4/127.0.0.1/tcp/0"]) as host:
+            return await exchange(host, addr.split("/p2p/")[1], [addr], DIRECTIVE_PROTOCOL, record)
+
+    return pb.DirectiveAck.FromString(trio.run(main))
 
 
 def test_a_route_never_mixes_recipes(tmp_path):
