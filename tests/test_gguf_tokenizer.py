@@ -36,6 +36,29 @@ def _compare(path):
     return ours, ref
 
 
+# transformers 5.23's ids for SmolLM2's GGUF tokenizer (AutoTokenizer, gguf_file=), recorded once:
+# the default suite checks these; the slow test below compares against transformers live.
+SMOL_GOLDEN = {
+    "Hello world!": [19556, 905, 17],
+    "  leading spaces and\ttabs\n\nnewlines": [216, 2899, 5600, 284, 197, 100, 7366, 198, 198, 2241, 5110],
+    "ünïcödé 日本語 emoji 🎉": [47682, 25972, 83, 7466, 84, 2756, 17097, 241, 115, 40993, 179, 120, 248, 649,
+                            33777, 15107, 232, 227],
+    "<|im_start|>user\nWhat?<|im_end|>": [1, 4093, 198, 1780, 47, 2],
+}
+SMOL_CHAT_HI = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+                19712, 8182, 2, 198, 1, 4093, 198, 26843, 2, 198, 1, 520, 9531, 198]
+
+
+def test_smollm2_golden_ids_and_chat_template():
+    ours = EntryTokenizer(smollm2_gguf_path())
+    for text, ids in SMOL_GOLDEN.items():
+        assert ours.encode_prompt(text, raw=True) == ids, text
+        assert ours.decode(ids) == text.replace("<|im_start|>", "").replace("<|im_end|>", "")
+    assert ours.encode_prompt("Hi", raw=False) == SMOL_CHAT_HI
+    assert ours.stop_ids == {2}
+
+
+@pytest.mark.slow  # transformers' GGUF tokenizer takes 10-60 s to build here
 def test_smollm2_ids_and_chat_template_match_transformers():
     ours, ref = _compare(smollm2_gguf_path())
     prompt = "What is the capital of France?"

@@ -85,7 +85,7 @@ def test_truncations(small, data):
 
 
 @given(st.data())
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_byte_flips_in_the_header(small, data):
     end = _header_end(small)
     buf = bytearray(small)
@@ -109,7 +109,7 @@ def test_huge_counts_anywhere_in_the_header(small, data, value):
 
 
 @given(st.data(), HUGE)
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_mutated_real_vocabulary_header(smol_header, data, value):
     # A 3 MiB prefix of the real file: strings and 49k-element arrays with lying lengths.
     buf = bytearray(smol_header)
