@@ -2,14 +2,20 @@
 
 Files and roles:
   errors.py         ArtifactError / RuntimeUnavailable / RangeUnavailable in the meshd error tree
-  gguf_range.py     model facts, one range's tensors (memory-mapped), artifact digest, recipe
-  slice.py          per-range GGUF slices (renumbered blocks, no_vocab, fake vocab off the ends)
+  gguf_file.py      the bounded GGUF reader: every count, length and offset checked (GGUFFormatError)
+  gguf_arch.py      one adapter per architecture (llama, qwen2, qwen3, gemma3): tensors, hparams,
+                    layer-indexed metadata of slices, the torch lane's names and transforms
+  gguf_range.py     model facts, one range's tensors (memory-mapped), held range of a slice,
+                    size table, model digest (a slice's = its source's), recipe
+  slice.py          per-range GGUF slices for llama.cpp (renumbered blocks, no_vocab, fake vocab
+                    off the ends) and self-describing user slices (``meshd slice``)
   llama_engine.py   one llama.cpp model + context; token/embedding batches; residual capture via cb_eval
   llama_backend.py  LlamaRangeBackend: shard's RangeBackend over llama.cpp sequences (sessions = seq_ids)
   torch_gguf.py     the exactness reference: dequantized GGUF range -> shard's TorchRangeBackend
   convert.py        safetensors artifact -> GGUF (F32, F16, BF16, Q8_0; Q4_K_M via llama.cpp's quantizer)
   factory.py        the worker's hook: FILE.gguf + --backend llama.cpp|torch -> a RangeBackend
-  packaged.py       models shipped in PyPI packages (SmolLM2 GGUF) prepared as artifacts, cached
+  llama_reference.py  whole-model llama.cpp in one process: greedy tokens + prefill/decode timings
+  packaged.py       models shipped in PyPI packages (SmolLM2 GGUF, Gemma-3 GGUF) prepared, cached
   cpu_build.py      llama.cpp build flags from CPU features and what the OS enabled (AMX)
 
 llama-cpp-python is the optional ``[native]`` extra (compiled from source; see

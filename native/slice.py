@@ -18,6 +18,20 @@ selects. llama.cpp then runs the slice as if it were a whole model:
   the graph right after the last block (see llama_backend), so the vocabulary
   projection of a non-tail slice is never computed.
 
+Layer-indexed metadata: ``{arch}.*`` arrays with one entry per layer are cut
+to the range, and the architecture's adapter adds what llama.cpp would
+otherwise derive from the (renumbered) layer index (``gguf_arch``: Gemma 3's
+sliding-window layers).
+
+User slices (``meshd slice FILE --layers A:B -o OUT``, ``write_user_slice``)
+are different: a self-describing *part of the model file* for a node that
+should not need the whole file. It keeps every metadata pair of the source
+(tokenizer and chat template included, so a head slice can be an entry
+node), the original block numbers and only the blocks of [A, B) plus the
+embedding (head, or tied tail) and output tensors (tail), and adds
+``meshd.slice.{source_digest,start,end,num_layers}``. ``gguf_range`` reads it
+as the source model restricted to [A, B); its digest is the source's.
+
 State: the slice cache directory (``~/.cache/meshd/slices``, override with
 ``MESHD_SLICE_CACHE``). Names hash the source digest and the range; files are
 written to a temporary sibling and moved into place with ``os.replace``, so
@@ -34,13 +48,17 @@ from typing import TextIO
 import gguf
 import numpy as np
 
-from native.gguf_range import RangeTensors, artifact_digest, open_reader, read_range
+from native.errors import ArtifactError
+from native.gguf_file import GGUFField, GGUFFile, GGUFTensor, VType
+from native.gguf_range import (SLICE_KEYS, RangeTensors, held_range, model_digest, model_info, open_reader,
+                               read_range, size_table)
 from shard.backend import LayerRange
 
-__all__ = ["slice_path", "write_slice", "slice_cache_root", "FAKE_VOCAB", "SLICE_FORMAT_VERSION"]
+__all__ = ["slice_path", "write_slice", "write_user_slice", "slice_cache_root", "FAKE_VOCAB",
+           "SLICE_FORMAT_VERSION"]
 
 # Bump when write_slice changes what it writes, so stale cached slices are not reused.
-SLICE_FORMAT_VERSION = 1
+SLICE_FORMAT_VERSION = 3
 # Dummy vocabulary of a non-head, non-tail slice: llama.cpp needs a token_embd
 # of shape [hidden, n_vocab] to load a model; 8 rows cost 18 KiB at hidden 576.
 FAKE_VOCAB = 8
@@ -54,27 +72,47 @@ def slice_cache_root() -> Path:
     return root
 
 
-def _copy_field(writer: gguf.GGUFWriter, field: gguf.ReaderField) -> None:
-    vtype = field.types[0]
-    sub_type = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-    writer.add_key_value(field.name, field.contents(), vtype, sub_type)
+def _copy_field(writer: gguf.GGUFWriter, field: GGUFField, value=None) -> None:
+    if field.vtype == VType.ARRAY and not len(field.value):
+        return  # gguf's writer cannot write an empty array; no model key needs one
+    writer.add_key_value(field.name, field.contents() if value is None else value, field.vtype, field.sub_type)
 
 
-def _add(writer: gguf.GGUFWriter, name: str, tensor: gguf.ReaderTensor) -> None:
+def _add(writer: gguf.GGUFWriter, name: str, tensor: GGUFTensor) -> None:
     writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
 
 
-def write_slice(reader: gguf.GGUFReader, tensors: RangeTensors, out: Path) -> None:
+def _arch_fields(reader: GGUFFile, arch: str, layer_range: LayerRange, writer: gguf.GGUFWriter) -> None:
+    """``{arch}.*`` pairs for a renumbered slice: per-layer arrays cut, the adapter's additions."""
+    n = layer_range.num_layers
+    extra = model_info(reader).adapter.slice_metadata(
+        {f.name: f.contents() for f in reader.fields.values() if f.name.startswith(f"{arch}.")},
+        layer_range.start, layer_range.end, n)
+    for field in reader.fields.values():
+        if not field.name.startswith(f"{arch}.") or field.name in extra:
+            continue
+        if field.name in (f"{arch}.block_count", f"{arch}.vocab_size"):
+            continue
+        if field.vtype == VType.ARRAY and len(field.value) == n:  # one entry per layer
+            values = field.contents()[layer_range.start:layer_range.end]
+            _copy_field(writer, field, values)
+        else:
+            _copy_field(writer, field)
+    for name, (value, vtype, sub_type) in extra.items():
+        writer.add_key_value(name, value, vtype, sub_type)
+
+
+def write_slice(reader: GGUFFile, tensors: RangeTensors, out: Path) -> None:
     """Write the slice of ``tensors.layer_range`` to ``out`` (not atomic; see slice_path)."""
     info = tensors.info
     arch = info.architecture
     layer_range = tensors.layer_range
     writer = gguf.GGUFWriter(out, arch)
     writer.add_name(f"meshd slice {layer_range}")
+    _arch_fields(reader, arch, layer_range, writer)
     for field in reader.fields.values():
-        if field.name.startswith(f"{arch}.") or field.name in _COPIED_GENERAL_KEYS:
-            if field.name not in (f"{arch}.block_count", f"{arch}.vocab_size"):
-                _copy_field(writer, field)
+        if field.name in _COPIED_GENERAL_KEYS:
+            _copy_field(writer, field)
     needs_real_vocab = layer_range.is_head or layer_range.is_tail
     vocab = info.vocab_size if needs_real_vocab else FAKE_VOCAB
     writer.add_uint32(f"{arch}.block_count", layer_range.count)
@@ -111,23 +149,80 @@ def slice_path(source: str | os.PathLike[str], layer_range: LayerRange,
                progress: TextIO | None = sys.stderr) -> Path:
     """Return the cached slice of ``layer_range`` of ``source``, writing it if absent."""
     source = Path(source)
-    digest = artifact_digest(source, progress)
+    reader = open_reader(source)
+    digest = model_digest(source, progress, reader)
     name = (f"{digest.removeprefix('sha256:')[:24]}-{layer_range.start}-{layer_range.end}"
             f"-of-{layer_range.num_layers}-v{SLICE_FORMAT_VERSION}.gguf")
     target = slice_cache_root() / name
     if target.is_file():
         return target
-    reader = open_reader(source)
     tensors = read_range(reader, layer_range)
     if progress is not None:
         print(f"[meshd gguf] writing slice {layer_range} of {source.name} "
               f"({tensors.touched_bytes() / 1e6:.1f} MB)", file=progress, flush=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=name + ".", suffix=".tmp", dir=target.parent)
+    _atomic_write(target, lambda tmp: write_slice(reader, tensors, tmp))
+    return target
+
+
+def _atomic_write(target: Path, write) -> None:
+    fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        write_slice(reader, tensors, Path(tmp_name))
+        write(Path(tmp_name))
+        os.chmod(tmp_name, 0o644)
         os.replace(tmp_name, target)
     finally:
         if os.path.exists(tmp_name):
             os.unlink(tmp_name)
-    return target
+
+
+def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: str | os.PathLike[str],
+                     progress: TextIO | None = sys.stderr) -> Path:
+    """``meshd slice``: write layers [start, end) of ``source`` as a self-describing slice at ``out``.
+
+    ``source`` may itself be a slice (then [start, end) must lie inside it).
+    The file is written to a temporary sibling and moved into place.
+    """
+    source, out = Path(source), Path(out)
+    reader = open_reader(source)
+    info = model_info(reader)
+    if not 0 <= start < end <= info.num_layers:
+        raise ArtifactError(f"layers {start}:{end} are outside the model's 0:{info.num_layers}")
+    layer_range = LayerRange(start, end, info.num_layers)
+    tensors = read_range(reader, layer_range)  # RangeUnavailable outside a source slice
+    digest = model_digest(source, progress, reader)
+    sizes = size_table(reader, info)  # the whole model's, so a slice holder can plan for others
+    keep = {t.name for block in tensors.blocks for t in block.values()}
+    keep |= {t.name for t in (tensors.token_embd, tensors.output_norm, tensors.output) if t is not None}
+    if progress is not None:
+        print(f"[meshd gguf] writing layers {start}:{end} of {source.name} to {out} "
+              f"({tensors.touched_bytes() / 1e6:.1f} MB of tensors)", file=progress, flush=True)
+
+    def write(tmp: Path) -> None:
+        writer = gguf.GGUFWriter(tmp, info.architecture)
+        for field in reader.fields.values():
+            if field.name not in ("general.architecture", "general.alignment", *SLICE_KEYS.values()):
+                _copy_field(writer, field)
+        writer.add_string(SLICE_KEYS["source_digest"], digest)
+        writer.add_uint32(SLICE_KEYS["vocab_size"], info.vocab_size)
+        writer.add_bool(SLICE_KEYS["tied"], info.tied_embeddings)
+        for key in ("layer_bytes", "layer_elements", "single_bytes", "single_elements"):
+            values = getattr(sizes, key)
+            writer.add_key_value(SLICE_KEYS[key], [int(v) for v in values], VType.ARRAY, VType.UINT64)
+        writer.add_uint32(SLICE_KEYS["start"], start)
+        writer.add_uint32(SLICE_KEYS["end"], end)
+        writer.add_uint32(SLICE_KEYS["num_layers"], info.num_layers)
+        for tensor in reader.tensors:  # source order, original names
+            if tensor.name in keep:
+                _add(writer, tensor.name, tensor)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file(progress=False)
+        writer.close()
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out, write)
+    got = open_reader(out)
+    if held_range(got) != layer_range or model_digest(out, None, got) != digest:  # pragma: no cover - invariant
+        raise ArtifactError(f"{out} does not read back as layers {start}:{end} of {digest}")
+    return out

@@ -743,16 +743,20 @@ class RebalanceDirective(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., directive_id: _Optional[str] = ..., action: _Optional[_Union[DirectiveAction, str]] = ..., tracker_peer_id: _Optional[str] = ..., target_peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., epoch: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class JoinAsk(_message.Message):
-    __slots__ = ("schema_version", "model_artifact_digest", "memory_budget_bytes", "kv_budget_tokens")
+    __slots__ = ("schema_version", "model_artifact_digest", "memory_budget_bytes", "kv_budget_tokens", "held_start", "held_end")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HELD_START_FIELD_NUMBER: _ClassVar[int]
+    HELD_END_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     model_artifact_digest: str
     memory_budget_bytes: int
     kv_budget_tokens: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., model_artifact_digest: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ...) -> None: ...
+    held_start: int
+    held_end: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., model_artifact_digest: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., held_start: _Optional[int] = ..., held_end: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("directive", "refusal")

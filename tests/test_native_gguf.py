@@ -114,7 +114,7 @@ def test_convert_writes_readable_gguf_with_tokenizer(qtype):
     info = model_info(reader)
     assert (info.num_layers, info.hidden_size, info.vocab_size, info.quantization) == (6, 64, 384, qtype)
     tokens = reader.get_field("tokenizer.ggml.tokens")
-    assert len(tokens.data) == 384 and reader.get_field("tokenizer.ggml.merges") is not None
+    assert len(tokens.contents()) == 384 and reader.get_field("tokenizer.ggml.merges") is not None
     kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2}
     assert kinds == {qtype}
 

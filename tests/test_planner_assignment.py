@@ -146,3 +146,37 @@ def test_repeated_joins_cover_the_model_before_adding_redundancy(n, capacities):
     total = sum(min(c, n) for c in capacities)
     if total >= n:
         assert CoverageMap.build(ads, model_digest=MODEL, num_layers=n).fully_covered
+
+
+# ---------------------------------------------------------------- nodes holding a slice (GGUF)
+
+@pytest.mark.parametrize("ranges, held, memory, span", [
+    ([], (4, 8), 1000, (4, 8)),              # the gap is everything, but it holds 4..7 only
+    ([], (2, 6), 250, (2, 4)),
+    ([(0, 4)], (0, 6), 1000, (0, 6)),        # gap 4..7 clipped to 4..5, then grows left, never past 6
+    ([(0, 8)], (3, 5), 1000, (3, 5)),        # redundancy inside the slice
+    ([(0, 2)], (0, 1), 1000, (0, 1)),        # only layers already served: redundancy
+])
+def test_join_inside_the_held_slice(ranges, held, memory, span):
+    plan = plan_join(cov(ranges), FP, JoinRequest("new", memory, kv_budget_tokens=0, held=Span(*held)))
+    assert plan.span == Span(*span)
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(1, 8)), max_size=6), st.integers(0, 7), st.integers(1, 8),
+       st.integers(50, 1200))
+@settings(max_examples=300, deadline=None)
+def test_a_slice_holder_is_never_assigned_outside_its_slice(ranges, a, b, memory):
+    ranges = [(s, e) for s, e in ranges if s < e]
+    if a >= b:
+        return
+    held = Span(a, b)
+    try:
+        plan = plan_join(cov(ranges), FP, JoinRequest("new", memory, kv_budget_tokens=0, held=held))
+    except NoFitError:
+        return
+    assert held.start <= plan.span.start < plan.span.end <= held.end
+
+
+def test_held_span_beyond_the_model_is_refused():
+    with pytest.raises(PlanInputError):
+        plan_join(cov([]), FP, JoinRequest("new", 1000, kv_budget_tokens=0, held=Span(4, 9)))

@@ -124,16 +124,20 @@ def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float, daemon: Lo
 
 
 class LocalSwarm:
-    def __init__(self, root: Path, model: Path, *, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None):
+    def __init__(self, root: Path, model: Path, *, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None,
+                 extra: tuple[str, ...] = ()):
+        """``extra``: more ``meshd join`` flags for every daemon (e.g. ``("--backend", "llama.cpp")``)."""
         self.root, self.model = root, model
-        self.record_ttl_s, self.kv_budget_tokens = record_ttl_s, kv_budget_tokens
+        self.record_ttl_s, self.kv_budget_tokens, self.extra = record_ttl_s, kv_budget_tokens, tuple(extra)
         self.daemons: list[LocalDaemon] = []
         self.bootstrap: str | None = None
 
-    def add(self, *, memory: int | None = None, layers: str = "auto", name: str | None = None) -> LocalDaemon:
-        d = LocalDaemon(self.root, name or f"node{len(self.daemons)}", self.model, layers=layers, memory=memory,
-                        bootstrap=self.bootstrap, record_ttl_s=self.record_ttl_s,
-                        kv_budget_tokens=self.kv_budget_tokens)
+    def add(self, *, memory: int | None = None, layers: str = "auto", name: str | None = None,
+            model: Path | None = None) -> LocalDaemon:
+        """Start a daemon; ``model`` overrides the swarm's file (e.g. a GGUF slice of it)."""
+        d = LocalDaemon(self.root, name or f"node{len(self.daemons)}", model or self.model, layers=layers,
+                        memory=memory, bootstrap=self.bootstrap, record_ttl_s=self.record_ttl_s,
+                        kv_budget_tokens=self.kv_budget_tokens, extra=self.extra)
         self.daemons.append(d)
         if self.bootstrap is None:
             self.bootstrap = d.address()

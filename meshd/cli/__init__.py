@@ -20,6 +20,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("meshd.cli.demo", "start a local 3-node swarm on SmolLM2 and stream an answer"),
     "relay": ("meshd.cli.relay", "run relay mode on a public host: circuit relay v2 + DHT server"),
     "worker": ("meshd.cli.worker", "serve one layer range of a model over ShardRuntime gRPC"),
+    "slice": ("meshd.cli.slice", "write a self-describing layer-range slice of a GGUF model"),
 }
 
 

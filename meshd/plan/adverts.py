@@ -272,12 +272,19 @@ class CoverageMap:
         """Maximal runs of layers nobody serves, in layer order."""
         return tuple(span for span, count in self.runs() if count == 0)
 
-    def weakest_span(self) -> tuple[Span, int]:
+    def weakest_span(self, within: Span | None = None) -> tuple[Span, int]:
         """The lowest-redundancy run: fewest servers, then longest, then first.
 
-        While gaps exist this is the largest gap (count 0).
+        While gaps exist this is the largest gap (count 0). ``within`` clips
+        the runs to the layers a node holds (a GGUF slice).
         """
-        return min(self.runs(), key=lambda rc: (rc[1], -rc[0].length, rc[0].start))
+        runs = self.runs()
+        if within is not None:
+            if within.end > self.num_layers:
+                raise PlanInputError(f"span {within} is outside a {self.num_layers}-layer model")
+            runs = tuple((Span(max(s.start, within.start), min(s.end, within.end)), c) for s, c in runs
+                         if s.start < within.end and within.start < s.end)
+        return min(runs, key=lambda rc: (rc[1], -rc[0].length, rc[0].start))
 
     def without(self, peer_id: str) -> CoverageMap:
         """The map as it would be if ``peer_id`` stopped serving."""

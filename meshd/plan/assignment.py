@@ -21,7 +21,9 @@ Rules (ADR-0009 in the seeds: fill every gap before adding redundancy):
 3. If the window covers the whole target and memory is left, grow it one
    layer at a time towards the less redundant neighbour (right on a tie)
    while it fits: a node's memory is used, never idle.
-4. A node that cannot hold one layer of the target gets ``NoFitError``
+4. A node that holds only some layers (a GGUF slice: ``JoinRequest.held``)
+   is planned inside them: target, window and growth never leave ``held``.
+5. A node that cannot hold one layer of the target gets ``NoFitError``
    (strictly coverage-first: it is not sent to add redundancy while a gap
    it cannot fill exists); the message says how much memory would do.
 
@@ -128,10 +130,13 @@ class JoinRequest:
     peer_id: str
     memory_bytes: int
     kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS
+    held: Span | None = None  # the layers the node has weights for (None: all of them)
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
             raise PlanInputError("peer_id must be a non-empty string")
+        if self.held is not None and not isinstance(self.held, Span):
+            raise PlanInputError("held must be a Span or None")
         for name, value, hi in (("memory_bytes", self.memory_bytes, MAX_MEMORY_BYTES),
                                 ("kv_budget_tokens", self.kv_budget_tokens, MAX_KV_BUDGET_TOKENS)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
@@ -165,15 +170,14 @@ class Assignment:
     intents: tuple[DirectiveIntent, ...]
 
 
-def _grow(costs: _Costs, window: Span, counts: tuple[int, ...], memory: int) -> Span:
-    """Extend a window layer by layer towards the less redundant side while it fits."""
+def _grow(costs: _Costs, window: Span, counts: tuple[int, ...], memory: int, bounds: Span) -> Span:
+    """Extend a window layer by layer towards the less redundant side while it fits (inside ``bounds``)."""
     s, e = window.start, window.end
-    n = len(counts)
     while True:
         options = []
-        if e < n:
+        if e < bounds.end:
             options.append((counts[e], 0, s, e + 1))      # right wins ties (0 < 1)
-        if s > 0:
+        if s > bounds.start:
             options.append((counts[s - 1], 1, s - 1, e))
         for _, _, ns, ne in sorted(options):
             if costs.of(ns, ne) <= memory:
@@ -198,7 +202,10 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
     view = coverage.without(request.peer_id)
     counts = view.counts
     costs = _Costs(footprint, request.kv_budget_tokens)
-    target, redundancy = view.weakest_span()
+    bounds = request.held or Span(0, footprint.num_layers)
+    if bounds.end > footprint.num_layers:
+        raise PlanInputError(f"held span {bounds} is outside a {footprint.num_layers}-layer model")
+    target, redundancy = view.weakest_span(within=request.held)
     window = costs.best_window(target, request.memory_bytes)
     if window is None:
         cheapest = min(costs.of(layer, layer + 1) for layer in range(target.start, target.end))
@@ -209,7 +216,7 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
             f"{request.kv_budget_tokens} tokens); declare more memory with --memory, lower "
             "--kv-budget-tokens, or let a larger node take this span")
     if window == target:
-        window = _grow(costs, window, counts, request.memory_bytes)
+        window = _grow(costs, window, counts, request.memory_bytes, bounds)
     reason = AssignmentReason.FILL_GAP if redundancy == 0 else AssignmentReason.ADD_REDUNDANCY
     intents: tuple[DirectiveIntent, ...]
     if current == window:

@@ -12,6 +12,13 @@ headers (tensor names, shapes -- no weights) and ``config.json``:
 
 Sizes are in the *runtime* dtype the worker will compute in (float32 or
 bfloat16), not the file's: the torch backend converts on load.
+
+``gguf_footprint(path, digest, backend, dtype)`` sizes a ``.gguf`` from its
+tensor infos (native/gguf_range.size_table; a slice carries its source's
+table): for llama.cpp the *stored* bytes (it maps the quantized blocks as
+they are), for torch the dequantized elements times the dtype width. KV per
+token and layer: K and V heads times their head sizes, in F16 for llama.cpp
+(its default cache type, which the engine keeps) or the torch dtype.
 """
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ from meshd.errors import ConfigError
 # A safetensors header is JSON; real ones are well under a few MiB.
 MAX_HEADER_BYTES = 64 << 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# llama.cpp's KV cache type (type_k / type_v default F16; native/llama_engine.py keeps it).
+LLAMA_CPP_KV_BYTES = 2
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -76,3 +85,36 @@ def artifact_footprint(path: Path, model_digest: str, dtype: str = "float32") ->
     head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
     return ModelFootprint(model_digest, tuple(layers), head_extra_bytes=head, tail_extra_bytes=tail,
                           kv_bytes_per_token_layer=2 * heads * head_dim * width)
+
+
+def gguf_footprint(path: Path, model_digest: str, backend: str = "llama.cpp", dtype: str = "float32") -> ModelFootprint:
+    """Per-layer memory of a GGUF model (or of the source of a GGUF slice) on ``backend``."""
+    from native.errors import ArtifactError
+    from native.gguf_range import SIZED_SINGLES, model_info, open_reader, size_table
+
+    try:
+        reader = open_reader(path)
+        info = model_info(reader)
+        sizes = size_table(reader, info)
+    except ArtifactError as exc:
+        raise ConfigError(f"{path} is not a usable GGUF model: {exc}") from exc
+    if backend == "llama.cpp":
+        layers, singles, kv_width = sizes.layer_bytes, sizes.single_bytes, LLAMA_CPP_KV_BYTES
+    else:
+        width = DTYPE_BYTES[dtype]
+        layers = tuple(e * width for e in sizes.layer_elements)
+        singles = tuple(e * width for e in sizes.single_elements)
+        kv_width = width
+    single = dict(zip(SIZED_SINGLES, singles))
+    tail = single["output_norm.weight"] + (single["output.weight"] if not info.tied_embeddings
+                                           else single["token_embd.weight"])
+    return ModelFootprint(model_digest, tuple(int(b) for b in layers),
+                          head_extra_bytes=int(single["token_embd.weight"]), tail_extra_bytes=int(tail),
+                          kv_bytes_per_token_layer=info.kv_elements_per_token_layer() * kv_width)
+
+
+def model_footprint(path: Path, model_digest: str, backend: str = "torch", dtype: str = "float32") -> ModelFootprint:
+    """The footprint of either kind of model: a ``.gguf`` file or an artifact directory."""
+    if path.is_file():
+        return gguf_footprint(path, model_digest, backend, dtype)
+    return artifact_footprint(path, model_digest, dtype)

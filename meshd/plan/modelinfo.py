@@ -2,9 +2,12 @@
 
 ``model_num_layers(path)`` reads ``config.json`` of an artifact directory
 (``num_hidden_layers``, or that of ``text_config``) or the ``<arch>.block_count``
-field of a ``.gguf`` file (memory-mapped, no tensor is read), so that
+field of a ``.gguf`` file (the bounded reader, native/gguf_file.py: memory-mapped,
+no tensor is read; a malformed file is one ConfigError line), so that
 ``meshd join`` can refuse a missing path or a range beyond the model with one
-clear line instead of a worker traceback minutes later.
+clear line instead of a worker traceback minutes later. ``held_layers`` names
+the layers a GGUF slice holds; ``model_digest`` is the artifact digest of
+either kind (the only digest function the daemon calls).
 """
 from __future__ import annotations
 
@@ -41,16 +44,43 @@ def model_num_layers(path: Path) -> int:
 
 
 def _gguf_layers(path: Path) -> int:
-    from gguf import GGUFReader
+    from native.errors import ArtifactError
+    from native.gguf_range import model_info, open_reader
 
     try:
-        reader = GGUFReader(str(path))
-        arch_field = reader.fields["general.architecture"]
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
-        block = reader.fields[f"{arch}.block_count"]
-        return int(block.parts[block.data[0]][0])
-    except (KeyError, ValueError, OSError) as exc:
-        raise ConfigError(f"{path} is not a readable GGUF model ({exc})") from exc
+        return model_info(open_reader(path)).num_layers
+    except ArtifactError as exc:
+        raise ConfigError(f"{path} is not a usable GGUF model: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path} cannot be read: {exc}") from exc
+
+
+def held_layers(path: Path) -> tuple[int, int] | None:
+    """The layers a GGUF slice (``meshd slice``) holds, or None for a whole model / directory."""
+    if not (path.is_file() and path.suffix == ".gguf"):
+        return None
+    from native.errors import ArtifactError
+    from native.gguf_range import held_range, open_reader
+
+    try:
+        held = held_range(open_reader(path))
+    except ArtifactError as exc:
+        raise ConfigError(f"{path} is not a usable GGUF model: {exc}") from exc
+    return None if (held.start, held.end) == (0, held.num_layers) else (held.start, held.end)
+
+
+def model_digest(path: Path, progress=None) -> str:
+    """The model artifact digest: a directory's (shard.artifact) or a GGUF's (a slice: its source's).
+
+    The one place the daemon asks; workers compute the same value for their fingerprints.
+    """
+    if path.is_file():
+        from native.gguf_range import model_digest as gguf_digest
+
+        return gguf_digest(path, progress)
+    from shard.artifact import artifact_digest
+
+    return artifact_digest(path)
 
 
 def check_layers(path: Path, layers: tuple[int, int]) -> int:
@@ -60,4 +90,8 @@ def check_layers(path: Path, layers: tuple[int, int]) -> int:
     if not 0 <= start < end <= num_layers:
         raise LayerRangeInvalid(
             f"layers {start}:{end} are beyond the model: it has {num_layers} layers (use A:B with B <= {num_layers})")
+    held = held_layers(path)
+    if held is not None and not held[0] <= start < end <= held[1]:
+        raise LayerRangeInvalid(f"{path.name} is a slice holding layers {held[0]}:{held[1]}; "
+                                f"serve a range inside it, not {start}:{end}")
     return num_layers

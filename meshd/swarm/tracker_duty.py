@@ -7,8 +7,9 @@ planner's pure ranking (tracker.py: rank by hash distance to (model, epoch)
 among the layer-0 servers). Only the node that finds itself on duty acts:
 
 * answers ``/meshd/join/1`` asks: ``plan_join`` over the coverage map plus
-  the assignments it issued that are still loading (``pending``), signs a
-  LOAD_SHARD directive for the asker and returns it (meshd/swarm/wire.py);
+  the assignments it issued that are still loading (``pending``), inside the
+  layers the asker holds (``JoinAsk.held_start/held_end``: a GGUF slice),
+  signs a LOAD_SHARD directive for the asker and returns it (meshd/swarm/wire.py);
 * while the model has a gap confirmed by ``GAP_CONFIRMATIONS`` refreshes in
   a row and nothing is still loading, ``plan_rebalance`` moves at most one
   fully redundant auto node (never the tracker itself) into it: DROP_SHARD
@@ -112,8 +113,9 @@ class TrackerDuty:
         coverage, live = self.coverage(snap, now_ms)
         current = next((a.span for a in live if a.peer_id == peer_id), None)
         try:
+            held = Span(int(ask.held_start), int(ask.held_end)) if ask.held_end else None
             plan = plan_join(coverage, self.footprint, JoinRequest(
-                peer_id, int(ask.memory_budget_bytes), int(ask.kv_budget_tokens or self.kv_budget_tokens)))
+                peer_id, int(ask.memory_budget_bytes), int(ask.kv_budget_tokens or self.kv_budget_tokens), held))
         except (NoFitError, PlanInputError) as exc:
             return pb.JoinReply(refusal=str(exc))
         load = next(i for i in plan.intents if i.action == pb.DIRECTIVE_ACTION_LOAD_SHARD) if plan.intents else None
@@ -121,6 +123,8 @@ class TrackerDuty:
             load_span = current or plan.span
         else:
             load_span = load.span
+        if held is not None and not held.start <= load_span.start < load_span.end <= held.end:
+            load_span = plan.span  # never outside what the asker holds (its current ad may predate the slice)
         intent = DirectiveIntent(pb.DIRECTIVE_ACTION_LOAD_SHARD, peer_id, load_span)
         self.pending[peer_id] = (load_span, now_ms + PENDING_LOAD_MS)
         log.info("tracker: %s joins with layers %s (%s)", peer_id[:16], load_span, plan.reason.value)

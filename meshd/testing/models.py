@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from native.packaged import (MARKER_NAME, cache_root, cached_build as _cached_build, key as _key, say as _say,  # noqa: F401
-                             smollm2_artifact, smollm2_gguf_path)
+                             gemma3_gguf_path, smollm2_artifact, smollm2_gguf_path)
 
 # Fixed text the test tokenizer is trained on: small, varied, deterministic.
 _TOKENIZER_CORPUS = (
