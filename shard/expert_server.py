@@ -174,7 +174,10 @@ class ExpertServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                sock = self.tls.wrap_socket(conn, server_side=True)
+                sock = self.tls.wrap_socket(conn, server_side=True)   # takes over conn's descriptor
+                with self._conns_lock:
+                    self._conns.discard(conn)
+                    self._conns.add(sock)
             why = serve_connection(sock, self.store, artifact=self.artifact, recipe=self.recipe,
                                    compute_lock=self._compute, stats=self.stats)
             log.debug("expert connection ended: %s", why)
@@ -187,6 +190,7 @@ class ExpertServer:
                 pass
             with self._conns_lock:
                 self._conns.discard(conn)
+                self._conns.discard(sock)
             self._slots.release()
 
     def close(self) -> None:
