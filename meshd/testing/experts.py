@@ -40,15 +40,30 @@ class TlsFiles:
 
 
 def tls_files(directory: Path, name: str = "expert") -> TlsFiles:
-    from meshd.reach.tls import cert_sha256, generate_self_signed
+    """A self-signed P-256 certificate like a node's (meshd/reach/tls.py), and its pin."""
+    import datetime as dt
+    import hashlib
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
     directory.mkdir(parents=True, exist_ok=True)
-    cert_pem, key_pem = generate_self_signed(name)
+    now = dt.datetime.now(dt.timezone.utc)
+    key_obj = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    cert_obj = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
+                .public_key(key_obj.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=2))
+                .add_extension(x509.SubjectAlternativeName([x509.DNSName("meshd-peer")]), critical=False)
+                .sign(key_obj, hashes.SHA256()))
     cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    cert.write_bytes(cert_pem)
-    key.write_bytes(key_pem)
+    cert.write_bytes(cert_obj.public_bytes(serialization.Encoding.PEM))
+    key.write_bytes(key_obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                          serialization.NoEncryption()))
     key.chmod(0o600)
-    return TlsFiles(cert, key, cert_sha256(cert_pem))
+    return TlsFiles(cert, key, hashlib.sha256(cert_obj.public_bytes(serialization.Encoding.DER)).digest())
 
 
 @dataclass
