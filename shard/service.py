@@ -125,7 +125,11 @@ class ShardService:
             self.manager.expire()
             stats = self.manager.stats()
         validated = self._capability is not None and self._capability.validated
+        exchange = getattr(self.backend, "exchange", None)   # MoE: experts on expert peers
+        moe = exchange.stats() if exchange is not None else {}
         return pb.HealthReport(
+            expert_bytes_sent=moe.get("bytes_sent", 0), expert_bytes_received=moe.get("bytes_received", 0),
+            expert_positions=moe.get("positions", 0), expert_failovers=moe.get("failovers", 0),
             schema_version=SCHEMA_VERSION,
             state=pb.SERVING_STATE_SERVING if validated else pb.SERVING_STATE_NOT_SERVING,
             active_sessions=stats.active_sessions, kv_pressure=stats.kv_pressure,
