@@ -44,7 +44,8 @@ __all__ = [
 
 # Architectures whose GGUF tensor layout we know how to slice and to map back
 # to HF names; anything else is refused up front rather than run wrongly.
-SUPPORTED_ARCHITECTURES = frozenset({"llama"})
+# qwen3moe: Qwen3-MoE, its experts stacked per block (blk.N.ffn_*_exps), so they travel with their layer.
+SUPPORTED_ARCHITECTURES = frozenset({"llama", "qwen3moe"})
 # Hash in 8 MiB reads: large enough that Python overhead vanishes next to
 # SHA-256 (~1 GB/s), small enough to keep the worker's RSS flat.
 HASH_CHUNK_BYTES = 8 << 20
@@ -192,7 +193,7 @@ def read_range(reader: gguf.GGUFReader, layer_range: LayerRange) -> RangeTensors
         if layer_range.start <= layer < layer_range.end:
             blocks[layer - layer_range.start][match.group(2)] = tensor
     for offset, block in enumerate(blocks):
-        if "attn_norm.weight" not in block or "ffn_down.weight" not in block:
+        if "attn_norm.weight" not in block or not ({"ffn_down.weight", "ffn_down_exps.weight"} & block.keys()):
             raise ArtifactError(f"GGUF file lacks the tensors of block {layer_range.start + offset}")
     token_embd = output_norm = output = None
     if layer_range.is_head:
