@@ -120,7 +120,8 @@ class ExpertServer:
     """TCP (+TLS) listener; one bounded thread per connection. ``start()`` then ``close()``."""
 
     def __init__(self, store: ExpertCompute, *, artifact: str, recipe: str, listen: str,
-                 tls_cert: str | None, tls_key: str | None, max_connections: int = MAX_CONNECTIONS) -> None:
+                 tls_cert: str | None, tls_key: str | None, max_connections: int = MAX_CONNECTIONS,
+                 threads: int | None = None) -> None:
         host, _, port = listen.rpartition(":")
         self.store = store
         self.artifact, self.recipe = artifact, recipe
@@ -128,6 +129,9 @@ class ExpertServer:
         self.port = int(port or 0)
         self.tls = server_tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
         self.stats = ServerStats()
+        # Compute threads of each connection thread: an OpenMP thread count is per thread, and the
+        # experts' numerics depend on it (the holder must compute with the same count to stay exact).
+        self.threads = threads
         self._slots = threading.BoundedSemaphore(max_connections)
         self._compute = threading.Lock()
         self._sock: socket.socket | None = None
@@ -171,6 +175,10 @@ class ExpertServer:
             self.stats.connections += 1
         sock = conn
         try:
+            if self.threads is not None:
+                import torch
+
+                torch.set_num_threads(self.threads)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.tls is not None:
                 conn.settimeout(HANDSHAKE_TIMEOUT_S)

@@ -25,6 +25,19 @@ DRIFT_SEQUENCES = [list(range(5 + 7 * i, 21 + 7 * i)) for i in range(4)]
 Q8_MAX_MISMATCHES = 1
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_compute_thread():
+    """Holder and expert peers share this process here: with two torch threads each, their OpenMP
+    teams spin against each other on two cores (index_add_ measured at 51 ms a call under load).
+    One thread, like every meshd worker, and the numerics of holder and peer stay the same."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory):
     return tls_files(tmp_path_factory.mktemp("tls"))

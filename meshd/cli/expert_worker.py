@@ -141,7 +141,8 @@ def run_peer(args: argparse.Namespace) -> int:
         return 1
     fp = store.fingerprint
     server = ExpertServer(store, artifact=fp.model_artifact_digest, recipe=fp.runtime_recipe_digest,
-                          listen=args.expert_listen, tls_cert=args.tls_cert, tls_key=args.tls_key).start()
+                          listen=args.expert_listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
+                          threads=args.threads).start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -80,8 +80,11 @@ class ExpertPeer:
         spec = ExpertSpec.parse(spec) if isinstance(spec, str) else spec
         store = ExpertStore.load(path, spec)
         fp = store.fingerprint
+        import torch
+
         server = ExpertServer(store, artifact=fp.model_artifact_digest, recipe=fp.runtime_recipe_digest,
-                              listen="127.0.0.1:0", tls_cert=str(tls.cert), tls_key=str(tls.key)).start()
+                              listen="127.0.0.1:0", tls_cert=str(tls.cert), tls_key=str(tls.key),
+                              threads=torch.get_num_threads()).start()   # the caller's count: same numerics
         return cls(server, Placement(peer_id, "127.0.0.1", server.port, tls.pin, spec), store)
 
     def stop(self) -> None:
