@@ -37,7 +37,7 @@ from typing import Callable
 import numpy as np
 
 from proto import moe_wire as W
-from proto.moe_link import LinkFailed
+from proto.moe_link import LinkFailed, PeerRefused
 from shard.expert_spec import ExpertSpec
 from shard.expert_transport import ExpertConnection
 
@@ -75,15 +75,22 @@ def placements_to_json(placements: list[Placement]) -> str:
 
 
 def placements_from_json(text: str) -> list[Placement]:
+    """Parse the daemon's placement file; ValueError for anything malformed."""
+    if len(text) > MAX_PLACEMENT_FILE_BYTES:
+        raise ValueError(f"expert placement file over {MAX_PLACEMENT_FILE_BYTES} bytes")
     data = json.loads(text)
-    peers = data.get("peers", []) if isinstance(data, dict) else []
+    peers = data.get("peers", []) if isinstance(data, dict) else None
     if not isinstance(peers, list) or len(peers) > MAX_PEERS:
         raise ValueError(f"expert placement file needs a list of at most {MAX_PEERS} peers")
     out = []
-    for p in peers:
-        host, _, port = str(p["endpoint"]).rpartition(":")
-        pin = bytes.fromhex(p["cert_sha256"]) if p.get("cert_sha256") else None
-        out.append(Placement(str(p["peer_id"]), host.strip("[]"), int(port), pin, ExpertSpec.parse(p["experts"])))
+    try:
+        for p in peers:
+            host, _, port = str(p["endpoint"]).rpartition(":")
+            pin = bytes.fromhex(p["cert_sha256"]) if p.get("cert_sha256") else None
+            out.append(Placement(str(p["peer_id"]), host.strip("[]"), int(port), pin,
+                                 ExpertSpec.parse(str(p["experts"]))))
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"malformed expert placement entry: {exc}") from exc
     return out
 
 
@@ -107,6 +114,8 @@ class ExpertRouter:
         self._conns: dict[str, ExpertConnection] = {}
         self._cool_until: dict[str, float] = {}
         self._failures: dict[str, int] = {}
+        # Peers that refused our hello (version / act / recipe): not tried again until their placement changes.
+        self._refused: dict[str, tuple[Placement, str]] = {}
         self._file_stamp: tuple | None = None
         self.bytes_sent = 0        # of links already closed; live links add theirs in stats()
         self.bytes_received = 0
@@ -126,6 +135,7 @@ class ExpertRouter:
             live = {p.peer_id: p for p in self._placements}
             for peer in [peer for peer in self._conns if peer not in live]:
                 self._drop(peer)
+            self._refused = {peer: (p, why) for peer, (p, why) in self._refused.items() if live.get(peer) == p}
 
     def load_file(self, path: str | os.PathLike) -> bool:
         """Reload the daemon's placement file when it changed; True when it did."""
@@ -152,10 +162,29 @@ class ExpertRouter:
             return any((layer, expert) in p.experts.pairs for p in self._placements)
 
     def uncovered(self, needed: ExpertSpec) -> ExpertSpec:
-        """The pairs of ``needed`` that no known peer serves."""
+        """The pairs of ``needed`` that no known peer (that did not refuse us) serves."""
         with self._lock:
-            served = set().union(*(p.experts.pairs for p in self._placements)) if self._placements else set()
+            usable = [p for p in self._placements if p.peer_id not in self._refused]
+            served = set().union(*(p.experts.pairs for p in usable)) if usable else set()
         return ExpertSpec(frozenset(needed.pairs - served))
+
+    def probe(self) -> dict[str, str]:
+        """Say hello to every peer not connected yet; {peer: why} for those that failed or refused.
+
+        Run before the first token, so a peer that speaks neither our version nor our act is
+        refused by name and version up front rather than in the middle of a generation."""
+        failed: dict[str, str] = {}
+        with self._lock:
+            for p in self._placements:
+                if p.peer_id in self._conns or p.peer_id in self._refused or not self._usable(p.peer_id):
+                    continue
+                try:
+                    self._connection(p)
+                except LinkFailed as exc:
+                    self._failed(p.peer_id, exc, counted=False)
+                    failed[p.peer_id] = str(exc)
+            failed.update({peer: why for peer, (_, why) in self._refused.items()})
+        return failed
 
     def note_positions(self, count: int) -> None:
         with self._lock:
@@ -185,7 +214,7 @@ class ExpertRouter:
         if expert == W.SHARED and self.version == W.VERSION_COPIES:
             return []   # version 1 has no shared-expert item: the holder runs it
         found = [p for p in self._placements if (layer, expert) in p.experts.pairs
-                 and p.peer_id not in tried and self._usable(p.peer_id)]
+                 and p.peer_id not in tried and p.peer_id not in self._refused and self._usable(p.peer_id)]
         return sorted(found, key=lambda p: (self._failures.get(p.peer_id, 0), p.peer_id))
 
     def _connection(self, p: Placement) -> ExpertConnection:
@@ -197,12 +226,16 @@ class ExpertRouter:
             self._conns[p.peer_id] = conn
         return conn
 
-    def _failed(self, peer: str, exc: LinkFailed) -> None:
+    def _failed(self, peer: str, exc: LinkFailed, *, counted: bool = True) -> None:
         self._drop(peer)
         self._cool_until[peer] = self._clock() + self.cooldown_s
         self._failures[peer] = self._failures.get(peer, 0) + 1
-        self.failovers += 1
+        self.failovers += counted
         self.last_failure = str(exc)[:300]
+        if isinstance(exc, PeerRefused):
+            placement = next((p for p in self._placements if p.peer_id == peer), None)
+            if placement is not None:
+                self._refused[peer] = (placement, str(exc)[:300])
 
     # ------------------------------------------------------------------ one layer step
     def run(self, layer: int, rows: np.ndarray,

@@ -127,3 +127,20 @@ def test_expert_worker_refuses_incomplete_arguments(capsys, kw, match):
 
     assert worker.run(_worker_args(**kw)) == 2
     assert match in capsys.readouterr().err
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=20),
+                    lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.sampled_from(
+                        ["peers", "peer_id", "endpoint", "cert_sha256", "experts"]), kids, max_size=5),
+                    max_leaves=12))
+def test_fuzz_placement_file(data):
+    import json
+
+    try:
+        placements_from_json(json.dumps(data))
+    except ValueError:
+        pass

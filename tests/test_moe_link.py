@@ -287,3 +287,65 @@ def test_hello_to_a_peer_that_closes_on_it_names_the_version():
         ExpertConnection.over(ours, "peerA", version=2, act=1, artifact=ART, recipe=REC)
     t.join(5.0)
     ours.close()
+
+
+# --------------------------------------------------------------------------- fuzz of both ends
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.booleans())
+def test_fuzz_server_link_refuses_or_accepts_never_crashes(body, after_hello):
+    server = ServerLink(artifact=ART, recipe=REC)
+    if after_hello:
+        server.receive(W.encode_hello(2, 1, ART, REC))
+    try:
+        out, req = server.receive(body)
+    except ProtocolError_:
+        assert server.closed
+        return
+    assert isinstance(out, bytes) and (req is None or isinstance(req, W.Request))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzz_client_link_fails_cleanly_on_any_reply(body):
+    client, server = _ready_pair()
+    client.request(0, ROWS, [W.Item(3, np.array([1]))])
+    try:
+        reply = client.receive(body)
+    except LinkFailed:
+        assert client.failed
+        return
+    assert isinstance(reply, W.Reply) and client.state == "ready"
+
+
+from proto.errors import ProtocolError as ProtocolError_  # noqa: E402
+
+
+def test_the_router_probes_peers_before_any_token_and_sets_refusers_aside():
+    from shard.expert_pool import ExpertRouter, Placement
+    from shard.expert_spec import ExpertSpec
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def old_peer():   # speaks v1 only
+        conn, _ = listener.accept()
+        serve_connection(conn, _Doubler(), artifact=ART, recipe=REC, versions=(W.VERSION_COPIES,))
+        conn.close()
+
+    t = threading.Thread(target=old_peer, daemon=True)
+    t.start()
+    router = ExpertRouter(artifact=ART, recipe=REC)
+    spec = ExpertSpec.parse("0:E0-E3")
+    router.set_placements([Placement("old-peer", "127.0.0.1", port, None, spec)])
+    assert not len(router.uncovered(spec))
+    refused = router.probe()
+    assert "refused our v2 f32 hello: it speaks v1 with f32" in refused["old-peer"]
+    assert router.uncovered(spec) == spec            # its experts count as not served
+    out, unserved = router.run(0, ROWS, [(0, np.array([0]))])
+    assert out == {} and unserved == [0]             # and it is never tried again
+    t.join(5.0)
+    listener.close()

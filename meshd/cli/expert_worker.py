@@ -86,9 +86,15 @@ def wait_for_peers(backend, router, peers_file: str | None, timeout_s: float) ->
     needed = backend.adapter.delegated(backend.layer_range)
     deadline = time.monotonic() + timeout_s
     last = ""
+    told: set[str] = set()
     while True:
         if peers_file:
             router.load_file(peers_file)
+        refused = router.probe()   # hello to each peer now, before any token
+        for peer, why in refused.items():
+            if why not in told:
+                told.add(why)
+                print(f"[worker] expert peer {peer}: {why}", file=sys.stderr, flush=True)
         missing = router.uncovered(needed)
         if not len(missing):
             return
