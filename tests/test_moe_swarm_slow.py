@@ -46,7 +46,7 @@ def test_moe_swarm_with_delegated_experts_survives_an_expert_peer_death(tmp_path
         experts_a = swarm.add(layers=None, name="experts-a", extra=("--experts", "0-5:E4-E7"))
         experts_b = swarm.add(layers=None, name="experts-b", extra=("--experts", "0-5:E4-E7"))
         head = swarm.add(layers="0:3", name="head", extra=("--experts", "0-2:E0-E3"))
-        tail = swarm.add(layers="3:6", name="tail", extra=("--experts", "3-5:E0-E3"))
+        swarm.add(layers="3:6", name="tail", extra=("--experts", "3-5:E0-E3"))
         swarm.wait_covered(START_TIMEOUT_S, peers=2, via=head)
 
         def both_peers_known():

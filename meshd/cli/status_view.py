@@ -96,6 +96,18 @@ def render_status(s: dict) -> str:
         if worker.get("tls_endpoint"):
             desc += f", tls {worker['tls_endpoint']}"
         lines.append(f"worker     {desc}")
+        moe = health.get("experts")
+        if moe:
+            lines.append(f"experts    exchange {moe['bytes_sent_per_position']:.0f} B/position sent, "
+                         f"{moe['bytes_received_per_position']:.0f} received, {moe['failovers']} failovers")
+    experts = s.get("experts")
+    if experts:
+        line = f"experts    {experts['role']}, holds {experts.get('experts') or 'all'}"
+        if "advertising" in experts:
+            line += ", advertised" if experts["advertising"] else ", not advertised yet"
+        for peer in experts.get("peers", []):
+            line += f"\n           peer {_short(peer['peer_id'])} {peer['experts']} at {peer['endpoint']}"
+        lines.append(line)
     lines.append("")
     if not s["coverage"]:
         lines.append("coverage: no model seen in the DHT yet")
