@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Iterable
 
+from proto import shard_runtime_pb2 as pb
 from proto.moe_wire import MAX_EXPERTS_PER_LAYER, SHARED
 from shard.backend import MAX_LAYERS
 
@@ -113,6 +114,42 @@ class ExpertSpec:
         return ",".join(f"{a}-{b}:{_experts_text(e, s)}" if a != b else f"{a}:{_experts_text(e, s)}"
                         for a, b, e, s in runs)
 
+    # -- as the runs signed records carry (pb.ExpertRun) ------------------------------------
+    def to_runs(self) -> tuple[pb.ExpertRun, ...]:
+        """Runs of layers holding identical experts, one run per contiguous block of expert ids."""
+        out: list[pb.ExpertRun] = []
+        layers = self.layers
+        i = 0
+        while i < len(layers):
+            key = (self.experts_of(layers[i]), self.has_shared(layers[i]))
+            j = i
+            while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1 and \
+                    (self.experts_of(layers[j + 1]), self.has_shared(layers[j + 1])) == key:
+                j += 1
+            experts, shared = key
+            blocks = _blocks(experts)
+            for n, (first, last) in enumerate(blocks):
+                out.append(pb.ExpertRun(first_layer=layers[i], last_layer=layers[j], first_expert=first,
+                                        last_expert=last, routed=True, shared=shared and n == 0))
+            if shared and not blocks:
+                out.append(pb.ExpertRun(first_layer=layers[i], last_layer=layers[j], shared=True))
+            i = j + 1
+        return tuple(out)
+
+    @classmethod
+    def from_runs(cls, runs) -> "ExpertSpec":
+        """The pairs of validated runs (bounds are the record validator's job)."""
+        pairs: set[tuple[int, int]] = set()
+        for run in runs:
+            if (run.last_layer - run.first_layer + 1) * (run.last_expert - run.first_expert + 2) > MAX_SPEC_PAIRS:
+                raise ExpertSpecError(f"expert runs name more than {MAX_SPEC_PAIRS} pairs")
+            for layer in range(run.first_layer, run.last_layer + 1):
+                if run.routed:
+                    pairs.update((layer, e) for e in range(run.first_expert, run.last_expert + 1))
+                if run.shared:
+                    pairs.add((layer, SHARED))
+        return cls(frozenset(pairs))
+
     def check_model(self, *, num_layers: int, num_experts: int, moe_layers: Iterable[int],
                     has_shared: bool) -> None:
         """Refuse pairs the model does not have (a dense layer, an expert id past the end)."""
@@ -142,6 +179,16 @@ def _parse_experts(text: str, entry: str) -> set[int]:
             raise ExpertSpecError(f"bad expert run {item!r} (ids are 0..{MAX_EXPERTS_PER_LAYER - 1})")
         out.update(range(first, last + 1))
     return out
+
+
+def _blocks(experts) -> list[tuple[int, int]]:
+    blocks: list[tuple[int, int]] = []
+    for e in experts:
+        if blocks and blocks[-1][1] == e - 1:
+            blocks[-1] = (blocks[-1][0], e)
+        else:
+            blocks.append((e, e))
+    return blocks
 
 
 def _experts_text(experts: tuple[int, ...], shared: bool) -> str:

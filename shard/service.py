@@ -109,6 +109,9 @@ class ShardService:
             kv_budget_tokens=stats.kv_budget_tokens,
             model_id=self.model_id,
         )
+        delegated = getattr(getattr(b, "adapter", None), "delegated", None)   # MoE: experts left to peers
+        if delegated is not None:
+            self._capability.delegated_experts.extend(delegated(lr).to_runs())
         return self._capability
 
     def capability(self, request: pb.CapabilityRequest | None = None) -> pb.CapabilityReport:

@@ -252,3 +252,21 @@ def test_the_expert_store_reads_only_its_experts(qwen3):
     assert check.ok and check.experts == 2
     with pytest.raises(KeyError):
         store.compute(1, 3, __import__("numpy").zeros((1, 64), "float32"))
+
+
+def test_a_validated_holder_reports_the_experts_it_needs(qwen2, tls):
+    from shard.service import ShardService
+    from shard.sessions import SessionPolicy
+
+    path, _ = qwen2
+    peer = ExpertPeer.start(path, "0-3:E4-E7+shared", tls)
+    try:
+        router = _router(peer.store)
+        router.set_placements([peer.placement])
+        service = ShardService(_holder(path, 4, "0-3:E0-E3", router), SessionPolicy(kv_budget_tokens=256))
+        report = service.validate()
+    finally:
+        peer.stop()
+    assert report.validated
+    assert ExpertSpec.from_runs(report.delegated_experts) == ExpertSpec.parse("0-3:E4-E7+shared")
+    assert service.health().expert_positions > 0 and service.health().expert_bytes_sent > 0

@@ -200,3 +200,34 @@ def test_expert_records_propagate_through_a_real_dht():
                 assert [r.withdrawn for r in await nodes[1].fetch_experts(DIGEST)] == [True]
 
     trio.run(main)
+
+
+def test_holders_advertise_what_they_need_and_auto_peers_take_it_first():
+    from dht.records import CapabilityClaim, sign_capability, validate_capability
+
+    def holder(ident, start, end, needs):
+        claim = CapabilityClaim(model_artifact_digest=DIGEST, runtime_recipe_digest=RECIPE, start_layer=start,
+                                end_layer=end, num_layers=4, grpc_endpoint="127.0.0.1:5000",
+                                tls_cert_sha256=b"\x01" * 32, delegated_experts=ExpertSpec.parse(needs).to_runs())
+        return validate_capability(sign_capability(claim, ident.signing_key, peer_id=ident.peer_id, sequence=1,
+                                                   now_ms=NOW_MS, ttl_ms=TTL_MS), NOW_MS)
+
+    from meshd.plan.experts import demand
+
+    holders = [holder(A, 0, 2, "0-1:E6-E7"), holder(B, 2, 4, "2-3:E5-E7")]
+    assert ExpertSpec.from_runs(holders[0].payload.delegated_experts) == ExpertSpec.parse("0-1:E6-E7")
+    need = demand(holders, NOW_MS)
+    assert need == ExpertSpec.parse("0-1:E6-E7,2-3:E5-E7")
+    fp = ExpertFootprint(num_layers=4, moe_layers=(0, 1, 2, 3), num_experts=8, has_shared=False, routed_bytes=100)
+    served = [validate_experts(record(EVE, spec="2-3:E5-E7", num_layers=4), NOW_MS)]
+    taken = plan_experts(fp, coverage(served, NOW_MS), memory_bytes=4 * 100, needed=need)
+    assert taken == ExpertSpec.parse("0-1:E6-E7")      # the unserved needs, not what holders hold
+    with pytest.raises(ValueError, match="delegated"):
+        CapabilityClaim(model_artifact_digest=DIGEST, runtime_recipe_digest=RECIPE, start_layer=0, end_layer=2,
+                        num_layers=4, delegated_experts=(pb.ExpertRun(first_layer=3, last_layer=4, routed=True),))
+
+
+@pytest.mark.parametrize("text", ["0-3:E4-E7", "0:E0+E2+E5-E7,1:shared", "2:E1,3:E1"])
+def test_spec_runs_round_trip(text):
+    spec = ExpertSpec.parse(text)
+    assert ExpertSpec.from_runs(spec.to_runs()) == spec

@@ -3,7 +3,9 @@
 Expert peer (``meshd join --model DIR --experts 0-3:E4-E7``, no ``--layers``)::
 
     ExpertPart.run
-    ├── (--experts auto) plan the experts from the DHT view and --memory (meshd/plan/experts.py)
+    ├── (--experts auto) plan the experts from the DHT view and --memory (meshd/plan/experts.py):
+    │                  first what holders' capability records say they need (delegated_experts)
+    │                  and nobody serves, then the least served
     ├── supervisor  -> ExpertWorkerProcess: ``meshd worker --experts SPEC --expert-listen HOST:0``
     │                  (TLS with the node certificate); ready after its validation forward
     └── advertiser  -> ExpertAdvertiser: the signed expert record under /meshd/experts/<digest>,
@@ -38,7 +40,7 @@ from meshd.daemon.advertiser import Advertiser
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerState
 from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, _stop
 from meshd.errors import WorkerFailed
-from meshd.plan.experts import ExpertFootprint, coverage, placements, plan_experts, runs_of
+from meshd.plan.experts import ExpertFootprint, coverage, demand, placements, plan_experts, runs_of
 from proto import moe_wire as W
 
 log = logging.getLogger(__name__)
@@ -243,8 +245,14 @@ class ExpertPart:
             while not self.node.host.get_connected_peers():
                 await trio.sleep(0.5)
         await trio.sleep(min(2.0, AUTO_PLAN_WAIT_S))   # let the records reach us
+        from dht import keys as K
+
         records = await self.node.dht.fetch_experts(self.digest)
-        spec = plan_experts(self.footprint, coverage(records, wall_ms()), int(self.config.memory_bytes))
+        holders = await self.node.dht.fetch(K.model_key(self.digest))
+        now = wall_ms()
+        needed = demand(holders, now)   # what holders said they lack, first
+        spec = plan_experts(self.footprint, coverage(records, now), int(self.config.memory_bytes),
+                            needed=needed)
         if not len(spec):
             raise WorkerFailed(f"--memory {self.config.memory_bytes} B holds not even one expert "
                                f"({self.footprint.routed_bytes} B each)")

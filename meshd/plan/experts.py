@@ -7,7 +7,8 @@
   a protocol version and act we speak) as ``shard.expert_pool.Placement``s,
   which is what the holder's worker reads (the daemon writes them to its
   placement file).
-* ``coverage(records)``: how many live peers serve each (layer, expert).
+* ``coverage(records)``: how many live peers serve each (layer, expert);
+  ``demand(capability records)``: the experts holders say they need.
 * ``plan_experts(...)``: the experts a joining expert peer should take with
   its declared memory: coverage first (experts nobody serves, then the least
   served), whole layers' blocks kept together, sized to ``memory_bytes``.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable
 
 from dht.expert_records import ExpertRecord
 from proto import moe_wire as W
@@ -26,43 +27,24 @@ from proto import shard_runtime_pb2 as pb
 from shard.expert_pool import Placement
 from shard.expert_spec import SHARED, ExpertSpec
 
-__all__ = ["runs_of", "spec_of", "placements", "coverage", "plan_experts", "ExpertFootprint"]
+__all__ = ["runs_of", "spec_of", "demand", "placements", "coverage", "plan_experts", "ExpertFootprint"]
 
 
 def runs_of(spec: ExpertSpec) -> tuple[pb.ExpertRun, ...]:
-    """Runs of layers holding identical experts, one run per contiguous block of expert ids."""
-    out: list[pb.ExpertRun] = []
-    layers = spec.layers
-    i = 0
-    while i < len(layers):
-        key = (spec.experts_of(layers[i]), spec.has_shared(layers[i]))
-        j = i
-        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1 and \
-                (spec.experts_of(layers[j + 1]), spec.has_shared(layers[j + 1])) == key:
-            j += 1
-        experts, shared = key
-        blocks = _blocks(experts)
-        for n, (first, last) in enumerate(blocks):
-            out.append(pb.ExpertRun(first_layer=layers[i], last_layer=layers[j], first_expert=first,
-                                    last_expert=last, routed=True, shared=shared and n == 0))
-        if shared and not blocks:
-            out.append(pb.ExpertRun(first_layer=layers[i], last_layer=layers[j], shared=True))
-        i = j + 1
-    return tuple(out)
-
-
-def _blocks(experts: Sequence[int]) -> list[tuple[int, int]]:
-    blocks: list[tuple[int, int]] = []
-    for e in experts:
-        if blocks and blocks[-1][1] == e - 1:
-            blocks[-1] = (blocks[-1][0], e)
-        else:
-            blocks.append((e, e))
-    return blocks
+    return spec.to_runs()
 
 
 def spec_of(record: ExpertRecord) -> ExpertSpec:
     return ExpertSpec(record.pairs(SHARED))
+
+
+def demand(capabilities: Iterable, now_ms: int) -> ExpertSpec:
+    """The experts live holders need from expert peers (``delegated_experts`` of their records)."""
+    pairs: set[tuple[int, int]] = set()
+    for rec in capabilities:
+        if not rec.withdrawn and not rec.expired(now_ms):
+            pairs |= ExpertSpec.from_runs(rec.payload.delegated_experts).pairs
+    return ExpertSpec(frozenset(pairs))
 
 
 def placements(records: Iterable[ExpertRecord], *, recipe: str, now_ms: int,
