@@ -78,17 +78,17 @@ def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
             got, logits, elapsed = _teacher_forced(holder)
             stats = router.stats()
             runs[name] = (got, logits, stats, elapsed)
-            _say(progress, f"{name}: {stats['bytes_sent'] / positions:.0f} B/position sent, "
-                           f"{stats['bytes_received'] / positions:.0f} received")
+            _say(progress, f"{name}: {stats['bytes_sent'] / stats['positions']:.0f} B/position sent, "
+                           f"{stats['bytes_received'] / stats['positions']:.0f} received")
     finally:
         worker.stop()
 
     def diff(name):
         return max(float(np.abs(a - b).max()) for a, b in zip(runs[name][1], want_logits))
 
-    for name, (_, _, stats, elapsed) in runs.items():
-        out[f"{name}_bytes_sent_per_position"] = round(stats["bytes_sent"] / positions, 1)
-        out[f"{name}_bytes_received_per_position"] = round(stats["bytes_received"] / positions, 1)
+    for name, (_, _, stats, elapsed) in runs.items():   # the router counts the warm-up positions too
+        out[f"{name}_bytes_sent_per_position"] = round(stats["bytes_sent"] / stats["positions"], 1)
+        out[f"{name}_bytes_received_per_position"] = round(stats["bytes_received"] / stats["positions"], 1)
         out[f"{name}_steps_per_s_in_process"] = round(positions / elapsed, 2)
     out["local_steps_per_s_in_process"] = round(positions / local_s, 2)
     f32, q8 = runs["rows_once_f32"][2], runs["rows_once_q8"][2]
