@@ -270,3 +270,25 @@ def test_a_validated_holder_reports_the_experts_it_needs(qwen2, tls):
     assert report.validated
     assert ExpertSpec.from_runs(report.delegated_experts) == ExpertSpec.parse("0-3:E4-E7+shared")
     assert service.health().expert_positions > 0 and service.health().expert_bytes_sent > 0
+
+
+def test_bf16_delegation_is_exact(tls):
+    """bfloat16 holders: rows cross as float32 (exact for bf16 values), peers compute in bfloat16."""
+    path = build_random_qwen3_moe()
+    ref = WholeModel(path, "bfloat16").generate(PROMPT, 8, chunk_tokens=16)
+    from shard.expert_server import ExpertServer
+    from shard.expert_store import ExpertStore as Store
+
+    store = Store.load(path, ExpertSpec.parse("0-5:E4-E7"), dtype="bfloat16")
+    fp = store.fingerprint
+    server = ExpertServer(store, artifact=fp.model_artifact_digest, recipe=fp.runtime_recipe_digest,
+                          listen="127.0.0.1:0", tls_cert=str(tls.cert), tls_key=str(tls.key), threads=1).start()
+    try:
+        router = _router(store)
+        router.set_placements([Placement("peer", "127.0.0.1", server.port, tls.pin, store.spec)])
+        holder = TorchRangeBackend.load(path, 0, 6, dtype="bfloat16", progress=None,
+                                        experts=ExpertSpec.parse("0-5:E0-E3"), exchange=router)
+        same, diff = _exact(generate(holder, PROMPT, 8), ref)
+    finally:
+        server.close()
+    assert same and diff == 0.0
