@@ -8,6 +8,7 @@
                   ValueStore that merges index values instead of replacing them
     node.py       DhtNode: KadDHT with the above; publish / fetch / sync_peers
     relay_records.py  signed relay records (a public relay announces itself)
+    expert_records.py signed expert placement records (experts a peer serves without their layers)
     identity.py   the node's persistent Ed25519 identity and peer ids
     errors.py     RecordRejected, IdentityError
 

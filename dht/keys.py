@@ -5,6 +5,7 @@ py-libp2p's NamespacedValidator routes them to ``dht.validator.MeshdValidator``.
     /meshd/model/<artifact digest>           index: a record set, one record per peer
     /meshd/span/<artifact digest>/<A>-<B>    index: the peers serving exactly [A, B)
     /meshd/relays/v1                         index: relay records (dht/relay_records.py)
+    /meshd/experts/<artifact digest>         index: expert placement records (dht/expert_records.py)
 
 Keys stay under 128 bytes: py-libp2p refuses longer GET_VALUE keys.
 """
@@ -18,7 +19,7 @@ MAX_KEY_BYTES = 128
 
 @dataclass(frozen=True, slots=True)
 class ParsedKey:
-    kind: str  # "peer" | "model" | "span" | "relays"
+    kind: str  # "peer" | "model" | "span" | "relays" | "experts"
     subject: str  # peer id or artifact digest
     span: tuple[int, int] | None = None
 
@@ -36,6 +37,11 @@ def span_key(digest: str, start: int, end: int) -> str:
 
 
 RELAYS_VERSION = "v1"
+
+
+def experts_key(digest: str) -> str:
+    """The index key of every expert peer's placement record for one model."""
+    return _checked(f"/{NAMESPACE}/experts/{digest}")
 
 
 def relays_key() -> str:
@@ -63,7 +69,7 @@ def parse_key(key: str) -> ParsedKey:
     if len(key.encode()) > MAX_KEY_BYTES or len(parts) < 4 or parts[0] or parts[1] != NAMESPACE:
         raise ValueError(f"not a meshd key: {key[:60]!r}")
     kind = parts[2]
-    if kind in ("peer", "model") and len(parts) == 4 and parts[3]:
+    if kind in ("peer", "model", "experts") and len(parts) == 4 and parts[3]:
         return ParsedKey(kind, parts[3])
     if kind == "relays" and len(parts) == 4 and parts[3] == RELAYS_VERSION:
         return ParsedKey(kind, parts[3])

@@ -11,6 +11,8 @@ Data flow:
   there is one, which would freeze an index, hence our own read.
 * ``publish_relay`` / ``fetch_relays``: the same for relay records under
   the one ``/meshd/relays/v1`` index (dht/relay_records.py).
+* ``publish_experts`` / ``fetch_experts``: the same for expert placement
+  records under ``/meshd/experts/<digest>`` (dht/expert_records.py).
 * ``sync_peers()``: add every connected peer to the routing table.
 
 Every node holds the keys it is among the closest peers of; in a home swarm
@@ -34,6 +36,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from dht import keys as K
 from dht.records import CapabilityRecord, encode_record_set, merge_records, parse_record_set_lenient, \
     validate_capability
+from dht.expert_records import parse_expert_set_lenient
 from dht.relay_records import RelayRecord, parse_relay_set_lenient
 from dht.validator import MergingValueStore, check_value, namespaced_validator
 from dht.errors import RecordRejected
@@ -196,10 +199,25 @@ class DhtNode:
         """Every live relay record the closest peers and we hold."""
         return await self.fetch(K.relays_key())  # type: ignore[return-value]
 
+    async def publish_experts(self, record) -> int:
+        """Store an expert peer's placement record under /meshd/experts/<digest>, here and at the closest peers."""
+        key, value = K.experts_key(record.model_artifact_digest), encode_record_set([record])
+        self.store_locally(key, value)
+        return await self.put_remote(key, value)
+
+    async def fetch_experts(self, digest: str) -> list:
+        """Every valid, unexpired expert placement record of one model the closest peers and we hold."""
+        return await self.fetch(K.experts_key(digest))
+
     @staticmethod
     def _decode(parsed: K.ParsedKey, value: bytes, now: int) -> list[CapabilityRecord]:
         if parsed.kind == "relays":
             return parse_relay_set_lenient(value, now)  # type: ignore[return-value]
+        if parsed.kind == "experts":
+            recs = parse_expert_set_lenient(value, now)
+            if any(r.model_artifact_digest != parsed.subject for r in recs):
+                raise RecordRejected("key_mismatch", "expert record of another model")
+            return recs  # type: ignore[return-value]
         if parsed.kind == "peer":
             rec = validate_capability(value, now)
             if rec.peer_id != parsed.subject:

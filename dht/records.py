@@ -63,6 +63,9 @@ MAX_MODEL_ID_CHARS = 256
 MAX_DIGEST_CHARS = 80
 MAX_LAYERS = 100_000
 MAX_DTYPES = 8
+# MoE holders name the experts they need as runs (dht/expert_records.py has the same bound).
+MAX_DELEGATED_RUNS = 128
+MAX_EXPERT_ID = 511
 _DIGEST_RE = re.compile(r"^[A-Za-z0-9:._-]{1,%d}$" % MAX_DIGEST_CHARS)
 SET_MAGIC = b"MSR1"
 _U16 = struct.Struct(">H")
@@ -89,9 +92,14 @@ class CapabilityClaim:
     free_kv_tokens: int = 0
     decode_ms_per_layer: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    # MoE: experts of the range that expert peers must serve (pb.ExpertRun, as the worker reported them).
+    delegated_experts: tuple = ()
 
     def __post_init__(self) -> None:
         _check_digest(self.model_artifact_digest, "model_artifact_digest")
+        problem = _runs_problem(self.delegated_experts, self.num_layers)
+        if problem:
+            raise ValueError(problem)
         if self.runtime_recipe_digest:
             _check_digest(self.runtime_recipe_digest, "runtime_recipe_digest")
         if not 0 <= self.start_layer < self.end_layer <= self.num_layers <= MAX_LAYERS:
@@ -147,7 +155,7 @@ def sign_capability(claim: CapabilityClaim, key, *, peer_id: str, sequence: int,
                                      grpc_endpoint=claim.grpc_endpoint,
                                      tls_cert_sha256=claim.tls_cert_sha256),
         issued_at_unix_ms=now_ms, expires_at_unix_ms=now_ms + ttl_ms, sequence=sequence,
-        model_id=claim.model_id, num_layers=claim.num_layers)
+        model_id=claim.model_id, num_layers=claim.num_layers, delegated_experts=list(claim.delegated_experts))
     return _sign(payload, key)
 
 
@@ -226,9 +234,26 @@ def validate_capability(data: bytes, now_ms: int) -> CapabilityRecord:
                             withdrawn=payload.withdrawn, payload=payload)
 
 
+def _runs_problem(runs, num_layers: int) -> str | None:
+    if len(runs) > MAX_DELEGATED_RUNS:
+        return f"over {MAX_DELEGATED_RUNS} delegated expert runs"
+    for run in runs:
+        if not run.first_layer <= run.last_layer < num_layers:
+            return f"delegated layer run {run.first_layer}..{run.last_layer} of {num_layers} layers"
+        if run.routed and not run.first_expert <= run.last_expert <= MAX_EXPERT_ID:
+            return f"delegated expert run {run.first_expert}..{run.last_expert}"
+        if not (run.routed or run.shared):
+            return "an empty delegated expert run"
+    return None
+
+
 def _check_bounds(p: pb.CapabilityPayload) -> None:
     def bad(detail: str) -> RecordRejected:
         return RecordRejected("malformed", detail)
+
+    problem = _runs_problem(p.delegated_experts, p.num_layers)
+    if problem:
+        raise bad(problem)
 
     if not _DIGEST_RE.match(p.model_artifact_digest):
         raise bad("model_artifact_digest has a bad form")

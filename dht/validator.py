@@ -12,7 +12,8 @@ py-libp2p stores a PUT_VALUE only when ``validate`` passes and
 * ``/meshd/peer/<id>``: the highest sequence wins, ties go to the first
   value -- so a replay (equal or lower sequence) is refused.
 * ``/meshd/relays/v1`` holds relay records (dht/relay_records.py) and is
-  an index key like the others: same set encoding, same merge rules.
+  an index key like the others: same set encoding, same merge rules; so is
+  ``/meshd/experts/<digest>`` (expert placement records, dht/expert_records.py).
 * index keys: a value wins when it carries news (a record newer than any the
   other values hold for that peer); the last such value wins; with no news
   anywhere the first (stored) value stays.
@@ -42,6 +43,7 @@ from dht.records import (
     validate_capability,
     validate_record_set,
 )
+from dht.expert_records import parse_expert_set_lenient, validate_expert_set
 from dht.relay_records import parse_relay_set_lenient, validate_relay_set
 from dht.errors import RecordRejected
 
@@ -93,6 +95,11 @@ def check_value(key: str, value: bytes, now_ms: int) -> list[CapabilityRecord]:
         return [rec]
     if parsed.kind == "relays":
         return validate_relay_set(value, now_ms)
+    if parsed.kind == "experts":
+        records = validate_expert_set(value, now_ms)
+        if any(r.model_artifact_digest != parsed.subject for r in records):
+            raise RecordRejected("key_mismatch", "expert record of another model under this index key")
+        return records  # type: ignore[return-value]
     records = validate_record_set(value, now_ms)
     if not records:
         raise RecordRejected("malformed", "an empty record set")
@@ -110,6 +117,8 @@ def _lenient(parsed: K.ParsedKey, value: bytes, now_ms: int) -> list[CapabilityR
             return [validate_capability(value, now_ms)]
         if parsed.kind == "relays":
             return parse_relay_set_lenient(value, now_ms)  # type: ignore[return-value]
+        if parsed.kind == "experts":
+            return parse_expert_set_lenient(value, now_ms)  # type: ignore[return-value]
         return parse_record_set_lenient(value, now_ms)
     except RecordRejected:
         return []

@@ -16,6 +16,11 @@ TOML layout (every key optional; names match the dataclass fields)::
     advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
     record_ttl_s = 120
     reachability = "auto"             # auto | public | private (private: always use relays)
+    experts = "0-3:E4-E7"             # MoE: with layers, hold only these experts of them (peers run
+                                      # the rest); without layers, serve them as an expert peer;
+                                      # "auto" (with memory_bytes): an expert peer sized to the memory
+    expert_act = "f32"                # rows to expert peers: f32 (exact) | q8 (~3.5x fewer bytes)
+    offload_experts = false           # a holder sends even the experts it holds to peers
 
     [worker]
     dtype = "float32"
@@ -63,6 +68,7 @@ WORKER_BACKENDS = ("torch", "llama.cpp")
 # auto: ask connected peers to dial us back (relay/reachability.py) and use relays
 # only when they cannot; public/private skip the probe (private forces relaying).
 REACHABILITY_MODES = ("auto", "public", "private")
+EXPERT_ACTS = ("f32", "q8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +112,10 @@ class DaemonConfig:
     auto_layers: bool = False
     memory_bytes: int | None = None
     reachability: str = "auto"
+    # MoE (meshd/daemon/experts_part.py): the experts held ("L:E0-E7,..." or "auto"), the holder's row format.
+    experts: str | None = None
+    expert_act: str = "f32"
+    offload_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.reachability not in REACHABILITY_MODES:
@@ -129,7 +139,9 @@ class DaemonConfig:
                 raise ConfigError(f"layers {start}:{end} must satisfy 0 <= A < B")
         if self.auto_layers and self.layers is not None:
             raise ConfigError("give --layers A:B or --layers auto, not both")
-        if (self.model is None) != (self.layers is None and not self.auto_layers):
+        self._check_experts()
+        expert_peer = self.experts is not None and self.layers is None and not self.auto_layers
+        if (self.model is None) != (self.layers is None and not self.auto_layers) and not expert_peer:
             raise ConfigError("--model and --layers go together")
         if self.auto_layers and not (self.memory_bytes and self.memory_bytes > 0):
             raise ConfigError("--layers auto needs --memory SIZE (e.g. --memory 4GiB): the range is sized to it")
@@ -137,6 +149,36 @@ class DaemonConfig:
             raise ConfigError(f"record_ttl_s must be within [{MIN_RECORD_TTL_S}, {MAX_RECORD_TTL_S}]")
         if self.bootstrap_timeout_s <= 0:
             raise ConfigError("bootstrap_timeout_s must be positive")
+
+    def _check_experts(self) -> None:
+        if self.expert_act not in EXPERT_ACTS:
+            raise ConfigError(f"expert_act must be one of {', '.join(EXPERT_ACTS)}, not {self.expert_act!r}")
+        if self.experts is None:
+            if self.offload_experts:
+                raise ConfigError("offload_experts needs experts (the experts this node holds)")
+            return
+        if self.model is None:
+            raise ConfigError("--experts needs --model (the MoE artifact)")
+        if self.auto_layers:
+            raise ConfigError("--experts with --layers auto is not supported; give --layers A:B, or run an "
+                              "expert peer (--experts without --layers)")
+        if self.experts == "auto":
+            if self.layers is not None:
+                raise ConfigError("--experts auto makes an expert peer: give it without --layers")
+            if not (self.memory_bytes and self.memory_bytes > 0):
+                raise ConfigError("--experts auto needs --memory SIZE: the experts taken are sized to it")
+            return
+        from shard.expert_spec import ExpertSpec, ExpertSpecError
+
+        try:
+            ExpertSpec.parse(self.experts)
+        except ExpertSpecError as exc:
+            raise ConfigError(f"experts: {exc}") from exc
+
+    @property
+    def expert_peer(self) -> bool:
+        """This node serves experts without their layers (no --layers)."""
+        return self.experts is not None and self.layers is None and not self.auto_layers
 
     @property
     def control_socket(self) -> Path:

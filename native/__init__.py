@@ -13,6 +13,7 @@ Files and roles:
   llama_backend.py  LlamaRangeBackend: shard's RangeBackend over llama.cpp sequences (sessions = seq_ids)
   torch_gguf.py     the exactness reference: dequantized GGUF range -> shard's TorchRangeBackend
   convert.py        safetensors artifact -> GGUF (F32, F16, BF16, Q8_0; Q4_K_M via llama.cpp's quantizer)
+  moe_gguf.py       Qwen3-MoE safetensors artifact -> qwen3moe GGUF (experts stacked per block)
   factory.py        the worker's hook: FILE.gguf + --backend llama.cpp|torch -> a RangeBackend
   llama_reference.py  whole-model llama.cpp in one process: greedy tokens + prefill/decode timings
   packaged.py       models shipped in PyPI packages (SmolLM2 GGUF, Gemma-3 GGUF) prepared, cached

@@ -34,8 +34,14 @@ def load_gguf_backend(path: str | Path, start: int, end: int | None, *, backend:
     """Load layers [start, end) (``end`` None = to the last layer) of a GGUF file."""
     if backend not in GGUF_BACKENDS:
         raise ValueError(f"backend must be one of {GGUF_BACKENDS}, got {backend!r}")
-    num_layers = model_info(open_reader(path)).num_layers
+    info = model_info(open_reader(path))
+    num_layers = info.num_layers
     layer_range = LayerRange(start, num_layers if end is None else end, num_layers)
+    if backend == "torch" and info.architecture == "qwen3moe":
+        from native.errors import ArtifactError
+
+        raise ArtifactError("the torch lane over GGUF does not dequantize qwen3moe experts; run it with "
+                            "--backend llama.cpp (or its safetensors artifact with the torch lane)")
     if backend == "torch":
         from native.torch_gguf import load_torch_gguf
 

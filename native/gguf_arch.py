@@ -8,6 +8,8 @@ What differs between the architectures meshd runs, and nothing else:
     qwen3    attn_{q,k}_norm                               --                       --
     gemma3   attn_{q,k}_norm, post_attention_norm,         norms stored as 1 + w    sliding-window layers
              post_ffw_norm                                                          (every 6th is global)
+    qwen3moe attn_{q,k}_norm, ffn_gate_inp, ffn_{gate,up,   (llama.cpp lane only)    --
+             down}_exps instead of the dense FFN
 
 Users: ``gguf_range.model_info`` (which hparams, head size), ``gguf_range.read_range``
 (which block tensors must be present), ``slice.write_slice`` (the metadata a
@@ -175,6 +177,24 @@ class _Gemma3(Architecture):
                                                    float(value(self.key("rope.freq_base_swa"), 10000.0))}})
 
 
+# Qwen3-MoE: the dense FFN is replaced by a router and the experts stacked per block,
+# so a layer range (and a slice) carries exactly its layers' experts.
+MOE_BLOCK_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                     "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_norm.weight",
+                     "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class _Qwen3Moe(Architecture):
+    @property
+    def block_tensors(self) -> tuple[str, ...]:
+        return MOE_BLOCK_TENSORS
+
+    def hf_config(self, info, value):
+        raise ArtifactError("the torch lane over GGUF does not dequantize qwen3moe experts; run it with "
+                            "--backend llama.cpp (or its safetensors artifact with the torch lane)")
+
+
 ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
     _Llama("llama", "llama"),
     _Qwen2("qwen2", "qwen2", ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
@@ -188,6 +208,7 @@ ARCHITECTURES: dict[str, Architecture] = {a.name: a for a in (
              ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
              ("post_attention_norm.weight", "post_attention_layernorm.weight"),
              ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"))),
+    _Qwen3Moe("qwen3moe", "qwen3_moe"),
 )}
 
 

@@ -26,7 +26,8 @@ __all__ = ["RECORD_DOMAIN", "signed_message", "sign_record", "verify_record_sign
            "parse_signed_record", "parse_capability", "parse_directive", "public_key_bytes"]
 
 RECORD_DOMAIN = b"meshd-record-v1\x00"
-_KINDS = frozenset({pb.RECORD_KIND_CAPABILITY, pb.RECORD_KIND_DIRECTIVE, pb.RECORD_KIND_RELAY})
+_KINDS = frozenset({pb.RECORD_KIND_CAPABILITY, pb.RECORD_KIND_DIRECTIVE, pb.RECORD_KIND_RELAY,
+                    pb.RECORD_KIND_EXPERTS})
 ED25519_KEY_BYTES = 32
 ED25519_SIGNATURE_BYTES = 64
 
@@ -45,7 +46,7 @@ def public_key_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
 def sign_record(kind: int, payload: bytes, key: Ed25519PrivateKey) -> pb.SignedRecord:
     """Sign ``payload`` (a serialized CapabilityPayload or RebalanceDirective)."""
     if kind not in _KINDS:
-        raise LocalError(f"record kind must be CAPABILITY, DIRECTIVE or RELAY, got {kind}")
+        raise LocalError(f"record kind must be CAPABILITY, DIRECTIVE, RELAY or EXPERTS, got {kind}")
     if not isinstance(payload, bytes):
         raise LocalError("record payload must be bytes (a serialized message)")
     if len(payload) > DEFAULT_LIMITS.max_record_bytes:

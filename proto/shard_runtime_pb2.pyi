@@ -93,6 +93,7 @@ class RecordKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECORD_KIND_CAPABILITY: _ClassVar[RecordKind]
     RECORD_KIND_DIRECTIVE: _ClassVar[RecordKind]
     RECORD_KIND_RELAY: _ClassVar[RecordKind]
+    RECORD_KIND_EXPERTS: _ClassVar[RecordKind]
 
 class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -159,6 +160,7 @@ RECORD_KIND_UNSPECIFIED: RecordKind
 RECORD_KIND_CAPABILITY: RecordKind
 RECORD_KIND_DIRECTIVE: RecordKind
 RECORD_KIND_RELAY: RecordKind
+RECORD_KIND_EXPERTS: RecordKind
 BACKEND_UNSPECIFIED: Backend
 BACKEND_TORCH: Backend
 BACKEND_LLAMA_CPP: Backend
@@ -519,7 +521,7 @@ class CapabilityRequest(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ...) -> None: ...
 
 class CapabilityReport(_message.Message):
-    __slots__ = ("schema_version", "fingerprint", "shard_range", "backend", "device", "validated", "detail", "max_concurrent_sessions", "max_context_tokens", "flow_control", "accepted_compression", "supported_schema_versions", "validated_at_unix_nanos", "num_layers", "hidden_size", "boundary_dtype", "decode_ms_per_layer", "prefill_tokens_per_s", "kv_budget_tokens", "model_id")
+    __slots__ = ("schema_version", "fingerprint", "shard_range", "backend", "device", "validated", "detail", "max_concurrent_sessions", "max_context_tokens", "flow_control", "accepted_compression", "supported_schema_versions", "validated_at_unix_nanos", "num_layers", "hidden_size", "boundary_dtype", "decode_ms_per_layer", "prefill_tokens_per_s", "kv_budget_tokens", "model_id", "delegated_experts")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -540,6 +542,7 @@ class CapabilityReport(_message.Message):
     PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    DELEGATED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     fingerprint: Fingerprint
     shard_range: ShardRange
@@ -560,7 +563,8 @@ class CapabilityReport(_message.Message):
     prefill_tokens_per_s: float
     kv_budget_tokens: int
     model_id: str
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., validated: bool = ..., detail: _Optional[str] = ..., max_concurrent_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., supported_schema_versions: _Optional[_Iterable[_Union[SchemaVersion, str]]] = ..., validated_at_unix_nanos: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., decode_ms_per_layer: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., kv_budget_tokens: _Optional[int] = ..., model_id: _Optional[str] = ...) -> None: ...
+    delegated_experts: _containers.RepeatedCompositeFieldContainer[ExpertRun]
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., validated: bool = ..., detail: _Optional[str] = ..., max_concurrent_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., supported_schema_versions: _Optional[_Iterable[_Union[SchemaVersion, str]]] = ..., validated_at_unix_nanos: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., decode_ms_per_layer: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., kv_budget_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("schema_version",)
@@ -569,7 +573,7 @@ class HealthRequest(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ...) -> None: ...
 
 class HealthReport(_message.Message):
-    __slots__ = ("schema_version", "state", "active_sessions", "queued_chunks", "batch_occupancy", "kv_pressure", "resident_bytes", "detail", "kv_tokens_used", "kv_budget_tokens")
+    __slots__ = ("schema_version", "state", "active_sessions", "queued_chunks", "batch_occupancy", "kv_pressure", "resident_bytes", "detail", "kv_tokens_used", "kv_budget_tokens", "expert_bytes_sent", "expert_bytes_received", "expert_positions", "expert_failovers")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -580,6 +584,10 @@ class HealthReport(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     state: ServingState
     active_sessions: int
@@ -590,7 +598,11 @@ class HealthReport(_message.Message):
     detail: str
     kv_tokens_used: int
     kv_budget_tokens: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., state: _Optional[_Union[ServingState, str]] = ..., active_sessions: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., batch_occupancy: _Optional[int] = ..., kv_pressure: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., detail: _Optional[str] = ..., kv_tokens_used: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ...) -> None: ...
+    expert_bytes_sent: int
+    expert_bytes_received: int
+    expert_positions: int
+    expert_failovers: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., state: _Optional[_Union[ServingState, str]] = ..., active_sessions: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., batch_occupancy: _Optional[int] = ..., kv_pressure: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., detail: _Optional[str] = ..., kv_tokens_used: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., expert_bytes_sent: _Optional[int] = ..., expert_bytes_received: _Optional[int] = ..., expert_positions: _Optional[int] = ..., expert_failovers: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch")
@@ -665,7 +677,7 @@ class Throughput(_message.Message):
     def __init__(self, decode_ms_per_layer: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class CapabilityPayload(_message.Message):
-    __slots__ = ("schema_version", "peer_id", "model_artifact_digest", "runtime_recipe_digest", "shard_range", "backend", "dtypes", "memory_budget_bytes", "free_kv_tokens", "throughput", "reachability", "issued_at_unix_ms", "expires_at_unix_ms", "sequence", "model_id", "num_layers", "withdrawn")
+    __slots__ = ("schema_version", "peer_id", "model_artifact_digest", "runtime_recipe_digest", "shard_range", "backend", "dtypes", "memory_budget_bytes", "free_kv_tokens", "throughput", "reachability", "issued_at_unix_ms", "expires_at_unix_ms", "sequence", "model_id", "num_layers", "withdrawn", "delegated_experts")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -683,6 +695,7 @@ class CapabilityPayload(_message.Message):
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
+    DELEGATED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     peer_id: str
     model_artifact_digest: str
@@ -700,7 +713,8 @@ class CapabilityPayload(_message.Message):
     model_id: str
     num_layers: int
     withdrawn: bool
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., memory_budget_bytes: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., withdrawn: bool = ...) -> None: ...
+    delegated_experts: _containers.RepeatedCompositeFieldContainer[ExpertRun]
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., memory_budget_bytes: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., withdrawn: bool = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ...) -> None: ...
 
 class RelayPayload(_message.Message):
     __slots__ = ("schema_version", "peer_id", "addrs", "issued_at_unix_ms", "expires_at_unix_ms", "sequence")
@@ -717,6 +731,60 @@ class RelayPayload(_message.Message):
     expires_at_unix_ms: int
     sequence: int
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., addrs: _Optional[_Iterable[str]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ...) -> None: ...
+
+class ExpertRun(_message.Message):
+    __slots__ = ("first_layer", "last_layer", "first_expert", "last_expert", "routed", "shared")
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    LAST_EXPERT_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    first_layer: int
+    last_layer: int
+    first_expert: int
+    last_expert: int
+    routed: bool
+    shared: bool
+    def __init__(self, first_layer: _Optional[int] = ..., last_layer: _Optional[int] = ..., first_expert: _Optional[int] = ..., last_expert: _Optional[int] = ..., routed: bool = ..., shared: bool = ...) -> None: ...
+
+class ExpertPlacementPayload(_message.Message):
+    __slots__ = ("schema_version", "peer_id", "model_artifact_digest", "runtime_recipe_digest", "runs", "num_layers", "num_experts", "endpoint", "tls_cert_sha256", "protocol_versions", "acts", "ms_per_expert_row", "weight_bytes", "issued_at_unix_ms", "expires_at_unix_ms", "sequence", "withdrawn")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_RECIPE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    ACTS_FIELD_NUMBER: _ClassVar[int]
+    MS_PER_EXPERT_ROW_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
+    schema_version: SchemaVersion
+    peer_id: str
+    model_artifact_digest: str
+    runtime_recipe_digest: str
+    runs: _containers.RepeatedCompositeFieldContainer[ExpertRun]
+    num_layers: int
+    num_experts: int
+    endpoint: str
+    tls_cert_sha256: bytes
+    protocol_versions: _containers.RepeatedScalarFieldContainer[int]
+    acts: _containers.RepeatedScalarFieldContainer[int]
+    ms_per_expert_row: float
+    weight_bytes: int
+    issued_at_unix_ms: int
+    expires_at_unix_ms: int
+    sequence: int
+    withdrawn: bool
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., runs: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ..., num_layers: _Optional[int] = ..., num_experts: _Optional[int] = ..., endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., protocol_versions: _Optional[_Iterable[int]] = ..., acts: _Optional[_Iterable[int]] = ..., ms_per_expert_row: _Optional[float] = ..., weight_bytes: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., withdrawn: bool = ...) -> None: ...
 
 class RebalanceDirective(_message.Message):
     __slots__ = ("schema_version", "directive_id", "action", "tracker_peer_id", "target_peer_id", "model_artifact_digest", "shard_range", "epoch", "issued_at_unix_ms", "expires_at_unix_ms")

@@ -6,6 +6,13 @@ Files and roles (data flows top to bottom):
     artifact.py       artifact digest, recipe digest, pb.Fingerprint builder
     digests.py        digests computed once per file: on-disk cache keyed by (path, size, mtime_ns, inode)
     adapters.py       per-family build/load/forward pieces (Llama family, Gemma 3)
+    moe_adapters.py   Qwen3-MoE / Qwen2-MoE ranges (per-expert keys stacked, eager experts, held subsets)
+    moe.py            MoeDispatch: router and additions here, missing experts through an ExpertExchange
+    expert_spec.py    ExpertSpec: which (layer, expert) pairs a node holds ("0-3:E4-E7")
+    expert_store.py   an expert peer's weights (experts without their layers), compute, validation
+    expert_pool.py    ExpertRouter: the holder's expert peers, rows once per peer, failover, byte counters
+    expert_transport.py  the one exchange function: framed request/reply over a (pinned TLS) socket
+    expert_server.py  the expert peer's TLS server (thread per connection, bounded)
     torch_backend.py  TorchRangeBackend: meta build + safe_open range loading, exact forward
     reference.py      the whole-model reference (transformers CausalLM in one process)
     sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, LRU, budget

@@ -17,6 +17,9 @@ Families:
 * ``Gemma3Family``: gemma3_text: embeddings scaled by sqrt(hidden), (1 + w)
   RMSNorm, per-layer-type rotary bases, sliding/full masks, final logit
   softcap.
+* ``Qwen3MoeFamily`` / ``Qwen2MoeFamily`` (shard/moe_adapters.py): sparse MoE
+  layers (router, top-k, experts; Qwen2-MoE's gated shared expert), ranges
+  that hold only some experts and delegate the rest to expert peers.
 """
 from __future__ import annotations
 
@@ -115,6 +118,11 @@ class LlamaFamily:
     def finish_embedding(self, embed: nn.Module) -> None:
         """Fix up non-persistent buffers after weights were assigned (none here)."""
 
+    def finish_state(self, state: dict[str, torch.Tensor], layer_range: LayerRange) -> dict[str, torch.Tensor]:
+        """Turn what ``local_names`` staged into the modules' parameters (identity here;
+        the MoE families stack per-expert tensors)."""
+        return state
+
     # -- forward pieces ------------------------------------------------------
     def embed(self, modules: RangeModules, ids: torch.Tensor) -> torch.Tensor:
         return modules.embed(ids)
@@ -209,11 +217,15 @@ class Gemma3Family(LlamaFamily):
         return logits
 
 
-FAMILIES = (LlamaFamily, Gemma3Family)
+def _families() -> tuple:
+    from shard.moe_adapters import Qwen2MoeFamily, Qwen3MoeFamily  # they build on LlamaFamily
+
+    return (LlamaFamily, Gemma3Family, Qwen3MoeFamily, Qwen2MoeFamily)
 
 
 def adapter_for(config) -> LlamaFamily:
     """The adapter for ``config.model_type``, or UnsupportedArchitecture."""
+    FAMILIES = _families()
     for family in FAMILIES:
         if config.model_type in family.MODEL_TYPES:
             return family(config)

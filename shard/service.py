@@ -127,6 +127,9 @@ class ShardService:
             kv_budget_tokens=stats.kv_budget_tokens,
             model_id=self.model_id,
         )
+        delegated = getattr(getattr(b, "adapter", None), "delegated", None)   # MoE: experts left to peers
+        if delegated is not None:
+            self._capability.delegated_experts.extend(delegated(lr).to_runs())
         return self._capability
 
     def capability(self, request: pb.CapabilityRequest | None = None) -> pb.CapabilityReport:
@@ -143,7 +146,11 @@ class ShardService:
             self.manager.expire()
             stats = self.manager.stats()
         validated = self._capability is not None and self._capability.validated
+        exchange = getattr(self.backend, "exchange", None)   # MoE: experts on expert peers
+        moe = exchange.stats() if exchange is not None else {}
         return pb.HealthReport(
+            expert_bytes_sent=moe.get("bytes_sent", 0), expert_bytes_received=moe.get("bytes_received", 0),
+            expert_positions=moe.get("positions", 0), expert_failovers=moe.get("failovers", 0),
             schema_version=SCHEMA_VERSION,
             state=pb.SERVING_STATE_SERVING if validated else pb.SERVING_STATE_NOT_SERVING,
             active_sessions=stats.active_sessions, kv_pressure=stats.kv_pressure,

@@ -98,11 +98,14 @@ class TorchRangeBackend:
         self.fingerprint = fingerprint
         self.model_path = model_path
         self.sub_config = range_config(config, layer_range)
+        self.exchange = None   # MoE: the ExpertExchange the range's delegated experts run on
 
     # -- loading ---------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, start: int, end: int | None = None, *, dtype: str = "float32",
-             progress: TextIO | None = sys.stderr) -> "TorchRangeBackend":
+             progress: TextIO | None = sys.stderr, experts=None, exchange=None) -> "TorchRangeBackend":
+        """``experts`` (shard.expert_spec.ExpertSpec) / ``exchange`` (shard.moe.ExpertExchange):
+        MoE families only -- the experts this range loads, and where the others run."""
         from safetensors import safe_open
         from transformers import AutoConfig
 
@@ -119,6 +122,10 @@ class TorchRangeBackend:
         config = config.get_text_config(decoder=True)
         adapter = adapter_for(config)
         layer_range = LayerRange(start, config.num_hidden_layers if end is None else end, config.num_hidden_layers)
+        if experts is not None or exchange is not None:
+            if not hasattr(adapter, "configure_experts"):
+                raise ValueError(f"{config.model_type} has no experts: --experts applies to MoE models only")
+            adapter.configure_experts(experts, exchange)
         torch_dtype = DTYPES[dtype][0]
         t0 = time.monotonic()
 
@@ -156,6 +163,7 @@ class TorchRangeBackend:
                                 loaded_layers.add(layer)
                                 say(f"read layer {layer_range.start + int(layer)} "
                                     f"({len(loaded_layers)}/{layer_range.count})")
+        state = adapter.finish_state(state, layer_range)
         missing = expected - state.keys()
         if missing:
             raise FileNotFoundError(f"{model_path} lacks tensors for this range: {sorted(missing)[:5]}")
@@ -174,6 +182,7 @@ class TorchRangeBackend:
                                        torch_recipe(dtype, adapter.adapter_name))
         backend = cls(config=config, adapter=adapter, modules=modules, layer_range=layer_range,
                       dtype=dtype, fingerprint=fingerprint, model_path=model_path)
+        backend.exchange = exchange
         say(f"loaded {backend.weight_bytes / 1e6:.1f} MB of weights in {time.monotonic() - t0:.1f}s")
         return backend
 
@@ -232,6 +241,8 @@ class TorchRangeBackend:
             hidden = self.adapter.run_layers(sub, modules, hidden, cache.dynamic, position_ids,
                                              skip=effective_start - self.layer_range.start)
             cache.past_len += count
+            if self.exchange is not None:
+                self.exchange.note_positions(count)
             if self.layer_range.is_tail:
                 return self.adapter.logits(modules, hidden)[0, -1].float().numpy()
             return _to_numpy(hidden[0])

@@ -6,6 +6,7 @@
     codec.py          frame codec cost next to a memory copy
     recipes.py        safetensors vs GGUF recipes (recipe_plan/_routes/_runner/_diagnose.py)
     route_plan.py     route-planning micro-benchmark
+    moe.py            MoE expert delegation: bytes per position (copies, rows once, q8), drift, decode
     hopfloor.py       the machine's gRPC / raw-socket round-trip floors
     local_swarm.py    LocalSwarm / LocalDaemon: real daemons on loopback (demo, benchmarks, slow tests)
     relay_harness.py  process orchestration for the relay benchmark and relay end-to-end tests

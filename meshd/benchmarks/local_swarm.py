@@ -43,13 +43,14 @@ def child_env(torch_threads: int = 1) -> dict[str, str]:
 
 
 class LocalDaemon:
-    def __init__(self, root: Path, name: str, model: Path, *, layers: str = "auto", memory: int | None = None,
+    def __init__(self, root: Path, name: str, model: Path, *, layers: str | None = "auto", memory: int | None = None,
                  bootstrap: str | None = None, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None,
                  extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.data_dir = root / name
         self.log = root / f"{name}.log"
-        args = [sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
+        args = [sys.executable, "-m", "meshd", "join", "--model", str(model),
+                *(["--layers", layers] if layers else []),   # None: an expert peer (extra has --experts)
                 "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(self.data_dir),
                 "--record-ttl", str(record_ttl_s), *extra]
         if memory is not None:
@@ -132,12 +133,13 @@ class LocalSwarm:
         self.daemons: list[LocalDaemon] = []
         self.bootstrap: str | None = None
 
-    def add(self, *, memory: int | None = None, layers: str = "auto", name: str | None = None,
-            model: Path | None = None) -> LocalDaemon:
-        """Start a daemon; ``model`` overrides the swarm's file (e.g. a GGUF slice of it)."""
+    def add(self, *, memory: int | None = None, layers: str | None = "auto", name: str | None = None,
+            model: Path | None = None, extra: tuple[str, ...] = ()) -> LocalDaemon:
+        """Start a daemon; ``model`` overrides the swarm's file (e.g. a GGUF slice of it),
+        ``extra`` adds join flags to the swarm's own."""
         d = LocalDaemon(self.root, name or f"node{len(self.daemons)}", model or self.model, layers=layers,
                         memory=memory, bootstrap=self.bootstrap, record_ttl_s=self.record_ttl_s,
-                        kv_budget_tokens=self.kv_budget_tokens, extra=self.extra)
+                        kv_budget_tokens=self.kv_budget_tokens, extra=(*self.extra, *extra))
         self.daemons.append(d)
         if self.bootstrap is None:
             self.bootstrap = d.address()

@@ -23,6 +23,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--backend", choices=("torch", "llama.cpp"))
     parser.add_argument("--kv-budget-tokens", type=int)
+    parser.add_argument("--experts", help="MoE: the experts this node holds, e.g. 0-3:E4-E7 (layers 0..3, experts "
+                                          "4..7). With --layers: of the range's layers (expert peers run the "
+                                          "rest); without --layers: serve them as an expert peer; 'auto' "
+                                          "(with --memory): the least served experts that fit")
+    parser.add_argument("--expert-act", choices=("f32", "q8"),
+                        help="rows to expert peers: f32 (exact, default) or q8 (~3.5x fewer bytes)")
+    parser.add_argument("--offload-experts", action="store_true", default=None,
+                        help="send even the experts this node holds to expert peers (local compute stays "
+                             "the fallback)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the libp2p and DHT details")
     add_config_arguments(parser)
 
@@ -48,11 +57,15 @@ def run(args: argparse.Namespace) -> int:
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens,
+            "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,
         }
         config = load_config(args.config, overrides)
         if config.model is None:
             return fail("meshd join needs --model PATH and --layers A:B (or model/layers in --config)", 2)
-        if config.auto_layers:
+        if config.expert_peer:
+            num_layers = model_num_layers(config.model)
+            _progress(f"model {config.model}: {num_layers} layers; serving experts {config.experts} (expert peer)")
+        elif config.auto_layers:
             num_layers = model_num_layers(config.model)
             _progress(f"model {config.model}: {num_layers} layers; range: auto (asking the tracker)")
         else:

@@ -118,7 +118,19 @@ def render_status(s: dict) -> str:
         lines.append(f"worker     {desc}")
         if failure:
             lines += failure_lines(failure, worker.get("log", ""))
+        moe = health.get("experts")
+        if moe:
+            lines.append(f"experts    exchange {moe['bytes_sent_per_position']:.0f} B/position sent, "
+                         f"{moe['bytes_received_per_position']:.0f} received, {moe['failovers']} failovers")
     lines += render_library(s.get("libp2p"))
+    experts = s.get("experts")
+    if experts:
+        line = f"experts    {experts['role']}, holds {experts.get('experts') or 'all'}"
+        if "advertising" in experts:
+            line += ", advertised" if experts["advertising"] else ", not advertised yet"
+        for peer in experts.get("peers", []):
+            line += f"\n           peer {_short(peer['peer_id'])} {peer['experts']} at {peer['endpoint']}"
+        lines.append(line)
     lines.append("")
     if not s["coverage"]:
         lines.append("coverage: no model seen in the DHT yet")

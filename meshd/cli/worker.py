@@ -3,6 +3,10 @@
     python -m meshd worker --model PATH --layers A:B --listen 127.0.0.1:PORT
         [--dtype float32|bfloat16] [--backend torch|llama.cpp] [--kv-budget-tokens N]
         [--tls-listen HOST:PORT --tls-cert FILE --tls-key FILE] [--ready-file FILE]
+        [--experts SPEC --expert-peers FILE]         (MoE: hold only these experts)
+
+Without ``--layers``, ``--experts SPEC --expert-listen HOST:PORT`` makes it an
+expert peer instead (meshd/cli/expert_worker.py).
 
 Order: load the range (progress on stderr) -> validate it with a bounded real
 forward -> listen -> write the ready file ({"listen", "tls_listen", "pid"},
@@ -42,7 +46,8 @@ DEFAULT_THREADS = 2
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="artifact directory (config.json + safetensors) or .gguf")
-    parser.add_argument("--layers", required=True, help="layer range A:B (B exclusive; 'A:' = to the end)")
+    parser.add_argument("--layers", help="layer range A:B (B exclusive; 'A:' = to the end); omit with "
+                        "--experts SPEC --expert-listen for an expert peer")
     parser.add_argument("--listen", default="127.0.0.1:0", help="loopback HOST:PORT for plaintext (port 0 = any)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch")
@@ -59,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the daemon's own link for relayed sessions)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
     parser.add_argument("--model-id", default="", help="human label reported in the capability")
+    from meshd.cli import expert_worker
+
+    expert_worker.add_arguments(parser)
 
 
 def _is_loopback(listen: str) -> bool:
@@ -78,7 +86,7 @@ def _parse_layers(text: str) -> tuple[int, int | None]:
     return int(start_text or 0), (int(end_text) if end_text else None)
 
 
-def load_backend(args: argparse.Namespace):
+def load_backend(args: argparse.Namespace, experts=None, exchange=None):
     """The RangeBackend named by the arguments (progress on stderr)."""
     start, end = _parse_layers(args.layers)
     if Path(args.model).suffix == ".gguf":  # llama.cpp or torch over GGUF: native's factory
@@ -91,7 +99,8 @@ def load_backend(args: argparse.Namespace):
         raise ValueError("the llama.cpp backend serves .gguf files; use --backend torch for artifact directories")
     from shard.torch_backend import TorchRangeBackend
 
-    return TorchRangeBackend.load(args.model, start, end, dtype=args.dtype, progress=sys.stderr)
+    return TorchRangeBackend.load(args.model, start, end, dtype=args.dtype, progress=sys.stderr,
+                                  experts=experts, exchange=exchange)
 
 
 def _write_ready(path: str, payload: dict) -> None:
@@ -105,33 +114,43 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _load_and_validate(args: argparse.Namespace):
-    """(service, None) once validated, or (None, the one-line reason it cannot serve)."""
+    """(service, router, None) once validated, or (None, None, the one-line reason it cannot serve)."""
+    from meshd.cli import expert_worker
     from shard.service import ShardService
     from shard.sessions import SessionPolicy
     from shard.worklog import LOG_ONLY
 
     try:
-        backend = load_backend(args)
+        held, router = expert_worker.holder_exchange(args)
+        if router is not None and Path(args.model).suffix == ".gguf":
+            raise ValueError("--experts with --layers needs the torch lane (an artifact directory)")
+        backend = load_backend(args, held, router)
+        if router is not None:
+            expert_worker.adopt_fingerprint(router, backend)
+            expert_worker.wait_for_peers(backend, router, args.expert_peers, args.expert_wait)
     except (OSError, ValueError, MeshdError) as exc:  # bad path, malformed file, wrong range
         log.info("loading %s layers %s failed", args.model, args.layers, exc_info=exc, extra=LOG_ONLY)
-        return None, _one_line(exc)
+        return None, None, _one_line(exc)
     except Exception as exc:  # noqa: BLE001 - unexpected: the traceback goes to the log first
         log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
-        return None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
+        return None, None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
     policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
                            min_idle_before_evict_s=args.min_idle_evict)
     service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name)
     print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)
     report = service.validate()
     if not report.validated:
-        return None, report.detail
-    return service, None
+        return None, None, report.detail
+    return service, router, None
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshd.cli import expert_worker
     from shard import worklog
 
     worklog.install(sys.stderr)
+    if args.layers is None:
+        return expert_worker.run_peer(args)
     if not _is_loopback(args.listen):
         print(f"refusing plaintext on {args.listen}: --listen must be loopback; peers use --tls-listen",
               file=sys.stderr)
@@ -144,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     from shard.server import build_server
 
-    service, failure = _load_and_validate(args)
+    service, router, failure = _load_and_validate(args)
     if service is None:
         print(f"cannot load {args.model} layers {args.layers}: {failure}", file=sys.stderr, flush=True)
         return 1
@@ -174,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
                 with service.lock:
                     service.manager.expire()
                 last_sweep = time.monotonic()
+            expert_worker.reload_peers(router, args.expert_peers)
     finally:
         if unix is not None:
             unix.close()

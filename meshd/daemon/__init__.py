@@ -7,5 +7,7 @@
     worker_process.py  the life of one ``meshd worker`` subprocess
     worker_slot.py     the worker of a ``--layers auto`` node (range assigned at run time)
     swarm_part.py      the daemon's swarm part: tracker duty, auto ranges, directives, generate
+    experts_part.py    MoE: an expert peer's worker and signed expert record, a holder's directory
+                       of expert peers (the placement file its worker reads)
     relay_mode.py      ``meshd relay``: circuit relay v2 hop + DHT server + control API
 """

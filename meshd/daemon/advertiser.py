@@ -52,7 +52,8 @@ def claim_from_report(report: pb.CapabilityReport, *, grpc_endpoint: str, tls_ce
         model_id=report.model_id[:256], direct_addrs=direct_addrs,
         grpc_endpoint=grpc_endpoint, tls_cert_sha256=tls_cert_sha256,
         free_kv_tokens=report.kv_budget_tokens,
-        decode_ms_per_layer=report.decode_ms_per_layer, prefill_tokens_per_s=report.prefill_tokens_per_s)
+        decode_ms_per_layer=report.decode_ms_per_layer, prefill_tokens_per_s=report.prefill_tokens_per_s,
+        delegated_experts=tuple(report.delegated_experts))
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,8 @@
                 ├── control API (unix socket, JSON)                meshd/daemon/control.py
                 ├── supervisor  (worker subprocess)  meshd/daemon/supervisor.py, worker_process.py
                 ├── swarm       (tracker duty, --layers auto, directives, generate)  meshd/daemon/swarm_part.py
+                ├── experts     (MoE, --experts: expert peer worker + its record, or the
+                │               holder's directory of expert peers)  meshd/daemon/experts_part.py
                 └── signals     (SIGINT/SIGTERM -> graceful leave)
 
 Graceful leave: stop advertising and publish the withdrawal (bounded), then
@@ -89,6 +91,7 @@ class Node:
         self.advertiser = Advertiser(identity, dht.publish, ttl_s=config.record_ttl_s, wall_ms=wall_ms)
         self.supervisor: Supervisor | None = None
         self.swarm = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
+        self.experts = None  # meshd/daemon/experts_part.py: MoE expert peer or holder (--experts)
         self.model_digest: str | None = None
         self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
                                  on_change=self.refresh_claim, progress=progress)
@@ -126,6 +129,8 @@ class Node:
         """(Re)build our claim from the ready worker and our reachability; the advertiser
         publishes it at once when it changed. Nothing is claimed before the verdict is known:
         a private node must never advertise endpoints nobody can dial."""
+        if self.experts is not None:
+            self.experts.refresh_claim()
         ready = self._ready
         if ready is None or not self.relaying.decided:
             return
@@ -225,6 +230,7 @@ class Node:
                 "acks": advert.last_acks, "tls_cert_sha256": self.tls.sha256.hex(),
             },
             "worker": worker,
+            **({"experts": self.experts.status()} if self.experts is not None else {}),
             "reachability": self.relaying.status(),
             "direct_upgrades": self.upgrader.snapshot(),
             "libp2p": library_status(),
@@ -238,6 +244,8 @@ async def _wait_for_signal(cancel_scope: trio.CancelScope, node: Node, progress:
         async for signum in signals:
             progress(f"{signal.Signals(signum).name}: leaving the swarm (withdrawing records, stopping the worker)")
             await node.advertiser.withdraw_now()
+            if node.experts is not None:
+                await node.experts.withdraw_now()
             cancel_scope.cancel()
             return
 
@@ -266,12 +274,21 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                                     config.control_socket, node.handle)
                 if handle_signals:
                     nursery.start_soon(_wait_for_signal, nursery.cancel_scope, node, progress)
+                if config.experts is not None or config.offload_experts:
+                    from meshd.daemon.experts_part import ExpertPart
+
+                    node.experts = ExpertPart(node)
+                    await nursery.start(node.experts.run)
                 if config.model is not None and config.layers is not None:
                     w = config.worker
+                    moe = node.experts if node.experts is not None and node.experts.holder else None
                     spec = WorkerSpec(model=config.model, layers=config.layers, run_dir=config.data_dir,
                                       tls=tls, tls_host=node.tls_bind_host, dtype=w.dtype, backend=w.backend,
                                       kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads,
-                                      ready_timeout_s=w.ready_timeout_s)
+                                      ready_timeout_s=w.ready_timeout_s,
+                                      experts=config.experts if moe else None,
+                                      expert_peers=moe.peers_file if moe else None,
+                                      expert_act=config.expert_act, offload_experts=config.offload_experts)
                     worker = WorkerProcess(spec, progress=lambda line: progress(f"worker: {line}"))
                     node.supervisor = Supervisor(worker.life, on_ready=node.on_worker_ready,
                                                  on_down=node.on_worker_down,

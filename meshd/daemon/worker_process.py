@@ -62,6 +62,11 @@ class WorkerSpec:
     kv_budget_tokens: int | None = None
     torch_threads: int = 1
     ready_timeout_s: float = 900.0
+    # MoE holder: the experts its range holds and the placement file the daemon keeps for the rest.
+    experts: str | None = None
+    expert_peers: Path | None = None
+    expert_act: str = "f32"
+    offload_experts: bool = False
 
     def command(self, ready_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(self.model),
@@ -72,6 +77,10 @@ class WorkerSpec:
                "--threads", str(self.torch_threads)]
         if self.kv_budget_tokens is not None:
             cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
+        if self.experts is not None or self.offload_experts:
+            cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
+            cmd += ["--expert-peers", str(self.expert_peers)] if self.expert_peers else []
+            cmd += ["--offload-experts"] if self.offload_experts else []
         return cmd + ["--unix-listen", str(self.socket_path())]
 
     def socket_path(self) -> Path:
@@ -229,6 +238,11 @@ class WorkerProcess:
             failures = 0
             state.health = {"state": pb.ServingState.Name(report.state).removeprefix("SERVING_STATE_").lower(),
                             "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3)}
+            if report.expert_positions:   # MoE holder: the expert exchange's bytes per position
+                state.health["experts"] = {
+                    "bytes_sent_per_position": round(report.expert_bytes_sent / report.expert_positions, 1),
+                    "bytes_received_per_position": round(report.expert_bytes_received / report.expert_positions, 1),
+                    "positions": report.expert_positions, "failovers": report.expert_failovers}
 
 
 _PR_SET_PDEATHSIG = 1

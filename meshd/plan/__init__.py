@@ -7,5 +7,6 @@
     directives.py  LOAD/DROP directives: build (tracker) and accept (node)
     footprint.py   a model's per-layer memory, read from its headers
     modelinfo.py   cheap facts about a model file read before the worker starts
+    experts.py     MoE: expert specs <-> record runs, usable placements, coverage, experts from memory
     errors.py      the planners' error tree
 """

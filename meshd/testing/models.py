@@ -10,6 +10,11 @@ a tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), exactly what
 * ``build_random_gemma3(seed, **overrides)``: the second family, a tiny
   Gemma 3 text model (scaled embeddings, (1 + w) RMSNorm, sliding/full
   attention layers with two rotary bases, tied embeddings, logit softcap).
+* ``build_random_qwen3_moe(seed, **overrides)``: a tiny Qwen3-MoE (router,
+  top-2 of 8 experts with normalized top-k weights, Q/K norm), saved with the
+  per-expert keys real checkpoints use (``mlp.experts.E.gate_proj.weight``).
+* ``build_random_qwen2_moe(seed, **overrides)``: a tiny Qwen2-MoE (adds the
+  shared expert behind its sigmoid gate, un-normalized top-k weights).
 * ``smollm2_artifact`` / ``smollm2_gguf_path``: re-exported from
   ``native.packaged`` (product code: the demo runs them too).
 
@@ -140,9 +145,79 @@ def build_random_gemma3(seed: int = 0, **overrides: Any) -> Path:
     return _cached_build(f"random-gemma3-{_key(info)}", build, info)
 
 
+QWEN3_MOE_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,      # dense layers (mlp_only_layers) only
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    # Router logits spread widely enough that routing differs row to row.
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+
+def build_random_qwen3_moe(seed: int = 0, **overrides: Any) -> Path:
+    """A tiny seeded Qwen3-MoE artifact: 6 layers, 8 experts, top-2, normalized top-k weights."""
+    params = {**QWEN3_MOE_DEFAULTS, **overrides}
+
+    def build(out: Path) -> None:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        config = Qwen3MoeConfig(**{**params, **_special_ids(build_tokenizer())})
+        _save_random(Qwen3MoeForCausalLM, config, seed, out)
+
+    info = {"family": "qwen3_moe", "seed": seed, "params": params}
+    return _cached_build(f"random-qwen3-moe-{_key(info)}", build, info)
+
+
+QWEN2_MOE_DEFAULTS: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 96,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.2,   # at 0.1 seed 0 repeats one token; 0.2 gives varied greedy text
+    "tie_word_embeddings": False,
+}
+
+
+def build_random_qwen2_moe(seed: int = 0, **overrides: Any) -> Path:
+    """A tiny seeded Qwen2-MoE artifact: 4 layers, 8 experts, top-2, a gated shared expert."""
+    params = {**QWEN2_MOE_DEFAULTS, **overrides}
+
+    def build(out: Path) -> None:
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(**{**params, **_special_ids(build_tokenizer())})
+        _save_random(Qwen2MoeForCausalLM, config, seed, out)
+
+    info = {"family": "qwen2_moe", "seed": seed, "params": params}
+    return _cached_build(f"random-qwen2-moe-{_key(info)}", build, info)
+
+
 def main() -> int:
     """``python -m meshd.testing.models``: build every test artifact and print the paths."""
-    for path in (build_random_llama(), build_random_gemma3(), smollm2_artifact()):
+    for path in (build_random_llama(), build_random_gemma3(), build_random_qwen3_moe(), build_random_qwen2_moe(),
+                 smollm2_artifact()):
         print(path)
     return 0
 

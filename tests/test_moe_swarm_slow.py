@@ -1,0 +1,82 @@
+"""A Qwen3-MoE swarm of real ``meshd join`` daemons where no node holds all experts of any MoE layer.
+
+    experts-a, experts-b   expert peers: experts 4..7 of every layer (no layers)
+    head                   layers 0:3, experts 0..3 of them
+    tail                   layers 3:6, experts 0..3 of them
+
+The generation enters at the head through the control API (the product
+path), crosses both holders, and every sparse layer sends its rows for
+experts 4..7 to an expert peer. Then the expert peer the holders use is
+SIGKILLed mid-generation: the holders fail over to the other one and the
+greedy tokens are those of the whole model.
+"""
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.testing.models import build_random_qwen3_moe
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox"
+NEW_TOKENS = 24
+KILL_AFTER = 6
+START_TIMEOUT_S = 600
+
+
+def _reference_tokens(path, prompt_ids, new_tokens):
+    """The whole model in this process, at the workers' one compute thread (numerics depend on it)."""
+    from shard.reference import WholeModel
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return WholeModel(path).generate(prompt_ids, new_tokens).tokens
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_moe_swarm_with_delegated_experts_survives_an_expert_peer_death(tmp_path):
+    path = build_random_qwen3_moe()
+    with LocalSwarm(tmp_path, path, record_ttl_s=8.0) as swarm:
+        experts_a = swarm.add(layers=None, name="experts-a", extra=("--experts", "0-5:E4-E7"))
+        experts_b = swarm.add(layers=None, name="experts-b", extra=("--experts", "0-5:E4-E7"))
+        head = swarm.add(layers="0:3", name="head", extra=("--experts", "0-2:E0-E3"))
+        swarm.add(layers="3:6", name="tail", extra=("--experts", "3-5:E0-E3"))
+        swarm.wait_covered(START_TIMEOUT_S, peers=2, via=head)
+
+        def both_peers_known():
+            status = head.query("status") or {}
+            peers = (status.get("experts") or {}).get("peers") or []
+            return peers if len(peers) == 2 else None
+        peers = wait_for(both_peers_known, "both expert peers in the head's directory", START_TIMEOUT_S, head)
+        used = min(p["peer_id"] for p in peers)     # holders prefer the lowest peer id
+        victim = experts_a if (experts_a.query("status") or {}).get("peer_id") == used else experts_b
+
+        first = list(head.generate(PROMPT, max_tokens=NEW_TOKENS, temperature=0, raw=True))
+        done = first[-1]
+        assert done.get("ok"), done
+        tokens = done["tokens"]
+
+        events, killed = [], False
+        for event in head.generate(PROMPT, max_tokens=NEW_TOKENS, temperature=0, raw=True):
+            events.append(event)
+            if not killed and sum("token" in e for e in events) == KILL_AFTER:
+                victim.stop(signal.SIGKILL)
+                killed = True
+        assert killed and events[-1].get("ok"), events[-1]
+        assert events[-1]["tokens"] == tokens
+
+        from meshd.generate.tokenizer import EntryTokenizer
+
+        prompt_ids = EntryTokenizer(path).encode_prompt(PROMPT, True)
+        assert tokens == _reference_tokens(path, prompt_ids, NEW_TOKENS)[:len(tokens)]
+        status = wait_for(lambda: (lambda s: s if (s.get("worker") or {}).get("health", {}).get("experts")
+                                   else None)(head.query("status") or {}), "the head's expert health", 30, head)
+        moe = status["worker"]["health"]["experts"]
+        print(f"\n[moe swarm] tokens {tokens}; head's exchange: {moe}")
+        assert moe["failovers"] >= 1 and moe["bytes_sent_per_position"] > 0
