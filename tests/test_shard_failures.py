@@ -240,12 +240,12 @@ def test_the_worker_turns_a_load_failure_into_one_line_and_logs_an_unexpected_on
     worker.add_arguments(parser)
     caplog.set_level(logging.DEBUG)
     odd = _bad_model(tmp_path / "odd", LLAMA % (2, "no_such_act"), b"")
-    service, why = worker._load_and_validate(parser.parse_args(["--model", str(odd), "--layers", "0:1"]))
+    service, _router, why = worker._load_and_validate(parser.parse_args(["--model", str(odd), "--layers", "0:1"]))
     assert service is None and why == "unexpected KeyError: 'no_such_act' (traceback in the worker log)"
     [rec] = [r for r in caplog.records if r.name == "meshd.worker" and r.levelno == logging.ERROR]
     assert rec.exc_info[0] is KeyError
     truncated = _bad_model(tmp_path / "truncated", LLAMA % (2, "silu"), os.urandom(2000))
-    service, why = worker._load_and_validate(parser.parse_args(["--model", str(truncated), "--layers", "0:1"]))
+    service, _router, why = worker._load_and_validate(parser.parse_args(["--model", str(truncated), "--layers", "0:1"]))
     assert service is None and "model.safetensors is not a readable safetensors file" in why
     [rec] = [r for r in caplog.records if r.name == "meshd.worker" and r.levelno == logging.INFO]
     assert rec.exc_info and getattr(rec, "log_only", False)       # the cause, for worker.log only
