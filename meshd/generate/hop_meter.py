@@ -30,6 +30,8 @@ MAX_PENDING_STEPS = 64
 
 
 class HopObserver(Protocol):
+    def hop_opened(self, peer_id: str, transport: str) -> None: ...
+
     def hop_step(self, peer_id: str, transport: str, seconds: float) -> None: ...
 
     def hop_bytes(self, peer_id: str, transport: str, sent: int, received: int) -> None: ...
@@ -133,7 +135,9 @@ class MeteredConnector:
 
     def channel(self, hop: Hop):
         reading = _Reading(hop.peer_id, transport_of(hop, self._self), self._observer)
-        return _Channel(self._inner.channel(hop), reading)
+        channel = _Channel(self._inner.channel(hop), reading)
+        self._observer.hop_opened(hop.peer_id, reading.transport)
+        return channel
 
     def __getattr__(self, name):  # retry_same_peer and whatever else the driver may ask for
         return getattr(self._inner, name)

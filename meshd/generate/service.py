@@ -17,7 +17,8 @@ call ``generate`` with params they validated themselves). Data flow::
       -> token ids through a bounded channel -> TextStream (stop strings held
          back and cut, meshd/generate/textstream.py) -> events:
       <- {"event": "start", "prompt_tokens": n, "session": id}
-         {"text": "...", "token": id[, "logprob", "piece", "top_logprobs"]} per token
+         {"text": "...", "token": id[, "logprob", "piece", "top_logprobs"][, "route"]} per token
+             ("route" on the first token and after a failover: the hops now in use)
          {"text": "..."}   (held-back text released at the end, if any)
          {"done": true, "finish_reason": "stop"|"length", "tokens": [...], ...}
 
@@ -193,6 +194,7 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
     await send({"event": "start", "prompt_tokens": len(prompt_ids), "session": driver.session_id})
     text = TextStream(tokenizer.decode, params.stop)
     tokens: list[int] = []
+    routes_seen = 0
     async with trio.open_nursery() as nursery:
         async def cancel_when_done() -> None:
             try:
@@ -211,7 +213,12 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
                 if halt:
                     continue  # drain what the thread still sends while it stops
                 tokens.append(_parts(item)[0])
-                await send(_token_event(tokenizer, params, text.push(tokens[-1]), item))
+                event = _token_event(tokenizer, params, text.push(tokens[-1]), item)
+                routes = driver.stats.routes
+                if len(routes) != routes_seen:  # the first token, and after each failover: the route in use
+                    routes_seen = len(routes)
+                    event["route"] = [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in routes[-1].hops]
+                await send(event)
                 if text.stopped:
                     halt = True
                     driver.cancel()
