@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, str] = {
     "pipeline": "meshd.benchmarks.pipeline",
     "recipes": "meshd.benchmarks.recipes",
     "relay": "meshd.benchmarks.relay",
+    "api": "meshd.benchmarks.api",
 }
 
 
