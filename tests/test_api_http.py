@@ -8,6 +8,7 @@ entry's limits give 429 and 504; a missing tail gives 503 with Retry-After.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -64,6 +65,7 @@ def whole(model):
     return WholeModel(model)
 
 
+@functools.lru_cache(maxsize=None)
 def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
 
