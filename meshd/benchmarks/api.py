@@ -13,6 +13,9 @@ token's chunk / line arrives:
     api_vs_control_decode_ratio   api / control decode rate (>= 0.97 wanted)
     api_vs_control_ttft_ratio     api / control time to first token
     tokens_equal             both edges produced the same text every round
+    *_at_entry               decode rate and first-token time as the entry itself saw them (its
+                             status JSON: from the request entering the entry to each token
+                             leaving the core), to tell the edge's and the client's cost apart
 
 ``load_average`` is the machine's 1-minute load when the run ended (other
 work on the machine makes absolute numbers noisy; the ratios are side by side).
@@ -42,25 +45,23 @@ def _rates(sent: float, arrivals: list[float]) -> tuple[float, float | None]:
     return ttft, (len(arrivals) - 1) / span if span > 0 else None
 
 
-def _via_api(url: str, model_id: str, n: int) -> tuple[str, float, float | None, int]:
-    import httpx
-
+def _via_api(client, url: str, model_id: str, n: int) -> tuple[str, float, float | None, int]:
+    """One streamed completion; ``client`` is one httpx.Client for every round, as an application keeps one."""
     body = {"model": model_id, "prompt": PROMPT, "max_tokens": n, "stream": True}
     arrivals, text = [], []
-    with httpx.Client(timeout=600) as client:
-        sent = time.perf_counter()
-        with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                choice = chunk["choices"][0] if chunk["choices"] else None
-                if choice is None:
-                    continue
-                text.append(choice["text"])
-                if choice["finish_reason"] is None:
-                    arrivals.append(time.perf_counter())
+    sent = time.perf_counter()
+    with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choice = chunk["choices"][0] if chunk["choices"] else None
+            if choice is None:
+                continue
+            text.append(choice["text"])
+            if choice["finish_reason"] is None:
+                arrivals.append(time.perf_counter())
     ttft, rate = _rates(sent, arrivals)
     return "".join(text), ttft, rate, len(arrivals)
 
@@ -101,11 +102,12 @@ def run(quick: bool = False, progress: TextIO | None = None) -> dict:
         url = entry.api_url()
         model_id = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         _say(progress, f"swarm covered; entry API at {url}; {rounds} rounds of {new_tokens} tokens per edge")
+        http = httpx.Client(timeout=600)
         _via_control(entry, 4)   # warm both edges (tokenizer, channels, relay-free routes)
-        _via_api(url, model_id, 4)
+        _via_api(http, url, model_id, 4)
         api, control, equal = [], [], True
         for i in range(rounds):
-            order = (("api", lambda: _via_api(url, model_id, new_tokens)), ("control", lambda: _via_control(entry, new_tokens)))
+            order = (("api", lambda: _via_api(http, url, model_id, new_tokens)), ("control", lambda: _via_control(entry, new_tokens)))
             texts = {}
             for name, fn in (order if i % 2 == 0 else order[::-1]):
                 text, ttft, rate, count = fn()
@@ -113,6 +115,13 @@ def run(quick: bool = False, progress: TextIO | None = None) -> dict:
                 (api if name == "api" else control).append((ttft, rate, count))
                 _say(progress, f"round {i + 1} {name}: ttft {ttft * 1000:.0f} ms, {rate or 0:.2f} tok/s, {count} tokens")
             equal = equal and texts["api"] == texts["control"]
+        recent = httpx.get(f"{url}/meshd/status", timeout=60).json()["generations"]["recent"]
+        http.close()
+        mine = recent[:2 * rounds]
+        at_entry = {edge: [g["decode_tokens_per_s"] for g in mine if g["edge"] == edge and g["decode_tokens_per_s"]]
+                    for edge in ("http", "control")}
+        ttft_at_entry = {edge: [g["ttft_s"] for g in mine if g["edge"] == edge and g["ttft_s"] is not None]
+                         for edge in ("http", "control")}
         api_rate = statistics.median(r for _, r, _ in api if r)
         control_rate = statistics.median(r for _, r, _ in control if r)
         api_ttft = statistics.median(t for t, _, _ in api)
@@ -123,6 +132,10 @@ def run(quick: bool = False, progress: TextIO | None = None) -> dict:
             "api_vs_control_decode_ratio": round(api_rate / control_rate, 4),
             "api_ttft_s": round(api_ttft, 4), "control_ttft_s": round(control_ttft, 4),
             "api_vs_control_ttft_ratio": round(api_ttft / control_ttft, 4),
+            "api_decode_tokens_per_s_at_entry": round(statistics.median(at_entry["http"]), 3),
+            "control_decode_tokens_per_s_at_entry": round(statistics.median(at_entry["control"]), 3),
+            "api_ttft_s_at_entry": round(statistics.median(ttft_at_entry["http"]), 4),
+            "control_ttft_s_at_entry": round(statistics.median(ttft_at_entry["control"]), 4),
             "tokens_equal": equal, "load_average": round(os.getloadavg()[0], 2),
         }
     finally:
