@@ -309,3 +309,21 @@ def test_logprobs_match_this_builds_driver(api):
     for e in entries:
         assert e.logprob <= 0 and len(e.top_logprobs) == 3
         assert e.top_logprobs[0].logprob >= e.logprob - 1e-6   # greedy: the chosen token is the most likely
+
+
+def test_oversized_headers_are_refused_and_connections_are_bounded(core):
+    import socket as so
+
+    with running_api(core) as (url, _):     # tests/_api_helpers.py serves at most 8 connections
+        r = httpx.get(f"{url}/v1/models", headers={"x-big": "a" * 20_000})
+        assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
+        host, port = url.removeprefix("http://").split(":")
+        held = [so.create_connection((host, int(port))) for _ in range(8)]
+        try:
+            time.sleep(0.2)
+            with pytest.raises(httpx.TimeoutException):   # the 9th waits in the backlog, unserved
+                httpx.get(f"{url}/v1/models", timeout=1.0)
+        finally:
+            for s in held:
+                s.close()
+        assert httpx.get(f"{url}/v1/models", timeout=30).status_code == 200

@@ -46,6 +46,7 @@ from meshd.api.entry import Entry
 from meshd.api.errors import ApiError, api_error, first_leaf
 from meshd.api.jsonbody import loads_object
 from meshd.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from meshd.api.server import MAX_HEADER_BYTES
 from meshd.generate.params import GenerateParams
 from proto.errors import MeshdError
 
@@ -243,7 +244,22 @@ def build_app(ctx: ApiContext) -> Starlette:
     # answers 500 in the same shape and re-raises it for the server's log.
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        MeshdError: on_other_error, Exception: on_other_error})
-    return BearerAuth(app, ctx.api_key) if ctx.api_key else app
+    return HeaderBound(BearerAuth(app, ctx.api_key) if ctx.api_key else app)
+
+
+class HeaderBound:
+    """ASGI middleware: a request whose headers exceed MAX_HEADER_BYTES gets 431 (h11 bounds only the
+    part of a request still incomplete in its buffer; a request read in one chunk is not checked there)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) > MAX_HEADER_BYTES:
+            err = ApiError(431, f"the request headers exceed {MAX_HEADER_BYTES} bytes", code="headers_too_large")
+            await _error_response(err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 class BearerAuth:

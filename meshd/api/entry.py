@@ -40,8 +40,8 @@ DEFAULT_MAX_RUNNING = 4
 DEFAULT_MAX_DEFERRED = 16
 # How long a deferred request waits for a slot before it is told to retry.
 ADMISSION_WAIT_S = 30.0
-# The longest one generation may take, prefill and waiting included (4096
-# tokens at ~10 tok/s fit).
+# The longest one generation may take once admitted, prefill included (4096
+# tokens at ~10 tok/s fit); the wait for a slot has its own bound above.
 DEFAULT_DEADLINE_S = 600.0
 # What a refused client is told to wait.
 BUSY_RETRY_AFTER_S = 2

@@ -25,7 +25,8 @@ from meshd.errors import DaemonError
 
 log = logging.getLogger(__name__)
 
-# Request line + headers of one request (h11's incomplete-event bound).
+# Request line + headers of one request while incomplete (h11's bound); the
+# app checks the parsed headers against the same size (meshd/api/app.py).
 MAX_HEADER_BYTES = 16 * 1024
 # HTTP/2 (h2c upgrade): header list and concurrent streams per connection.
 H2_MAX_HEADER_LIST_BYTES = 16 * 1024
