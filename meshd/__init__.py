@@ -6,7 +6,9 @@ it -- ``tests/test_layout_imports.py`` enforces it):
     cli/          the ``meshd`` entry point and one module per command
     benchmarks/   ``meshd bench NAME``: product-path benchmarks, local-swarm and relay harnesses
     daemon/       the node's composition root, control socket, advertiser, supervisor,
-                  worker process and slot, the swarm part, relay mode
+                  worker process and slot, the swarm part, the API part, relay mode
+    api/          OpenAI-compatible HTTP, Ollama routes, Prometheus metrics, dashboard;
+                  the entry every generation passes
     swarm/        tracker duty, the swarm view from the DHT, join/directive wire
     generate/     the one route driver, hop links, route source and connector,
                   tokenizer + chat template, the generate service

@@ -29,9 +29,15 @@ TOML layout (every key optional; names match the dataclass fields)::
     restart_backoff_s = 1             # first restart delay after a worker died; doubles ...
     restart_backoff_max_s = 300       # ... up to this
     restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
+
+    [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
+    listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs key
+    key = "..."                       # bearer key (or MESHD_API_KEY in the environment)
+    max_running = 4
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 from dataclasses import dataclass, field, fields
@@ -69,6 +75,64 @@ WORKER_BACKENDS = ("torch", "llama.cpp")
 # only when they cannot; public/private skip the probe (private forces relaying).
 REACHABILITY_MODES = ("auto", "public", "private")
 EXPERT_ACTS = ("f32", "q8")
+# The HTTP API listens on loopback unless told otherwise (secure by default).
+DEFAULT_API_LISTEN = "127.0.0.1:8080"
+# A bearer key guessed by nobody: at least this many characters.
+MIN_API_KEY_CHARS = 16
+# Connections the API holds open at once (each is a few KB plus, while it
+# streams, one generation); more wait in the listen backlog.
+DEFAULT_API_MAX_CONNECTIONS = 64
+
+
+def split_host_port(text: str) -> tuple[str, int]:
+    """``"127.0.0.1:8080"`` / ``"[::1]:8080"`` -> (host, port); the host must be an IP or localhost."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"api listen address must look like HOST:PORT (e.g. 127.0.0.1:8080), not {text!r}")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError as exc:
+            raise ConfigError(f"api listen host must be an IP address or localhost, not {host!r}") from exc
+    return host, int(port)
+
+
+def is_loopback(host: str) -> bool:
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    # None: the default (DEFAULT_API_LISTEN; if that port is taken the daemon
+    # runs without the API and says so); a given address must bind; "off".
+    listen: str | None = None
+    key: str | None = None
+    max_running: int = 4
+    max_deferred: int = 16
+    deadline_s: float = 600.0
+    max_connections: int = DEFAULT_API_MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        if self.key is not None and (not isinstance(self.key, str) or len(self.key) < MIN_API_KEY_CHARS
+                                     or any(c.isspace() for c in self.key)):
+            raise ConfigError(f"the api key must be at least {MIN_API_KEY_CHARS} characters, without spaces")
+        bind = self.bind
+        if bind is not None and not is_loopback(bind[0]) and not self.key:
+            raise ConfigError(f"the API would listen on {bind[0]}, beyond loopback: that needs a bearer key "
+                              "(--api-key KEY, api.key in the config, or MESHD_API_KEY); or keep it on 127.0.0.1")
+        if self.max_running < 1 or self.max_deferred < 0 or self.deadline_s <= 0 or self.max_connections < 1:
+            raise ConfigError("api: need max_running >= 1, max_deferred >= 0, deadline_s > 0, max_connections >= 1")
+
+    @property
+    def bind(self) -> tuple[str, int] | None:
+        if self.listen == "off":
+            return None
+        return split_host_port(self.listen or DEFAULT_API_LISTEN)
+
+    @property
+    def explicit(self) -> bool:
+        return self.listen is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +172,7 @@ class DaemonConfig:
     record_ttl_s: float = DEFAULT_RECORD_TTL_S
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    api: ApiConfig = field(default_factory=ApiConfig)
     # `--layers auto --memory 4GiB`: the tracker assigns the range (meshd/daemon/swarm_part.py).
     auto_layers: bool = False
     memory_bytes: int | None = None
@@ -212,13 +277,16 @@ def parse_layers(text: str) -> tuple[int, int]:
 
 _TOP_KEYS = {f.name for f in fields(DaemonConfig)}
 _WORKER_KEYS = {f.name for f in fields(WorkerConfig)}
+_API_KEYS = {f.name for f in fields(ApiConfig)}
 
 
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
     """Build the config from ``path`` (TOML, optional) and ``overrides`` (flags given).
 
     ``overrides`` maps DaemonConfig field names to values already parsed; None
-    values are ignored (the flag was not given). Worker fields use ``worker.NAME``.
+    values are ignored (the flag was not given). Worker fields use ``worker.NAME``,
+    API fields ``api.NAME``. ``MESHD_API_KEY`` in the environment is the key when
+    neither the file nor a flag gives one.
     """
     raw: dict[str, Any] = {}
     if path is not None:
@@ -229,9 +297,11 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
     worker_raw = raw.pop("worker", {})
-    if not isinstance(worker_raw, dict):
-        raise ConfigError("[worker] must be a table")
-    unknown = (set(raw) - _TOP_KEYS) | {f"worker.{k}" for k in set(worker_raw) - _WORKER_KEYS}
+    api_raw = raw.pop("api", {})
+    if not isinstance(worker_raw, dict) or not isinstance(api_raw, dict):
+        raise ConfigError("[worker] and [api] must be tables")
+    unknown = ((set(raw) - _TOP_KEYS) | {f"worker.{k}" for k in set(worker_raw) - _WORKER_KEYS}
+               | {f"api.{k}" for k in set(api_raw) - _API_KEYS})
     if unknown:
         raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")
     for key, value in (overrides or {}).items():
@@ -239,6 +309,8 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
             continue
         if key.startswith("worker."):
             worker_raw[key.removeprefix("worker.")] = value
+        elif key.startswith("api."):
+            api_raw[key.removeprefix("api.")] = value
         else:
             raw[key] = value
     if raw.get("layers") == "auto":
@@ -256,8 +328,10 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
             raw[key] = tuple(raw[key])
     if "layers" in raw and raw["layers"] is not None:
         raw["layers"] = tuple(raw["layers"])
+    if api_raw.get("key") is None and os.environ.get("MESHD_API_KEY"):
+        api_raw["key"] = os.environ["MESHD_API_KEY"]
     try:
         worker = WorkerConfig(**worker_raw)
-        return DaemonConfig(**raw, worker=worker)
+        return DaemonConfig(**raw, worker=worker, api=ApiConfig(**api_raw))
     except TypeError as exc:
         raise ConfigError(f"bad config value: {exc}") from exc

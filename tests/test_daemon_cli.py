@@ -83,3 +83,20 @@ def test_unreachable_bootstrap(tmp_path, model_dir):
 
 def test_status_without_daemon(tmp_path):
     _one_error_line(meshd("status", "--data-dir", str(tmp_path)), "no meshd daemon is running")
+
+
+def test_api_beyond_loopback_needs_a_bearer_key(tmp_path, model_dir):
+    base = ("join", "--model", str(model_dir), "--layers", "0:2", "--data-dir", str(tmp_path / "d"))
+    _one_error_line(meshd(*base, "--api-listen", "0.0.0.0:0"), "beyond loopback: that needs a bearer key")
+    _one_error_line(meshd(*base, "--api-listen", "0.0.0.0:0", "--api-key", "short"), "at least 16 characters")
+    _one_error_line(meshd(*base, "--api-listen", "example.com:80"), "must be an IP address or localhost")
+
+
+def test_api_port_in_use_when_given_explicitly(tmp_path, model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = meshd("join", "--model", str(model_dir), "--layers", "0:2", "--data-dir", str(tmp_path / "d"),
+                  "--listen", "/ip4/127.0.0.1/tcp/0", "--api-listen", f"127.0.0.1:{port}")
+    _one_error_line(r, f"the API cannot listen on 127.0.0.1:{port}")

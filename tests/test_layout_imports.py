@@ -8,6 +8,7 @@ first; a room imports only rooms below it (or itself):
     cli                      the entry point and one module per command
     benchmarks               ``meshd bench``, local-swarm and relay harnesses
     daemon                   node composition root, control socket, supervisor, relay mode
+    api                      OpenAI-compatible HTTP, metrics, dashboard (the daemon serves it)
     swarm                    tracker duty, swarm view, join/directive wire
     generate                 the route driver, hop links, routes, tokenizer
     plan | reach             pure planners | reachability, relays, TLS (not each other)
@@ -32,7 +33,7 @@ ALLOWED_TOP = {
     "meshd": set(OURS),
 }
 GROUND = {"config", "errors", "sizes", "__init__"}
-RANK = {"__main__": 8, "cli": 7, "benchmarks": 6, "daemon": 5, "swarm": 4, "generate": 3,
+RANK = {"__main__": 9, "cli": 8, "benchmarks": 7, "daemon": 6, "api": 5, "swarm": 4, "generate": 3,
         "plan": 2, "reach": 2, "testing": 2}
 TESTING_USERS = {"benchmarks", "testing"}
 

@@ -3,6 +3,7 @@
     swarm.py          the product path: real ``meshd join`` daemons vs the whole model in one process
     pipeline.py       fixed splits through daemons vs the whole model, hop overhead and round-trip floors
     relay.py          the same route with its last hop direct and relayed
+    api.py            the streaming HTTP API vs the control socket of one entry (decode rate, first token)
     codec.py          frame codec cost next to a memory copy
     recipes.py        safetensors vs GGUF recipes (recipe_plan/_routes/_runner/_diagnose.py)
     route_plan.py     route-planning micro-benchmark

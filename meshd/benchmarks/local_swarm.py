@@ -52,7 +52,7 @@ class LocalDaemon:
         args = [sys.executable, "-m", "meshd", "join", "--model", str(model),
                 *(["--layers", layers] if layers else []),   # None: an expert peer (extra has --experts)
                 "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(self.data_dir),
-                "--record-ttl", str(record_ttl_s), *extra]
+                "--record-ttl", str(record_ttl_s), "--api-listen", "127.0.0.1:0", *extra]
         if memory is not None:
             args += ["--memory", str(memory)]
         if kv_budget_tokens is not None:
@@ -81,6 +81,13 @@ class LocalDaemon:
             m = re.search(r"listening on (\S+/p2p/\S+)", self.text())
             return m.group(1) if m else None
         return wait_for(find, f"{self.name}'s libp2p address", timeout_s, self)
+
+    def api_url(self, timeout_s: float = 60.0) -> str:
+        """The base URL of this daemon's HTTP API (it listens on a free loopback port)."""
+        def find():
+            m = re.search(r"api: serving (http://\S+)", self.text())
+            return m.group(1) if m else None
+        return wait_for(find, f"{self.name}'s API address", timeout_s, self)
 
     def query(self, op: str) -> dict | None:
         try:

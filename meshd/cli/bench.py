@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, str] = {
     "recipes": "meshd.benchmarks.recipes",
     "relay": "meshd.benchmarks.relay",
     "moe": "meshd.benchmarks.moe",
+    "api": "meshd.benchmarks.api",
 }
 
 

@@ -1,7 +1,8 @@
 """``meshd generate "prompt"``: stream an answer from the swarm through the local daemon.
 
 The daemon is the entry node: it tokenizes, plans the route and drives it
-(meshd/generate/service.py). This command only talks to its control socket and
+(meshd/generate/service.py), through the same entry as its HTTP API
+(meshd/api/entry.py: limits, metrics). This command only talks to its control socket and
 prints text as it arrives; Ctrl-C closes the socket, which cancels the
 generation and releases the KV on every hop.
 """

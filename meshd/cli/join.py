@@ -20,6 +20,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reachability", choices=("auto", "public", "private"),
                         help="auto (default): probe whether peers can dial us and use relays if not; "
                              "private: always reserve on relays; public: never")
+    parser.add_argument("--api-listen", metavar="HOST:PORT|off",
+                        help="the HTTP API, metrics and dashboard (default 127.0.0.1:8080; port 0: any free port); "
+                             "beyond loopback it needs --api-key")
+    parser.add_argument("--api-key", help="bearer key the HTTP API requires (or MESHD_API_KEY; at least 16 characters)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--backend", choices=("torch", "llama.cpp"))
     parser.add_argument("--kv-budget-tokens", type=int)
@@ -58,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens,
             "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,
+            "api.listen": args.api_listen, "api.key": args.api_key,
         }
         config = load_config(args.config, overrides)
         if config.model is None:

@@ -2,6 +2,7 @@
 
     node.py            ``run_daemon``: the composition root (host, DHT, parts below), status
     control.py         the local control socket (JSON lines; server and blocking client)
+    api_part.py        the HTTP API's entry and server, wired to the node; the dashboard's status JSON
     advertiser.py      keeps our signed capability record alive in the DHT
     supervisor.py      restarts the worker with backoff, withdraws meanwhile
     worker_process.py  the life of one ``meshd worker`` subprocess

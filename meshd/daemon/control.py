@@ -3,8 +3,10 @@
 The socket file is created mode 0600 inside the 0700 data directory: only
 the user who runs the daemon can talk to it. One request per connection:
 ``{"op": "status"}`` -> one JSON object back (``{"ok": true, ...}`` or
-``{"ok": false, "error": "..."}``). Requests are bounded (``MAX_REQUEST_BYTES``)
-and so is the time a client may take to send one.
+``{"ok": false, "error": "..."}``). Requests are bounded (``MAX_REQUEST_BYTES``,
+JSON nesting ``MAX_JSON_DEPTH`` via meshd/api/jsonbody.py) and so is the time
+a client may take to send one. A connection's failure, whatever it is, ends
+that connection only: the server keeps serving.
 
 Server side is trio (``serve_control``); the client (``request``) is plain
 blocking sockets, for the CLI.
@@ -17,9 +19,14 @@ import socket
 from pathlib import Path
 from typing import Awaitable, Callable, Iterator
 
+import logging
+
 import trio
 
+from meshd.api.jsonbody import BadJson, loads_bounded, loads_object
 from meshd.errors import ControlUnavailable, DaemonError
+
+log = logging.getLogger(__name__)
 
 # A request is a tiny JSON object; anything bigger is not from our CLI.
 MAX_REQUEST_BYTES = 64 * 1024
@@ -78,6 +85,13 @@ async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamH
 
 
 async def _serve_one(stream: trio.SocketStream, handler: Handler, stream_handler: StreamHandler | None) -> None:
+    try:
+        await _serve_request(stream, handler, stream_handler)
+    except Exception:  # noqa: BLE001 - one bad connection must never stop the control server (or the daemon)
+        log.exception("control connection failed")
+
+
+async def _serve_request(stream: trio.SocketStream, handler: Handler, stream_handler: StreamHandler | None) -> None:
     async with stream:
         buf = b""
         with trio.move_on_after(REQUEST_READ_TIMEOUT_S):
@@ -101,9 +115,9 @@ def _streamed_request(buf: bytes) -> dict | None:
     if len(buf) > MAX_REQUEST_BYTES or b"\n" not in buf:
         return None
     try:
-        request = json.loads(buf.split(b"\n", 1)[0])
-    except ValueError:
-        return None
+        request = loads_object(buf.split(b"\n", 1)[0], max_bytes=MAX_REQUEST_BYTES)
+    except BadJson:
+        return None  # answered by _answer with the parser's message
     return request if isinstance(request, dict) and request.get("op") in STREAM_OPS else None
 
 
@@ -142,9 +156,9 @@ async def _answer(buf: bytes, handler: Handler) -> dict:
     if len(buf) > MAX_REQUEST_BYTES or b"\n" not in buf:
         return {"ok": False, "error": "request too large or incomplete"}
     try:
-        request = json.loads(buf.split(b"\n", 1)[0])
-    except ValueError:
-        return {"ok": False, "error": "request is not JSON"}
+        request = loads_bounded(buf.split(b"\n", 1)[0], max_bytes=MAX_REQUEST_BYTES)
+    except BadJson as exc:
+        return {"ok": False, "error": f"bad request (not JSON we accept): {exc}"}
     if not isinstance(request, dict) or request.get("op") not in OPS:
         return {"ok": False, "error": f"op must be one of {', '.join(OPS)}"}
     try:

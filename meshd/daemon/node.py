@@ -11,6 +11,8 @@
                 │               of relayed hops)                    meshd/reach/direct_upgrade.py
                 ├── advertiser  (publish / republish / withdraw)   meshd/daemon/advertiser.py
                 ├── control API (unix socket, JSON)                meshd/daemon/control.py
+                ├── HTTP API    (OpenAI, Ollama, /metrics, dashboard; generations of
+                │               both APIs pass its entry)            meshd/daemon/api_part.py
                 ├── supervisor  (worker subprocess)  meshd/daemon/supervisor.py, worker_process.py
                 ├── swarm       (tracker duty, --layers auto, directives, generate)  meshd/daemon/swarm_part.py
                 ├── experts     (MoE, --experts: expert peer worker + its record, or the
@@ -39,6 +41,7 @@ from dht import keys as K
 from dht.node import DhtNode
 from dht.records import live
 from meshd.daemon.advertiser import Advertiser, claim_from_report
+from meshd.daemon.api_part import ApiPart
 from meshd.config import DaemonConfig
 from meshd.daemon.control import serve_control
 from meshd.reach.direct_upgrade import DirectUpgrader
@@ -92,6 +95,7 @@ class Node:
         self.supervisor: Supervisor | None = None
         self.swarm = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
         self.experts = None  # meshd/daemon/experts_part.py: MoE expert peer or holder (--experts)
+        self.api = ApiPart(self)  # the entry every generation passes, the HTTP server (meshd/daemon/api_part.py)
         self.model_digest: str | None = None
         self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
                                  on_change=self.refresh_claim, progress=progress)
@@ -185,11 +189,7 @@ class Node:
         return await self.status()
 
     async def handle_stream(self, request: dict, send) -> None:
-        from meshd.generate.service import run_generate
-
-        if self.swarm is None:
-            raise DaemonError("this daemon serves no model: nothing to generate with")
-        await run_generate(self.swarm, request, send)
+        await self.api.entry.control_request(request, send)   # the same door as the HTTP API
 
     async def status(self) -> dict:
         digests = []
@@ -272,6 +272,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                 await nursery.start(node.advertiser.run)
                 await nursery.start(partial(serve_control, stream_handler=node.handle_stream),
                                     config.control_socket, node.handle)
+                await nursery.start(node.api.run)
                 if handle_signals:
                     nursery.start_soon(_wait_for_signal, nursery.cancel_scope, node, progress)
                 if config.experts is not None or config.offload_experts:

@@ -237,7 +237,9 @@ class WorkerProcess:
                 continue
             failures = 0
             state.health = {"state": pb.ServingState.Name(report.state).removeprefix("SERVING_STATE_").lower(),
-                            "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3)}
+                            "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3),
+                            "kv_tokens_used": report.kv_tokens_used, "kv_budget_tokens": report.kv_budget_tokens,
+                            "resident_bytes": report.resident_bytes}
             if report.expert_positions:   # MoE holder: the expert exchange's bytes per position
                 state.health["experts"] = {
                     "bytes_sent_per_position": round(report.expert_bytes_sent / report.expert_positions, 1),

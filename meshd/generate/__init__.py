@@ -1,6 +1,9 @@
 """One generation through the swarm, from the entry node.
 
-    service.py        the generate core: request -> tokens -> route driver -> text events
+    service.py        the generate core: params -> tokens -> route driver -> text events (every edge)
+    params.py         GenerateParams: one validated request shape (prompt or chat messages, stops, logprobs)
+    textstream.py     incremental detokenization; stop strings held back and cut
+    hop_meter.py      per-hop bytes and decode-step latency, measured on each hop's channel
     driver.py         SwarmDriver: the one route driver (failover, exact recovery)
     hop_link.py       one hop's Session stream (blocking gRPC call, credits, past length)
     request_queue.py  request bodies from the driver's thread to the transport

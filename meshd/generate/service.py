@@ -1,16 +1,26 @@
-"""``generate`` over the control API: tokenize, drive the route, stream text back.
+"""The generate core: validated params -> tokens -> route driver -> text events.
 
-Data flow (one client connection)::
+One core for every edge: the control socket (``run_generate``: one JSON line
+in, JSON lines out) and the HTTP API (meshd/api/: OpenAI and Ollama routes
+call ``generate`` with params they validated themselves). Data flow::
 
-    {"op": "generate", "prompt": ..., "max_tokens": ..., ...}
-      -> GenerateParams (validated here; a bad field is the client's error)
-      -> token ids (the artifact's tokenizer, meshd/generate/tokenizer.py; chat template unless "raw")
+    GenerateParams (meshd/generate/params.py; a bad field is the client's LocalError)
+      -> readiness: our worker serves, the swarm covers every layer (else NotReady:
+         the edge says "retry later", HTTP 503 + Retry-After)
+      -> token ids (the artifact's tokenizer, meshd/generate/tokenizer.py: chat
+         template for messages, or for a prompt unless "raw")
       -> SwarmDriver (meshd/generate/driver.py) in one worker thread,
          routes from the DHT (AdsRouteSource over Swarm.fresh_snapshot),
          channels pinned to each peer's certificate (PeerConnector), or
-         circuits through a relay for peers behind NAT (meshd/reach/relay_dial.py)
-      -> token ids through a bounded channel -> text deltas, one JSON line each
-      <- {"text": "...", "token": id} ... {"done": true, "stats": {...}}
+         circuits through a relay for peers behind NAT (meshd/reach/relay_dial.py),
+         each metered when an observer is given (meshd/generate/hop_meter.py)
+      -> token ids through a bounded channel -> TextStream (stop strings held
+         back and cut, meshd/generate/textstream.py) -> events:
+      <- {"event": "start", "prompt_tokens": n, "session": id}
+         {"text": "...", "token": id[, "logprob", "piece", "top_logprobs"][, "route"]} per token
+             ("route" on the first token and after a failover: the hops now in use)
+         {"text": "..."}   (held-back text released at the end, if any)
+         {"done": true, "finish_reason": "stop"|"length", "tokens": [...], ...}
 
 Routes are planned here, at the entry, from its own DHT view, with the same
 pure planner (routing.py) and the same signed records the tracker would use
@@ -18,69 +28,45 @@ pure planner (routing.py) and the same signed records the tracker would use
 generation never depends on the tracker being reachable mid-way, e.g. while
 duty moves after the tracker died.
 
-Cancellation: the client closing its socket (or the daemon stopping)
+Cancellation: the caller cancelling (client gone, deadline, daemon stopping)
 cancels the driver; it finishes the step in flight and releases the KV on
-every hop before the thread returns. The daemon never abandons the thread.
+every hop before the thread returns. A completed stop string ends the
+generation the same way. The daemon never abandons the thread.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import fields
 from typing import Awaitable, Callable
 
 import trio
 
-from meshd.generate.driver import GenerationRequest, SwarmDriver
+from meshd.generate.driver import GenerationCancelled, GenerationRequest, SwarmDriver
+from meshd.generate.hop_meter import HopObserver, MeteredConnector
+from meshd.generate.params import (DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS,  # noqa: F401 - re-exported
+                                   GenerateParams)
 from meshd.generate.routes import AdsRouteSource, PeerConnector
+from meshd.generate.textstream import TextStream
+from meshd.plan.adverts import CoverageMap
 from proto import shard_runtime_pb2 as pb
-from proto.errors import LocalError
-from shard.sampling import SamplingSpec
+from proto.errors import LocalError, MeshdError
 
-# Bounds on what a client may ask for (the control socket is local, but a
-# request is still input): prompt size, new tokens per request.
-MAX_PROMPT_CHARS = 32_000
-MAX_NEW_TOKENS = 4096
-DEFAULT_MAX_TOKENS = 128
 # Tokens buffered between the driver thread and the socket writer.
 TOKEN_QUEUE_DEPTH = 32
+# What a client is told to wait before retrying when the swarm cannot serve
+# yet: about one swarm refresh (records propagate, a worker finishes loading).
+RETRY_AFTER_S = 5
+# Does this driver report log-probabilities (SampledToken, top_logprobs)?
+DRIVER_LOGPROBS = "top_logprobs" in {f.name for f in fields(GenerationRequest)}
 
 Send = Callable[[dict], Awaitable[None]]
 
 
-@dataclass(frozen=True, slots=True)
-class GenerateParams:
-    prompt: str
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    raw: bool = False
+class NotReady(MeshdError):
+    """The swarm cannot serve a generation right now (nothing is the client's fault): retry later."""
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.prompt, str) or not 0 < len(self.prompt) <= MAX_PROMPT_CHARS:
-            raise LocalError(f"prompt must be a string of 1..{MAX_PROMPT_CHARS} characters")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
-                or not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
-            raise LocalError(f"max_tokens must be an integer in 1..{MAX_NEW_TOKENS}")
-        for name in ("temperature", "top_p"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise LocalError(f"{name} must be a number")
-        if not isinstance(self.top_k, int) or not isinstance(self.seed, int) or not isinstance(self.raw, bool):
-            raise LocalError("top_k and seed must be integers, raw a boolean")
-
-    @classmethod
-    def from_request(cls, request: dict) -> "GenerateParams":
-        known = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "raw"}
-        try:
-            return cls(**{k: v for k, v in request.items() if k in known})
-        except TypeError as exc:
-            raise LocalError(f"bad generate request: {exc}") from exc
-
-    def sampling(self) -> SamplingSpec:
-        return SamplingSpec(temperature=float(self.temperature), top_k=self.top_k, top_p=float(self.top_p),
-                            seed=self.seed)
+    def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 def _relayed_of(swarm, peer_id: str) -> tuple[str, ...]:
@@ -95,19 +81,38 @@ def load_tokenizer(model_path):
 
 
 async def run_generate(swarm, request: dict, send: Send) -> None:
-    """Serve one generate request; raises LocalError for a request we cannot serve."""
-    params = GenerateParams.from_request(request)
+    """Serve one control-socket generate request; raises LocalError for a request we cannot serve."""
+    await generate(swarm, GenerateParams.from_request(request), send)
+
+
+async def check_ready(swarm) -> None:
+    """Raise NotReady unless our worker serves and the swarm (fresh view) covers every layer."""
     node = swarm.node
-    claim = node.advertiser.claim
-    if swarm.digest is None or claim is None or node.supervisor is None:
-        raise LocalError("this node serves no layers yet (its worker is loading or it waits for the tracker); "
-                         "try again in a moment")
+    if swarm.digest is None or node.advertiser.claim is None or node.supervisor is None:
+        raise NotReady("this node serves no layers yet (its worker is loading or it waits for the tracker); "
+                       "try again in a moment")
+    snap = swarm.snapshot
+    for attempt in range(2):  # the latest view first; a fresh DHT read before saying no
+        if snap is not None:
+            cmap = CoverageMap.build(snap.ads, model_digest=swarm.digest, num_layers=swarm.num_layers)
+            if cmap.fully_covered:
+                return
+        if attempt == 0:
+            snap = await swarm.fresh_snapshot()
+    gaps = ", ".join(f"{g.start}:{g.end}" for g in cmap.gaps())
+    raise NotReady(f"no peer serves layers {gaps} of the model right now; retry once a node covers them")
+
+
+async def entry_tokenizer(swarm):
     if swarm.tokenizer is None:
         swarm.tokenizer = await trio.to_thread.run_sync(load_tokenizer, swarm.config.model)
-    tokenizer = swarm.tokenizer
-    prompt_ids = tokenizer.encode_prompt(params.prompt, params.raw)
-    gen = GenerationRequest(tuple(prompt_ids), params.max_tokens, sampling=params.sampling(),
-                            stop_ids=tokenizer.stop_ids)
+    return swarm.tokenizer
+
+
+def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDriver, list[dict]]:
+    """A route driver over the swarm as this node sees it, and the list its failovers are noted in."""
+    node = swarm.node
+    claim = node.advertiser.claim
     fingerprint = pb.Fingerprint(model_artifact_digest=claim.model_artifact_digest,
                                  runtime_recipe_digest=claim.runtime_recipe_digest)
 
@@ -122,24 +127,74 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
                               portal=node.relay_dialer.portal, pins=swarm.pins,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
-    driver = SwarmDriver(source, connector, fingerprint=fingerprint, on_failover=lambda e: failovers.append(
+    driver = SwarmDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
+                         fingerprint=fingerprint, on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
          "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]}))
-    send_chan, recv_chan = trio.open_memory_channel(TOKEN_QUEUE_DEPTH)
+    return driver, failovers
 
-    def drive() -> None:
+
+async def generate(swarm, params: GenerateParams, send: Send, *, observer: HopObserver | None = None) -> None:
+    """The core on the daemon's swarm: check readiness, then ``drive`` (raises NotReady, LocalError)."""
+    await check_ready(swarm)
+    tokenizer = await entry_tokenizer(swarm)
+    driver, failovers = swarm_driver(swarm, observer)
+    await drive(driver, tokenizer, params, send, failovers=failovers)
+
+
+def _parts(item) -> tuple[int, float | None, tuple]:
+    """(id, logprob, top) of what the driver yields: an int, or a SampledToken once it reports logprobs."""
+    if isinstance(item, int):
+        return item, None, ()
+    return int(item.id), item.logprob, tuple(item.top)
+
+
+def _token_event(tokenizer, params: GenerateParams, delta: str, item) -> dict:
+    token, logprob, top = _parts(item)
+    event = {"text": delta, "token": token}
+    if params.logprobs:
+        event["logprob"] = logprob
+        event["piece"] = tokenizer.piece(token)
+        event["top_logprobs"] = [{"token": t, "piece": tokenizer.piece(t), "logprob": lp}
+                                 for t, lp in top[:params.top_logprobs]]
+    return event
+
+
+async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Send, *,
+                failovers: list[dict] | None = None) -> None:
+    """Run one generation on ``driver`` and send its events (see the module doc)."""
+    if params.logprobs and not DRIVER_LOGPROBS:
+        raise LocalError("this meshd build cannot report logprobs yet (its route driver returns token ids only)")
+    if params.messages is not None:
+        prompt_ids = tokenizer.encode_chat(params.messages)
+    else:
+        prompt_ids = tokenizer.encode_prompt(params.prompt, params.raw)
+    extra = {"top_logprobs": max(params.top_logprobs, 1)} if params.logprobs else {}
+    gen = GenerationRequest(tuple(prompt_ids), params.max_tokens, sampling=params.sampling(),
+                            stop_ids=tokenizer.stop_ids, **extra)
+    failovers = failovers if failovers is not None else []
+    send_chan, recv_chan = trio.open_memory_channel(TOKEN_QUEUE_DEPTH)
+    halt = False  # set by the trio side: a stop string completed, stop the driver
+
+    def run_driver() -> None:
         stream = driver.generate(gen)
         try:
-            for token in stream:
-                trio.from_thread.run(send_chan.send, token)
+            for item in stream:
+                trio.from_thread.run(send_chan.send, item)
+                if halt:
+                    break
+        except GenerationCancelled:
+            if not halt:
+                raise
         finally:
             stream.close()
             trio.from_thread.run_sync(send_chan.close)
 
     await send({"event": "start", "prompt_tokens": len(prompt_ids), "session": driver.session_id})
+    text = TextStream(tokenizer.decode, params.stop)
     tokens: list[int] = []
-    text = ""
+    routes_seen = 0
     async with trio.open_nursery() as nursery:
         async def cancel_when_done() -> None:
             try:
@@ -150,21 +205,26 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
         nursery.start_soon(cancel_when_done)
 
         async def run_thread() -> None:
-            await trio.to_thread.run_sync(drive)
+            await trio.to_thread.run_sync(run_driver)
 
         nursery.start_soon(run_thread)
         async with recv_chan:
-            async for token in recv_chan:
-                tokens.append(token)
-                full = tokenizer.decode(tokens)
-                if full.endswith("\ufffd"):
-                    delta = ""  # an incomplete multi-byte character: wait for the next token
-                else:
-                    delta, text = full[len(text):], full
-                await send({"text": delta, "token": token})
+            async for item in recv_chan:
+                if halt:
+                    continue  # drain what the thread still sends while it stops
+                tokens.append(_parts(item)[0])
+                event = _token_event(tokenizer, params, text.push(tokens[-1]), item)
+                routes = driver.stats.routes
+                if len(routes) != routes_seen:  # the first token, and after each failover: the route in use
+                    routes_seen = len(routes)
+                    event["route"] = [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in routes[-1].hops]
+                await send(event)
+                if text.stopped:
+                    halt = True
+                    driver.cancel()
         nursery.cancel_scope.cancel()
-    rest = tokenizer.decode(tokens)[len(text):] if tokens else ""
-    if rest:  # the tail of a multi-byte character held back above
+    rest = text.finish()
+    if rest:  # held-back text (a possible stop string that was not), or a last partial character
         await send({"text": rest})
     stats = driver.stats
     times = stats.token_times
@@ -172,7 +232,9 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
         event["next_token_at"] = next((t for t in times if t > event["failed_at"]), None)
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     route = stats.routes[-1] if stats.routes else None
+    stopped = text.stopped or bool(tokens and tokens[-1] in tokenizer.stop_ids)
     await send({"done": True, "tokens": tokens, "failovers": failovers,
+                "finish_reason": "stop" if stopped else "length",
+                "prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
                 "decode_tokens_per_s": round((len(times) - 1) / decode_s, 3) if decode_s > 0 else None,
                 "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in route.hops] if route else []})
-

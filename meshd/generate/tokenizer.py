@@ -8,6 +8,8 @@ with a sandboxed jinja2 environment, as transformers does:
 
     chat     render([{"role": "user", "content": prompt}], add_generation_prompt)
              -> encode(text, add_special_tokens=False)
+    messages render([{"role": r, "content": c}, ...], add_generation_prompt) (the API's chat);
+             a template's raise_exception() and render errors are the client's LocalError
     raw      encode(prompt)                 (the tokenizer's own post-processor)
     stops    eos_token of tokenizer_config.json + the eos ids of generation_config.json
 
@@ -21,8 +23,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Sequence
 
 from meshd.errors import ConfigError
+from proto.errors import LocalError
 
 # Config files of a tokenizer are small; refuse anything absurd.
 MAX_CONFIG_BYTES = 4 << 20
@@ -72,12 +76,32 @@ class EntryTokenizer:
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
         if raw or not self.chat_template:
             return list(self._tok.encode(prompt).ids)
+        return self.encode_chat([("user", prompt)])
+
+    def encode_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Chat messages (role, text) through the model's chat template, ready for a reply."""
+        if not self.chat_template:
+            raise LocalError("this model has no chat template: send a plain prompt instead "
+                             "(/v1/completions, or raw)")
+        from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        def raise_exception(message: str) -> None:
+            raise LocalError(f"the model's chat template refused the messages: {message}")
+
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        text = env.from_string(self.chat_template).render(
-            messages=[{"role": "user", "content": prompt}], add_generation_prompt=True, **self._special)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            text = env.from_string(self.chat_template).render(
+                messages=[{"role": role, "content": content} for role, content in messages],
+                add_generation_prompt=True, **self._special)
+        except TemplateError as exc:
+            raise LocalError(f"the model's chat template failed on these messages: {exc}") from exc
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def piece(self, token_id: int) -> str:
+        """One token's own text (logprobs); special tokens are shown, not skipped."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,284 @@
+"""The entry node's HTTP API as one Starlette app (served by meshd/api/server.py).
+
+    GET  /                       dashboard page (static, no data; its script polls the status)
+    GET  /static/{file}          the dashboard's script and style (package data, no CDN)
+    GET  /meshd/status           the node's status JSON (feeds the dashboard)
+    GET  /metrics                Prometheus text (meshd/api/metrics.py)
+    GET  /v1/models              the swarm's model and its coverage
+    POST /v1/chat/completions    OpenAI chat (SSE when "stream")       meshd/api/openai.py
+    POST /v1/completions         OpenAI completions (prompt string)
+    POST /api/chat               Ollama chat (NDJSON stream by default) meshd/api/ollama.py
+    POST /api/generate           Ollama generate
+    GET  /api/tags               Ollama model list
+
+Every generation goes through ``Entry.generate`` (meshd/api/entry.py), the
+same door as the control socket. Bodies are bounded (MAX_BODY_BYTES, read
+within BODY_READ_TIMEOUT_S) and parsed with a nesting bound
+(meshd/api/jsonbody.py). With an API key, every route but the page and its
+static files needs ``Authorization: Bearer <key>`` (the page asks for the
+key and sends it with its requests; the key never sits in a URL sent to us).
+
+A generation's response is an ASGI callable (``GenerationResponse``): it
+waits for the first generated token before sending the status line, so an
+error before any output (no coverage, bad template, route failure,
+deadline) gets its own HTTP status; an error after the first byte ends the
+stream with an error event. The client disconnecting cancels the
+generation: the driver releases the KV on every hop.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from dataclasses import dataclass
+from importlib import resources
+from typing import Awaitable, Callable
+
+import trio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from meshd.api import ollama, openai
+from meshd.api.entry import Entry
+from meshd.api.errors import ApiError, api_error, first_leaf
+from meshd.api.jsonbody import loads_object
+from meshd.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from meshd.api.server import MAX_HEADER_BYTES
+from meshd.generate.params import GenerateParams
+from proto.errors import MeshdError
+
+log = logging.getLogger(__name__)
+
+# A chat of MAX_PROMPT_CHARS characters, JSON-escaped, fits with room to spare.
+MAX_BODY_BYTES = 1 << 20
+# A body over the bound is still read (and dropped) up to this many bytes, so
+# the client gets its 413 instead of a connection reset mid-upload; larger
+# ones are answered at once.
+MAX_DRAIN_BYTES = 8 << 20
+# A client gets this long to send its whole body (slow senders hold a connection).
+BODY_READ_TIMEOUT_S = 30.0
+# Paths anyone may fetch even with an API key: the page itself carries no data.
+OPEN_PATHS = ("/", "/static/dashboard.js", "/static/dashboard.css", "/favicon.ico")
+STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
+DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
+                 "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+NDJSON_HEADERS = [(b"content-type", b"application/x-ndjson")]
+
+
+@dataclass
+class ApiContext:
+    entry: Entry
+    model: Callable[[], dict]                  # {"id", "digest", "num_layers", "coverage", "serving"}
+    status: Callable[[], Awaitable[dict]]      # the node's status JSON
+    api_key: str | None = None
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
+
+
+async def read_json(request: Request) -> dict:
+    too_large = ApiError(413, f"the body must be at most {MAX_BODY_BYTES} bytes", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_DRAIN_BYTES):
+        raise too_large
+    chunks, total = [], 0
+    with trio.move_on_after(BODY_READ_TIMEOUT_S) as scope:
+        async for chunk in request.stream():
+            total += len(chunk)
+            if total > MAX_DRAIN_BYTES:
+                raise too_large
+            if total <= MAX_BODY_BYTES:
+                chunks.append(chunk)
+    if scope.cancelled_caught:
+        raise ApiError(408, f"the body did not arrive within {BODY_READ_TIMEOUT_S:g} s", code="request_timeout")
+    if total > MAX_BODY_BYTES:
+        raise too_large
+    return loads_object(b"".join(chunks), max_bytes=MAX_BODY_BYTES)
+
+
+class GenerationResponse:
+    """Run one generation and answer it: SSE / NDJSON stream or one JSON body (see module doc)."""
+
+    def __init__(self, entry: Entry, params: GenerateParams, fmt, *, stream: bool, framing: str) -> None:
+        self.entry, self.params, self.fmt, self.stream, self.framing = entry, params, fmt, stream, framing
+
+    def _frame(self, obj) -> bytes:
+        if self.framing == "sse":
+            return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+        return json.dumps(obj).encode() + b"\n"
+
+    async def __call__(self, scope, receive, send) -> None:
+        started = gone = False
+        error: ApiError | None = None
+
+        async def body(data: bytes, more: bool = True) -> None:
+            nonlocal started
+            if not started:
+                started = True
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": SSE_HEADERS if self.framing == "sse" else NDJSON_HEADERS})
+            await send({"type": "http.response.body", "body": data, "more_body": more})
+
+        async def on_event(event: dict) -> None:
+            chunks = self.fmt.on_event(event)
+            if self.stream and chunks:
+                await body(b"".join(self._frame(c) for c in chunks))
+
+        async with trio.open_nursery() as nursery:
+            async def watch_disconnect() -> None:
+                nonlocal gone
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                    pass
+                gone = True
+                nursery.cancel_scope.cancel()   # cancels the generation: KV released on every hop
+
+            nursery.start_soon(watch_disconnect)
+            try:
+                await self.entry.generate(self.params, on_event)
+            except Exception as exc:  # noqa: BLE001 - every failure becomes an HTTP answer
+                leaf = first_leaf(exc)
+                error = api_error(leaf)
+                if error.status >= 500 and error.status not in (503, 504):
+                    log.error("generation failed", exc_info=leaf)
+            nursery.cancel_scope.cancel()
+        if gone:
+            return
+        if error is not None and not started:
+            await _error_response(error)(scope, receive, send)
+            return
+        if error is not None:   # mid-stream: say so in the stream, then end it
+            await body(self._frame(error.body() if self.framing == "sse" else {"error": error.message}), more=False)
+            return
+        if self.stream:
+            tail = b"".join(self._frame(c) for c in self.fmt.finish())
+            await body(tail + (self._frame(b"[DONE]") if self.framing == "sse" else b""), more=False)
+            return
+        await JSONResponse(self.fmt.whole())(scope, receive, send)
+
+
+def build_app(ctx: ApiContext) -> Starlette:
+    static = {name: (resources.files("meshd.api") / "static" / name).read_bytes() for name in (*STATIC, "index.html")}
+
+    def served_model() -> str:
+        info = ctx.model()
+        if not info.get("id"):
+            raise ApiError(503, "this node serves no model yet", type="service_unavailable", retry_after_s=5)
+        return info["id"]
+
+    async def dashboard(request: Request) -> Response:
+        return Response(static["index.html"], media_type="text/html; charset=utf-8",
+                        headers={"content-security-policy": DASHBOARD_CSP, "cache-control": "no-cache"})
+
+    async def static_file(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name not in STATIC:
+            raise ApiError(404, f"no static file {name!r}", type="not_found_error")
+        return Response(static[name], media_type=STATIC[name], headers={"cache-control": "no-cache"})
+
+    async def status(request: Request) -> Response:
+        return JSONResponse(await ctx.status())
+
+    async def metrics(request: Request) -> Response:
+        return Response(ctx.entry.metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    async def models(request: Request) -> Response:
+        info = ctx.model()
+        data = [{"id": info["id"], "object": "model", "created": 0, "owned_by": "meshd",
+                 "meshd": {k: info.get(k) for k in ("digest", "num_layers", "coverage", "serving")}}] \
+            if info.get("id") else []
+        return JSONResponse({"object": "list", "data": data})
+
+    def openai_route(parse, format_class):
+        async def endpoint(request: Request):
+            params, answer = parse(await read_json(request), served_model())
+            return GenerationResponse(ctx.entry, params, format_class(answer), stream=answer.stream, framing="sse")
+        return endpoint
+
+    def ollama_route(parse, is_chat: bool):
+        async def endpoint(request: Request):
+            model = served_model()
+            params, stream = parse(await read_json(request), model)
+            return GenerationResponse(ctx.entry, params, ollama.OllamaFormat(model, is_chat), stream=stream,
+                                      framing="ndjson")
+        return endpoint
+
+    async def tags(request: Request) -> Response:
+        info = ctx.model()
+        return JSONResponse(ollama.tags(info["id"], info.get("digest")) if info.get("id") else {"models": []})
+
+    async def version(request: Request) -> Response:
+        from meshd import __version__
+        return JSONResponse({"version": __version__})
+
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
+        return _error_response(exc)
+
+    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                                        type=kind))
+
+    async def on_other_error(request: Request, exc: Exception) -> Response:
+        err = api_error(first_leaf(exc))
+        if err.status == 500:
+            log.error("API request failed", exc_info=exc)
+        return _error_response(err)
+
+    routes = [
+        Route("/", dashboard), Route("/static/{name}", static_file), Route("/meshd/status", status),
+        Route("/metrics", metrics), Route("/v1/models", models),
+        Route("/v1/chat/completions", openai_route(openai.parse_chat, openai.ChatFormat), methods=["POST"]),
+        Route("/v1/completions", openai_route(openai.parse_completion, openai.CompletionFormat), methods=["POST"]),
+        Route("/api/chat", ollama_route(ollama.parse_chat, True), methods=["POST"]),
+        Route("/api/generate", ollama_route(ollama.parse_generate, False), methods=["POST"]),
+        Route("/api/tags", tags), Route("/api/version", version),
+    ]
+    # ApiError and our own errors are answered here; anything else is a bug: ServerErrorMiddleware
+    # answers 500 in the same shape and re-raises it for the server's log.
+    app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
+                                                       MeshdError: on_other_error, Exception: on_other_error})
+    return HeaderBound(BearerAuth(app, ctx.api_key) if ctx.api_key else app)
+
+
+class HeaderBound:
+    """ASGI middleware: a request whose headers exceed MAX_HEADER_BYTES gets 431 (h11 bounds only the
+    part of a request still incomplete in its buffer; a request read in one chunk is not checked there)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) > MAX_HEADER_BYTES:
+            err = ApiError(431, f"the request headers exceed {MAX_HEADER_BYTES} bytes", code="headers_too_large")
+            await _error_response(err)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+class BearerAuth:
+    """ASGI middleware: every path but OPEN_PATHS needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self._key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = b""
+            for name, value in scope.get("headers", ()):
+                if name == b"authorization":
+                    given = value
+            scheme, _, token = given.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
+                err = ApiError(401, "Incorrect API key provided: send Authorization: Bearer <the node's api key>",
+                               type="authentication_error", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401,
+                                   headers={"www-authenticate": "Bearer"})(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,190 @@
+"""The daemon's API part: the entry (admission, metrics) and the HTTP server, wired to the node.
+
+    ApiPart.run  (child of the daemon's nursery; meshd/daemon/node.py starts it)
+    └── serve_api   Hypercorn on this loop (meshd/api/server.py), app from meshd/api/app.py
+
+``entry`` is the one door of every generation on this node: the HTTP routes
+and the control socket's ``generate`` op both go through it, and it calls
+the generate core (meshd/generate/service.py ``generate``) on the node's
+swarm part. ``status()`` is the dashboard's JSON: the model's coverage
+(layers x peers, gaps), every peer's range, memory, KV and speed from its
+signed record, relays and reachability, our worker's health and the
+generations running here with their routes. ``probe()`` feeds the metrics'
+node gauges (KV, coverage per layer, tracker role).
+
+The default listen address is forgiving: if 127.0.0.1:8080 is taken (a
+second daemon on this host) the node runs without its API and says so; an
+address the operator gave must bind, or the daemon does not start.
+
+State: the entry and metrics; a cached swarm snapshot for the status JSON
+(the swarm part refreshes its own every few seconds; we read a fresh one at
+most every STATUS_REFRESH_S).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import trio
+
+from meshd.api.app import ApiContext, build_app
+from meshd.api.entry import Entry, EntryLimits
+from meshd.api.metrics import ApiMetrics
+from meshd.api.server import bind_socket, serve_api
+from meshd.errors import DaemonError
+from meshd.generate.service import generate
+from meshd.plan.adverts import CoverageMap
+
+# The dashboard polls about every 2 s; a DHT read at most this often.
+STATUS_REFRESH_S = 2.0
+STATUS_FETCH_TIMEOUT_S = 5.0
+# Peers listed in the status JSON (the model index holds at most 128).
+MAX_STATUS_PEERS = 128
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _relays_of(addrs) -> list[str]:
+    """Relay peer ids named in p2p-circuit addresses (/.../p2p/RELAY/p2p-circuit/...)."""
+    out = []
+    for addr in addrs:
+        parts = addr.split("/")
+        if "p2p-circuit" in parts:
+            i = parts.index("p2p-circuit")
+            if i >= 2 and parts[i - 2] == "p2p" and parts[i - 1] not in out:
+                out.append(parts[i - 1])
+    return out
+
+
+class ApiPart:
+    def __init__(self, node) -> None:
+        self.node = node
+        api = node.config.api
+        self.metrics = ApiMetrics(probe=self.probe)
+        self.entry = Entry(self._core, EntryLimits(api.max_running, api.max_deferred, api.deadline_s), self.metrics)
+        self.url: str | None = None
+        self._snap_at = -1e9
+        self._snap_lock = trio.Lock()
+
+    async def _core(self, params, send, *, observer=None) -> None:
+        swarm = self.node.swarm
+        if swarm is None:
+            raise DaemonError("this daemon serves no model: nothing to generate with")
+        await generate(swarm, params, send, observer=observer)
+
+    # ------------------------------------------------------------------ views
+    def model(self) -> dict:
+        config, swarm = self.node.config, self.node.swarm
+        if config.model is None:
+            return {}
+        info = {"id": Path(config.model).name, "digest": swarm.digest if swarm else None,
+                "num_layers": swarm.num_layers if swarm else None,
+                "serving": bool(self.node.advertiser.claim), "coverage": None}
+        cmap = self._coverage()
+        if cmap is not None:
+            info["coverage"] = {"fully_covered": cmap.fully_covered, "counts": list(cmap.counts),
+                                "gaps": [[g.start, g.end] for g in cmap.gaps()]}
+        return info
+
+    def _live_ads(self):
+        swarm = self.node.swarm
+        snap = swarm.snapshot if swarm is not None else None
+        if snap is None:
+            return None
+        now = wall_ms()
+        return [a for a in snap.ads if a.expires_at_ms > now]
+
+    def _coverage(self) -> CoverageMap | None:
+        swarm, ads = self.node.swarm, self._live_ads()
+        if swarm is None or ads is None or not swarm.digest or not swarm.num_layers:
+            return None
+        return CoverageMap.build(ads, model_digest=swarm.digest, num_layers=swarm.num_layers)
+
+    def _on_duty(self) -> tuple[str | None, bool]:
+        swarm = self.node.swarm
+        if swarm is None or swarm.duty is None or swarm.snapshot is None:
+            return None, False
+        tracker = swarm.duty.tracker(swarm.snapshot, wall_ms())
+        return tracker, tracker == self.node.identity.peer_id
+
+    def probe(self) -> dict:
+        sup = self.node.supervisor
+        health = sup.state.health if sup is not None else {}
+        cmap = self._coverage()
+        return {"kv_ratio": health.get("kv_pressure", 0.0), "kv_tokens": health.get("kv_tokens_used", 0),
+                "coverage": list(cmap.counts) if cmap is not None else [], "on_duty": self._on_duty()[1]}
+
+    async def _fresh(self) -> None:
+        swarm = self.node.swarm
+        if swarm is None or not swarm.digest:
+            return
+        async with self._snap_lock:
+            if time.monotonic() - self._snap_at < STATUS_REFRESH_S:
+                return
+            with trio.move_on_after(STATUS_FETCH_TIMEOUT_S):
+                await swarm.fresh_snapshot()
+            self._snap_at = time.monotonic()
+
+    async def status(self) -> dict:
+        await self._fresh()
+        node, swarm = self.node, self.node.swarm
+        me = node.identity.peer_id
+        now = wall_ms()
+        snap = swarm.snapshot if swarm is not None else None
+        peers = []
+        for ad in sorted(self._live_ads() or [], key=lambda a: (a.start, a.end, a.peer_id))[:MAX_STATUS_PEERS]:
+            layers = ad.end - ad.start
+            relayed = list(snap.relayed.get(ad.peer_id, ())) if snap is not None else []
+            peers.append({
+                "peer_id": ad.peer_id, "start": ad.start, "end": ad.end, "self": ad.peer_id == me,
+                "memory_budget_bytes": ad.memory_budget_bytes, "free_kv_tokens": ad.free_kv_tokens,
+                "decode_ms_per_layer": round(ad.decode_ms_per_layer, 3),
+                "decode_tokens_per_s": round(1000.0 / (ad.decode_ms_per_layer * layers), 1)
+                if ad.decode_ms_per_layer > 0 else None,
+                "prefill_tokens_per_s": round(ad.prefill_tokens_per_s, 1), "relayed": ad.relayed,
+                "relays": _relays_of(relayed), "endpoint": ad.grpc_endpoint,
+                "expires_in_s": round((ad.expires_at_ms - now) / 1000, 1)})
+        tracker, on_duty = self._on_duty()
+        sup = node.supervisor
+        metrics = self.metrics
+        return {
+            "peer_id": me, "time_ms": now, "model": self.model(), "tracker": tracker, "on_duty": on_duty,
+            "peers": peers,
+            "node": {"worker": sup.state.as_dict() if sup is not None else {"state": "none"},
+                     "layers": list(swarm.slot.layers) if swarm and swarm.slot and swarm.slot.layers else
+                     (list(node.config.layers) if node.config.layers else None),
+                     "reachability": node.relaying.status(), "direct_upgrades": node.upgrader.snapshot(),
+                     "connected_peers": len(node.host.get_connected_peers()), "api": self.url},
+            "generations": self.entry.snapshot(),
+            "throughput": metrics.totals(),
+        }
+
+    # ------------------------------------------------------------------ task
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        api = self.node.config.api
+        bind = api.bind
+        if bind is None:
+            task_status.started(None)
+            return
+        try:
+            sock = bind_socket(*bind)
+        except DaemonError as exc:
+            if api.explicit:
+                raise
+            self.node.progress(f"api: not started ({exc})")
+            task_status.started(None)
+            return
+        app = build_app(ApiContext(self.entry, self.model, self.status, api.key))
+        await self._serve(app, sock, api.max_connections, task_status)
+
+    async def _serve(self, app, sock, max_connections: int, task_status) -> None:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=max_connections,
+                                                                   task_status=task_status))
+            self.url = url
+            self.node.progress(f"api: serving {url} (OpenAI /v1, Ollama /api, /metrics, dashboard at /)"
+                               + (" with a bearer key" if self.node.config.api.key else ""))
+            task_status.started(url)
+

@@ -1,0 +1,109 @@
+"""The HTTP API over a real in-process core: real Hypercorn on loopback, real route driver,
+real gRPC shards of a tiny random Llama (tests/_swarm_helpers.py), the artifact's tokenizer.
+
+Nothing of the generation is faked: ``InProcessCore`` is the generate core's
+``drive`` over a ``SwarmDriver`` whose route source lists the in-process
+shards' ads (what the daemon's DHT view would list), the same function the
+daemon's core calls after its readiness check.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import trio
+
+from meshd.api.app import ApiContext, build_app
+from meshd.api.entry import Entry, EntryLimits
+from meshd.api.metrics import ApiMetrics
+from meshd.api.server import bind_socket, serve_api
+from meshd.generate.driver import SwarmDriver
+from meshd.generate.hop_meter import MeteredConnector
+from meshd.generate.routes import AdsRouteSource, PeerConnector
+from meshd.generate.service import drive
+from meshd.generate.tokenizer import EntryTokenizer
+
+NUM_LAYERS = 6
+MODEL_ID = "tiny-llama"
+# A small ChatML-like template over tokens the test tokenizer knows.
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+
+
+def chat_tokenizer_dir(model: Path, root: Path) -> Path:
+    """The model's tokenizer files plus a chat template, in a directory of their own."""
+    out = root / "tokenizer"
+    out.mkdir(exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model / name).is_file():
+            shutil.copy(model / name, out / name)
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
+
+
+@dataclass
+class InProcessCore:
+    shards: list            # tests/_swarm_helpers.LocalShard
+    tokenizer: EntryTokenizer
+
+    def driver(self, observer=None) -> SwarmDriver:
+        fp = self.shards[0].service.backend.fingerprint
+        source = AdsRouteSource(lambda: [s.ad(NUM_LAYERS) for s in self.shards], fp.model_artifact_digest,
+                                NUM_LAYERS, entry_peer_id="entry", recipe_digest=fp.runtime_recipe_digest)
+        connector = PeerConnector(insecure_loopback=True)
+        return SwarmDriver(source, MeteredConnector(connector, observer) if observer else connector,
+                           fingerprint=fp, replan_wait_s=0.0)
+
+    async def __call__(self, params, send, *, observer=None) -> None:
+        await drive(self.driver(observer), self.tokenizer, params, send)
+
+    def model(self) -> dict:
+        fp = self.shards[0].service.backend.fingerprint
+        return {"id": MODEL_ID, "digest": fp.model_artifact_digest, "num_layers": NUM_LAYERS, "serving": True,
+                "coverage": None}
+
+
+@contextlib.contextmanager
+def running_api(core: InProcessCore, *, limits: EntryLimits = EntryLimits(), key: str | None = None):
+    """Serve the app on 127.0.0.1:<free port> in a trio loop on a thread; yields (base url, entry)."""
+    entry = Entry(core, limits, ApiMetrics())
+
+    async def status() -> dict:
+        return {"peer_id": "entry", "generations": entry.snapshot()}
+
+    app = build_app(ApiContext(entry, core.model, status, key))
+    started = threading.Event()
+    box: dict = {}
+
+    async def main() -> None:
+        sock = bind_socket("127.0.0.1", 0)
+        async with trio.open_nursery() as nursery:
+            box["url"] = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=8,
+                                                                          task_status=task_status))
+            box["stop"] = trio.lowlevel.current_trio_token()
+            box["cancel"] = nursery.cancel_scope
+            started.set()
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the test below
+            box["error"] = exc
+            started.set()
+
+    thread = threading.Thread(target=run, name="api-test-server", daemon=True)
+    thread.start()
+    assert started.wait(30), "the API server did not start"
+    if "error" in box:
+        raise box["error"]
+    try:
+        yield box["url"], entry
+    finally:
+        trio.from_thread.run_sync(box["cancel"].cancel, trio_token=box["stop"])
+        thread.join(30)
+        assert not thread.is_alive()
+        if "error" in box:
+            raise box["error"]
