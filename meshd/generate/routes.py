@@ -6,6 +6,14 @@ entry's runtime recipe). The snapshot function is the daemon's DHT read (or
 a fixed list in tests); it runs on the driver's thread, so a daemon passes
 one that hops back into trio.
 
+``FixedRouteSource`` is one route given up front -- tests, benchmarks, a
+user's fixed split -- with no swarm behind it: ``plan`` returns it and
+``replace`` finds nothing (MissingLayersError), so a failed hop ends the
+generation with RouteFailed (a silent one is retried on the same peer
+first). ``fixed_route(hops, num_layers)`` builds it from (endpoint, start,
+end) triples; ``discover_fingerprint`` asks each direct hop's validated
+capability and checks they name one artifact and recipe.
+
 ``PeerConnector`` turns a planned hop into a gRPC channel:
     * our own peer id      -> our worker's private frame socket, driven in the
                                daemon's loop (relay/local_link.py; when the
@@ -32,13 +40,20 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import grpc
 
-from meshd.plan.adverts import ShardAd
+from meshd.plan.adverts import ShardAd, Span
 from meshd.errors import HopFailure
+from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, RouteCosts, plan_route, replacement_route
 from meshd.reach.tls import loopback_channel, pinned_channel
+from proto import shard_runtime_pb2 as pb
+from proto.frames import SCHEMA_VERSION
 from relay.local_link import open_unix_frame_channel
 from relay.syncchannel import RelayedGrpcChannel
-from shard.server import GRPC_OPTIONS
+from shard.artifact import fingerprints_match
+from shard.server import GRPC_OPTIONS, SERVICE_NAME
+
+# A capability question is answered from memory; a worker that takes longer is unusable anyway.
+CAPABILITY_TIMEOUT_S = 30.0
 
 AdsSnapshot = Callable[[], Iterable[ShardAd]]
 
@@ -66,6 +81,61 @@ class AdsRouteSource:
         return replacement_route(route, failed_peer, tuple(self.ads()), now_ms=self.clock(),
                                  entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
                                  costs=self.costs, avoid=avoid)
+
+
+@dataclass(frozen=True, slots=True)
+class FixedRouteSource:
+    """One route, no swarm: ``replace`` has nothing to offer (see the module docstring)."""
+
+    route: Route
+    static = True   # the driver does not wait for a replacement to appear
+
+    def plan(self, needed_tokens: int) -> Route:
+        return self.route
+
+    def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route:
+        hop = next((h for h in route.hops if h.peer_id == failed_peer), None)
+        spans = [Span(hop.effective_start, hop.end)] if hop is not None else []
+        raise MissingLayersError(spans, model_digest=route.model_digest or "(fixed route)",
+                                 num_layers=route.num_layers, excluded=sorted(avoid),
+                                 recipe_digest=route.recipe_digest)
+
+
+def fixed_route(hops: Sequence[tuple[str, int, int]], num_layers: int, *, relayed: Sequence[bool] = (),
+                model_digest: str = "", recipe_digest: str = "") -> FixedRouteSource:
+    """``[(endpoint, start, end), ...]`` in layer order; each hop's peer id is its endpoint
+    (``p2p:<peer id>`` endpoints are relayed hops)."""
+    built = tuple(Hop(peer_id=endpoint, start=start, end=end, effective_start=start,
+                      relayed=relayed[i] if relayed else endpoint.startswith("p2p:"), endpoint=endpoint)
+                  for i, (endpoint, start, end) in enumerate(hops))
+    return FixedRouteSource(Route(model_digest, num_layers, built, recipe_digest))
+
+
+def discover_fingerprint(connector: "PeerConnector", route: Route) -> pb.Fingerprint:
+    """The fingerprint every direct hop's validated capability names (HopFailure if one differs)."""
+    found: pb.Fingerprint | None = None
+    for i, hop in enumerate(route.hops):
+        if hop.relayed:
+            continue  # capabilities do not travel over relays; the route's sessions check it anyway
+        channel = connector.channel(hop)
+        try:
+            report = channel.unary_unary(f"/{SERVICE_NAME}/GetCapability",
+                                         request_serializer=pb.CapabilityRequest.SerializeToString,
+                                         response_deserializer=pb.CapabilityReport.FromString)(
+                pb.CapabilityRequest(schema_version=SCHEMA_VERSION), timeout=CAPABILITY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise HopFailure(i, hop.peer_id, f"capability: {exc.code().name}") from exc
+        finally:
+            channel.close()
+        if not report.validated:
+            raise HopFailure(i, hop.peer_id, f"capability not validated: {report.detail}")
+        if found is not None and not fingerprints_match(found, report.fingerprint):
+            raise HopFailure(i, hop.peer_id, "hops serve different artifacts or recipes",
+                             pb.ERROR_CODE_FINGERPRINT_MISMATCH)
+        found = report.fingerprint
+    if found is None:
+        raise HopFailure(0, route.hops[0].peer_id, "no direct hop to ask for the fingerprint; pass it")
+    return found
 
 
 @dataclass(frozen=True, slots=True)

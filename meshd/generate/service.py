@@ -10,7 +10,16 @@ Data flow (one client connection)::
          channels pinned to each peer's certificate (PeerConnector), or
          circuits through a relay for peers behind NAT (meshd/reach/relay_dial.py)
       -> token ids through a bounded channel -> text deltas, one JSON line each
-      <- {"text": "...", "token": id} ... {"done": true, "stats": {...}}
+      <- {"text": "...", "token": id} ... {"done": true, "tokens": [...], ...}
+
+With ``"logprobs": true`` each token event also carries ``"logprob"`` (log-
+softmax of the raw logits), with ``"top_logprobs": N`` (0..20) also
+``"top_logprobs": [[id, logprob], ...]``; neither key appears otherwise.
+The done event carries the route, failovers and timings: ``prefill_s``,
+``decode_tokens_per_s``, ``tail_bytes_per_decode_step`` (response bytes
+from the tail per decode step: the token alone is ~20), and per decode
+step its wall time, the hops' own compute and the hop count
+(``step_wall_ms``, ``step_execution_ms``, ``step_hops``).
 
 Routes are planned here, at the entry, from its own DHT view, with the same
 pure planner (routing.py) and the same signed records the tracker would use
@@ -34,6 +43,7 @@ from meshd.generate.driver import GenerationRequest, SwarmDriver
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError
+from proto.limits import MAX_TOP_LOGPROBS
 from shard.sampling import SamplingSpec
 
 # Bounds on what a client may ask for (the control socket is local, but a
@@ -56,6 +66,8 @@ class GenerateParams:
     top_p: float = 1.0
     seed: int = 0
     raw: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.prompt, str) or not 0 < len(self.prompt) <= MAX_PROMPT_CHARS:
@@ -69,10 +81,13 @@ class GenerateParams:
                 raise LocalError(f"{name} must be a number")
         if not isinstance(self.top_k, int) or not isinstance(self.seed, int) or not isinstance(self.raw, bool):
             raise LocalError("top_k and seed must be integers, raw a boolean")
+        if not isinstance(self.logprobs, bool) or isinstance(self.top_logprobs, bool) \
+                or not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise LocalError(f"logprobs must be a boolean, top_logprobs an integer in 0..{MAX_TOP_LOGPROBS}")
 
     @classmethod
     def from_request(cls, request: dict) -> "GenerateParams":
-        known = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "raw"}
+        known = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "raw", "logprobs", "top_logprobs"}
         try:
             return cls(**{k: v for k, v in request.items() if k in known})
         except TypeError as exc:
@@ -107,7 +122,8 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     tokenizer = swarm.tokenizer
     prompt_ids = tokenizer.encode_prompt(params.prompt, params.raw)
     gen = GenerationRequest(tuple(prompt_ids), params.max_tokens, sampling=params.sampling(),
-                            stop_ids=tokenizer.stop_ids)
+                            stop_ids=tokenizer.stop_ids, logprobs=params.logprobs,
+                            top_logprobs=params.top_logprobs)
     fingerprint = pb.Fingerprint(model_artifact_digest=claim.model_artifact_digest,
                                  runtime_recipe_digest=claim.runtime_recipe_digest)
 
@@ -154,14 +170,19 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
 
         nursery.start_soon(run_thread)
         async with recv_chan:
-            async for token in recv_chan:
-                tokens.append(token)
+            async for sampled in recv_chan:
+                tokens.append(sampled.id)
                 full = tokenizer.decode(tokens)
                 if full.endswith("\ufffd"):
                     delta = ""  # an incomplete multi-byte character: wait for the next token
                 else:
                     delta, text = full[len(text):], full
-                await send({"text": delta, "token": token})
+                event = {"text": delta, "token": sampled.id}
+                if params.logprobs or params.top_logprobs:
+                    event["logprob"] = sampled.logprob
+                if params.top_logprobs:
+                    event["top_logprobs"] = [[i, lp] for i, lp in sampled.top]
+                await send(event)
         nursery.cancel_scope.cancel()
     rest = tokenizer.decode(tokens)[len(text):] if tokens else ""
     if rest:  # the tail of a multi-byte character held back above
@@ -172,7 +193,13 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
         event["next_token_at"] = next((t for t in times if t > event["failed_at"]), None)
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     route = stats.routes[-1] if stats.routes else None
+    tail_bytes = stats.tail_bytes_per_decode_step
     await send({"done": True, "tokens": tokens, "failovers": failovers,
+                "prefill_s": round(stats.prefill_s, 6), "decode_s": round(decode_s, 6),
                 "decode_tokens_per_s": round((len(times) - 1) / decode_s, 3) if decode_s > 0 else None,
+                "tail_bytes_per_decode_step": round(tail_bytes, 2) if tail_bytes is not None else None,
+                "step_wall_ms": [round(n / 1e6, 4) for n in stats.step_wall_ns],
+                "step_execution_ms": [round(n / 1e6, 4) for n in stats.step_execution_ns],
+                "step_hops": list(stats.step_hops),
                 "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in route.hops] if route else []})
 
