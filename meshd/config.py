@@ -21,6 +21,7 @@ TOML layout (every key optional; names match the dataclass fields)::
     dtype = "float32"
     backend = "torch"
     kv_budget_tokens = 4096
+    threads = 4                       # compute threads (torch_threads is the same key); default: all cores
 """
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ DEFAULT_RESTART_BACKOFF_MAX_S = 60.0
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 15.0
 MAX_BOOTSTRAP_PEERS = 64
 WORKER_DTYPES = ("float32", "bfloat16")
+# A worker never gets more compute threads than this (a typo like 400 would
+# oversubscribe any machine badly; 256 covers the biggest servers).
+MAX_WORKER_THREADS = 256
 WORKER_BACKENDS = ("torch", "llama.cpp")
 # auto: ask connected peers to dial us back (relay/reachability.py) and use relays
 # only when they cannot; public/private skip the probe (private forces relaying).
@@ -66,7 +70,8 @@ class WorkerConfig:
     ready_timeout_s: float = DEFAULT_WORKER_READY_TIMEOUT_S
     restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
     restart_backoff_max_s: float = DEFAULT_RESTART_BACKOFF_MAX_S
-    torch_threads: int = 1
+    # Compute threads of the worker (torch / llama.cpp): by default every core this process may use.
+    torch_threads: int = field(default_factory=lambda: machine_cores())
 
     def __post_init__(self) -> None:
         if self.dtype not in WORKER_DTYPES:
@@ -77,8 +82,12 @@ class WorkerConfig:
             raise ConfigError("worker.kv_budget_tokens must be positive")
         if not 0 < self.restart_backoff_s <= self.restart_backoff_max_s:
             raise ConfigError("need 0 < worker.restart_backoff_s <= worker.restart_backoff_max_s")
-        if self.ready_timeout_s <= 0 or self.torch_threads <= 0:
-            raise ConfigError("worker.ready_timeout_s and worker.torch_threads must be positive")
+        if self.ready_timeout_s <= 0:
+            raise ConfigError("worker.ready_timeout_s must be positive")
+        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
+                or not 1 <= self.torch_threads <= MAX_WORKER_THREADS:
+            raise ConfigError(f"worker threads must be an integer in 1..{MAX_WORKER_THREADS}, "
+                              f"not {self.torch_threads!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +147,14 @@ class DaemonConfig:
         return self.record_ttl_s / 3.0
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. under taskset or a cgroup)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _check_multiaddr(addr: str) -> None:
     import multiaddr
 
@@ -179,6 +196,10 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
     worker_raw = raw.pop("worker", {})
     if not isinstance(worker_raw, dict):
         raise ConfigError("[worker] must be a table")
+    if "threads" in worker_raw:   # the short name of worker.torch_threads
+        if "torch_threads" in worker_raw:
+            raise ConfigError("give [worker] threads or torch_threads, not both")
+        worker_raw["torch_threads"] = worker_raw.pop("threads")
     unknown = (set(raw) - _TOP_KEYS) | {f"worker.{k}" for k in set(worker_raw) - _WORKER_KEYS}
     if unknown:
         raise ConfigError(f"unknown config keys: {', '.join(sorted(unknown))}")

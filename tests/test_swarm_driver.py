@@ -249,3 +249,26 @@ def test_a_fixed_route_needs_no_swarm(shards, reference):
         list(gen)
     assert time.monotonic() - t0 < 10      # no waiting for a swarm that is not there
     assert a.active_sessions() == 0
+
+
+def test_a_failover_looks_in_the_cached_snapshot_before_reading_the_dht(shards, reference):
+    """A fresh DHT read can wait seconds on the very peer that froze: the latest snapshot first."""
+    fp = shards["peer-a"].service.backend.fingerprint
+    costs = {"peer-a": 1.0, "peer-b": 1.0, "peer-c": 5.0}
+    reads = []
+
+    def ads():
+        reads.append(1)
+        return [s.ad(NUM_LAYERS, costs[p]) for p, s in shards.items()]
+
+    source = AdsRouteSource(ads, fp.model_artifact_digest, NUM_LAYERS, entry_peer_id="entry",
+                            recipe_digest=fp.runtime_recipe_digest,
+                            cached=lambda: [s.ad(NUM_LAYERS, costs[p]) for p, s in shards.items()])
+    driver = SwarmDriver(source, PeerConnector(insecure_loopback=True), fingerprint=fp, replan_wait_s=0.0)
+    tokens = []
+    for token in driver.generate(request()):
+        tokens.append(token.id)
+        if len(tokens) == 5:
+            shards["peer-b"].kill()
+    assert tokens == reference and len(driver.stats.failovers) == 1
+    assert len(reads) == 1                      # the first plan only

@@ -1,7 +1,8 @@
-"""Benchmarks run by ``meshd bench NAME [--quick] [--json]`` (each ``run(quick, progress) -> dict``).
+"""Benchmarks run by ``meshd bench NAME [--quick] [--json]`` (each ``run(quick, progress, options) -> dict``).
 
     swarm.py          the product path: real ``meshd join`` daemons vs the whole model in one process
     pipeline.py       fixed splits through daemons vs the whole model, hop overhead and round-trip floors
+    daemon_runs.py    what swarm and pipeline share: options, fixed-split daemons, the reference
     relay.py          the same route with its last hop direct and relayed
     codec.py          frame codec cost next to a memory copy
     recipes.py        safetensors vs GGUF recipes (recipe_plan/_routes/_runner/_diagnose.py)
@@ -9,5 +10,4 @@
     hopfloor.py       the machine's gRPC / raw-socket round-trip floors
     local_swarm.py    LocalSwarm / LocalDaemon: real daemons on loopback (demo, benchmarks, slow tests)
     relay_harness.py  process orchestration for the relay benchmark and relay end-to-end tests
-    star_driver.py    the star RouteDriver some benchmarks still drive workers with directly
 """

@@ -3,7 +3,9 @@
 Each ``LocalDaemon`` is a subprocess ``python -m meshd join --layers auto``
 (or a fixed range) with its own data dir under one root, listening on
 127.0.0.1 with an OS-chosen port; the first one is every other's bootstrap
-peer. Its workers are its children (they die with it). ``LocalSwarm.close``
+peer. Every worker gets ``--threads 1`` unless told otherwise (``THREADS``):
+several daemons share this machine's cores fairly, and each decode step
+computes on one core like the single-threaded reference beside them. Its workers are its children (they die with it). ``LocalSwarm.close``
 stops every daemon it started -- SIGTERM, then SIGKILL after a grace period
 -- so nothing outlives the caller.
 
@@ -31,6 +33,8 @@ STOP_GRACE_S = 15.0
 # declared memory (weights + KV) modest.
 DEMO_NODES = 3
 DEMO_KV_TOKENS = 1024
+# Compute threads per worker in a local swarm (see the module docstring).
+THREADS = 1
 T = TypeVar("T")
 
 
@@ -38,20 +42,22 @@ class SwarmTimeout(MeshdError):
     """A local swarm did not reach a state in time; the message carries the daemon's log tail."""
 
 
-def child_env(torch_threads: int = 1) -> dict[str, str]:
+def child_env(torch_threads: int = THREADS) -> dict[str, str]:
     return procs.child_env(torch_threads)
 
 
 class LocalDaemon:
     def __init__(self, root: Path, name: str, model: Path, *, layers: str = "auto", memory: int | None = None,
                  bootstrap: str | None = None, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None,
-                 extra: tuple[str, ...] = ()) -> None:
+                 threads: int = THREADS, backend: str | None = None, extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.data_dir = root / name
         self.log = root / f"{name}.log"
         args = [sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
                 "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(self.data_dir),
-                "--record-ttl", str(record_ttl_s), *extra]
+                "--record-ttl", str(record_ttl_s), "--threads", str(threads), *extra]
+        if backend is not None:
+            args += ["--backend", backend]
         if memory is not None:
             args += ["--memory", str(memory)]
         if kv_budget_tokens is not None:
@@ -59,7 +65,7 @@ class LocalDaemon:
         if bootstrap:
             args += ["--bootstrap", bootstrap]
         self._log_file = open(self.log, "w")
-        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(), stdout=self._log_file,
+        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(threads), stdout=self._log_file,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
@@ -124,16 +130,18 @@ def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float, daemon: Lo
 
 
 class LocalSwarm:
-    def __init__(self, root: Path, model: Path, *, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None):
+    def __init__(self, root: Path, model: Path, *, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None,
+                 threads: int = THREADS, backend: str | None = None):
         self.root, self.model = root, model
         self.record_ttl_s, self.kv_budget_tokens = record_ttl_s, kv_budget_tokens
+        self.threads, self.backend = threads, backend
         self.daemons: list[LocalDaemon] = []
         self.bootstrap: str | None = None
 
     def add(self, *, memory: int | None = None, layers: str = "auto", name: str | None = None) -> LocalDaemon:
         d = LocalDaemon(self.root, name or f"node{len(self.daemons)}", self.model, layers=layers, memory=memory,
                         bootstrap=self.bootstrap, record_ttl_s=self.record_ttl_s,
-                        kv_budget_tokens=self.kv_budget_tokens)
+                        kv_budget_tokens=self.kv_budget_tokens, threads=self.threads, backend=self.backend)
         self.daemons.append(d)
         if self.bootstrap is None:
             self.bootstrap = d.address()

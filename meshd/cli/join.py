@@ -23,6 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--backend", choices=("torch", "llama.cpp"))
     parser.add_argument("--kv-budget-tokens", type=int)
+    parser.add_argument("--threads", type=int,
+                        help="the worker's compute threads (default: every core of this machine)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the libp2p and DHT details")
     add_config_arguments(parser)
 
@@ -47,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
-            "worker.kv_budget_tokens": args.kv_budget_tokens,
+            "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,
         }
         config = load_config(args.config, overrides)
         if config.model is None:

@@ -183,6 +183,7 @@ class DriverStats:
     step_execution_ns: list[int] = field(default_factory=list)   # the hops' own compute, summed
     step_tail_bytes: list[int] = field(default_factory=list)     # response bytes from the tail
     step_hops: list[int] = field(default_factory=list)
+    hop_execution_ns: list[int] = field(default_factory=list)    # per hop index, summed over those steps
     logits: list[np.ndarray] = field(default_factory=list)       # with return_logits only
 
     @property
@@ -333,8 +334,7 @@ class SwarmDriver:
 
     def _advance(self, target: int) -> TailOut:
         answer = None
-        t0, executed, plain = time.perf_counter_ns(), 0, True
-        tail_bytes = 0
+        t0, plain, tail_bytes = time.perf_counter_ns(), True, 0
         for link in self._links:
             spec = link.spec
             if link.past_len >= target:
@@ -348,7 +348,6 @@ class SwarmDriver:
             plain = plain and link.past_len == target - 1 > 0
             before = link.received_bytes
             out = link.run(rows.read(link.past_len, target), self._steps)
-            executed += link.execution_ns
             if spec.is_tail:
                 answer, tail_bytes = out, link.received_bytes - before
             else:
@@ -364,9 +363,13 @@ class SwarmDriver:
         if plain:
             s = self.stats
             s.step_wall_ns.append(time.perf_counter_ns() - t0)
-            s.step_execution_ns.append(executed)
+            executed = [link.execution_ns for link in self._links]
+            s.step_execution_ns.append(sum(executed))
             s.step_tail_bytes.append(tail_bytes)
-            s.step_hops.append(len(self._links))
+            s.step_hops.append(len(executed))
+            s.hop_execution_ns.extend([0] * (len(executed) - len(s.hop_execution_ns)))
+            for i, ns in enumerate(executed):
+                s.hop_execution_ns[i] += ns
         return answer
 
     def _failover(self, failure: HopFailure, target: int) -> None:

@@ -4,7 +4,11 @@
 (``plan_route`` / ``replacement_route`` from routing.py, pinned to the
 entry's runtime recipe). The snapshot function is the daemon's DHT read (or
 a fixed list in tests); it runs on the driver's thread, so a daemon passes
-one that hops back into trio.
+one that hops back into trio. ``cached`` (optional) is the daemon's latest
+snapshot, refreshed every few seconds: a replacement is looked for there
+first, because a fresh DHT read waits up to the DHT's RPC timeout (3 s) on
+a peer that froze -- the very peer being replaced -- and a failover should
+not.
 
 ``FixedRouteSource`` is one route given up front -- tests, benchmarks, a
 user's fixed split -- with no swarm behind it: ``plan`` returns it and
@@ -71,6 +75,7 @@ class AdsRouteSource:
     recipe_digest: str | None = None
     costs: RouteCosts = field(default_factory=RouteCosts)
     clock: Callable[[], int] = wall_ms
+    cached: AdsSnapshot | None = None
 
     def plan(self, needed_tokens: int) -> Route:
         return plan_route(tuple(self.ads()), model_digest=self.model_digest, num_layers=self.num_layers,
@@ -78,9 +83,16 @@ class AdsRouteSource:
                           costs=self.costs, recipe_digest=self.recipe_digest)
 
     def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route:
-        return replacement_route(route, failed_peer, tuple(self.ads()), now_ms=self.clock(),
-                                 entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
-                                 costs=self.costs, avoid=avoid)
+        def attempt(ads: Iterable[ShardAd]) -> Route:
+            return replacement_route(route, failed_peer, tuple(ads), now_ms=self.clock(),
+                                     entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
+                                     costs=self.costs, avoid=avoid)
+        if self.cached is not None:
+            try:
+                return attempt(self.cached())
+            except MissingLayersError:
+                pass                         # nothing in the latest snapshot: ask the DHT
+        return attempt(self.ads())
 
 
 @dataclass(frozen=True, slots=True)

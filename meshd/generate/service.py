@@ -130,9 +130,13 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     def ads():
         return trio.from_thread.run(swarm.fresh_snapshot).ads
 
+    def cached_ads():
+        snap = swarm.snapshot   # replaced whole by the refresh loop: safe to read from the driver thread
+        return snap.ads if snap is not None else ()
+
     me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
-                            recipe_digest=claim.runtime_recipe_digest)
+                            recipe_digest=claim.runtime_recipe_digest, cached=cached_ads)
     state = node.supervisor.state
     connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix,
                               portal=node.relay_dialer.portal, pins=swarm.pins,
