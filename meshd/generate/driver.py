@@ -247,6 +247,10 @@ class SwarmDriver:
     def cancel(self) -> None:
         self._cancel.set()
 
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
     def generate(self, request: GenerationRequest) -> Iterator[SampledToken]:
         """Yield the generated tokens one by one (a generator; close() it to stop early)."""
         self._max_tokens = len(request.prompt_ids) + request.max_new_tokens

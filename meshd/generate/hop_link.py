@@ -38,9 +38,11 @@ from proto.chunking import plan_prefill_chunks
 from proto.errors import MeshdError
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION
+from proto.frames import parse_response
+from proto.tensors import decode_bundle
 from proto.zerocopy import read_response
 from shard.server import SERVICE_NAME
-from shard.stream import HIDDEN, LOGITS, TOKEN_IDS
+from shard.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
 SESSION_METHOD = f"/{SERVICE_NAME}/Session"
 RELEASE_METHOD = f"/{SERVICE_NAME}/Release"
@@ -120,7 +122,7 @@ class HopLink:
                     raise self._fail(f"transport: {exc.code().name}") from exc
                 self.received_bytes += len(body)
                 try:
-                    resp, tensors = read_response(body)
+                    resp, tensors = _read(body)
                 except MeshdError as exc:
                     raise self._fail(f"bad response: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
                 kind = resp.WhichOneof("kind")
@@ -259,6 +261,19 @@ class HopLink:
                 self._call.cancel()
             self.channel.close()
             self.window = None
+
+
+def _read(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
+    """A response and its tensors: protobuf parses small frames (a decode step: fewer Python
+    steps), the zero-copy reader large ones (shard.stream.SMALL_FRAME_BYTES); same checks."""
+    if len(body) > SMALL_FRAME_BYTES:
+        return read_response(body)
+    resp = parse_response(body)
+    kind = resp.WhichOneof("kind")
+    holder = resp.decode if kind == "decode" else resp.chunk if kind == "chunk" else None
+    if holder is None or not holder.HasField("bundle"):
+        return resp, {}
+    return resp, decode_bundle(holder.bundle)
 
 
 class StepCounter:

@@ -19,10 +19,11 @@ end) triples; ``discover_fingerprint`` asks each direct hop's validated
 capability and checks they name one artifact and recipe.
 
 ``PeerConnector`` turns a planned hop into a gRPC channel:
-    * our own peer id      -> our worker's private frame socket, driven in the
-                               daemon's loop (relay/local_link.py; when the
-                               connector has both), else loopback plaintext
-                               gRPC to it (meshd/reach/tls.py)
+    * our own peer id      -> our worker's private frame socket, read and
+                               written by the driver's own thread
+                               (unix_channel.py: no gRPC, no thread hand-off),
+                               else loopback plaintext gRPC to it
+                               (meshd/reach/tls.py)
     * a peer with a pin     -> TLS, trusting only the certificate whose
                                SHA-256 the peer's signed record carries
     * a relayed hop         -> a circuit through one of the peer's relays
@@ -37,7 +38,6 @@ True tells the driver to rebuild the hop on the same peer via another relay.
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -51,8 +51,7 @@ from meshd.plan.routing import Hop, Route, RouteCosts, plan_route, replacement_r
 from meshd.reach.tls import loopback_channel, pinned_channel
 from proto import shard_runtime_pb2 as pb
 from proto.frames import SCHEMA_VERSION
-from relay.local_link import open_unix_frame_channel
-from relay.syncchannel import RelayedGrpcChannel
+from meshd.generate.unix_channel import UnixFrameChannel
 from shard.artifact import fingerprints_match
 from shard.server import GRPC_OPTIONS, SERVICE_NAME
 
@@ -155,7 +154,6 @@ class PeerConnector:
     self_peer_id: str = ""
     own_endpoint: str = ""                       # our worker's loopback plaintext endpoint
     own_unix: str = ""                           # our worker's frame socket (unix:/path), preferred
-    portal: object | None = None                 # the daemon's loop (meshd.reach.relay_dial.LoopPortal)
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
     relay_dialer: object | None = None           # meshd.reach.relay_dial.RelayDialer
@@ -165,9 +163,8 @@ class PeerConnector:
         return self.relay_dialer is not None and self.relay_dialer.retry_same_peer(peer_id)
 
     def channel(self, hop: Hop) -> grpc.Channel:
-        if hop.peer_id == self.self_peer_id and self.own_unix and self.portal is not None:
-            # our own worker's frame socket, driven in the daemon's loop: no loopback gRPC
-            return RelayedGrpcChannel(self.portal, functools.partial(open_unix_frame_channel, self.own_unix))
+        if hop.peer_id == self.self_peer_id and self.own_unix:
+            return UnixFrameChannel(self.own_unix)   # our own worker, from this thread: no loopback gRPC
         if hop.peer_id == self.self_peer_id and self.own_endpoint:
             return loopback_channel(self.own_endpoint, GRPC_OPTIONS)
         if hop.relayed:

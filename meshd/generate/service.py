@@ -34,6 +34,7 @@ every hop before the thread returns. The daemon never abandons the thread.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -53,6 +54,8 @@ MAX_NEW_TOKENS = 4096
 DEFAULT_MAX_TOKENS = 128
 # Tokens buffered between the driver thread and the socket writer.
 TOKEN_QUEUE_DEPTH = 32
+# How often a driver thread waiting for room in that buffer checks for a cancel.
+ROOM_POLL_S = 0.25
 
 Send = Callable[[dict], Awaitable[None]]
 
@@ -138,24 +141,37 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
                             recipe_digest=claim.runtime_recipe_digest, cached=cached_ads)
     state = node.supervisor.state
-    connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix,
-                              portal=node.relay_dialer.portal, pins=swarm.pins,
+    connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix, pins=swarm.pins,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, connector, fingerprint=fingerprint, on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
          "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]}))
+    # Tokens cross into trio without the driver thread waiting for the loop: a slot of
+    # ``room`` is taken per token (so at most TOKEN_QUEUE_DEPTH wait; the writer gives it
+    # back) and the token is queued with run_sync_soon, which runs callbacks in order.
     send_chan, recv_chan = trio.open_memory_channel(TOKEN_QUEUE_DEPTH)
+    room = threading.BoundedSemaphore(TOKEN_QUEUE_DEPTH)
+    loop = trio.lowlevel.current_trio_token()
+
+    def deliver(token) -> None:
+        try:
+            send_chan.send_nowait(token)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass                            # the writer is gone (client left): the driver is cancelled
 
     def drive() -> None:
         stream = driver.generate(gen)
         try:
             for token in stream:
-                trio.from_thread.run(send_chan.send, token)
+                while not room.acquire(timeout=ROOM_POLL_S):
+                    if driver.cancelled:
+                        return
+                loop.run_sync_soon(deliver, token)
         finally:
             stream.close()
-            trio.from_thread.run_sync(send_chan.close)
+            loop.run_sync_soon(send_chan.close)
 
     await send({"event": "start", "prompt_tokens": len(prompt_ids), "session": driver.session_id})
     tokens: list[int] = []
@@ -175,6 +191,7 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
         nursery.start_soon(run_thread)
         async with recv_chan:
             async for sampled in recv_chan:
+                room.release()
                 tokens.append(sampled.id)
                 full = tokenizer.decode(tokens)
                 if full.endswith("\ufffd"):
