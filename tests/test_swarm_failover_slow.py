@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
@@ -109,12 +108,7 @@ def daemon_of(swarm, peer_id: str):
 
 def node_pids(daemon) -> list[int]:
     """The daemon and its worker (its children)."""
-    pid = daemon.proc.pid
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        kids += [int(k) for k in text]
-    return [pid, *kids]
+    return [daemon.proc.pid, *daemon.worker_pids()]
 
 
 def entry_of(swarm):

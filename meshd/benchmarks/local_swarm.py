@@ -13,6 +13,7 @@ Blocking code (subprocess + the control socket); bounded waits only.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -111,8 +112,27 @@ class LocalDaemon:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL: no withdrawal, no goodbye (its worker dies with it)."""
+        """SIGKILL: no withdrawal, no goodbye (its worker follows within its 1 s shutdown grace)."""
         self.stop(signal.SIGKILL)
+
+    def worker_pids(self) -> list[int]:
+        """The daemon's children (its worker)."""
+        kids: list[int] = []
+        try:
+            for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+                kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            pass
+        return kids
+
+    def kill_node(self) -> None:
+        """SIGKILL the daemon and its worker at once: the machine is gone (no grace anywhere)."""
+        for pid in self.worker_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.kill()
 
 
 def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float, daemon: LocalDaemon | None = None) -> T:

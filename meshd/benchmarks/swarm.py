@@ -20,11 +20,10 @@ Steps (progress lines on the given stream):
    as the driver counted them) and ``per_hop_overhead_median_ms`` (median decode
    step wall time minus the hops' own compute, per hop);
 4. one more daemon serving the middle hop's range makes that span redundant; the
-   middle hop's daemon is SIGKILLed right after the first token:
+   middle hop's node (daemon and worker) is SIGKILLed right after the first token:
    ``tokens_equal_with_failure`` and ``recovery_s`` (kill -> next token,
-   monotonic clock shared by the processes on this host; it includes the
-   worker's 1 s shutdown grace) and ``failover_to_token_s`` (failure seen by the
-   driver -> next token).
+   monotonic clock shared by the processes on this host) and
+   ``failover_to_token_s`` (failure seen by the driver -> next token).
 ``path: "daemon"`` says what was timed. Every daemon is stopped at the end.
 """
 from __future__ import annotations
@@ -148,12 +147,12 @@ def _failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dic
     probe = R.generate(entry, prompt, 2)["route"]  # which of the two twins this entry's route uses
     victim = by_peer.get(probe[len(probe) // 2].split(":")[0]) or backup
     _say(progress, f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
-                   f"killing {victim.name} (middle hop) after the first token")
+                   f"killing {victim.name} (middle hop, daemon and worker) after the first token")
     killed: list[float] = []
 
     def kill(count: int) -> None:
         if count == 1 and not killed:
-            victim.kill()
+            victim.kill_node()
             killed.append(time.monotonic())
 
     n = max(new_tokens, 48)
