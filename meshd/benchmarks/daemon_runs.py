@@ -33,9 +33,9 @@ NEW_TOKENS = 64
 QUICK_NEW_TOKENS = 32
 # Daemons load a model and validate it before they advertise: generous on a busy 2-core box.
 START_TIMEOUT_S = 600.0
-# A text long enough for two prefill chunks of 128 tokens with SmolLM2's tokenizer.
+# A text of two prefill chunks (128 tokens each) with SmolLM2's tokenizer (212 tokens).
 PROMPT_TEXT = ("A shard is a contiguous range of transformer layers. Each home machine serves one range, "
-               "and activations travel from node to node until the last one picks the next token. ") * 3
+               "and activations travel from node to node until the last one picks the next token. ") * 6
 
 
 def bench_model(options, default: Callable[[], Path]) -> Path:
@@ -80,6 +80,7 @@ def start_split(root: Path, model: Path, specs: Sequence[str], *, backend: str |
     """One ``meshd join --layers SPEC`` daemon per range, covering the model; returns the LocalSwarm."""
     from meshd.benchmarks.local_swarm import LocalSwarm
 
+    root.mkdir(parents=True, exist_ok=True)
     swarm = LocalSwarm(root, model, kv_budget_tokens=kv_budget_tokens, backend=backend, record_ttl_s=record_ttl_s)
     try:
         first = swarm.add(layers=specs[0])
