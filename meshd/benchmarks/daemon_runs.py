@@ -4,8 +4,9 @@
                    split: one ``meshd join --layers`` daemon per range), --backend
                    (passed to the daemons); ``bench_model`` / ``parse_splits`` check them
     daemons        ``start_split`` starts one fixed-range daemon per range (1 compute
-                   thread each, local_swarm.THREADS) and waits until the entry sees the
-                   model covered; ``entry_of`` is the daemon serving layer 0
+                   thread each, local_swarm.THREADS; the product's record lifetime,
+                   BENCH_RECORD_TTL_S) and waits until the entry sees the model
+                   covered; ``entry_of`` is the daemon serving layer 0
     one run        ``generate`` asks a daemon through its control socket (the generate
                    op, as ``meshd generate`` does) and returns the done event, which carries
                    the driver's own timings (prefill, per-step wall and execution time,
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from meshd.config import DEFAULT_RECORD_TTL_S
 from meshd.errors import ConfigError
 
 # Timed generations ask for this many tokens (quick: QUICK_NEW_TOKENS).
@@ -33,6 +35,10 @@ NEW_TOKENS = 64
 QUICK_NEW_TOKENS = 32
 # Daemons load a model and validate it before they advertise: generous on a busy 2-core box.
 START_TIMEOUT_S = 600.0
+# Daemons in a benchmark republish as a user's do: the tests' short lifetimes (8 s, so a killed
+# node leaves the map quickly) make every daemon republish every 2.7 s, which measurably takes
+# CPU from the workers beside it (16 vs 4 ms/s per idle daemon here).
+BENCH_RECORD_TTL_S = DEFAULT_RECORD_TTL_S
 # A text of two prefill chunks (128 tokens each) with SmolLM2's tokenizer (212 tokens).
 PROMPT_TEXT = ("A shard is a contiguous range of transformer layers. Each home machine serves one range, "
                "and activations travel from node to node until the last one picks the next token. ") * 6
@@ -76,7 +82,7 @@ def even_splits(num_layers: int, parts: int) -> list[str]:
 
 
 def start_split(root: Path, model: Path, specs: Sequence[str], *, backend: str | None = None,
-                kv_budget_tokens: int = 1024, record_ttl_s: float = 8.0):
+                kv_budget_tokens: int = 1024, record_ttl_s: float = BENCH_RECORD_TTL_S):
     """One ``meshd join --layers SPEC`` daemon per range, covering the model; returns the LocalSwarm."""
     from meshd.benchmarks.local_swarm import LocalSwarm
 

@@ -8,7 +8,8 @@ Steps (progress lines on the given stream):
 2. the daemons: by default three ``meshd join --layers auto`` (memory sized as in
    ``meshd demo``; ``join_to_routable_s`` = from starting the last joiners to the
    entry seeing every layer covered), or with ``--layers`` one ``meshd join
-   --layers A:B`` per range; one compute thread per worker (local_swarm.THREADS);
+   --layers A:B`` per range; one compute thread per worker (local_swarm.THREADS),
+   records living as long as a user's (daemon_runs.BENCH_RECORD_TTL_S);
 3. generation through the entry daemon's control socket (the generate op, what
    ``meshd generate`` does; the entry is the layer-0 daemon) and through the
    whole model in this process (shard/reference.py, same thread count), in
@@ -58,7 +59,8 @@ def _start(root: Path, model: Path, options, progress, result: dict):
         result.update(nodes=len(specs), layers=specs, join_to_routable_s=round(time.monotonic() - t0, 2))
         return swarm
     memory = even_memory_for(artifact_footprint(model, "bench"), DEMO_NODES, DEMO_KV_TOKENS)
-    swarm = LocalSwarm(root, model, kv_budget_tokens=DEMO_KV_TOKENS, backend=backend)
+    swarm = LocalSwarm(root, model, kv_budget_tokens=DEMO_KV_TOKENS, backend=backend,
+                       record_ttl_s=R.BENCH_RECORD_TTL_S)
     try:
         first = swarm.add(memory=memory)
         swarm.wait_serving(first, R.START_TIMEOUT_S)
