@@ -8,6 +8,7 @@
     recipes.py        safetensors vs GGUF recipes (recipe_plan/_routes/_runner/_diagnose.py)
     route_plan.py     route-planning micro-benchmark
     hopfloor.py       the machine's gRPC / raw-socket round-trip floors
+    splitfloor.py     the route's ranges in bare processes over pipes: what splitting alone costs
     local_swarm.py    LocalSwarm / LocalDaemon: real daemons on loopback (demo, benchmarks, slow tests)
     relay_harness.py  process orchestration for the relay benchmark and relay end-to-end tests
 """

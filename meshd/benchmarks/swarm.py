@@ -19,7 +19,11 @@ Steps (progress lines on the given stream):
    (which includes planning and opening the route), ``tokens_equal`` (greedy),
    ``tail_bytes_per_decode_step`` (response bytes from the tail per decode step,
    as the driver counted them) and ``per_hop_overhead_median_ms`` (median decode
-   step wall time minus the hops' own compute, per hop);
+   step wall time minus the hops' own compute, per hop); in the same rounds the
+   route's ranges also run in bare processes over pipes (splitfloor.py: no meshd
+   at all): ``bare_split_ratio`` = best bare-split tok/s / best whole tok/s is
+   what splitting alone costs on this machine, ``decode_ratio_vs_bare_split``
+   what meshd adds on top;
 4. one more daemon serving the middle hop's range makes that span redundant; the
    middle hop's node (daemon and worker) is SIGKILLed right after the first token:
    ``tokens_equal_with_failure`` and ``recovery_s`` (kill -> next token,
@@ -80,6 +84,7 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks import route_plan
     from meshd.benchmarks.local_swarm import THREADS
+    from meshd.benchmarks.splitfloor import SplitFloor
     from native.packaged import smollm2_artifact
 
     model = R.bench_model(options, smollm2_artifact)
@@ -100,14 +105,19 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         reference = R.Reference(model, THREADS)
         result["prompt_tokens"] = len(reference.ids(prompt))
         _say(progress, "warm-up: one short generation each")
-        R.generate(entry, prompt, 4)
+        route = R.generate(entry, prompt, 4)["route"]
         reference.generate(prompt, 4)
-        runs, wholes = [], []
-        for r in range(rounds):
-            runs.append(R.RunFigures.of(R.generate(entry, prompt, new_tokens)))
-            wholes.append(reference.generate(prompt, new_tokens))
-            _say(progress, f"round {r + 1}/{rounds}: swarm {runs[-1].decode_tok_s:.2f} tok/s, "
-                           f"whole {wholes[-1][1]:.2f} tok/s")
+        floor = SplitFloor(model, [":".join(hop.split(":")[1:]) for hop in route])
+        try:
+            runs, wholes, bares = [], [], []
+            for r in range(rounds):
+                runs.append(R.RunFigures.of(R.generate(entry, prompt, new_tokens)))
+                wholes.append(reference.generate(prompt, new_tokens))
+                bares.append(floor.measure(reference.ids(prompt), new_tokens))
+                _say(progress, f"round {r + 1}/{rounds}: swarm {runs[-1].decode_tok_s:.2f} tok/s, "
+                               f"whole {wholes[-1][1]:.2f} tok/s, bare split {bares[-1][0]:.2f} tok/s")
+        finally:
+            floor.close()
         whole_tokens = wholes[-1][0]
         swarm_rates, whole_rates = [x.decode_tok_s for x in runs], [w[1] for w in wholes]
         whole_prefill = min(w[2] for w in wholes)
@@ -125,6 +135,10 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
             prefill_ratio=round(whole_prefill / swarm_prefill, 3),
             tail_bytes_per_decode_step=round(max(tail_bytes), 2) if tail_bytes else None,
             per_hop_overhead_median_ms=round(statistics.median(x.overhead_per_hop_median_ms for x in runs), 3),
+            bare_split_decode_tok_s=round(max(b[0] for b in bares), 3),
+            bare_split_ratio=round(max(b[0] for b in bares) / max(whole_rates), 3) if max(whole_rates) else None,
+            decode_ratio_vs_bare_split=round(max(swarm_rates) / max(b[0] for b in bares), 3),
+            bare_split_tokens_equal=all(b[1][:len(whole_tokens)] == whole_tokens for b in bares),
         )
         _failover(swarm, entry, reference, prompt, new_tokens, result, progress)
     finally:
