@@ -29,6 +29,7 @@ TOML layout (every key optional; names match the dataclass fields)::
     restart_backoff_s = 1             # first restart delay after a worker died; doubles ...
     restart_backoff_max_s = 300       # ... up to this
     restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
+    threads = 4                       # compute threads (torch_threads is the same key); default: all cores
 
     [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
     listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs key
@@ -70,6 +71,9 @@ DEFAULT_RESTART_BACKOFF_RESET_S = 120.0
 DEFAULT_BOOTSTRAP_TIMEOUT_S = 15.0
 MAX_BOOTSTRAP_PEERS = 64
 WORKER_DTYPES = ("float32", "bfloat16")
+# A worker never gets more compute threads than this (a typo like 400 would
+# oversubscribe any machine badly; 256 covers the biggest servers).
+MAX_WORKER_THREADS = 256
 WORKER_BACKENDS = ("torch", "llama.cpp")
 # auto: ask connected peers to dial us back (relay/reachability.py) and use relays
 # only when they cannot; public/private skip the probe (private forces relaying).
@@ -144,7 +148,8 @@ class WorkerConfig:
     restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
     restart_backoff_max_s: float = DEFAULT_RESTART_BACKOFF_MAX_S
     restart_backoff_reset_s: float = DEFAULT_RESTART_BACKOFF_RESET_S
-    torch_threads: int = 1
+    # Compute threads of the worker (torch / llama.cpp): by default every core this process may use.
+    torch_threads: int = field(default_factory=lambda: machine_cores())
 
     def __post_init__(self) -> None:
         if self.dtype not in WORKER_DTYPES:
@@ -157,8 +162,12 @@ class WorkerConfig:
             raise ConfigError("need 0 < worker.restart_backoff_s <= worker.restart_backoff_max_s")
         if self.restart_backoff_reset_s <= 0:
             raise ConfigError("worker.restart_backoff_reset_s must be positive")
-        if self.ready_timeout_s <= 0 or self.torch_threads <= 0:
-            raise ConfigError("worker.ready_timeout_s and worker.torch_threads must be positive")
+        if self.ready_timeout_s <= 0:
+            raise ConfigError("worker.ready_timeout_s must be positive")
+        if isinstance(self.torch_threads, bool) or not isinstance(self.torch_threads, int) \
+                or not 1 <= self.torch_threads <= MAX_WORKER_THREADS:
+            raise ConfigError(f"worker threads must be an integer in 1..{MAX_WORKER_THREADS}, "
+                              f"not {self.torch_threads!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +264,14 @@ class DaemonConfig:
         return self.record_ttl_s / 3.0
 
 
+def machine_cores() -> int:
+    """The cores this process may run on (its CPU affinity, e.g. under taskset or a cgroup)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
 def _check_multiaddr(addr: str) -> None:
     import multiaddr
 
@@ -300,6 +317,10 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
     api_raw = raw.pop("api", {})
     if not isinstance(worker_raw, dict) or not isinstance(api_raw, dict):
         raise ConfigError("[worker] and [api] must be tables")
+    if "threads" in worker_raw:   # the short name of worker.torch_threads
+        if "torch_threads" in worker_raw:
+            raise ConfigError("give [worker] threads or torch_threads, not both")
+        worker_raw["torch_threads"] = worker_raw.pop("threads")
     unknown = ((set(raw) - _TOP_KEYS) | {f"worker.{k}" for k in set(worker_raw) - _WORKER_KEYS}
                | {f"api.{k}" for k in set(api_raw) - _API_KEYS})
     if unknown:

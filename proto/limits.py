@@ -90,6 +90,14 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 128
 # tokens x 4096 hidden x bf16 = 32 MiB = MAX_FRAME_BYTES).
 MAX_PREFILL_CHUNK_TOKENS = 4096
 
+# What a sampling tail sends back per decode step without logprobs: the token
+# id in a TailSample plus the step fields (measured ~20 bytes); the driver
+# counts every tail response byte against this figure in its stats.
+MAX_TAIL_BYTES_PER_DECODE_STEP = 64
+# Alternatives a tail reports with top_logprobs: OpenAI's bound (20); each
+# costs ~10 bytes per step, so a step stays a few hundred bytes.
+MAX_TOP_LOGPROBS = 20
+
 # zstd level used by senders: activations compress little whatever the level;
 # level 1 is the fastest and keeps the window small.
 ZSTD_LEVEL = 1

@@ -345,14 +345,36 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TailOptions(_message.Message):
-    __slots__ = ("return_logits", "sample", "sampling")
+    __slots__ = ("return_logits", "sample", "sampling", "logprobs", "top_logprobs")
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     return_logits: bool
     sample: bool
     sampling: SamplingParams
-    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TailSample(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "tail", "max_tokens")
@@ -395,12 +417,14 @@ class SessionAccepted(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., past_len: _Optional[int] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
-    __slots__ = ("envelope", "bundle")
+    __slots__ = ("envelope", "bundle", "sample")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
     bundle: TensorBundle
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ...) -> None: ...
+    sample: TailSample
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ...) -> None: ...
 
 class DecodeStep(_message.Message):
     __slots__ = ("idempotency_step", "position", "expected_past_len", "tensor", "work_id", "deadline_unix_nanos")
@@ -419,18 +443,20 @@ class DecodeStep(_message.Message):
     def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., expected_past_len: _Optional[int] = ..., tensor: _Optional[_Union[NamedTensor, _Mapping]] = ..., work_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "bundle")
+    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "bundle", "sample")
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     PAST_LEN_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_NANOS_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     idempotency_step: int
     past_len: int
     duplicate: bool
     execution_nanos: int
     bundle: TensorBundle
-    def __init__(self, idempotency_step: _Optional[int] = ..., past_len: _Optional[int] = ..., duplicate: bool = ..., execution_nanos: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ...) -> None: ...
+    sample: TailSample
+    def __init__(self, idempotency_step: _Optional[int] = ..., past_len: _Optional[int] = ..., duplicate: bool = ..., execution_nanos: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ...) -> None: ...
 
 class ReleaseSignal(_message.Message):
     __slots__ = ("route_session_id", "route_epoch", "work_id")

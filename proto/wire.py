@@ -11,8 +11,12 @@ prefix is part of the same join.
 
     request_chunk(envelope, tensors)          SessionRequest{chunk{envelope, bundle}}
     request_decode(step, name, array)         SessionRequest{decode: DecodeStep{..., tensor}}
-    response_chunk(envelope, tensors)         SessionResponse{chunk{envelope, bundle}}
-    response_decode(result, tensors)          SessionResponse{decode: DecodeResult{..., bundle}}
+    response_chunk(envelope, tensors, sample) SessionResponse{chunk{envelope, bundle, sample}}
+    response_decode(result, tensors)          SessionResponse{decode: DecodeResult{..., bundle, sample}}
+
+A sampling tail's answer carries a ``TailSample`` (``sample=`` for a chunk,
+``result.sample`` for a decode step); with no tensors beside it the bundle is
+left out, so a token-only decode step is ~20 bytes.
 
 ``tensors`` maps names to arrays (encoded with the keyword arguments of
 ``encode_tensor``) or to ready ``PreparedTensor``s. Tests and a fuzz test check
@@ -42,13 +46,29 @@ def _finish(tag: bytes, pieces: list, size: int, framed: bool) -> bytes:
     return b"".join([frame_prefix(total), head, *pieces] if framed else [head, *pieces])
 
 
-def _chunk(envelope: pb.Envelope, tensors, kwargs) -> tuple[list, int]:
+def _chunk(envelope: pb.Envelope, tensors, kwargs, sample: pb.TailSample | None = None) -> tuple[list, int]:
     if not isinstance(envelope, pb.Envelope):
         raise LocalError("envelope must be a pb.Envelope")
     env = envelope.SerializeToString()
-    pieces, size = bundle_pieces(prepare_bundle(tensors, **kwargs))
-    head = b"\x0a" + varint(len(env)) + env + b"\x12" + varint(size)
-    return [head, *pieces], len(head) + size
+    head = b"\x0a" + varint(len(env)) + env
+    out, size = [head], len(head)
+    if tensors or sample is None:
+        pieces, bundle_size = bundle_pieces(prepare_bundle(tensors, **kwargs))
+        tag = b"\x12" + varint(bundle_size)
+        out += [tag, *pieces]
+        size += len(tag) + bundle_size
+    if sample is not None:
+        field = _sample_field(b"\x1a", sample)
+        out.append(field)
+        size += len(field)
+    return out, size
+
+
+def _sample_field(tag: bytes, sample: pb.TailSample) -> bytes:
+    if not isinstance(sample, pb.TailSample):
+        raise LocalError("sample must be a pb.TailSample")
+    body = sample.SerializeToString()
+    return tag + varint(len(body)) + body
 
 
 def request_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | PreparedTensor], *,
@@ -58,9 +78,9 @@ def request_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | Prep
 
 
 def response_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | PreparedTensor], *,
-                   framed: bool = False, **encode_kwargs) -> bytes:
-    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle}}."""
-    return _finish(b"\x12", *_chunk(envelope, tensors, encode_kwargs), framed)
+                   sample: pb.TailSample | None = None, framed: bool = False, **encode_kwargs) -> bytes:
+    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle, sample}}."""
+    return _finish(b"\x12", *_chunk(envelope, tensors, encode_kwargs, sample), framed)
 
 
 def request_decode(step: pb.DecodeStep, name: str, array: np.ndarray | PreparedTensor, *,
@@ -90,6 +110,18 @@ def response_decode(result: pb.DecodeResult, tensors: Mapping[str, np.ndarray | 
     head_msg = pb.DecodeResult()
     head_msg.CopyFrom(result)
     head_msg.ClearField("bundle")
-    pieces, size = bundle_pieces(prepare_bundle(tensors, **encode_kwargs))
-    head = head_msg.SerializeToString() + b"\x2a" + varint(size)
-    return _finish(b"\x32", [head, *pieces], len(head) + size, framed)
+    sample = None
+    if head_msg.HasField("sample"):
+        sample = _sample_field(b"\x32", head_msg.sample)   # field 6 follows the bundle (5)
+        head_msg.ClearField("sample")
+    head = head_msg.SerializeToString()
+    out, size = [head], len(head)
+    if tensors or sample is None:
+        pieces, bundle_size = bundle_pieces(prepare_bundle(tensors, **encode_kwargs))
+        tag = b"\x2a" + varint(bundle_size)
+        out += [tag, *pieces]
+        size += len(tag) + bundle_size
+    if sample is not None:
+        out.append(sample)
+        size += len(sample)
+    return _finish(b"\x32", out, size, framed)

@@ -75,5 +75,10 @@ def read_response(data: bytes, limits: Limits = DEFAULT_LIMITS
     kind = resp.WhichOneof("kind")
     if scanned is None:
         return resp, {}
-    bundle = resp.chunk.bundle if kind == "chunk" else resp.decode.bundle
+    holder = resp.chunk if kind == "chunk" else resp.decode
+    if not holder.HasField("bundle"):   # a sampling tail's token without tensors
+        if scanned:
+            raise PayloadCorrupt("tensors outside the bundle")
+        return resp, {}
+    bundle = holder.bundle
     return resp, _decode(bundle.bundle_version, bundle.tensors, scanned, limits)

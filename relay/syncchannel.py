@@ -1,7 +1,7 @@
-"""Relayed hops for synchronous callers (the RouteDriver): a grpc.Channel look-alike.
+"""Relayed hops for synchronous callers (the route driver): a grpc.Channel look-alike.
 
-The route driver (meshd/benchmarks/star_driver.py) speaks to every hop through
-``channel_factory(endpoint) -> channel`` and only calls
+The route driver (meshd/generate/driver.py) speaks to every hop through a
+channel and only calls
 ``channel.stream_stream(SESSION_METHOD, request_serializer=None,
 response_deserializer=None)(request_iterator, timeout=...)`` (raw bytes in,
 raw bytes out), ``.cancel()`` on the call, and ``channel.close()``. So a
@@ -331,7 +331,7 @@ class RelayedGrpcChannel:
 
 
 def relayed_channel_factory(portal: TrioPortal, host, direct_factory: Callable[[str], object]):
-    """A RouteDriver ``channel_factory``: ``p2p:<peer id>`` endpoints go through the portal."""
+    """A ``channel_factory(endpoint)``: ``p2p:<peer id>`` endpoints go through the portal."""
     def factory(endpoint: str):
         if endpoint.startswith(RELAYED_SCHEME):
             return RelayedGrpcChannel.to_peer(portal, host, ID.from_base58(endpoint[len(RELAYED_SCHEME):]))

@@ -16,7 +16,7 @@ Files and roles (data flows top to bottom):
     torch_backend.py  TorchRangeBackend: meta build + safe_open range loading, exact forward
     reference.py      the whole-model reference (transformers CausalLM in one process)
     sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, LRU, budget
-    sampling.py       greedy / temperature / top-k / top-p with a per-session seed
+    sampling.py       greedy / temperature / top-k / top-p, a pure function of (seed, position); logprobs
     errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...), ArtifactError;
                       foreign exceptions mapped (map_failure) and logged (log_failure)
     worklog.py        the worker's stderr log: one line per record, traceback lines marked

@@ -3,7 +3,9 @@
 What split runs are compared against: ``AutoModelForCausalLM`` with the same
 attention implementation (sdpa), dtype, chunked prefill plan and a
 ``DynamicCache``; logits of the last position only (``logits_to_keep=1``, as
-``generate`` does). Greedy ties break to the lowest token id.
+``generate`` does). Greedy ties break to the lowest token id; with a
+``SamplingSpec`` each token is drawn as a sampling tail draws it
+(shard/sampling.py: a pure function of the seed and the token's position).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import numpy as np
 import torch
 
 from shard.adapters import ATTN_IMPLEMENTATION
+from shard.sampling import SamplingSpec, sample_token
 from shard.torch_backend import DTYPES
 
 DEFAULT_CHUNK_TOKENS = 128
@@ -50,7 +53,7 @@ class WholeModel:
         return out.logits[0, -1].float().numpy()
 
     def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, *,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ReferenceResult:
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS, sampling: SamplingSpec | None = None) -> ReferenceResult:
         import time
 
         from transformers import DynamicCache
@@ -65,7 +68,7 @@ class WholeModel:
             t0 = time.perf_counter()
             for i in range(max_new_tokens):
                 result.logits.append(logits)
-                token = greedy(logits)
+                token = greedy(logits) if sampling is None else sample_token(logits, sampling, len(prompt_ids) + i)
                 result.tokens.append(token)
                 if i + 1 < max_new_tokens:
                     logits = self._step([token], cache)

@@ -116,16 +116,15 @@ class ManagerStats:
 
 
 class _Session:
-    __slots__ = ("key", "cache", "max_tokens", "last_step", "last_payload", "last_used", "attachment")
+    __slots__ = ("key", "cache", "max_tokens", "last_step", "last_payload", "last_used")
 
-    def __init__(self, key: SessionKey, cache, max_tokens: int, now: float, attachment: object) -> None:
+    def __init__(self, key: SessionKey, cache, max_tokens: int, now: float) -> None:
         self.key = key
         self.cache = cache
         self.max_tokens = max_tokens
         self.last_step: int | None = None
         self.last_payload: object = None
         self.last_used = now
-        self.attachment = attachment
 
 
 class SessionManager:
@@ -180,10 +179,6 @@ class SessionManager:
             kv_budget_tokens=self.policy.kv_budget_tokens,
         )
 
-    def attachment(self, key: SessionKey) -> object:
-        session = self._sessions.get(key)
-        return None if session is None else session.attachment
-
     def past_len(self, key: SessionKey) -> int | None:
         session = self._sessions.get(key)
         return None if session is None else session.cache.past_len
@@ -213,7 +208,7 @@ class SessionManager:
         for key in victims:
             self._drop(key)
 
-    def open(self, key: SessionKey, max_tokens: int = 0, attachment: object = None) -> int:
+    def open(self, key: SessionKey, max_tokens: int = 0) -> int:
         """Admit (or re-attach to) a session; returns the tokens already cached."""
         self.expire()
         self._check_current(key)
@@ -237,7 +232,7 @@ class SessionManager:
             log_failure(log, exc, f"creating a KV cache of {tokens} tokens")
             raise map_failure(exc, f"creating a KV cache of {tokens} tokens") from exc
         self._remember_epoch(key)
-        self._sessions[key] = _Session(key, cache, tokens, self.clock(), attachment)
+        self._sessions[key] = _Session(key, cache, tokens, self.clock())
         return 0
 
     # -- work ----------------------------------------------------------------------

@@ -27,6 +27,13 @@ this stream with a typed terminal ShardStatus (``map_failure``: INTERNAL, or
 RESOURCE_EXHAUSTED for a real lack of memory) and is logged with its
 traceback in the worker's log; it never ends the worker.
 
+Tail: a tail opened with ``TailOptions.sample`` draws the next token itself
+(shard/sampling.py: a pure function of the seed and the token's position, so
+a replacement tail draws the same one) on decode steps and on a prompt's
+final chunk, and answers with a ``TailSample`` (plus logprobs, top
+alternatives or the logits row only when the open asked for them); a tail
+that does not sample answers with the logits row.
+
 Flow control: each chunk/decode consumes one credit granted in
 SessionAccepted; credits are returned in batches (a FlowControl response when
 the peer's outstanding credit falls to half the window).
@@ -49,7 +56,7 @@ from proto.zerocopy import read_request
 from shard.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
                           log_failure, map_failure, to_shard_error)
-from shard.sampling import Sampler, SamplingSpec
+from shard.sampling import SamplingSpec, check_top_logprobs, sample_token, token_logprobs
 from shard.service import ACCEPTED_COMPRESSION, ShardService
 from shard.sessions import SessionKey
 
@@ -94,6 +101,21 @@ def _status(exc: BaseException, *, terminal: bool, work_id: str = "", session_id
         error=to_shard_error(exc), terminal=terminal)).SerializeToString()
 
 
+class TailAnswer:
+    """A tail step's payload: tensors to send (the logits row, when asked) and the drawn token."""
+
+    __slots__ = ("tensors", "sample")
+
+    def __init__(self, tensors: dict[str, np.ndarray], sample: pb.TailSample | None) -> None:
+        self.tensors, self.sample = tensors, sample
+
+
+def _parts(payload) -> tuple[dict[str, np.ndarray], pb.TailSample | None]:
+    if isinstance(payload, TailAnswer):
+        return payload.tensors, payload.sample
+    return payload or {}, None
+
+
 class SessionStream:
     def __init__(self, service: ShardService, *, wall_ns: Callable[[], int] = time.time_ns) -> None:
         self.service = service
@@ -102,6 +124,7 @@ class SessionStream:
         self.key: SessionKey | None = None
         self.effective_start = 0
         self.tail = pb.TailOptions()
+        self.sampling: SamplingSpec | None = None   # the tail samples (a pure function of seed and position)
         self.ledger: CreditLedger | None = None
 
     @property
@@ -148,12 +171,16 @@ class SessionStream:
         if (r.start_layer, r.end_layer) != (lr.start, lr.end) or not lr.start <= r.effective_start_layer < lr.end:
             raise RangeMismatch(f"this shard serves layers [{lr.start}, {lr.end}) of {lr.num_layers}")
         key = SessionKey(o.route_session_id, int(o.route_epoch))
-        sampler = Sampler(SamplingSpec.from_pb(o.tail.sampling)) if lr.is_tail and o.tail.sample else None
+        sampling = None
+        if lr.is_tail and o.tail.sample:
+            sampling = SamplingSpec.from_pb(o.tail.sampling)
+            check_top_logprobs(int(o.tail.top_logprobs))
         with self.service.lock:
-            past_len = self.service.manager.open(key, int(o.max_tokens), attachment=sampler)
+            past_len = self.service.manager.open(key, int(o.max_tokens))
         flow = negotiate(o.proposed_flow_control, self.service.local_flow)
         self.ledger = CreditLedger(flow)
         self.key, self.effective_start, self.tail, self.state = key, r.effective_start_layer, o.tail, OPEN
+        self.sampling = sampling
         return [pb.SessionResponse(accepted=pb.SessionAccepted(
             schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
             flow_control=flow, accepted_compression=ACCEPTED_COMPRESSION,
@@ -166,30 +193,34 @@ class SessionStream:
             raise PayloadCorrupt(f"expected exactly one tensor named {name!r}, got {sorted(tensors)}")
         return tensors[name]
 
-    def _post(self, output: np.ndarray, *, sample: bool = True) -> dict[str, np.ndarray]:
-        """The tail's answer: a sampled token (decode steps and a prompt's final chunk only,
-        so a seeded sampler draws once per generated token), and/or the logits row."""
+    def _poster(self, draw_at: int | None) -> Callable[[np.ndarray], "TailAnswer | dict[str, np.ndarray]"]:
+        """What a step returns: hidden rows, or the tail's answer -- the token drawn for position
+        ``draw_at`` (decode steps and a prompt's final chunk; None: no draw), and the logits row
+        when asked (or when the tail does not sample)."""
         if not self.service.backend.layer_range.is_tail:
-            return {HIDDEN: output}
-        out: dict[str, np.ndarray] = {}
-        sampler = self.service.manager.attachment(self.key)
-        if sampler is not None and sample:
-            out[TOKEN_IDS] = np.array([sampler(output)], dtype=np.int64)
-        if self.tail.return_logits or sampler is None:
-            out[LOGITS] = output
-        return out
+            return lambda output: {HIDDEN: output}
+        spec, tail = self.sampling, self.tail
 
-    def _post_unsampled(self, output: np.ndarray) -> dict[str, np.ndarray]:
-        return self._post(output, sample=False)
+        def post(output: np.ndarray) -> TailAnswer:
+            sample = None
+            if spec is not None and draw_at is not None:
+                token = sample_token(output, spec, draw_at)
+                sample = pb.TailSample(token_id=token)
+                if tail.logprobs or tail.top_logprobs:
+                    logprob, top = token_logprobs(output, token, int(tail.top_logprobs))
+                    sample.logprob = logprob
+                    sample.top.extend(pb.TokenLogprob(token_id=i, logprob=v) for i, v in top)
+            return TailAnswer({LOGITS: output} if tail.return_logits or spec is None else {}, sample)
+        return post
 
-    def _run(self, *, step: int, position: int, expected: int, tensors, deadline: int, post=None):
+    def _run(self, *, step: int, position: int, expected: int, tensors, deadline: int, draw_at: int | None):
         if deadline and self.wall_ns() > deadline:
             raise DeadlineExceeded("the work's deadline passed before it ran")
         inputs = self._input(tensors)
         with self.service.lock:
             return self.service.manager.step(
                 self.key, step=step, position=position, expected_past_len=expected, inputs=inputs,
-                effective_start=self.effective_start, post=post or self._post)
+                effective_start=self.effective_start, post=self._poster(draw_at))
 
     def _grant(self) -> list[bytes]:
         ledger = self.ledger
@@ -221,7 +252,8 @@ class SessionStream:
             final = env.chunk.final_chunk if env.HasField("chunk") else True
             result = self._run(step=env.idempotency_step, position=span.first_position,
                                expected=env.cache_expectation.expected_past_len, tensors=tensors,
-                               deadline=env.deadline_unix_nanos, post=None if final else self._post_unsampled)
+                               deadline=env.deadline_unix_nanos,
+                               draw_at=span.first_position + span.token_count if final else None)
         except (ProtocolError, ShardRefusal) as exc:
             return self._work_error(exc, env.work_id, env.idempotency_step)
         if result.payload is None:  # an older duplicate: acknowledged, nothing to replay
@@ -232,7 +264,8 @@ class SessionStream:
         out_env = pb.Envelope()
         out_env.CopyFrom(env)
         out_env.position.token_count = span.token_count
-        return [wire.response_chunk(out_env, result.payload), *self._grant()]
+        tensors, sample = _parts(result.payload)
+        return [wire.response_chunk(out_env, tensors, sample=sample), *self._grant()]
 
     def _on_decode(self, req: pb.SessionRequest, tensors) -> list[bytes]:
         d = req.decode
@@ -240,14 +273,17 @@ class SessionStream:
             if self._input(tensors).shape[0] != 1:
                 raise PayloadCorrupt("a decode step carries exactly one position")
             result = self._run(step=d.idempotency_step, position=d.position, expected=d.expected_past_len,
-                               tensors=tensors, deadline=d.deadline_unix_nanos)
+                               tensors=tensors, deadline=d.deadline_unix_nanos, draw_at=d.position + 1)
         except (ProtocolError, ShardRefusal) as exc:
             return self._work_error(exc, d.work_id, d.idempotency_step)
         head = pb.DecodeResult(idempotency_step=d.idempotency_step, past_len=result.past_len,
                                duplicate=result.duplicate, execution_nanos=result.execution_nanos)
+        tensors, sample = _parts(result.payload)
+        if sample is not None:
+            head.sample.CopyFrom(sample)
         # One-copy serializer at every size: building protobuf NamedTensors and
         # copying them into the result cost ~10x more per decode step.
-        return [wire.response_decode(head, result.payload or {}), *self._grant()]
+        return [wire.response_decode(head, tensors), *self._grant()]
 
     def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         return []  # responses answer requests one to one; the peer's grants need no bookkeeping

@@ -49,7 +49,10 @@ def response_seeds() -> list[bytes]:
     out = [wire.response_chunk(ENV, {"h": h}, max_fragment_bytes=100),
            wire.response_decode(pb.DecodeResult(idempotency_step=4, past_len=5),
                                 {"token_ids": np.array([7], np.int64), "logits": h[0]},
-                                compression=pb.COMPRESSION_ZSTD)]
+                                compression=pb.COMPRESSION_ZSTD),
+           wire.response_decode(pb.DecodeResult(idempotency_step=6, past_len=7, execution_nanos=99, sample=pb.TailSample(
+               token_id=300, logprob=-0.5, top=[pb.TokenLogprob(token_id=300, logprob=-0.5)])), {}),
+           wire.response_chunk(ENV, {}, sample=pb.TailSample(token_id=2))]
     for msg in [pb.SessionResponse(accepted=pb.SessionAccepted(schema_version=1, past_len=3,
                                                                accepted_compression=[1])),
                 pb.SessionResponse(ack=pb.Ack(work_id="w", idempotency_step=2, duplicate=True)),

@@ -124,6 +124,35 @@ def test_wire_decode_step_and_result():
     assert resp.decode.past_len == 13 and np.array_equal(out["logits"], logits["logits"])
 
 
+@pytest.mark.parametrize("sample", [pb.TailSample(token_id=0), pb.TailSample(token_id=49151),
+                                    pb.TailSample(token_id=7, logprob=-1.25, top=[
+                                        pb.TokenLogprob(token_id=7, logprob=-1.25),
+                                        pb.TokenLogprob(token_id=3, logprob=-2.5)])])
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_wire_tail_sample_equals_protobuf_serialization(sample, with_logits):
+    tensors = {"logits": np.arange(10, dtype=np.float32)} if with_logits else {}
+    result = pb.DecodeResult(idempotency_step=9, past_len=13, execution_nanos=12_345_678, sample=sample)
+    ref = pb.DecodeResult()
+    ref.CopyFrom(result)
+    if with_logits:
+        ref.bundle.CopyFrom(encode_bundle(tensors))
+    fast = wire.response_decode(result, tensors)
+    assert fast == pb.SessionResponse(decode=ref).SerializeToString()
+    resp, out = read_response(fast)
+    assert resp.decode.HasField("sample") and resp.decode.sample == sample and out.keys() == tensors.keys()
+    if not with_logits and not sample.top:
+        assert len(fast) <= 24          # a token-only decode step (MAX_TAIL_BYTES_PER_DECODE_STEP is 64)
+    chunk = pb.ActivationChunk(envelope=ENV, sample=sample)
+    if with_logits:
+        chunk.bundle.CopyFrom(encode_bundle(tensors))
+    body = wire.response_chunk(ENV, tensors, sample=sample)
+    assert body == pb.SessionResponse(chunk=chunk).SerializeToString()
+    resp, out = read_response(body)
+    assert resp.chunk.sample == sample and out.keys() == tensors.keys()
+    with pytest.raises(LocalError):
+        wire.response_chunk(ENV, tensors, sample=pb.TokenLogprob())
+
+
 def test_zero_copy_reader_paths():
     req, out = read_request(pb.SessionRequest(flow_control=pb.FlowControl()).SerializeToString())
     assert req.WhichOneof("kind") == "flow_control" and out == {}

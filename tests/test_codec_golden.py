@@ -121,6 +121,26 @@ TABLE = [
        "3f 81 20"         #   int8 63, -127, 32
        "48 02"),          # encoding (9) = Q8_BLOCK32
      np.array([63, -127, 32], np.float32) * np.frombuffer(H("0920"), "<f2").astype(np.float32)),
+    ("token-only tail answer",
+     pb.SessionResponse(decode=pb.DecodeResult(idempotency_step=300, past_len=400, execution_nanos=1_000_000,
+                                               sample=pb.TailSample(token_id=31999))),
+     H("32 10"            # SessionResponse.decode (6, length 16): 18 bytes per decode step
+       "08 ac 02"         #   idempotency_step (1) = 300
+       "10 90 03"         #   past_len (2) = 400 (duplicate false: omitted; no bundle)
+       "20 c0 84 3d"      #   execution_nanos (4) = 1_000_000
+       "32 04"            #   sample (6, length 4)
+       "08 ff f9 01")),   #     token_id (1) = 31999
+    ("tail answer with logprobs",
+     pb.SessionResponse(decode=pb.DecodeResult(idempotency_step=5, past_len=6, sample=pb.TailSample(
+         token_id=2, logprob=-0.5, top=[pb.TokenLogprob(token_id=2, logprob=-0.5)]))),
+     H("32 16"            # SessionResponse.decode (6, length 22)
+       "08 05 10 06"      #   idempotency_step = 5, past_len = 6
+       "32 10"            #   sample (6, length 16)
+       "08 02"            #     token_id (1) = 2
+       "15 00 00 00 bf"   #     logprob (2, fixed32) = -0.5 (float32 little-endian)
+       "1a 07"            #     top (3, length 7): one TokenLogprob
+       "08 02"            #       token_id = 2
+       "15 00 00 00 bf")),  #     logprob = -0.5
     ("decode step",
      pb.SessionRequest(decode=pb.DecodeStep(
          idempotency_step=1, position=300,

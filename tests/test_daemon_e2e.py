@@ -234,23 +234,21 @@ def _push_forgeries(target: Daemon, victim: Daemon) -> None:
 
 
 def _generate_over_pinned_route(status: dict, model: Path) -> None:
-    """Hops 0:2 -> 2:4 -> 4:6 from the coverage map; every channel pinned by the DHT record."""
-    from meshd.reach.tls import pinned_channel_factory
-    from shard.backend import LayerRange
-    from meshd.benchmarks.star_driver import Hop, RouteDriver
+    """Hops 0:2 -> 2:4 -> 4:6 from the coverage map; every channel pinned by the DHT record
+    (the product's PeerConnector, keyed by peer id)."""
+    from meshd.generate.routes import FixedRouteSource, PeerConnector
+    from meshd.plan.routing import Hop, Route
     from shard.reference import WholeModel
+    from tests._shard_helpers import drive_fixed
 
     (entries,) = status["coverage"].values()
     by_span = {(e["start"], e["end"]): e for e in entries}
     chain = [by_span[s] for s in [(0, 2), (2, 4), (4, 6)]]
-    hops = [Hop(e["grpc_endpoint"], LayerRange(e["start"], e["end"], e["num_layers"]), e["start"]) for e in chain]
-    pins = {e["grpc_endpoint"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain}
+    hops = tuple(Hop(e["peer_id"], e["start"], e["end"], e["start"], False, e["grpc_endpoint"]) for e in chain)
+    pins = {e["peer_id"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain}
     prompt = [1, 5, 9, 13, 17, 21]
-    driver = RouteDriver(hops, channel_factory=pinned_channel_factory(pins))
-    try:
-        split = driver.generate(prompt, 6)
-    finally:
-        driver.close()
+    split = drive_fixed(FixedRouteSource(Route("", chain[0]["num_layers"], hops)), prompt, 6,
+                        connector=PeerConnector(pins=pins))
     whole = WholeModel(model).generate(prompt, 6)
     print("pinned route tokens", split.tokens, "whole model", whole.tokens)
     assert split.tokens == whole.tokens

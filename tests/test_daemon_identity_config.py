@@ -63,12 +63,44 @@ dtype = "bfloat16"
     ('bootstrap = ["/ip4/127.0.0.1/tcp/1"]', "peer id"),
     ('[worker]\ndtype = "fp8"', "worker.dtype"),
     ('listen = [', "not valid TOML"),
+    ('[worker]\nthreads = 0', "threads must be an integer"),
+    ('[worker]\nthreads = 1000', "threads must be an integer"),
+    ('[worker]\nthreads = "4"', "threads must be an integer"),
+    ('[worker]\nthreads = 2\ntorch_threads = 2', "not both"),
 ])
 def test_config_errors(tmp_path, text, match):
     path = tmp_path / "c.toml"
     path.write_text(text)
     with pytest.raises(ConfigError, match=match):
         load_config(path)
+
+
+def test_worker_threads_default_to_the_cores_and_follow_file_and_flag(tmp_path):
+    import os
+
+    assert load_config(None).worker.torch_threads == len(os.sched_getaffinity(0))
+    path = tmp_path / "c.toml"
+    path.write_text("[worker]\nthreads = 3\n")
+    assert load_config(path).worker.torch_threads == 3
+    path.write_text("[worker]\ntorch_threads = 5\n")
+    assert load_config(path).worker.torch_threads == 5
+    assert load_config(path, {"worker.torch_threads": 1}).worker.torch_threads == 1   # --threads wins
+
+
+def test_join_threads_flag_reaches_the_worker_command(tmp_path):
+    import argparse
+
+    from meshd.cli import join
+    from meshd.daemon.worker_process import WorkerSpec
+    from meshd.reach.tls import TlsMaterial
+
+    parser = argparse.ArgumentParser()
+    join.add_arguments(parser)
+    assert parser.parse_args(["--threads", "2"]).threads == 2 and parser.parse_args([]).threads is None
+    tls = TlsMaterial(tmp_path / "c.pem", tmp_path / "k.pem", b"", bytes(32))
+    spec = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, torch_threads=2)
+    cmd = spec.command(tmp_path / "ready")
+    assert cmd[cmd.index("--threads") + 1] == "2" and spec.env()["OMP_NUM_THREADS"] == "2"
 
 
 def test_parse_layers():

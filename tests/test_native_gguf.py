@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 
-import gguf
 import numpy as np
 import pytest
 from hypothesis import given, settings

@@ -9,12 +9,15 @@ import pytest
 
 from native.convert import convert
 from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
+from meshd.errors import HopFailure
+from meshd.generate.driver import RouteFailed
+from meshd.generate.routes import PeerConnector, discover_fingerprint, fixed_route
 from proto import shard_runtime_pb2 as pb
 from shard.backend import LayerRange
-from meshd.benchmarks.star_driver import Hop, HopError, RouteDriver
 from meshd.testing.procs import child_env, spawn_worker
 from meshd.testing.models import build_random_llama
 from tests._native_helpers import greedy_chain
+from tests._shard_helpers import drive_fixed
 
 pytestmark = pytest.mark.native
 
@@ -30,7 +33,7 @@ def ggufs():
 
 def _route(workers, cuts):
     bounds = list(zip([0, *cuts], [*cuts, 6]))
-    return [Hop(w.endpoint, LayerRange(a, b, 6), a) for w, (a, b) in zip(workers, bounds)]
+    return fixed_route([(w.endpoint, a, b) for w, (a, b) in zip(workers, bounds)], 6)
 
 
 def test_llama_cpp_workers_reproduce_the_whole_model(ggufs):
@@ -42,12 +45,11 @@ def test_llama_cpp_workers_reproduce_the_whole_model(ggufs):
         whole.close()
     workers = [spawn_worker(ggufs["F16"], layers, extra=["--backend", "llama.cpp", *KV]) for layers in ("0:3", "3:6")]
     try:
-        with RouteDriver(_route(workers, [3])) as driver:
-            got = driver.generate(PROMPT, 32)
+        got = drive_fixed(_route(workers, [3]), PROMPT, 32, return_logits=True)
         diff = max(float(np.abs(a - b).max()) for a, b in zip(expected.logits, got.logits))
         print(f"\nllama.cpp 2-worker route vs in-process whole: max|dlogit|={diff}")
         assert got.tokens == expected.tokens and diff == 0.0
-        assert "llama.cpp/gguf-llama-F16" in driver.fingerprint.recipe_id
+        assert "llama.cpp/gguf-llama-F16" in got.fingerprint.recipe_id
     finally:
         for worker in workers:
             worker.stop()
@@ -61,21 +63,18 @@ def test_mixed_fingerprints_are_refused(ggufs):
     q8_tail = spawn_worker(ggufs["Q8_0"], "3:6", extra=["--backend", "llama.cpp", *KV])
     try:
         for tail in (torch_tail, q8_tail):
-            with pytest.raises(HopError) as info:
-                RouteDriver(_route([head, tail], [3]))
-            assert info.value.error.code == pb.ERROR_CODE_FINGERPRINT_MISMATCH
+            with pytest.raises(HopFailure) as info:
+                discover_fingerprint(PeerConnector(insecure_loopback=True), _route([head, tail], [3]).route)
+            assert info.value.code == pb.ERROR_CODE_FINGERPRINT_MISMATCH and info.value.index == 1
         # A driver that insists on the head's fingerprint is refused by the tail itself.
         head_backend = LlamaRangeBackend(ggufs["F16"], LayerRange(0, 3, 6), LlamaBackendConfig(kv_budget_tokens=64),
                                          progress=None)
         fingerprint = head_backend.fingerprint
         head_backend.close()
-        driver = RouteDriver(_route([head, q8_tail], [3]), fingerprint=fingerprint)
-        try:
-            with pytest.raises(HopError) as info:
-                driver.generate(PROMPT, 2)
-            assert info.value.hop == 1 and info.value.error.code == pb.ERROR_CODE_FINGERPRINT_MISMATCH
-        finally:
-            driver.close()
+        with pytest.raises(RouteFailed) as info:
+            drive_fixed(_route([head, q8_tail], [3]), PROMPT, 2, fingerprint=fingerprint)
+        failure = info.value.__cause__
+        assert failure.index == 1 and failure.code == pb.ERROR_CODE_FINGERPRINT_MISMATCH
     finally:
         for worker in (head, torch_tail, q8_tail):
             worker.stop()
@@ -86,12 +85,10 @@ def test_torch_gguf_worker_route_is_exact(ggufs):
     workers = [spawn_worker(ggufs["F16"], layers, threads=1, extra=["--backend", "torch", *KV])
                for layers in ("0:2", "2:6")]
     try:
-        with RouteDriver(_route(workers, [2])) as driver:
-            split = driver.generate(PROMPT, 16)
+        split = drive_fixed(_route(workers, [2]), PROMPT, 16, return_logits=True)
         whole_worker = spawn_worker(ggufs["F16"], "0:6", threads=1, extra=["--backend", "torch", *KV])
         try:
-            with RouteDriver([Hop(whole_worker.endpoint, LayerRange(0, 6, 6), 0)]) as driver:
-                whole = driver.generate(PROMPT, 16)
+            whole = drive_fixed(_route([whole_worker], []), PROMPT, 16, return_logits=True)
         finally:
             whole_worker.stop()
         assert split.tokens == whole.tokens

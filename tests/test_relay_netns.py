@@ -71,7 +71,7 @@ def test_generation_through_a_home_node_behind_nat(tmp_path):
         hop = lambda endpoint, a, b: {"endpoint": endpoint, "start": a, "end": b, "num_layers": LAYERS}  # noqa: E731
         spec = {"hops": [hop(head.ready["listen"], 0, 2), hop("p2p:" + peer, 2, 4), hop(tail.ready["listen"], 4, 6)],
                 "relayed": {peer: relayed_addr}, "prompt": PROMPT, "max_new_tokens": NEW_TOKENS,
-                "chunk_tokens": 16}
+                "chunk_tokens": 16, "return_logits": True}
         (tmp_path / "spec.json").write_text(json.dumps(spec))
         entry = subprocess.run([*topo.prefix(home2), sys.executable, "-m", "meshd.benchmarks.relay_harness", "drive",
                                 str(tmp_path / "spec.json"), str(tmp_path / "out.json")],

@@ -1,4 +1,4 @@
-"""The grpc.Channel look-alike that lets the (synchronous) RouteDriver use relayed hops."""
+"""The grpc.Channel look-alike that lets the (synchronous) route driver use relayed hops."""
 from __future__ import annotations
 
 import queue

@@ -16,12 +16,14 @@ from proto import shard_runtime_pb2 as pb
 from proto.limits import MAX_FRAME_BYTES
 from proto.tensors import encode_tensor
 from meshd.testing import models as testmodels
-from shard.backend import LayerRange
-from meshd.benchmarks.star_driver import Hop, HopError, RouteDriver, _default_channel, _HopStream
+from meshd.errors import HopFailure
+from meshd.generate.driver import RouteFailed
+from meshd.generate.routes import fixed_route
 from meshd.testing.procs import spawn_workers
 from shard.reference import WholeModel
-from shard.server import SERVICE_NAME
-from tests._shard_helpers import PROMPT, check_route_equals_whole, hops_for
+from shard.server import GRPC_OPTIONS, SERVICE_NAME
+from tests._shard_helpers import (PROMPT, RawStream, StatusError, check_route_equals_whole, drive_fixed,
+                                  fixed_source)
 
 torch.set_num_threads(1)
 SPECS = ["0:3", "3:6"]
@@ -43,7 +45,7 @@ def workers(model):
 
 
 def unary(endpoint, name, request, response_cls):
-    channel = _default_channel(endpoint)
+    channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
     try:
         return channel.unary_unary(f"/{SERVICE_NAME}/{name}", request_serializer=type(request).SerializeToString,
                                    response_deserializer=response_cls.FromString)(request, timeout=30)
@@ -51,9 +53,8 @@ def unary(endpoint, name, request, response_cls):
         channel.close()
 
 
-def raw_stream(worker, spec="0:3", num_layers=6):
-    a, b = (int(x) for x in spec.split(":"))
-    return _HopStream(0, Hop(worker.endpoint, LayerRange(a, b, num_layers), a), _default_channel(worker.endpoint), 60)
+def raw_stream(worker):
+    return RawStream(worker.endpoint)
 
 
 def open_raw(worker, fingerprint, session, *, epoch=0, max_tokens=64):
@@ -87,8 +88,7 @@ def test_interleaved_sessions_do_not_touch_each_other(model, workers):
     results: dict[int, list[int]] = {}
 
     def run(i):
-        with RouteDriver(hops_for(workers, SPECS, 6), chunk_tokens=16) as d:
-            results[i] = d.generate(prompts[i], 12).tokens
+        results[i] = drive_fixed(fixed_source(workers, SPECS, 6), prompts[i], 12).tokens
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
@@ -104,13 +104,13 @@ def test_bad_frames_get_typed_errors_and_the_worker_keeps_serving(model, workers
     assert good.recv()[0].WhichOneof("kind") == "accepted"
     bad = raw_stream(workers[0])
     bad.send(b"\x0a\xff\xff\xff\xff\x0f")  # truncated garbage
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         bad.recv()
     assert err.value.error.code == pb.ERROR_CODE_PAYLOAD_CORRUPT
     bad.close()
     oversized = raw_stream(workers[0])
     oversized.send(b"\x00" * (MAX_FRAME_BYTES + 1))
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         oversized.recv()
     assert "RESOURCE_EXHAUSTED" in err.value.error.detail
     oversized.close()
@@ -128,7 +128,7 @@ def test_cache_miss_and_duplicate_over_the_wire(workers):
     s = open_raw(workers[0], fp, "miss")
     s.recv()
     s.send(decode_body(1, 5))
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         s.recv()
     assert err.value.error.code == pb.ERROR_CODE_CACHE_MISS and err.value.error.actual_past_len == 0
     s.send(decode_body(2, 0))
@@ -140,14 +140,17 @@ def test_cache_miss_and_duplicate_over_the_wire(workers):
 
 
 def test_wrong_fingerprint_and_wrong_range(workers):
+    """A refused open is a HopFailure with the worker's code; a fixed route has no replacement."""
     bad = pb.Fingerprint(model_artifact_digest="sha256:00", runtime_recipe_digest="sha256:00")
-    with pytest.raises(HopError) as err:
-        RouteDriver(hops_for(workers, SPECS, 6), fingerprint=bad).generate(PROMPT, 2)
-    assert err.value.error.code == pb.ERROR_CODE_FINGERPRINT_MISMATCH
-    wrong = [Hop(workers[0].endpoint, LayerRange(0, 2, 6), 0), Hop(workers[1].endpoint, LayerRange(2, 6, 6), 2)]
-    with pytest.raises(HopError) as err:
-        RouteDriver(wrong, fingerprint=fingerprint_of(workers[0])).generate(PROMPT, 2)
-    assert err.value.error.code == pb.ERROR_CODE_SHARD_RANGE_MISMATCH
+    with pytest.raises(RouteFailed) as err:
+        drive_fixed(fixed_source(workers, SPECS, 6), PROMPT, 2, fingerprint=bad)
+    failure = err.value.__cause__
+    assert isinstance(failure, HopFailure) and failure.code == pb.ERROR_CODE_FINGERPRINT_MISMATCH
+    wrong = fixed_route([(workers[0].endpoint, 0, 2), (workers[1].endpoint, 2, 6)], 6)
+    with pytest.raises(RouteFailed) as err:
+        drive_fixed(wrong, PROMPT, 2, fingerprint=fingerprint_of(workers[0]))
+    assert err.value.__cause__.code == pb.ERROR_CODE_SHARD_RANGE_MISMATCH
+    assert "SHARD_RANGE_MISMATCH" in str(err.value)        # the user sees why
 
 
 def test_stale_epoch_release_and_cancel_rpcs(workers):
@@ -155,7 +158,7 @@ def test_stale_epoch_release_and_cancel_rpcs(workers):
     new = open_raw(workers[0], fp, "route", epoch=2)
     new.recv()
     old = open_raw(workers[0], fp, "route", epoch=1)
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         old.recv()
     assert err.value.error.code == pb.ERROR_CODE_EPOCH_STALE
     old.close()
@@ -163,7 +166,7 @@ def test_stale_epoch_release_and_cancel_rpcs(workers):
     assert unary(workers[0].endpoint, "Release", req, pb.ReleaseResponse).released
     assert not unary(workers[0].endpoint, "Release", req, pb.ReleaseResponse).released
     new.send(decode_body(1, 3))
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         new.recv()
     assert err.value.error.code == pb.ERROR_CODE_CACHE_MISS  # released: nothing cached
     new.close()
@@ -172,7 +175,7 @@ def test_stale_epoch_release_and_cancel_rpcs(workers):
     cancel = pb.CancelRequest(schema_version=1, route_session_id="doomed", route_epoch=0, reason="test")
     assert unary(workers[0].endpoint, "Cancel", cancel, pb.CancelResponse).cancelled_work_items == 1
     s.send(decode_body(1, 0))
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         s.recv()
     assert err.value.error.code == pb.ERROR_CODE_CANCELLED
     s.close()
@@ -181,7 +184,7 @@ def test_stale_epoch_release_and_cancel_rpcs(workers):
 def test_budget_refusal_with_retry_hint(workers):
     fp = fingerprint_of(workers[0])
     too_big = open_raw(workers[0], fp, "big", max_tokens=BUDGET + 1)
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         too_big.recv()
     assert err.value.error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and not err.value.error.retryable
     too_big.close()
@@ -189,7 +192,7 @@ def test_budget_refusal_with_retry_hint(workers):
     holder = open_raw(workers[0], fp, "hold", max_tokens=BUDGET - used)
     assert holder.recv()[0].WhichOneof("kind") == "accepted"
     late = open_raw(workers[0], fp, "late", max_tokens=1)
-    with pytest.raises(HopError) as err:
+    with pytest.raises(StatusError) as err:
         late.recv()
     assert err.value.error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED
     assert err.value.error.retryable and err.value.error.retry_after_ms > 0
@@ -201,17 +204,20 @@ def test_budget_refusal_with_retry_hint(workers):
     assert health.kv_tokens_used == used  # released at once
 
 
-def test_tail_sampling_returns_the_same_tokens_as_driver_side_picking(model, workers):
-    """tail_logits=False: the tail picks (greedy, and seeded sampling) and sends only the
-    token id; the tokens equal the driver picking from the tail's logits."""
-    from shard.sampling import SamplingSpec
+def test_the_tail_draws_what_the_logits_say_and_sends_only_the_token(model, workers):
+    """Token-only tails (the default) and tails that also return logits draw the same tokens,
+    greedy and seeded; each drawn token is the pure function of (seed, position) of its logits."""
+    from proto.limits import MAX_TAIL_BYTES_PER_DECODE_STEP
+    from shard.sampling import SamplingSpec, sample_token
 
-    hops = hops_for(workers, SPECS, 6)
-    for sampling in (None, SamplingSpec(temperature=0.8, top_k=20, seed=11)):
-        with RouteDriver(hops, chunk_tokens=16) as driver:
-            by_logits = driver.generate(PROMPT, 12, sampling=sampling)
-        with RouteDriver(hops, chunk_tokens=16, tail_logits=False) as driver:
-            by_tail = driver.generate(PROMPT, 12, sampling=sampling)
-        assert by_tail.tokens == by_logits.tokens, sampling
-        assert by_tail.logits == [] and len(by_logits.logits) == 12
+    source = fixed_source(workers, SPECS, 6)
+    for sampling in (SamplingSpec(), SamplingSpec(temperature=0.8, top_k=20, seed=11)):
+        by_tail = drive_fixed(source, PROMPT, 12, sampling=sampling)
+        checked = drive_fixed(source, PROMPT, 12, sampling=sampling, return_logits=True)
+        assert by_tail.tokens == checked.tokens, sampling
+        assert by_tail.logits == [] and len(checked.logits) == 12
+        assert [sample_token(row, sampling, len(PROMPT) + i) for i, row in enumerate(checked.logits)] \
+            == checked.tokens
+        assert by_tail.stats.tail_bytes_per_decode_step <= MAX_TAIL_BYTES_PER_DECODE_STEP
+        assert min(checked.stats.step_tail_bytes) > 4 * 380          # a logits row per step when asked
         assert len(PROMPT) > 16  # several prefill chunks: only the final one samples

@@ -84,11 +84,10 @@ def _self_signed(tmp_path):
 def test_tls_port_serves_a_generation(tmp_path):
     import grpc
 
-    from shard.backend import LayerRange
-    from meshd.benchmarks.star_driver import Hop, RouteDriver
+    from meshd.generate.routes import fixed_route
     from shard.reference import WholeModel
     from shard.server import GRPC_OPTIONS
-    from tests._shard_helpers import PROMPT
+    from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed
 
     cert_pem = _self_signed(tmp_path)
     path = testmodels.build_random_llama()
@@ -101,9 +100,8 @@ def test_tls_port_serves_a_generation(tmp_path):
             return grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(root_certificates=cert_pem),
                                        options=GRPC_OPTIONS)
 
-        hops = [Hop(workers[0].tls_endpoint, LayerRange(0, 6, 6), 0)]
-        with RouteDriver(hops, channel_factory=tls_channel, chunk_tokens=16) as driver:
-            got = driver.generate(PROMPT, 8)
+        got = drive_fixed(fixed_route([(workers[0].tls_endpoint, 0, 6)], 6), PROMPT, 8,
+                          connector=FactoryConnector(tls_channel))
         assert got.tokens == WholeModel(path).generate(PROMPT, 8, chunk_tokens=16).tokens
     finally:
         for w in workers:

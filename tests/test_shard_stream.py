@@ -181,3 +181,59 @@ def test_fuzz_any_bytes_give_responses_never_exceptions(service, frames):
     for frame in frames:
         for body in s.receive(frame):
             pb.SessionResponse.FromString(body)
+
+
+def _prefill(s, session, ids, step=1):
+    env = pb.Envelope(schema_version=1, route_session_id=session, route_epoch=0, phase=pb.PHASE_PREFILL,
+                      position=pb.PositionSpan(first_position=0, token_count=len(ids)), idempotency_step=step,
+                      cache_expectation=pb.CacheExpectation(mode=pb.CACHE_MODE_PREFILL, expected_past_len=0),
+                      chunk=pb.ChunkInfo(chunk_index=0, chunk_count=1, final_chunk=True))
+    return s.receive(pb.SessionRequest(chunk=pb.ActivationChunk(
+        envelope=env, bundle=encode_bundle({"token_ids": np.array(ids, np.int64)}))).SerializeToString())
+
+
+def sampling_tail(svc, session, *, logits=False, **tail):
+    s = SessionStream(svc)
+    body = pb.SessionRequest(open=pb.SessionOpen(
+        schema_version=1, route_session_id=session, route_epoch=0, fingerprint=svc.backend.fingerprint,
+        shard_range=pb.ShardRange(start_layer=0, end_layer=6, effective_start_layer=0), max_tokens=64,
+        tail=pb.TailOptions(sample=True, return_logits=logits, **tail))).SerializeToString()
+    return s, [parse(b) for b in s.receive(body)]
+
+
+def test_a_sampling_tail_answers_with_the_token_only(service):
+    from proto.zerocopy import read_response
+    from shard.sampling import SamplingSpec, sample_token, token_logprobs
+
+    spec = SamplingSpec(temperature=0.9, top_k=40, seed=77)
+    s, out = sampling_tail(service, "tok", sampling=spec.to_pb())
+    assert out[0].WhichOneof("kind") == "accepted"
+    twin, _ = sampling_tail(service, "tok-logits", logits=True, logprobs=True, top_logprobs=5, sampling=spec.to_pb())
+    first = parse(_prefill(s, "tok", [1, 2, 3])[0]).chunk
+    checked = parse(_prefill(twin, "tok-logits", [1, 2, 3])[0]).chunk
+    assert first.HasField("sample") and not first.HasField("bundle")        # no tensor at all
+    assert first.sample.token_id == checked.sample.token_id
+    token = first.sample.token_id
+    for step, pos in enumerate(range(3, 8), start=2):
+        bodies = s.receive(decode_req(step, pos, token))
+        body = next(b for b in bodies if parse(b).WhichOneof("kind") == "decode")
+        assert len(body) <= 64, len(body)                                     # MAX_TAIL_BYTES_PER_DECODE_STEP
+        resp, tensors = read_response(body)
+        assert tensors == {} and not resp.decode.sample.top and resp.decode.sample.logprob == 0.0
+        big = next(b for b in twin.receive(decode_req(step, pos, token)) if parse(b).WhichOneof("kind") == "decode")
+        resp2, tensors2 = read_response(big)
+        logits = tensors2["logits"]
+        # the draw for position pos + 1 is a pure function of (seed, pos + 1) and the logits
+        assert resp.decode.sample.token_id == resp2.decode.sample.token_id == sample_token(logits, spec, pos + 1)
+        lp, top = token_logprobs(logits, resp2.decode.sample.token_id, 5)
+        assert resp2.decode.sample.logprob == pytest.approx(lp, rel=1e-6)
+        assert [(t.token_id, pytest.approx(t.logprob, rel=1e-6)) for t in resp2.decode.sample.top] == list(top)
+        token = resp.decode.sample.token_id
+    again = parse(next(b for b in s.receive(decode_req(6, 7, 9)) if parse(b).WhichOneof("kind") == "decode")).decode
+    assert again.duplicate and again.sample.token_id == token               # the replay carries the sample
+
+
+def test_top_logprobs_beyond_the_bound_are_refused(service):
+    s, out = sampling_tail(service, "greedy-top", top_logprobs=21)
+    assert out[0].status.terminal and out[0].status.error.code == pb.ERROR_CODE_LIMIT_EXCEEDED
+    assert "top_logprobs" in out[0].status.error.detail

@@ -19,10 +19,12 @@ from proto.limits import MAX_FRAME_BYTES
 from relay.errors import WorkerUnavailable
 from relay.local_link import UnixWorkerLink, UnixWorkerSession
 from meshd.testing import models as testmodels
-from meshd.benchmarks.star_driver import RouteDriver, _default_channel
+from meshd.generate.routes import PeerConnector, discover_fingerprint
+from meshd.reach.tls import loopback_channel
 from meshd.testing.procs import spawn_workers
 from shard.reference import WholeModel
-from tests._shard_helpers import PROMPT, hops_for
+from shard.server import GRPC_OPTIONS
+from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]
 torch.set_num_threads(1)  # as the workers: same reduction order, exact logits
@@ -47,7 +49,7 @@ def workers(model):
 
 
 class _UnixCall:
-    """Test-side sync adapter: the RouteDriver's channel protocol over the frame socket."""
+    """Test-side sync adapter: the route driver's channel protocol over the frame socket."""
 
     def __init__(self, path: str, requests) -> None:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -94,15 +96,18 @@ def test_socket_is_private_and_announced(workers):
 
 def test_tail_over_the_socket_equals_the_whole_model(model, workers):
     tail_path = workers[1].unix_endpoint[5:]
-    hops = hops_for(workers, SPECS, 6)
+    source = fixed_source(workers, SPECS, 6)
 
     def factory(endpoint):
-        return _UnixChannel(tail_path) if endpoint == workers[1].endpoint else _default_channel(endpoint)
+        if endpoint == workers[1].endpoint:
+            return _UnixChannel(tail_path)
+        return loopback_channel(endpoint, GRPC_OPTIONS)
 
     ref = WholeModel(model).generate(PROMPT, 12, chunk_tokens=16)
-    fingerprint = RouteDriver(hops).fingerprint       # capability over gRPC; sessions over the socket
-    with RouteDriver(hops, chunk_tokens=16, channel_factory=factory, fingerprint=fingerprint) as driver:
-        res = driver.generate(PROMPT, 12)
+    # capability over gRPC; sessions over the socket
+    fingerprint = discover_fingerprint(PeerConnector(insecure_loopback=True), source.route)
+    res = drive_fixed(source, PROMPT, 12, connector=FactoryConnector(factory), fingerprint=fingerprint,
+                      return_logits=True)
     assert res.tokens == ref.tokens
     assert max(float(abs(a - b).max()) for a, b in zip(res.logits, ref.logits)) == 0.0
 
@@ -120,8 +125,7 @@ def test_bad_prefix_gets_a_typed_status_and_the_worker_keeps_serving(model, work
         status = parse_response(body).status
         assert status.terminal and status.error.code == pb.ERROR_CODE_LIMIT_EXCEEDED
         assert s.recv(1) == b""            # then closed
-    with RouteDriver(hops_for(workers, SPECS, 6), chunk_tokens=16) as driver:
-        assert len(driver.generate(PROMPT, 3).tokens) == 3
+    assert len(drive_fixed(fixed_source(workers, SPECS, 6), PROMPT, 3).tokens) == 3
 
 
 def test_trio_link_round_trip_and_missing_worker(workers):

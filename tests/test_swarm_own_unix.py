@@ -1,4 +1,4 @@
-"""The entry's own worker over its Unix frame socket (no loopback gRPC), driven through a trio portal.
+"""The entry's own worker over its Unix frame socket (no loopback gRPC), from the driver's thread.
 
 Real torch shards: the entry serves [0,3) itself, a peer serves [3,6) over gRPC. The own
 worker's gRPC server is stopped before generating, so tokens equal to the whole model's
@@ -10,12 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import trio
 
 from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
 from meshd.plan.routing import Hop
 from meshd.generate.routes import AdsRouteSource, PeerConnector
-from relay.syncchannel import RelayedGrpcChannel, TrioPortal
+from meshd.generate.unix_channel import UnixFrameChannel
 from shard.reference import WholeModel
 from meshd.testing.models import build_random_llama
 from shard.unix_server import UnixFrameServer
@@ -24,11 +23,6 @@ from tests._swarm_helpers import start_shard
 NUM_LAYERS = 6
 PROMPT = tuple(range(7, 40))
 NEW_TOKENS = 12
-
-
-async def _idle_loop(task_status=trio.TASK_STATUS_IGNORED):
-    task_status.started(None)
-    await trio.sleep_forever()
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +41,52 @@ def test_the_own_hop_goes_over_the_frame_socket_with_the_whole_models_tokens(mod
         fp = peer.service.backend.fingerprint
         source = AdsRouteSource(lambda: [own.ad(NUM_LAYERS), peer.ad(NUM_LAYERS)], fp.model_artifact_digest,
                                 NUM_LAYERS, entry_peer_id="entry", recipe_digest=fp.runtime_recipe_digest)
-        with TrioPortal(_idle_loop) as portal:
-            connector = PeerConnector(self_peer_id="entry", own_endpoint=own.endpoint, own_unix=unix.endpoint,
-                                      portal=portal, insecure_loopback=True)
-            own_hop = Hop("entry", 0, 3, 0, relayed=False, endpoint=own.endpoint)
-            assert isinstance(connector.channel(own_hop), RelayedGrpcChannel)
-            driver = SwarmDriver(source, connector, fingerprint=fp, replan_wait_s=0.0)
-            tokens = collect(driver, GenerationRequest(PROMPT, NEW_TOKENS, chunk_tokens=16))
+        connector = PeerConnector(self_peer_id="entry", own_endpoint=own.endpoint, own_unix=unix.endpoint,
+                                  insecure_loopback=True)
+        own_hop = Hop("entry", 0, 3, 0, relayed=False, endpoint=own.endpoint)
+        assert isinstance(connector.channel(own_hop), UnixFrameChannel)
+        driver = SwarmDriver(source, connector, fingerprint=fp, replan_wait_s=0.0)
+        tokens = collect(driver, GenerationRequest(PROMPT, NEW_TOKENS, chunk_tokens=16))
         assert tokens == reference
         assert own.active_sessions() == 0 and peer.active_sessions() == 0   # released in-stream
     finally:
         unix.close()
         peer.kill()
+
+
+def test_the_frame_socket_call_is_cut_from_another_thread_and_a_gone_worker_is_a_transport_error(model):
+    import threading
+    import time
+
+    import grpc
+
+    from meshd.generate.request_queue import RequestQueue
+    from meshd.generate.unix_channel import UnixLinkError
+    from proto import shard_runtime_pb2 as pb
+
+    own = start_shard(model, "entry", 0, 3)
+    own.kill()
+    sock_dir = Path(tempfile.mkdtemp(prefix="own-"))
+    unix = UnixFrameServer(own.service, sock_dir / "w.sock").start()
+    channel = UnixFrameChannel(unix.endpoint)
+    try:
+        requests = RequestQueue(4)
+        call = channel.stream_stream("/x/Session")(requests)
+        fp = own.service.backend.fingerprint
+        requests.put(pb.SessionRequest(open=pb.SessionOpen(
+            schema_version=1, route_session_id="cut", fingerprint=fp, max_tokens=32,
+            shard_range=pb.ShardRange(start_layer=0, end_layer=3))).SerializeToString())
+        assert pb.SessionResponse.FromString(next(call)).WhichOneof("kind") == "accepted"
+        with own.service.lock:          # the worker is silent: nothing comes back
+            threading.Timer(0.3, call.cancel).start()
+            t0 = time.monotonic()
+            with pytest.raises(UnixLinkError) as err:
+                next(call)
+            assert err.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - t0 < 5
+        with pytest.raises(grpc.RpcError):
+            channel.unary_unary("/x/Release")(None)
+    finally:
+        unix.close()
+    with pytest.raises(UnixLinkError) as err:      # the socket is gone: a transport failure, at once
+        channel.stream_stream("/x/Session")(RequestQueue(4))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -119,7 +119,9 @@ def test_a_tampered_directive_record_is_refused():
 
 @pytest.mark.parametrize("bad", [{"prompt": ""}, {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "max_tokens": True},
                                  {"prompt": "x", "temperature": float("nan")}, {"prompt": 3},
-                                 {"prompt": "x", "seed": "1"}, {"prompt": "x" * 40_000}])
+                                 {"prompt": "x", "seed": "1"}, {"prompt": "x" * 40_000},
+                                 {"prompt": "x", "top_logprobs": 21}, {"prompt": "x", "top_logprobs": -1},
+                                 {"prompt": "x", "logprobs": 1}, {"prompt": "x", "top_logprobs": True}])
 def test_generate_params_are_validated(bad):
     with pytest.raises(LocalError):
         GenerateParams.from_request(bad)

@@ -1,7 +1,8 @@
-"""Benchmarks run by ``meshd bench NAME [--quick] [--json]`` (each ``run(quick, progress) -> dict``).
+"""Benchmarks run by ``meshd bench NAME [--quick] [--json]`` (each ``run(quick, progress, options) -> dict``).
 
     swarm.py          the product path: real ``meshd join`` daemons vs the whole model in one process
     pipeline.py       fixed splits through daemons vs the whole model, hop overhead and round-trip floors
+    daemon_runs.py    what swarm and pipeline share: options, fixed-split daemons, the reference
     relay.py          the same route with its last hop direct and relayed
     api.py            the streaming HTTP API vs the control socket of one entry (decode rate, first token)
     codec.py          frame codec cost next to a memory copy
@@ -9,7 +10,7 @@
     route_plan.py     route-planning micro-benchmark
     moe.py            MoE expert delegation: bytes per position (copies, rows once, q8), drift, decode
     hopfloor.py       the machine's gRPC / raw-socket round-trip floors
+    splitfloor.py     the route's ranges in bare processes over pipes: what splitting alone costs
     local_swarm.py    LocalSwarm / LocalDaemon: real daemons on loopback (demo, benchmarks, slow tests)
     relay_harness.py  process orchestration for the relay benchmark and relay end-to-end tests
-    star_driver.py    the star RouteDriver some benchmarks still drive workers with directly
 """

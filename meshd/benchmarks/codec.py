@@ -152,7 +152,7 @@ def _decode_step_overhead() -> dict:
     return {"bytes": len(data) - row.nbytes, "frame_bytes": len(data)}
 
 
-def run(quick: bool, progress=None) -> dict:
+def run(quick: bool, progress=None, options=None) -> dict:
     def say(msg: str) -> None:
         if progress is not None:
             print(msg, file=progress, flush=True)

@@ -7,7 +7,7 @@ the same machine charges for a round trip that does no meshd work at all:
 
 * ``grpc``: a bidi stream to a grpcio sync server in a subprocess (the
   worker's own server setup and options, identity serializers), fed from a
-  bounded queue like ``meshd.benchmarks.star_driver``; the server spins ``hold_ms`` (the
+  bounded queue like the route driver's hop links; the server spins ``hold_ms`` (the
   hops' measured execution time) and echoes a body of the decode frame's size.
 * ``socket``: the same over a raw AF_UNIX socketpair with a forked peer: no
   gRPC, no threads; the floor of any transport on this machine.

@@ -3,7 +3,9 @@
 Each ``LocalDaemon`` is a subprocess ``python -m meshd join --layers auto``
 (or a fixed range) with its own data dir under one root, listening on
 127.0.0.1 with an OS-chosen port; the first one is every other's bootstrap
-peer. Its workers are its children (they die with it). ``LocalSwarm.close``
+peer. Every worker gets ``--threads 1`` unless told otherwise (``THREADS``):
+several daemons share this machine's cores fairly, and each decode step
+computes on one core like the single-threaded reference beside them. Its workers are its children (they die with it). ``LocalSwarm.close``
 stops every daemon it started -- SIGTERM, then SIGKILL after a grace period
 -- so nothing outlives the caller.
 
@@ -11,6 +13,7 @@ Blocking code (subprocess + the control socket); bounded waits only.
 """
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -31,6 +34,8 @@ STOP_GRACE_S = 15.0
 # declared memory (weights + KV) modest.
 DEMO_NODES = 3
 DEMO_KV_TOKENS = 1024
+# Compute threads per worker in a local swarm (see the module docstring).
+THREADS = 1
 T = TypeVar("T")
 
 
@@ -38,21 +43,23 @@ class SwarmTimeout(MeshdError):
     """A local swarm did not reach a state in time; the message carries the daemon's log tail."""
 
 
-def child_env(torch_threads: int = 1) -> dict[str, str]:
+def child_env(torch_threads: int = THREADS) -> dict[str, str]:
     return procs.child_env(torch_threads)
 
 
 class LocalDaemon:
     def __init__(self, root: Path, name: str, model: Path, *, layers: str | None = "auto", memory: int | None = None,
                  bootstrap: str | None = None, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None,
-                 extra: tuple[str, ...] = ()) -> None:
+                 threads: int = THREADS, backend: str | None = None, extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.data_dir = root / name
         self.log = root / f"{name}.log"
         args = [sys.executable, "-m", "meshd", "join", "--model", str(model),
                 *(["--layers", layers] if layers else []),   # None: an expert peer (extra has --experts)
                 "--listen", "/ip4/127.0.0.1/tcp/0", "--data-dir", str(self.data_dir),
-                "--record-ttl", str(record_ttl_s), "--api-listen", "127.0.0.1:0", *extra]
+                "--record-ttl", str(record_ttl_s), "--api-listen", "127.0.0.1:0", "--threads", str(threads), *extra]
+        if backend is not None:
+            args += ["--backend", backend]
         if memory is not None:
             args += ["--memory", str(memory)]
         if kv_budget_tokens is not None:
@@ -60,7 +67,7 @@ class LocalDaemon:
         if bootstrap:
             args += ["--bootstrap", bootstrap]
         self._log_file = open(self.log, "w")
-        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(), stdout=self._log_file,
+        self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(threads), stdout=self._log_file,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     @property
@@ -113,8 +120,27 @@ class LocalDaemon:
         return self.proc.returncode
 
     def kill(self) -> None:
-        """SIGKILL: no withdrawal, no goodbye (its worker dies with it)."""
+        """SIGKILL: no withdrawal, no goodbye (its worker follows within its 1 s shutdown grace)."""
         self.stop(signal.SIGKILL)
+
+    def worker_pids(self) -> list[int]:
+        """The daemon's children (its worker)."""
+        kids: list[int] = []
+        try:
+            for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+                kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            pass
+        return kids
+
+    def kill_node(self) -> None:
+        """SIGKILL the daemon and its worker at once: the machine is gone (no grace anywhere)."""
+        for pid in self.worker_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.kill()
 
 
 def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float, daemon: LocalDaemon | None = None) -> T:
@@ -133,10 +159,11 @@ def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float, daemon: Lo
 
 class LocalSwarm:
     def __init__(self, root: Path, model: Path, *, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None,
-                 extra: tuple[str, ...] = ()):
-        """``extra``: more ``meshd join`` flags for every daemon (e.g. ``("--backend", "llama.cpp")``)."""
+                 extra: tuple[str, ...] = (), threads: int = THREADS, backend: str | None = None):
+        """``extra``: more ``meshd join`` flags for every daemon (e.g. ``("--experts", ...)``)."""
         self.root, self.model = root, model
         self.record_ttl_s, self.kv_budget_tokens, self.extra = record_ttl_s, kv_budget_tokens, tuple(extra)
+        self.threads, self.backend = threads, backend
         self.daemons: list[LocalDaemon] = []
         self.bootstrap: str | None = None
 
@@ -146,7 +173,8 @@ class LocalSwarm:
         ``extra`` adds join flags to the swarm's own."""
         d = LocalDaemon(self.root, name or f"node{len(self.daemons)}", model or self.model, layers=layers,
                         memory=memory, bootstrap=self.bootstrap, record_ttl_s=self.record_ttl_s,
-                        kv_budget_tokens=self.kv_budget_tokens, extra=(*self.extra, *extra))
+                        kv_budget_tokens=self.kv_budget_tokens, threads=self.threads, backend=self.backend,
+                        extra=(*self.extra, *extra))
         self.daemons.append(d)
         if self.bootstrap is None:
             self.bootstrap = d.address()

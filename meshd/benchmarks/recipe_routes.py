@@ -2,11 +2,12 @@
 
 ``measure_route(model, backend, cut, plan, prompts)`` starts two real
 ``meshd worker`` subprocesses (layers ``0:cut`` and ``cut:N``) on loopback,
-drives every request of the plan through shard's ``RouteDriver`` over gRPC
-(one driver, i.e. one route session, per request), and reports the same
-outcomes as a whole-model recipe plus the workers' summed peak RSS (VmHWM,
-read from /proc before they are stopped). TTFT is the driver's prefill time
-(until the first token's logits); decode time covers the remaining tokens.
+drives every request of the plan through the route driver (SwarmDriver over
+a fixed route, gRPC; one driver, i.e. one route session, per request), and
+reports the same outcomes as a whole-model recipe plus the workers' summed
+peak RSS (VmHWM, read from /proc before they are stopped). TTFT is the
+driver's prefill time (until the tail's first token); decode time covers the
+remaining tokens.
 
 ``vocab_projection_probe(gguf, cut)`` loads the head range twice in-process,
 once stopping the graph after the last block (what meshd does) and once
@@ -39,8 +40,8 @@ def _vmhwm_bytes(pid: int) -> int:
 
 def measure_route(model: Path, backend: str, cut: int, num_layers: int, plan: Plan,
                   prompts: dict[str, list[int]], threads: int, progress: TextIO | None):
-    from shard.backend import LayerRange
-    from meshd.benchmarks.star_driver import Hop, RouteDriver
+    from meshd.generate.driver import GenerationRequest, SwarmDriver
+    from meshd.generate.routes import PeerConnector, discover_fingerprint, fixed_route
     from meshd.testing.procs import spawn_worker
 
     extra = ["--backend", backend, "--kv-budget-tokens", str(WORKER_KV_TOKENS), "--max-sessions", "8"]
@@ -48,14 +49,15 @@ def measure_route(model: Path, backend: str, cut: int, num_layers: int, plan: Pl
     try:
         for layers in (f"0:{cut}", f"{cut}:{num_layers}"):
             workers.append(spawn_worker(model, layers, threads=threads, extra=extra, stderr=None))
-        hops = [Hop(workers[0].endpoint, LayerRange(0, cut, num_layers), 0),
-                Hop(workers[1].endpoint, LayerRange(cut, num_layers, num_layers), cut)]
-        fingerprint = RouteDriver(hops).fingerprint  # validated once; every request reuses it
+        source = fixed_route([(workers[0].endpoint, 0, cut), (workers[1].endpoint, cut, num_layers)], num_layers)
+        connector = PeerConnector(insecure_loopback=True)
+        fingerprint = discover_fingerprint(connector, source.route)  # validated once; every request reuses it
 
         def generate(ids: Sequence[int], n: int):
-            with RouteDriver(hops, fingerprint=fingerprint, chunk_tokens=plan.chunk_tokens) as driver:
-                result = driver.generate(list(ids), n)
-            return result.tokens, result.prefill_s, result.decode_s
+            driver = SwarmDriver(source, connector, fingerprint=fingerprint)
+            tokens = [t.id for t in driver.generate(GenerationRequest(tuple(ids), n, chunk_tokens=plan.chunk_tokens))]
+            times = driver.stats.token_times
+            return tokens, driver.stats.prefill_s, times[-1] - times[0] if len(times) > 1 else 0.0
 
         def log(message: str) -> None:
             if progress is not None:

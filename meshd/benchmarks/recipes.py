@@ -73,7 +73,7 @@ def _entry(outcomes: list[Outcome], walls: dict[str, float], *, lane: str, route
             "errors": sorted({o.error for o in outcomes if not o.ok})[:5]}
 
 
-def run(quick: bool, progress: TextIO | None) -> dict[str, Any]:
+def run(quick: bool, progress: TextIO | None, options=None) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from meshd.benchmarks.recipe_routes import measure_route, vocab_projection_probe

@@ -5,11 +5,12 @@ Setup (real processes on loopback): a seeded random Llama with hidden 1024 and
 1:2 (the tail). B is reached either directly over gRPC, or through
 ``meshd relay`` via a home node (``python -m relay.node``) that forwards the
 relayed session to B over its local gRPC. The entry node is this process:
-shard's RouteDriver with a libp2p host in a TrioPortal (meshd/benchmarks/relay_harness.py).
+the route driver (SwarmDriver over a fixed route) with a libp2p host in a
+TrioPortal (meshd/benchmarks/relay_harness.py).
 
 Measured side by side in one run (medians over repeats, alternating order):
 * ``*_step_ms``: one decode step through the route (the hidden row crosses
-  the measured hop and the logits come back), the median over every decode
+  the measured hop and the tail's token id comes back), the median over every decode
   step of every repeat; the difference is the cost of relaying that one hop
   (``relayed_step_overhead_ms``). ``*_step_mean_ms`` and
   ``relayed_step_overhead_mean_ms``: the same from each repeat's mean step
@@ -18,7 +19,8 @@ Measured side by side in one run (medians over repeats, alternating order):
   frames into the measured hop, MiB per second of prefill (compute included
   on both sides, identical for both transports).
 * ``tokens_equal``: direct, relayed and the whole model in one process give
-  the same greedy tokens; ``max_logit_diff`` is relayed vs whole model.
+  the same greedy tokens; ``max_logit_diff`` is relayed vs whole model, from
+  one more relayed run that asks the tail for its logits rows.
 * ``bare_libp2p_relayed_rtt_ms``: the floor under the overhead, measured in
   the same run: an ``ECHO_FRAME_BYTES`` frame to the same home node through the same
   relay and back, timed inside a trio loop (libp2p + framing, none of our
@@ -48,7 +50,7 @@ def _say(progress, line: str) -> None:
         print(f"[bench relay] {line}", file=progress, flush=True)
 
 
-def run(quick: bool, progress=None) -> dict:
+def run(quick: bool, progress=None, options=None) -> dict:
     import numpy as np
 
     from meshd.benchmarks import relay_harness as H
@@ -96,7 +98,6 @@ def run(quick: bool, progress=None) -> dict:
         each_step: dict[str, list[float]] = {"direct": [], "relayed": []}      # every decode step
         rates: dict[str, list[float]] = {"direct": [], "relayed": []}
         tokens: dict[str, list] = {"direct": [], "relayed": []}
-        logits = None
         for rep in range(repeats):
             for name in (("direct", "relayed") if rep % 2 == 0 else ("relayed", "direct")):
                 _say(progress, f"repeat {rep + 1}/{repeats}: {name} decode of {decode_tokens} tokens")
@@ -104,13 +105,16 @@ def run(quick: bool, progress=None) -> dict:
                 steps[name].append(out["decode_s"] / (decode_tokens - 1) * 1e3)
                 each_step[name] += [ns / 1e6 for ns in out["step_wall_ns"]]
                 tokens[name].append(out["tokens"])
-                if name == "relayed":
-                    logits = out["logits"]
                 _say(progress, f"repeat {rep + 1}/{repeats}: {name} prefill of {chunks} x 1 MiB chunks")
                 out = H.drive({**routes[name], "prompt": long, "max_new_tokens": 1,
                                "chunk_tokens": CHUNK_TOKENS})
                 rates[name].append(chunks / out["prefill_s"])
                 tokens[name].append(out["tokens"])
+        _say(progress, "relayed pass with the tail's logits rows (for max_logit_diff)")
+        checked = H.drive({**routes["relayed"], "prompt": short, "max_new_tokens": decode_tokens,
+                           "return_logits": True})
+        logits = checked["logits"]
+        tokens["relayed"].append(checked["tokens"])
         _say(progress, f"bare libp2p relayed round trips of {ECHO_FRAME_BYTES} B")
         echo = H.relayed_echo_rtts(routes["relayed"]["relayed"][peer], frame_bytes=ECHO_FRAME_BYTES,
                                    count=decode_tokens * repeats)

@@ -9,7 +9,8 @@ ready file (waited for with a bound; an early exit fails at once).
     spawn_worker       meshd worker (shard)              -> {listen, pid}
     spawn_home_node    python -m relay.node              -> {peer_id, relayed_addrs, verdict}
     drive(...)         the entry node: a libp2p host in a TrioPortal, circuits to
-                       the relayed hops, shard's RouteDriver over mixed hops
+                       the relayed hops, the route driver (SwarmDriver) over a fixed
+                       route of mixed hops
     python -m meshd.benchmarks.relay_harness drive SPEC.json OUT.json
                        the same, as a child (inside a namespace)
 """
@@ -184,44 +185,40 @@ def _recording_factory(factory, sent: list[bytes], on_sent=None):
     return wrap
 
 
-def capability_fingerprint(endpoint: str):
-    """The validated fingerprint a direct worker reports (relayed hops serve the same artifact)."""
-    from proto import shard_runtime_pb2 as pb
-    from proto.frames import SCHEMA_VERSION
-    from meshd.benchmarks.star_driver import UNARY_TIMEOUT_S, _default_channel
-    from shard.server import SERVICE_NAME
+class _FactoryConnector:
+    """The route driver's connector over a channel factory keyed by endpoint (``p2p:`` = relayed)."""
 
-    channel = _default_channel(endpoint)
-    try:
-        report = channel.unary_unary(f"/{SERVICE_NAME}/GetCapability",
-                                     request_serializer=pb.CapabilityRequest.SerializeToString,
-                                     response_deserializer=pb.CapabilityReport.FromString)(
-            pb.CapabilityRequest(schema_version=SCHEMA_VERSION), timeout=UNARY_TIMEOUT_S)
-    finally:
-        channel.close()
-    return report.fingerprint
+    def __init__(self, factory) -> None:
+        self.factory = factory
+
+    def channel(self, hop):
+        return self.factory(hop.endpoint)
 
 
 def drive(spec: dict, on_sent=None) -> dict:
-    """Run one generation as the entry node. ``spec``:
+    """Run one generation as the entry node (the product's SwarmDriver over a fixed route). ``spec``:
 
     {"hops": [{"endpoint": "127.0.0.1:P" | "p2p:<peer id>", "start", "end", "num_layers"}],
      "relayed": {"<peer id>": "<relayed multiaddr>"},
-     "prompt": [ids], "max_new_tokens": n, "chunk_tokens": c}
-    Returns {"tokens", "logits" (lists), "prefill_s", "decode_s", "hop_execution_ns" (decode compute
-    per hop, as the workers report it), "step_wall_ns" (each decode step), "sent_bodies_hex"}.
-    ``on_sent(n)`` is called as the n-th request body leaves for a relayed hop (fault injection).
+     "prompt": [ids], "max_new_tokens": n, "chunk_tokens": c, "return_logits": false}
+    Returns {"tokens", "logits" (lists; with return_logits), "prefill_s", "decode_s", "hop_execution_ns"
+    (decode compute per hop, as the workers report it), "step_wall_ns" (each decode step),
+    "tail_bytes_per_decode_step", "sent_bodies_hex"}. A failed hop raises RouteFailed (its
+    HopFailure is the cause). ``on_sent(n)`` is called as the n-th request body leaves for a
+    relayed hop (fault injection).
     """
 
     import multiaddr
     import trio
 
-    from relay.host import build_host
     from dht.identity import Identity
+    from meshd.generate.driver import GenerationRequest, SwarmDriver
+    from meshd.generate.routes import discover_fingerprint, fixed_route
+    from meshd.reach.tls import loopback_channel
     from relay.client import dial_relayed, parse_relayed_addr
+    from relay.host import build_host
     from relay.syncchannel import TrioPortal, relayed_channel_factory
-    from shard.backend import LayerRange
-    from meshd.benchmarks.star_driver import Hop, RouteDriver, _default_channel
+    from shard.server import GRPC_OPTIONS
 
     async def setup(task_status=trio.TASK_STATUS_IGNORED):
         host = build_host(Identity.from_seed(os.urandom(32)))
@@ -232,20 +229,25 @@ def drive(spec: dict, on_sent=None) -> dict:
             task_status.started(host)
             await trio.sleep_forever()
 
-    hops = [Hop(h["endpoint"], LayerRange(h["start"], h["end"], h["num_layers"]), h["start"]) for h in spec["hops"]]
-    direct = [h for h in hops if not h.endpoint.startswith("p2p:")]
+    hops = spec["hops"]
+    source = fixed_route([(h["endpoint"], h["start"], h["end"]) for h in hops], hops[0]["num_layers"])
     sent: list[bytes] = []
+    request = GenerationRequest(tuple(spec["prompt"]), spec["max_new_tokens"],
+                                chunk_tokens=spec.get("chunk_tokens", 128),
+                                return_logits=spec.get("return_logits", False))
     with TrioPortal(setup) as portal:
-        factory = _recording_factory(relayed_channel_factory(portal, portal.value, _default_channel), sent,
-                                     on_sent)
-        fingerprint = capability_fingerprint(direct[0].endpoint)
-        with RouteDriver(hops, fingerprint=fingerprint, channel_factory=factory,
-                         chunk_tokens=spec.get("chunk_tokens", 128)) as driver:
-            result = driver.generate(spec["prompt"], spec["max_new_tokens"])
-    return {"tokens": result.tokens, "logits": [l.tolist() for l in result.logits],
-            "prefill_s": result.prefill_s, "decode_s": result.decode_s,
-            "hop_execution_ns": list(result.hop_execution_ns),
-            "step_wall_ns": list(result.step_wall_ns),
+        direct = lambda endpoint: loopback_channel(endpoint, GRPC_OPTIONS)  # noqa: E731
+        connector = _FactoryConnector(_recording_factory(relayed_channel_factory(portal, portal.value, direct),
+                                                         sent, on_sent))
+        driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))
+        tokens = [t.id for t in driver.generate(request)]
+    stats = driver.stats
+    times = stats.token_times
+    return {"tokens": tokens, "logits": [l.tolist() for l in stats.logits],
+            "prefill_s": stats.prefill_s, "decode_s": times[-1] - times[0] if len(times) > 1 else 0.0,
+            "hop_execution_ns": list(stats.hop_execution_ns),
+            "step_wall_ns": list(stats.step_wall_ns),
+            "tail_bytes_per_decode_step": stats.tail_bytes_per_decode_step,
             "sent_bodies_hex": [b.hex() for b in sent]}
 
 

@@ -1,31 +1,44 @@
-"""``meshd bench swarm``: a real 3-daemon SmolLM2 swarm against the whole model, same run.
+"""``meshd bench swarm``: real ``meshd join`` daemons (the product path) against the whole model, one run.
+
+    meshd bench swarm [--quick] [--json]                     three daemons on SmolLM2, --layers auto
+    meshd bench swarm --model DIR [--layers 0:4,4:8] [--backend torch]
 
 Steps (progress lines on the given stream):
 1. route planning micro-benchmark (meshd/benchmarks/route_plan.py): ``route_plan_ms``;
-2. three ``meshd join --layers auto`` daemons on loopback (memory sized as in
-   ``meshd demo``): ``join_to_routable_s`` = from starting the last joiners
-   to the entry seeing every layer covered;
-3. greedy decode through the swarm (entry: node0) and through the whole
-   model in this process (transformers, 1 thread like each worker), twice
-   each, alternating; ``decode_ratio`` = best swarm tok/s / best whole tok/s;
-   ``tokens_equal``: swarm tokens == whole-model tokens;
-4. a fourth daemon serving the middle hop's range (fixed ``--layers``) makes
-   that span redundant; the middle hop's daemon is SIGKILLed right after the
-   first token: ``tokens_equal_with_failure`` and ``recovery_s`` (kill ->
-   next token, monotonic clock shared by the processes on this host; it
-   includes the worker's 1 s shutdown grace) and ``failover_to_token_s``
-   (failure seen by the driver -> next token).
-Every daemon is stopped at the end.
+2. the daemons: by default three ``meshd join --layers auto`` (memory sized as in
+   ``meshd demo``; ``join_to_routable_s`` = from starting the last joiners to the
+   entry seeing every layer covered), or with ``--layers`` one ``meshd join
+   --layers A:B`` per range; one compute thread per worker (local_swarm.THREADS),
+   records living as long as a user's (daemon_runs.BENCH_RECORD_TTL_S);
+3. generation through the entry daemon's control socket (the generate op, what
+   ``meshd generate`` does; the entry is the layer-0 daemon) and through the
+   whole model in this process (shard/reference.py, same thread count), in
+   alternating rounds after a warm-up of each: ``decode_ratio`` = best swarm
+   decode tok/s / best whole tok/s (``decode_ratio_median``: the medians),
+   ``prefill_ratio`` = whole prefill time / the swarm's time to its first token
+   (which includes planning and opening the route), ``tokens_equal`` (greedy),
+   ``tail_bytes_per_decode_step`` (response bytes from the tail per decode step,
+   as the driver counted them) and ``per_hop_overhead_median_ms`` (median decode
+   step wall time minus the hops' own compute, per hop); in the same rounds the
+   route's ranges also run in bare processes over pipes (splitfloor.py: no meshd
+   at all): ``bare_split_ratio`` = best bare-split tok/s / best whole tok/s is
+   what splitting alone costs on this machine, ``decode_ratio_vs_bare_split``
+   what meshd adds on top;
+4. one more daemon serving the middle hop's range makes that span redundant; the
+   middle hop's node (daemon and worker) is SIGKILLed right after the first token:
+   ``tokens_equal_with_failure`` and ``recovery_s`` (kill -> next token,
+   monotonic clock shared by the processes on this host) and
+   ``failover_to_token_s`` (failure seen by the driver -> next token).
+``path: "daemon"`` says what was timed. Every daemon is stopped at the end.
 """
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import TextIO
-
-PROMPT = "The history of the Roman Empire begins"
 
 
 def _say(progress: TextIO | None, line: str) -> None:
@@ -33,103 +46,137 @@ def _say(progress: TextIO | None, line: str) -> None:
         print(f"swarm bench: {line}", file=progress, flush=True)
 
 
-def _generate(daemon, n: int, on_token=None) -> dict:
-    done, count = None, 0
-    for event in daemon.generate(PROMPT, max_tokens=n, raw=True):
-        if "token" in event:
-            count += 1
-            if on_token is not None:
-                on_token(count)
-        if event.get("done"):
-            done = event
-    return done
-
-
-def run(quick: bool = False, progress: TextIO | None = None) -> dict:
-    import torch
-
-    from meshd.benchmarks import route_plan
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES as NODES
-    from meshd.plan.assignment import even_memory_for as demo_memory
+def _start(root: Path, model: Path, options, progress, result: dict):
+    from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
+    from meshd.plan.assignment import even_memory_for
     from meshd.plan.footprint import artifact_footprint
-    from meshd.benchmarks.local_swarm import LocalSwarm
-    from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from meshd.plan.modelinfo import model_num_layers
+
+    backend = getattr(options, "backend", None)
+    layers = getattr(options, "layers", None)
+    if layers:
+        specs = R.parse_splits(layers, model_num_layers(model))
+        _say(progress, f"starting {len(specs)} daemons with fixed layers {', '.join(specs)}")
+        t0 = time.monotonic()
+        swarm = R.start_split(root, model, specs, backend=backend, kv_budget_tokens=DEMO_KV_TOKENS)
+        result.update(nodes=len(specs), layers=specs, join_to_routable_s=round(time.monotonic() - t0, 2))
+        return swarm
+    memory = even_memory_for(artifact_footprint(model, "bench"), DEMO_NODES, DEMO_KV_TOKENS)
+    swarm = LocalSwarm(root, model, kv_budget_tokens=DEMO_KV_TOKENS, backend=backend,
+                       record_ttl_s=R.BENCH_RECORD_TTL_S)
+    try:
+        first = swarm.add(memory=memory)
+        swarm.wait_serving(first, R.START_TIMEOUT_S)
+        t_join = time.monotonic()
+        for _ in range(DEMO_NODES - 1):
+            swarm.add(memory=memory)
+        view = swarm.wait_covered(R.START_TIMEOUT_S, peers=DEMO_NODES)
+    except BaseException:
+        swarm.close()
+        raise
+    result.update(nodes=DEMO_NODES, layers="auto", join_to_routable_s=round(time.monotonic() - t_join, 2),
+                  assigned=sorted([a["start"], a["end"]] for a in view["ads"]))
+    return swarm
+
+
+def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
+    from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks import route_plan
+    from meshd.benchmarks.local_swarm import THREADS
+    from meshd.benchmarks.splitfloor import SplitFloor
     from native.packaged import smollm2_artifact
 
-    new_tokens = 32 if quick else 64
-    rounds = 1 if quick else 2
-    result: dict = {"model": "SmolLM2-135M-Instruct (float32, torch)", "nodes": NODES, "new_tokens": new_tokens}
+    model = R.bench_model(options, smollm2_artifact)
+    new_tokens = R.QUICK_NEW_TOKENS if quick else R.NEW_TOKENS
+    rounds = 1 if quick else 3
+    prompt = R.PROMPT_TEXT
+    result: dict = {"path": "daemon", "model": str(model), "backend": "torch", "threads": THREADS,
+                    "new_tokens": new_tokens, "rounds": rounds}
     plan = route_plan.run(quick=quick, progress=progress)
     result.update(route_plan_ms=plan["route_plan_ms"], replacement_plan_ms=plan["replacement_plan_ms"])
 
-    _say(progress, "preparing SmolLM2")
-    model = smollm2_artifact()
-    memory = demo_memory(artifact_footprint(model, "bench"), NODES, DEMO_KV_TOKENS)
-    tok = EntryTokenizer(model)
-    stops = tok.stop_ids
     root = Path(tempfile.mkdtemp(prefix="meshd-bench-swarm-"))
-    swarm = LocalSwarm(root, model, kv_budget_tokens=DEMO_KV_TOKENS)
+    swarm = None
     try:
-        first = swarm.add(memory=memory)
-        swarm.wait_serving(first, 300)
-        t_join = time.monotonic()
-        for _ in range(NODES - 1):
-            swarm.add(memory=memory)
-        view = swarm.wait_covered(600, peers=NODES)
-        result["join_to_routable_s"] = round(time.monotonic() - t_join, 2)
-        result["assigned"] = sorted([a["start"], a["end"]] for a in view["ads"])
-        _say(progress, f"covered: {result['assigned']} after {result['join_to_routable_s']} s")
-
-        torch.set_num_threads(1)
-        whole = WholeModel(model)
-        ids = tok.encode_prompt(PROMPT, raw=True)
-        swarm_rates, whole_rates, swarm_tokens, whole_tokens = [], [], None, None
-        for r in range(rounds):
-            done = _generate(first, new_tokens)
-            swarm_tokens = done["tokens"]
-            swarm_rates.append(done["decode_tokens_per_s"] or 0.0)
-            ref = whole.generate(ids, new_tokens)
-            cut = next((i for i, t in enumerate(ref.tokens) if t in stops), None)
-            whole_tokens = ref.tokens if cut is None else ref.tokens[:cut + 1]
-            whole_rates.append((len(ref.tokens) - 1) / ref.decode_s if ref.decode_s else 0.0)
-            _say(progress, f"round {r + 1}: swarm {swarm_rates[-1]:.2f} tok/s, whole {whole_rates[-1]:.2f} tok/s")
-        result.update(tokens_equal=swarm_tokens == whole_tokens, route=done["route"],
-                      swarm_decode_tok_s=round(max(swarm_rates), 3), whole_decode_tok_s=round(max(whole_rates), 3),
-                      decode_ratio=round(max(swarm_rates) / max(whole_rates), 3) if max(whole_rates) else None)
-
-        # the entry is the layer-0 node; a backup makes the middle span redundant
-        by_peer = {(d.swarm() or {}).get("peer_id"): d for d in swarm.daemons}
-        ads = {a["peer_id"]: a for a in first.swarm()["ads"]}
-        entry = next(by_peer[p] for p, a in ads.items() if a["start"] == 0 and p in by_peer)
-        middle = ads[done["route"][len(done["route"]) // 2].split(":")[0]]
-        backup = swarm.add(layers=f"{middle['start']}:{middle['end']}", name="backup")
-        swarm.wait_serving(backup, 300)
-        swarm.wait_covered(120, peers=NODES + 1)
-        probe = _generate(entry, 2)["route"]  # which of the two twins this entry's route uses
-        victim_peer = probe[len(probe) // 2].split(":")[0]
-        victim = by_peer.get(victim_peer) or backup
-        _say(progress, f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
-                       f"killing {victim.name} (middle hop) after the first token")
-        killed: list[float] = []
-
-        def kill(count: int) -> None:
-            if count == 1 and not killed:
-                victim.kill()
-                killed.append(time.monotonic())
-
-        failed = _generate(entry, max(new_tokens, 48), on_token=kill)
-        ref = whole.generate(ids, max(new_tokens, 48)).tokens
-        cut = next((i for i, t in enumerate(ref) if t in stops), None)
-        ref = ref if cut is None else ref[:cut + 1]
-        fo = failed["failovers"]
-        result.update(tokens_equal_with_failure=failed["tokens"] == ref, failovers=len(fo))
-        if fo and fo[0].get("next_token_at") and killed:
-            result["recovery_s"] = round(fo[0]["next_token_at"] - killed[0], 3)
-            result["failover_to_token_s"] = round(fo[0]["next_token_at"] - fo[0]["failed_at"], 3)
-        _say(progress, f"failure run: {len(fo)} failover(s), recovery {result.get('recovery_s')} s")
+        swarm = _start(root, model, options, progress, result)
+        _say(progress, f"covered by {result['nodes']} daemons after {result['join_to_routable_s']} s")
+        entry = R.entry_of(swarm)
+        reference = R.Reference(model, THREADS)
+        result["prompt_tokens"] = len(reference.ids(prompt))
+        _say(progress, "warm-up: one short generation each")
+        route = R.generate(entry, prompt, 4)["route"]
+        reference.generate(prompt, 4)
+        floor = SplitFloor(model, [":".join(hop.split(":")[1:]) for hop in route])
+        try:
+            runs, wholes, bares = [], [], []
+            for r in range(rounds):
+                runs.append(R.RunFigures.of(R.generate(entry, prompt, new_tokens)))
+                wholes.append(reference.generate(prompt, new_tokens))
+                bares.append(floor.measure(reference.ids(prompt), new_tokens))
+                _say(progress, f"round {r + 1}/{rounds}: swarm {runs[-1].decode_tok_s:.2f} tok/s, "
+                               f"whole {wholes[-1][1]:.2f} tok/s, bare split {bares[-1][0]:.2f} tok/s")
+        finally:
+            floor.close()
+        whole_tokens = wholes[-1][0]
+        swarm_rates, whole_rates = [x.decode_tok_s for x in runs], [w[1] for w in wholes]
+        whole_prefill = min(w[2] for w in wholes)
+        swarm_prefill = min(x.prefill_s for x in runs)
+        tail_bytes = [x.tail_bytes for x in runs if x.tail_bytes is not None]
+        result.update(
+            tokens_equal=all(x.tokens == whole_tokens for x in runs) and all(w[0] == whole_tokens for w in wholes),
+            route=runs[-1].route,
+            swarm_decode_tok_s=round(max(swarm_rates), 3), whole_decode_tok_s=round(max(whole_rates), 3),
+            decode_ratio=round(max(swarm_rates) / max(whole_rates), 3) if max(whole_rates) else None,
+            decode_ratio_median=round(statistics.median(swarm_rates) / statistics.median(whole_rates), 3)
+            if statistics.median(whole_rates) else None,
+            swarm_prefill_tok_s=round(result["prompt_tokens"] / swarm_prefill, 3),
+            whole_prefill_tok_s=round(result["prompt_tokens"] / whole_prefill, 3),
+            prefill_ratio=round(whole_prefill / swarm_prefill, 3),
+            tail_bytes_per_decode_step=round(max(tail_bytes), 2) if tail_bytes else None,
+            per_hop_overhead_median_ms=round(statistics.median(x.overhead_per_hop_median_ms for x in runs), 3),
+            bare_split_decode_tok_s=round(max(b[0] for b in bares), 3),
+            bare_split_ratio=round(max(b[0] for b in bares) / max(whole_rates), 3) if max(whole_rates) else None,
+            decode_ratio_vs_bare_split=round(max(swarm_rates) / max(b[0] for b in bares), 3),
+            bare_split_tokens_equal=all(b[1][:len(whole_tokens)] == whole_tokens for b in bares),
+        )
+        _failover(swarm, entry, reference, prompt, new_tokens, result, progress)
     finally:
         _say(progress, "stopping the daemons")
-        swarm.close()
+        if swarm is not None:
+            swarm.close()
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dict, progress) -> None:
+    """A backup for the middle hop's range, then that hop's daemon SIGKILLed after the first token."""
+    from meshd.benchmarks import daemon_runs as R
+
+    by_peer = {(d.swarm() or {}).get("peer_id"): d for d in swarm.daemons}
+    ads = {a["peer_id"]: a for a in entry.swarm()["ads"]}
+    route = result["route"]
+    middle = ads[route[len(route) // 2].split(":")[0]]
+    backup = swarm.add(layers=f"{middle['start']}:{middle['end']}", name="backup")
+    swarm.wait_serving(backup, R.START_TIMEOUT_S)
+    swarm.wait_covered(120, peers=len(ads) + 1)
+    probe = R.generate(entry, prompt, 2)["route"]  # which of the two twins this entry's route uses
+    victim = by_peer.get(probe[len(probe) // 2].split(":")[0]) or backup
+    _say(progress, f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
+                   f"killing {victim.name} (middle hop, daemon and worker) after the first token")
+    killed: list[float] = []
+
+    def kill(count: int) -> None:
+        if count == 1 and not killed:
+            victim.kill_node()
+            killed.append(time.monotonic())
+
+    n = max(new_tokens, 48)
+    failed = R.generate(entry, prompt, n, on_token=kill)
+    expected = reference.generate(prompt, n)[0]
+    fo = failed["failovers"]
+    result.update(tokens_equal_with_failure=failed["tokens"] == expected, failovers=len(fo))
+    if fo and fo[0].get("next_token_at") and killed:
+        result["recovery_s"] = round(fo[0]["next_token_at"] - killed[0], 3)
+        result["failover_to_token_s"] = round(fo[0]["next_token_at"] - fo[0]["failed_at"], 3)
+    _say(progress, f"failure run: {len(fo)} failover(s), recovery {result.get('recovery_s')} s")

@@ -1,8 +1,11 @@
-"""``meshd bench NAME [--quick] [--json]``: benchmarks that compare side by side.
+"""``meshd bench NAME [--quick] [--json] [--model PATH] [--layers A:B,C:D] [--backend B]``.
 
 Each benchmark is a module ``meshd.benchmarks.<name>`` exposing
-``run(quick: bool) -> dict``; the result is printed as one JSON object.
-Benchmarks report ratios measured in the same run, never absolute thresholds.
+``run(quick, progress, options) -> dict`` (``options``: the parsed arguments);
+the result is printed as one JSON object. Benchmarks report ratios measured in
+the same run, never absolute thresholds. ``swarm`` and ``pipeline`` time the
+product (``meshd join`` daemons) and take the model options; the others
+ignore them.
 """
 from __future__ import annotations
 
@@ -20,16 +23,31 @@ BENCHMARKS: dict[str, str] = {
     "moe": "meshd.benchmarks.moe",
     "api": "meshd.benchmarks.api",
 }
+# Benchmarks that honour --model / --layers / --backend.
+MODEL_OPTIONS = ("swarm", "pipeline")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
     parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--model", help="swarm, pipeline: a model artifact directory (default: SmolLM2-135M)")
+    parser.add_argument("--layers", help="swarm, pipeline: a fixed split A:B,C:D,... (one daemon per range; "
+                                         "default: swarm --layers auto, pipeline 2 and 3 even ranges)")
+    parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
+                        help="swarm, pipeline: the daemons' backend (default torch)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshd.cli.common import fail
+    from proto.errors import MeshdError
+
+    if args.name not in MODEL_OPTIONS and (args.model or args.layers or args.backend != "torch"):
+        return fail(f"bench {args.name} takes no --model/--layers/--backend (only {', '.join(MODEL_OPTIONS)} do)", 2)
     module = importlib.import_module(BENCHMARKS[args.name])
-    result = module.run(quick=args.quick, progress=None if args.json else sys.stderr)
+    try:
+        result = module.run(quick=args.quick, progress=None if args.json else sys.stderr, options=args)
+    except MeshdError as exc:
+        return fail(str(exc))
     print(json.dumps(result, indent=None if args.json else 2, sort_keys=True))
     return 0

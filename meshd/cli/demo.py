@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
         _say(f"model ready: {model.name} ({footprint.num_layers} layers, {format_size(whole)} with a "
              f"{DEMO_KV_TOKENS}-token KV budget); each node offers {format_size(memory)}")
         swarm = LocalSwarm(root, model, kv_budget_tokens=DEMO_KV_TOKENS,
-                           extra=("--backend", args.backend))
+                           backend=args.backend)
         first = swarm.add(memory=memory)
         _say(f"node0 started (pid {first.proc.pid}); no tracker yet, so it plans its own range")
         view = swarm.wait_serving(first, FIRST_NODE_TIMEOUT_S)

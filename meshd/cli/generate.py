@@ -25,6 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (same seed, same answer)")
     parser.add_argument("--raw", action="store_true", help="do not apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print the event lines as they come")
+    parser.add_argument("--logprobs", action="store_true", help="with --json: each token's log-probability")
+    parser.add_argument("--top-logprobs", type=int, default=0, help="with --json: N (<= 20) likeliest alternatives")
     add_config_arguments(parser)
 
 
@@ -34,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
 
     request = {"op": "generate", "prompt": args.prompt, "max_tokens": args.max_tokens,
                "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed,
-               "raw": args.raw}
+               "raw": args.raw, "logprobs": args.logprobs or args.top_logprobs > 0,
+               "top_logprobs": args.top_logprobs}
     try:
         config = load_config(args.config, {"data_dir": args.data_dir})
         for event in stream_events(config.control_socket, request):

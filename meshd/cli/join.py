@@ -36,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-experts", action="store_true", default=None,
                         help="send even the experts this node holds to expert peers (local compute stays "
                              "the fallback)")
+    parser.add_argument("--threads", type=int,
+                        help="the worker's compute threads (default: every core of this machine)")
     parser.add_argument("-v", "--verbose", action="store_true", help="log the libp2p and DHT details")
     add_config_arguments(parser)
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
-            "worker.kv_budget_tokens": args.kv_budget_tokens,
+            "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,
             "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,
             "api.listen": args.api_listen, "api.key": args.api_key,
         }

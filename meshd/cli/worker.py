@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+from meshd.config import machine_cores
 from proto.errors import MeshdError
 
 log = logging.getLogger("meshd.worker")
@@ -41,7 +42,6 @@ SWEEP_INTERVAL_S = 5.0
 # How quickly SIGTERM is noticed by the main thread.
 STOP_POLL_S = 0.2
 DEFAULT_KV_BUDGET_TOKENS = 16384
-DEFAULT_THREADS = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session is kept")
     parser.add_argument("--min-idle-evict", type=float, default=2.0,
                         help="seconds a session must be idle before a newcomer may evict it")
-    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, help="compute threads")
+    parser.add_argument("--threads", type=int, default=machine_cores(),
+                        help="compute threads (default: every core this process may use)")
     parser.add_argument("--tls-listen", help="HOST:PORT for the TLS port peers dial")
     parser.add_argument("--tls-cert", help="PEM certificate for --tls-listen")
     parser.add_argument("--tls-key", help="PEM private key for --tls-listen")

@@ -45,7 +45,6 @@ from meshd.daemon.api_part import ApiPart
 from meshd.config import DaemonConfig
 from meshd.daemon.control import serve_control
 from meshd.reach.direct_upgrade import DirectUpgrader
-from meshd.errors import DaemonError
 from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.daemon.swarm_part import Swarm

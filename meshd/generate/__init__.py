@@ -4,10 +4,12 @@
     params.py         GenerateParams: one validated request shape (prompt or chat messages, stops, logprobs)
     textstream.py     incremental detokenization; stop strings held back and cut
     hop_meter.py      per-hop bytes and decode-step latency, measured on each hop's channel
-    driver.py         SwarmDriver: the one route driver (failover, exact recovery)
+    driver.py         SwarmDriver: the one route driver (failover, exact recovery, token-only tails)
     hop_link.py       one hop's Session stream (blocking gRPC call, credits, past length)
+    deadlines.py      each hop's step deadlines from its own measured step times (silent hops)
     request_queue.py  request bodies from the driver's thread to the transport
-    routes.py         route sources (DHT ads, fixed routes) and the peer connector
+    unix_channel.py   the own worker's Unix frame socket, read and written by the driver's thread
+    routes.py         route sources (DHT ads, a fixed route) and the peer connector
     tokenizer.py      the artifact's tokenizer and chat template, without transformers
     gguf_tokenizer.py the same from a .gguf's metadata (transformers' ids, a tenth of its time)
 """

@@ -1,8 +1,14 @@
 """The entry node's route driver: one generation through the swarm, surviving hop failures.
 
-Topology is a star (as in meshd/benchmarks/star_driver.py): the entry opens one Session per
-hop and carries each hop's output to the next hop itself, so it sees every
-boundary. That makes recovery exact and local:
+This is the only route driver: the daemon's generate op, ``meshd bench``,
+and the tests all run it (tests and benchmarks without a swarm give it a
+fixed route: ``routes.FixedRouteSource``).
+
+Topology is a star: the entry opens one Session per hop and carries each
+hop's output to the next hop itself, so it sees every boundary. The tail
+draws the next token and sends back only its id (and logprobs or its
+logits row when the caller asked): about 20 bytes per decode step. That
+makes recovery exact and local:
 
     boundary rows   for every layer boundary b the route crosses, the rows
                     fed into b for positions 0..P-1 (layer 0: the token
@@ -12,7 +18,7 @@ boundary. That makes recovery exact and local:
                     from its effective start's rows (chunked prefill for many
                     positions, the decode fast path for one), write its
                     output rows at its end boundary; the tail returns the
-                    logits of position P-1.
+                    token it drew for position P.
     failure         any HopFailure (refusal, closed stream, transport error,
                     step deadline) -> ask the RouteSource for a replacement
                     route that avoids every failed peer (planner's
@@ -24,22 +30,35 @@ boundary. That makes recovery exact and local:
                     that already finished position P-1 is skipped.
 
 Greedy output is therefore identical with and without failures (same
-inputs, same recipe on every route: the source pins the recipe). Sampling
-runs here, at the entry, with one seeded Sampler advanced once per emitted
-token, so a seeded run is reproducible across failures too.
+inputs, same recipe on every route: the source pins the recipe). Seeded
+sampling too: the tail's draw for position P is a pure function of (seed,
+P) (shard/sampling.py), so a replacement tail that re-runs position P-1
+draws the same token.
+
+Silent hops: each link derives its step deadlines from its own measured
+step times (deadlines.py); the watchdog thread cuts a call past its
+deadline and the hop fails with DEADLINE_EXCEEDED, within a couple of
+seconds of a frozen decode step. A cut peer is replaced like a dead one when
+the swarm has a replacement; when it has none, the same peer is retried
+(fresh session, re-prefilled) with doubled patience, at most
+SLOW_PEER_RETRIES times -- a peer that was merely slow once keeps serving.
 
 Threads: ``generate`` is blocking and runs in a worker thread; ``cancel`` is
 safe from any thread (the current step finishes, then every hop's KV is
-released). A watchdog thread cuts a call that outlives its step deadline.
+released). The watchdog thread only cuts calls.
 
 Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
 daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses
-loopback plaintext to its own worker; relayed hops (``hop.relayed``) get a
+its own worker's frame socket; relayed hops (``hop.relayed``) get a
 circuit through one of the peer's relays (meshd/reach/relay_dial.py). When a
 relayed hop fails only because its relay died, the connector's optional
 ``retry_same_peer(peer)`` says so: the route is kept, the failed hop alone
 gets a fresh session (through another relay) and is re-prefilled from the
 boundary rows -- the peer is not avoided, the output is unchanged.
+
+Measurements (``stats``): the routes and failovers, each token's time, the
+prefill time, and per plain decode step (every hop ran one position) its
+wall time, the hops' own execution time and the bytes the tail sent back.
 """
 from __future__ import annotations
 
@@ -53,20 +72,20 @@ import grpc
 import numpy as np
 
 from meshd.errors import HopFailure
-from meshd.generate.hop_link import HopLink, LinkSpec, StepCounter
+from meshd.generate.hop_link import HopLink, LinkSpec, StepCounter, TailOut
 from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, hops_to_reprefill
 from proto import shard_runtime_pb2 as pb
-from proto.errors import LocalError, MeshdError
+from proto.errors import LimitExceeded, LocalError, MeshdError
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS
-from shard.sampling import Sampler, SamplingSpec
+from shard.sampling import SamplingSpec, check_top_logprobs
 
 # Failovers one generation may go through before giving up (each needs a
-# distinct failed peer, so this also bounds the peers we try).
+# distinct failed peer or a bounded retry, so this also bounds the peers we try).
 MAX_FAILOVERS = 8
-# One step (a 128-token prefill chunk of a big model on a slow CPU) must
-# answer within this; a hop silent for longer is treated as dead.
-DEFAULT_STEP_DEADLINE_S = 120.0
+# A peer cut by its step deadline with no replacement in sight is retried
+# (fresh session, doubled patience) at most this often, then treated as failed.
+SLOW_PEER_RETRIES = 2
 # When no replacement route exists yet (records of a new server still
 # propagating), re-plan every REPLAN_POLL_S for at most REPLAN_WAIT_S.
 REPLAN_WAIT_S = 30.0
@@ -100,11 +119,19 @@ class HopConnector(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
+    """One generation. ``logprobs``: each token's log-probability; ``top_logprobs`` (0..20): the
+    most likely alternatives too; ``return_logits``: keep each step's logits row in
+    ``stats.logits`` (tests comparing logits; vocab x 4 bytes per step on the wire). Invalid
+    values raise LocalError."""
+
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     sampling: SamplingSpec = SamplingSpec()
     stop_ids: frozenset[int] = frozenset()
     chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    top_logprobs: int = 0
+    return_logits: bool = False
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or any(not isinstance(t, int) or t < 0 for t in self.prompt_ids):
@@ -113,6 +140,26 @@ class GenerationRequest:
             raise LocalError(f"need 1 <= max_new_tokens and prompt + new tokens <= {MAX_SESSION_TOKENS}")
         if self.chunk_tokens < 1:
             raise LocalError("chunk_tokens must be >= 1")
+        try:
+            check_top_logprobs(self.top_logprobs)
+        except LimitExceeded as exc:
+            raise LocalError(str(exc)) from None
+        if not isinstance(self.return_logits, bool) or not isinstance(self.logprobs, bool):
+            raise LocalError("return_logits and logprobs must be booleans")
+
+    def tail_options(self) -> pb.TailOptions:
+        return pb.TailOptions(sample=True, sampling=self.sampling.to_pb(), return_logits=self.return_logits,
+                              logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One generated token: its id; with ``logprobs``/``top_logprobs`` its log-probability
+    (log-softmax of the raw logits) and the most likely (id, logprob) pairs, best first."""
+
+    id: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +177,23 @@ class DriverStats:
     routes: list[Route] = field(default_factory=list)
     failovers: list[FailoverEvent] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)  # monotonic time of each emitted token
+    started_at: float = 0.0                                  # monotonic time generate() began
+    # per plain decode step (every hop ran one position through the fast path):
+    step_wall_ns: list[int] = field(default_factory=list)
+    step_execution_ns: list[int] = field(default_factory=list)   # the hops' own compute, summed
+    step_tail_bytes: list[int] = field(default_factory=list)     # response bytes from the tail
+    step_hops: list[int] = field(default_factory=list)
+    hop_execution_ns: list[int] = field(default_factory=list)    # per hop index, summed over those steps
+    logits: list[np.ndarray] = field(default_factory=list)       # with return_logits only
+
+    @property
+    def prefill_s(self) -> float:
+        return self.token_times[0] - self.started_at if self.token_times else 0.0
+
+    @property
+    def tail_bytes_per_decode_step(self) -> float | None:
+        steps = self.step_tail_bytes
+        return sum(steps) / len(steps) if steps else None
 
 
 class _Rows:
@@ -161,10 +225,10 @@ class _Rows:
 
 class SwarmDriver:
     def __init__(self, source: RouteSource, connector: HopConnector, *, fingerprint: pb.Fingerprint,
-                 step_deadline_s: float = DEFAULT_STEP_DEADLINE_S, replan_wait_s: float = REPLAN_WAIT_S,
-                 session_id: str | None = None, on_failover: Callable[[FailoverEvent], None] | None = None) -> None:
+                 replan_wait_s: float = REPLAN_WAIT_S, session_id: str | None = None,
+                 on_failover: Callable[[FailoverEvent], None] | None = None) -> None:
         self.source, self.connector, self.fingerprint = source, connector, fingerprint
-        self.step_deadline_s, self.replan_wait_s = step_deadline_s, replan_wait_s
+        self.replan_wait_s = replan_wait_s
         self.session_id = session_id or uuid.uuid4().hex
         self.on_failover = on_failover
         self.stats = DriverStats()
@@ -175,17 +239,26 @@ class SwarmDriver:
         self._steps = StepCounter()
         self._rows: dict[int, _Rows] = {}
         self._failed: set[str] = set()
+        self._patience: dict[str, float] = {}   # peer -> deadline multiplier after a cut without replacement
+        self._slow_retries: dict[str, int] = {}
         self._lock = threading.Lock()  # guards _links against the watchdog / cancel threads
 
     # ------------------------------------------------------------------ public
     def cancel(self) -> None:
         self._cancel.set()
 
-    def generate(self, request: GenerationRequest) -> Iterator[int]:
-        """Yield the generated token ids one by one (a generator; close() it to stop early)."""
-        pick = Sampler(request.sampling)
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def generate(self, request: GenerationRequest) -> Iterator[SampledToken]:
+        """Yield the generated tokens one by one (a generator; close() it to stop early)."""
         self._max_tokens = len(request.prompt_ids) + request.max_new_tokens
         self._chunk_tokens = request.chunk_tokens
+        self._tail = request.tail_options()
+        self._return_logits = request.return_logits
+        self._want_logprobs = request.logprobs or request.top_logprobs > 0
+        self.stats.started_at = time.monotonic()
         watchdog = threading.Thread(target=self._watch, name="route-watchdog", daemon=True)
         done = threading.Event()
         self._done = done
@@ -195,24 +268,34 @@ class SwarmDriver:
             self._rows[0] = _Rows(np.asarray(request.prompt_ids, dtype=np.int64))
             target = self._prompt_len = len(request.prompt_ids)
             for produced in range(request.max_new_tokens):
-                logits = self._advance_with_failover(target)
-                token = pick(np.asarray(logits, dtype=np.float32))
+                out = self._advance_with_failover(target)
+                token = self._token_of(out)
                 self.stats.token_times.append(time.monotonic())
                 yield token
-                if token in request.stop_ids or produced + 1 == request.max_new_tokens:
+                if token.id in request.stop_ids or produced + 1 == request.max_new_tokens:
                     return
-                self._rows[0].write(target, np.array([token], dtype=np.int64))
+                self._rows[0].write(target, np.array([token.id], dtype=np.int64))
                 target += 1
         finally:
             done.set()
             self._close_all()
+
+    def _token_of(self, out: TailOut) -> SampledToken:
+        if self._return_logits:
+            self.stats.logits.append(np.array(out.logits, dtype=np.float32))
+        sample = out.sample
+        if not self._want_logprobs:
+            return SampledToken(int(sample.token_id))
+        return SampledToken(int(sample.token_id), float(sample.logprob),
+                            tuple((int(t.token_id), float(t.logprob)) for t in sample.top))
 
     # ------------------------------------------------------------------ routing
     def _plan_first(self) -> Route:
         return self._replan(lambda: self.source.plan(self._max_tokens))
 
     def _replan(self, attempt: Callable[[], Route], after: HopFailure | None = None) -> Route:
-        deadline = time.monotonic() + self.replan_wait_s
+        wait = 0.0 if getattr(self.source, "static", False) else self.replan_wait_s  # a fixed route never grows
+        deadline = time.monotonic() + wait
         while True:
             self._check_cancel()
             try:
@@ -239,11 +322,12 @@ class SwarmDriver:
     def _new_link(self, index: int, hop: Hop, num_layers: int) -> HopLink:
         spec = LinkSpec(peer_id=hop.peer_id, start=hop.start, end=hop.end, effective_start=hop.effective_start,
                         num_layers=num_layers, session_id=self.session_id, epoch=self._epoch,
-                        fingerprint=self.fingerprint, chunk_tokens=self._chunk_tokens, max_tokens=self._max_tokens)
-        return _LazyLink(index, spec, hop, self.connector)
+                        fingerprint=self.fingerprint, chunk_tokens=self._chunk_tokens, max_tokens=self._max_tokens,
+                        tail=self._tail if hop.end == num_layers else None)
+        return _LazyLink(index, spec, hop, self.connector, patience=self._patience.get(hop.peer_id, 1.0))
 
     # ------------------------------------------------------------------ stepping
-    def _advance_with_failover(self, target: int) -> np.ndarray:
+    def _advance_with_failover(self, target: int) -> TailOut:
         while True:
             self._check_cancel()
             try:
@@ -252,21 +336,25 @@ class SwarmDriver:
                 self._check_cancel()
                 self._failover(failure, target)
 
-    def _advance(self, target: int) -> np.ndarray:
-        logits = None
+    def _advance(self, target: int) -> TailOut:
+        answer = None
+        t0, plain, tail_bytes = time.perf_counter_ns(), True, 0
         for link in self._links:
             spec = link.spec
             if link.past_len >= target:
+                plain = False
                 continue  # this hop already ran position target-1 before a later hop failed
             if not link.is_open:
-                link.open(self.step_deadline_s)
+                link.open()
             rows = self._rows.get(spec.effective_start)
             if rows is None or rows.n < target:
                 raise LocalError(f"no boundary rows at layer {spec.effective_start} up to {target}")
+            plain = plain and link.past_len == target - 1 > 0
+            before = link.received_bytes
             for a, b in self._replay(link.past_len, target):
-                out = link.run(rows.read(a, b), self._steps, self.step_deadline_s)
+                out = link.run(rows.read(a, b), self._steps)
                 if spec.is_tail:
-                    logits = out
+                    answer, tail_bytes = out, link.received_bytes - before
                     continue
                 first = b - out.shape[0]
                 if spec.end in self._rows:
@@ -275,9 +363,19 @@ class SwarmDriver:
                     self._rows[spec.end] = _Rows(out)
                 else:
                     raise LocalError(f"boundary {spec.end} first written at position {first}")
-        if logits is None:
+        if answer is None:
             raise LocalError("the tail already ran this position: nothing to sample from")
-        return logits
+        if plain:
+            s = self.stats
+            s.step_wall_ns.append(time.perf_counter_ns() - t0)
+            executed = [link.execution_ns for link in self._links]
+            s.step_execution_ns.append(sum(executed))
+            s.step_tail_bytes.append(tail_bytes)
+            s.step_hops.append(len(executed))
+            s.hop_execution_ns.extend([0] * (len(executed) - len(s.hop_execution_ns)))
+            for i, ns in enumerate(executed):
+                s.hop_execution_ns[i] += ns
+        return answer
 
     def _replay(self, past: int, target: int) -> list[tuple[int, int]]:
         """Position batches that repeat how the route first ran [past, target): the prompt as one
@@ -299,14 +397,29 @@ class SwarmDriver:
         if len(self.stats.failovers) >= MAX_FAILOVERS:
             raise RouteFailed(f"gave up after {MAX_FAILOVERS} failovers; last: {failure}") from failure
         failed_at = time.monotonic()
+        peer = failure.peer_id
+        same_hop = 0 <= failure.index < len(old.hops) and old.hops[failure.index].peer_id == peer
         retry = getattr(self.connector, "retry_same_peer", None)
-        if retry is not None and 0 <= failure.index < len(old.hops) \
-                and old.hops[failure.index].peer_id == failure.peer_id and retry(failure.peer_id):
+        new = None
+        if same_hop and retry is not None and retry(peer):
             new, fresh = old, {failure.index}   # same peer through another relay: only this hop restarts
-        else:
-            self._failed.add(failure.peer_id)
+        elif same_hop and failure.code == pb.ERROR_CODE_DEADLINE_EXCEEDED \
+                and self._slow_retries.get(peer, 0) < SLOW_PEER_RETRIES:
+            try:   # a silent peer: replace it now if the swarm can, else give it more room once more
+                new = self.source.replace(old, peer, frozenset(self._failed | {peer}), self._max_tokens)
+                fresh = set(hops_to_reprefill(old, new))
+                self._failed.add(peer)
+            except MissingLayersError:
+                self._slow_retries[peer] = self._slow_retries.get(peer, 0) + 1
+                self._patience[peer] = self._patience.get(peer, 1.0) * 2.0
+                new, fresh = old, {failure.index}
+        if new is None:
+            self._failed.add(peer)
             avoid = frozenset(self._failed)
-            new = self._replan(lambda: self.source.replace(old, failure.peer_id, avoid, self._max_tokens), failure)
+            try:
+                new = self._replan(lambda: self.source.replace(old, peer, avoid, self._max_tokens), failure)
+            except RouteFailed as exc:
+                raise RouteFailed(f"{exc}; the hop failed with: {failure}") from failure
             fresh = set(hops_to_reprefill(old, new))
         by_hop = {(l.spec.peer_id, l.spec.start, l.spec.end, l.spec.effective_start): l for l in self._links}
         keep: dict[int, HopLink] = {}
@@ -315,9 +428,9 @@ class SwarmDriver:
                 keep[i] = by_hop.pop((hop.peer_id, hop.start, hop.end, hop.effective_start))
         self._epoch += 1  # new sessions supersede anything a reused peer still holds for this id
         for link in by_hop.values():  # dropped hops: release what they hold (best effort)
-            link.close(release=link.spec.peer_id != failure.peer_id)
+            link.close(release=link.spec.peer_id != peer)
         self._set_route(new, keep)
-        event = FailoverEvent(failure.peer_id, target, str(failure), new, tuple(sorted(fresh)), failed_at)
+        event = FailoverEvent(peer, target, str(failure), new, tuple(sorted(fresh)), failed_at)
         self.stats.failovers.append(event)
         if self.on_failover is not None:
             self.on_failover(event)
@@ -333,7 +446,7 @@ class SwarmDriver:
             with self._lock:
                 late = [l for l in self._links if l.deadline and now > l.deadline]
             for link in late:
-                link.cancel_call()
+                link.cut()
 
     def _close_all(self) -> None:
         with self._lock:
@@ -345,19 +458,18 @@ class SwarmDriver:
 class _LazyLink(HopLink):
     """A HopLink whose channel is made when it is first opened (so a dead peer fails inside the step loop)."""
 
-    def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector: HopConnector) -> None:
+    def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector: HopConnector, *, patience: float) -> None:
         self._hop, self._connector = hop, connector
-        self._channel = None
-        super().__init__(index, spec, None)  # type: ignore[arg-type]
+        super().__init__(index, spec, None, patience=patience)  # type: ignore[arg-type]
 
-    def open(self, step_deadline_s: float) -> None:
+    def open(self) -> None:
         if self.channel is None:
             try:
                 self.channel = self._connector.channel(self._hop)
             except MeshdError as exc:  # e.g. CertificateMismatch, unreachable endpoint, relayed hop
                 detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
                 raise HopFailure(self.index, self.spec.peer_id, detail) from exc
-        super().open(step_deadline_s)
+        super().open()
 
     def close(self, *, release: bool) -> None:
         if self.channel is None:
@@ -366,8 +478,8 @@ class _LazyLink(HopLink):
 
 
 def collect(driver: SwarmDriver, request: GenerationRequest) -> list[int]:
-    """Run a whole generation and return its tokens (tests, benchmarks)."""
-    return list(driver.generate(request))
+    """Run a whole generation and return its token ids (tests, benchmarks)."""
+    return [token.id for token in driver.generate(request)]
 
 
 def route_summary(route: Route) -> Sequence[str]:

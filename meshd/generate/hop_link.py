@@ -1,39 +1,48 @@
 """One hop's Session stream as seen from the entry node (blocking gRPC; used in a thread).
 
 A ``HopLink`` owns one bidi ``Session`` call to one worker: it opens the
-session (route session id + *this hop's* epoch), sends prefill chunks and
-decode steps, and returns the hop's output (hidden rows, or the tail's
-logits). Every way a hop can fail -- the peer refused (ShardStatus), the
-stream ended, the transport broke, the watchdog cancelled a call past its
-deadline -- surfaces as ``HopFailure`` naming the hop, so the route driver
-has exactly one thing to catch.
+session (route session id + *this hop's* epoch, and for the tail what to
+send back), sends prefill chunks and decode steps, and returns the hop's
+output: hidden rows, or the tail's ``TailOut`` (the token it drew, with
+logprobs and the logits row only when the route driver asked). Every way a
+hop can fail -- the peer refused (ShardStatus), the stream ended, the
+transport broke, the watchdog cut a call past its step deadline -- surfaces
+as ``HopFailure`` naming the hop, so the route driver has exactly one thing
+to catch. A cut call fails with code DEADLINE_EXCEEDED.
 
 Transport: the link is given a ready ``grpc.Channel`` (TLS pinned to the
-peer's advertised certificate, or loopback plaintext to the daemon's own
-worker; a relayed hop will bring its own channel -- see ``route_driver``).
+peer's advertised certificate, loopback plaintext or a frame socket to the
+daemon's own worker, or a relayed circuit -- see ``routes.PeerConnector``).
 
 State: the call, its bounded send queue, the credit window, ``past_len``
-(positions this hop's KV holds for the session) and whether it is open.
+(positions this hop's KV holds for the session), the step deadlines derived
+from what this link measured (deadlines.py), the deadline of the call in
+flight (read by the driver's watchdog) and ``received_bytes`` (every
+response body, for the driver's bytes-per-step figures).
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
+from meshd.errors import HopFailure
+from meshd.generate.deadlines import StepDeadlines
+from meshd.generate.request_queue import RequestQueue
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
-from meshd.errors import HopFailure
 from proto.errors import MeshdError
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION
+from proto.frames import parse_response
+from proto.tensors import decode_bundle
 from proto.zerocopy import read_response
-from meshd.generate.request_queue import RequestQueue
 from shard.server import SERVICE_NAME
-from shard.stream import HIDDEN, LOGITS, TOKEN_IDS
+from shard.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
 SESSION_METHOD = f"/{SERVICE_NAME}/Session"
 RELEASE_METHOD = f"/{SERVICE_NAME}/Release"
@@ -47,7 +56,7 @@ RELEASE_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True, slots=True)
 class LinkSpec:
-    """What to open: the hop's peer and ranges, the session and its epoch."""
+    """What to open: the hop's peer and ranges, the session and its epoch, what the tail returns."""
 
     peer_id: str
     start: int
@@ -59,20 +68,34 @@ class LinkSpec:
     fingerprint: pb.Fingerprint
     chunk_tokens: int
     max_tokens: int
+    tail: pb.TailOptions | None = None   # the tail's options (sampling, logprobs, logits)
 
     @property
     def is_tail(self) -> bool:
         return self.end == self.num_layers
 
 
+@dataclass(frozen=True, slots=True)
+class TailOut:
+    """The tail's answer for the position after a step."""
+
+    sample: pb.TailSample
+    logits: np.ndarray | None
+
+
 class HopLink:
-    def __init__(self, index: int, spec: LinkSpec, channel: grpc.Channel) -> None:
+    def __init__(self, index: int, spec: LinkSpec, channel: grpc.Channel, *, patience: float = 1.0) -> None:
         self.index, self.spec, self.channel = index, spec, channel
         self._queue = RequestQueue(SEND_QUEUE_DEPTH)
         self._call = None
+        self._cut = False
         self.window: CreditWindow | None = None
         self.past_len = 0
-        self.deadline = 0.0  # monotonic time after which the watchdog cancels the call (0: idle)
+        self.deadline = 0.0         # monotonic time after which the watchdog cuts the call (0: idle)
+        self.step_timeout = 0.0     # the deadline in flight, in seconds (for the failure's message)
+        self.deadlines = StepDeadlines(patience)
+        self.received_bytes = 0
+        self.execution_ns = 0       # the hop's own compute of its last step (DecodeResult/Ack)
 
     # ------------------------------------------------------------------ helpers
     def _fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL) -> HopFailure:
@@ -83,8 +106,9 @@ class HopLink:
             self.window.consume(len(body))
         self._queue.put(body)
 
-    def _recv(self, step_deadline_s: float) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
-        self.deadline = time.monotonic() + step_deadline_s
+    def _recv(self, timeout_s: float) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
+        self.step_timeout = timeout_s
+        self.deadline = time.monotonic() + timeout_s
         try:
             while True:
                 try:
@@ -92,9 +116,13 @@ class HopLink:
                 except StopIteration:
                     raise self._fail("the stream ended", pb.ERROR_CODE_PROTOCOL_VIOLATION) from None
                 except grpc.RpcError as exc:
+                    if self._cut:
+                        raise self._fail(f"silent past its step deadline ({self.step_timeout:.1f} s)",
+                                         pb.ERROR_CODE_DEADLINE_EXCEEDED) from exc
                     raise self._fail(f"transport: {exc.code().name}") from exc
+                self.received_bytes += len(body)
                 try:
-                    resp, tensors = read_response(body)
+                    resp, tensors = _read(body)
                 except MeshdError as exc:
                     raise self._fail(f"bad response: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
                 kind = resp.WhichOneof("kind")
@@ -113,19 +141,19 @@ class HopLink:
             self.deadline = 0.0
 
     # ------------------------------------------------------------------ protocol
-    def open(self, step_deadline_s: float) -> None:
+    def open(self) -> None:
         s = self.spec
         call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
         self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
-        tail = pb.TailOptions(return_logits=True) if s.is_tail else None
         self._send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
             fingerprint=s.fingerprint,
             shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
             proposed_flow_control=pb.FlowControl(max_prefill_chunk_tokens=s.chunk_tokens),
-            accepted_compression=[pb.COMPRESSION_NONE], tail=tail, max_tokens=s.max_tokens,
+            accepted_compression=[pb.COMPRESSION_NONE], tail=s.tail if s.is_tail else None,
+            max_tokens=s.max_tokens,
         )).SerializeToString(), work=False)
-        resp, _ = self._recv(step_deadline_s)
+        resp, _ = self._recv(self.deadlines.open_s())
         if resp.WhichOneof("kind") != "accepted":
             raise self._fail("expected SessionAccepted", pb.ERROR_CODE_PROTOCOL_VIOLATION)
         if resp.accepted.past_len != 0:
@@ -137,19 +165,22 @@ class HopLink:
     def is_open(self) -> bool:
         return self.window is not None
 
-    def run(self, inputs: np.ndarray, step: "StepCounter", step_deadline_s: float) -> np.ndarray:
-        """Feed positions ``[past_len, past_len + len(inputs))``; returns hidden rows or tail logits."""
+    def run(self, inputs: np.ndarray, step: "StepCounter") -> np.ndarray | TailOut:
+        """Feed positions ``[past_len, past_len + len(inputs))``; returns hidden rows or the tail's answer."""
         first, n = self.past_len, int(inputs.shape[0])
         name = TOKEN_IDS if self.spec.effective_start == 0 else HIDDEN
-        out_name = LOGITS if self.spec.is_tail else HIDDEN
         if n == 1 and first > 0:  # decode fast path
             head = pb.DecodeStep(idempotency_step=step.next(), position=first, expected_past_len=first)
             self._send(wire.request_decode(head, name, inputs))
-            _, tensors = self._recv(step_deadline_s)
+            t0 = time.monotonic()
+            resp, tensors = self._recv(self.deadlines.decode_s())
+            self.deadlines.decode_done(time.monotonic() - t0)
+            self.execution_ns = resp.decode.execution_nanos
             self.past_len = first + 1
-            return self._output(tensors, out_name, 1)
+            return self._output(resp.decode, tensors, 1)
         plan = plan_prefill_chunks(n, self.spec.chunk_tokens)
         outs = []
+        self.execution_ns = 0
         for index, (offset, count) in enumerate(plan):
             s = self.spec
             idem = step.next()
@@ -163,28 +194,47 @@ class HopLink:
                 cache_expectation=pb.CacheExpectation(mode=pb.CACHE_MODE_PREFILL, expected_past_len=first + offset),
                 chunk=pb.ChunkInfo(chunk_index=index, chunk_count=len(plan), final_chunk=index == len(plan) - 1))
             self._send(wire.request_chunk(env, {name: inputs[offset:offset + count]}))
-            _, tensors = self._recv(step_deadline_s)
+            t0 = time.monotonic()
+            resp, tensors = self._recv(self.deadlines.chunk_s(count))
+            self.deadlines.chunk_done(count, time.monotonic() - t0)
             self.past_len = first + offset + count
-            outs.append(self._output(tensors, out_name, count))
+            final = index == len(plan) - 1
+            if not self.spec.is_tail or final:
+                outs.append(self._output(resp.chunk, tensors, count))
         return outs[-1] if self.spec.is_tail else np.concatenate(outs, axis=0)
 
-    def _output(self, tensors: dict[str, np.ndarray], name: str, rows: int) -> np.ndarray:
-        out = tensors.get(name)
-        if out is None:
-            raise self._fail(f"the response carries no {name!r} tensor", pb.ERROR_CODE_PROTOCOL_VIOLATION)
-        if name == HIDDEN and (out.ndim != 2 or out.shape[0] != rows):
-            raise self._fail(f"hidden output of shape {out.shape}, expected {rows} rows",
-                             pb.ERROR_CODE_PROTOCOL_VIOLATION)
-        return out
+    def _output(self, holder, tensors: dict[str, np.ndarray], rows: int) -> np.ndarray | TailOut:
+        if not self.spec.is_tail:
+            out = tensors.get(HIDDEN)
+            if out is None or out.ndim != 2 or out.shape[0] != rows:
+                got = "none" if out is None else str(out.shape)
+                raise self._fail(f"hidden output of shape {got}, expected {rows} rows",
+                                 pb.ERROR_CODE_PROTOCOL_VIOLATION)
+            return out
+        tail = self.spec.tail
+        if not holder.HasField("sample"):
+            raise self._fail("the tail sent no sampled token", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+        logits = tensors.get(LOGITS)
+        if tail is not None and tail.return_logits and logits is None:
+            raise self._fail("the tail sent no logits although asked", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+        return TailOut(holder.sample, logits)
+
+    def cut(self) -> None:
+        """The watchdog's cut: the blocked ``run`` raises HopFailure(DEADLINE_EXCEEDED)."""
+        self._cut = True
+        self.cancel_call()
 
     def cancel_call(self) -> None:
-        """Cut the call (watchdog / cancellation); a blocked ``run`` raises HopFailure."""
+        """Cut the call (cancellation); a blocked ``run`` raises HopFailure."""
         if self._call is not None:
             self._call.cancel()
 
     def close(self, *, release: bool) -> None:
         """Release the session (in-stream if alive, else by unary RPC) and close the channel."""
         s = self.spec
+        guard = threading.Timer(RELEASE_TIMEOUT_S, self.cancel_call)  # a frozen peer never blocks a close
+        guard.daemon = True
+        guard.start()
         try:
             if release and self.is_open:
                 released = False
@@ -205,11 +255,25 @@ class HopLink:
                     except grpc.RpcError:
                         pass  # a dead hop holds nothing worth releasing; its TTL cleans up
         finally:
+            guard.cancel()
             self._queue.finish()
             if self._call is not None:
                 self._call.cancel()
             self.channel.close()
             self.window = None
+
+
+def _read(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
+    """A response and its tensors: protobuf parses small frames (a decode step: fewer Python
+    steps), the zero-copy reader large ones (shard.stream.SMALL_FRAME_BYTES); same checks."""
+    if len(body) > SMALL_FRAME_BYTES:
+        return read_response(body)
+    resp = parse_response(body)
+    kind = resp.WhichOneof("kind")
+    holder = resp.decode if kind == "decode" else resp.chunk if kind == "chunk" else None
+    if holder is None or not holder.HasField("bundle"):
+        return resp, {}
+    return resp, decode_bundle(holder.bundle)
 
 
 class StepCounter:

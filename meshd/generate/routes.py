@@ -4,13 +4,26 @@
 (``plan_route`` / ``replacement_route`` from routing.py, pinned to the
 entry's runtime recipe). The snapshot function is the daemon's DHT read (or
 a fixed list in tests); it runs on the driver's thread, so a daemon passes
-one that hops back into trio.
+one that hops back into trio. ``cached`` (optional) is the daemon's latest
+snapshot, refreshed every few seconds: a replacement is looked for there
+first, because a fresh DHT read waits up to the DHT's RPC timeout (3 s) on
+a peer that froze -- the very peer being replaced -- and a failover should
+not.
+
+``FixedRouteSource`` is one route given up front -- tests, benchmarks, a
+user's fixed split -- with no swarm behind it: ``plan`` returns it and
+``replace`` finds nothing (MissingLayersError), so a failed hop ends the
+generation with RouteFailed (a silent one is retried on the same peer
+first). ``fixed_route(hops, num_layers)`` builds it from (endpoint, start,
+end) triples; ``discover_fingerprint`` asks each direct hop's validated
+capability and checks they name one artifact and recipe.
 
 ``PeerConnector`` turns a planned hop into a gRPC channel:
-    * our own peer id      -> our worker's private frame socket, driven in the
-                               daemon's loop (relay/local_link.py; when the
-                               connector has both), else loopback plaintext
-                               gRPC to it (meshd/reach/tls.py)
+    * our own peer id      -> our worker's private frame socket, read and
+                               written by the driver's own thread
+                               (unix_channel.py: no gRPC, no thread hand-off),
+                               else loopback plaintext gRPC to it
+                               (meshd/reach/tls.py)
     * a peer with a pin     -> TLS, trusting only the certificate whose
                                SHA-256 the peer's signed record carries
     * a relayed hop         -> a circuit through one of the peer's relays
@@ -25,20 +38,25 @@ True tells the driver to rebuild the hop on the same peer via another relay.
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
 
 import grpc
 
-from meshd.plan.adverts import ShardAd
+from meshd.plan.adverts import ShardAd, Span
 from meshd.errors import HopFailure
+from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, RouteCosts, plan_route, replacement_route
 from meshd.reach.tls import loopback_channel, pinned_channel
-from relay.local_link import open_unix_frame_channel
-from relay.syncchannel import RelayedGrpcChannel
-from shard.server import GRPC_OPTIONS
+from proto import shard_runtime_pb2 as pb
+from proto.frames import SCHEMA_VERSION
+from meshd.generate.unix_channel import UnixFrameChannel
+from shard.artifact import fingerprints_match
+from shard.server import GRPC_OPTIONS, SERVICE_NAME
+
+# A capability question is answered from memory; a worker that takes longer is unusable anyway.
+CAPABILITY_TIMEOUT_S = 30.0
 
 AdsSnapshot = Callable[[], Iterable[ShardAd]]
 
@@ -56,6 +74,7 @@ class AdsRouteSource:
     recipe_digest: str | None = None
     costs: RouteCosts = field(default_factory=RouteCosts)
     clock: Callable[[], int] = wall_ms
+    cached: AdsSnapshot | None = None
 
     def plan(self, needed_tokens: int) -> Route:
         return plan_route(tuple(self.ads()), model_digest=self.model_digest, num_layers=self.num_layers,
@@ -63,9 +82,71 @@ class AdsRouteSource:
                           costs=self.costs, recipe_digest=self.recipe_digest)
 
     def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route:
-        return replacement_route(route, failed_peer, tuple(self.ads()), now_ms=self.clock(),
-                                 entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
-                                 costs=self.costs, avoid=avoid)
+        def attempt(ads: Iterable[ShardAd]) -> Route:
+            return replacement_route(route, failed_peer, tuple(ads), now_ms=self.clock(),
+                                     entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
+                                     costs=self.costs, avoid=avoid)
+        if self.cached is not None:
+            try:
+                return attempt(self.cached())
+            except MissingLayersError:
+                pass                         # nothing in the latest snapshot: ask the DHT
+        return attempt(self.ads())
+
+
+@dataclass(frozen=True, slots=True)
+class FixedRouteSource:
+    """One route, no swarm: ``replace`` has nothing to offer (see the module docstring)."""
+
+    route: Route
+    static = True   # the driver does not wait for a replacement to appear
+
+    def plan(self, needed_tokens: int) -> Route:
+        return self.route
+
+    def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route:
+        hop = next((h for h in route.hops if h.peer_id == failed_peer), None)
+        spans = [Span(hop.effective_start, hop.end)] if hop is not None else []
+        raise MissingLayersError(spans, model_digest=route.model_digest or "(fixed route)",
+                                 num_layers=route.num_layers, excluded=sorted(avoid),
+                                 recipe_digest=route.recipe_digest)
+
+
+def fixed_route(hops: Sequence[tuple[str, int, int]], num_layers: int, *, relayed: Sequence[bool] = (),
+                model_digest: str = "", recipe_digest: str = "") -> FixedRouteSource:
+    """``[(endpoint, start, end), ...]`` in layer order; each hop's peer id is its endpoint
+    (``p2p:<peer id>`` endpoints are relayed hops)."""
+    built = tuple(Hop(peer_id=endpoint, start=start, end=end, effective_start=start,
+                      relayed=relayed[i] if relayed else endpoint.startswith("p2p:"), endpoint=endpoint)
+                  for i, (endpoint, start, end) in enumerate(hops))
+    return FixedRouteSource(Route(model_digest, num_layers, built, recipe_digest))
+
+
+def discover_fingerprint(connector: "PeerConnector", route: Route) -> pb.Fingerprint:
+    """The fingerprint every direct hop's validated capability names (HopFailure if one differs)."""
+    found: pb.Fingerprint | None = None
+    for i, hop in enumerate(route.hops):
+        if hop.relayed:
+            continue  # capabilities do not travel over relays; the route's sessions check it anyway
+        channel = connector.channel(hop)
+        try:
+            report = channel.unary_unary(f"/{SERVICE_NAME}/GetCapability",
+                                         request_serializer=pb.CapabilityRequest.SerializeToString,
+                                         response_deserializer=pb.CapabilityReport.FromString)(
+                pb.CapabilityRequest(schema_version=SCHEMA_VERSION), timeout=CAPABILITY_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise HopFailure(i, hop.peer_id, f"capability: {exc.code().name}") from exc
+        finally:
+            channel.close()
+        if not report.validated:
+            raise HopFailure(i, hop.peer_id, f"capability not validated: {report.detail}")
+        if found is not None and not fingerprints_match(found, report.fingerprint):
+            raise HopFailure(i, hop.peer_id, "hops serve different artifacts or recipes",
+                             pb.ERROR_CODE_FINGERPRINT_MISMATCH)
+        found = report.fingerprint
+    if found is None:
+        raise HopFailure(0, route.hops[0].peer_id, "no direct hop to ask for the fingerprint; pass it")
+    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +154,6 @@ class PeerConnector:
     self_peer_id: str = ""
     own_endpoint: str = ""                       # our worker's loopback plaintext endpoint
     own_unix: str = ""                           # our worker's frame socket (unix:/path), preferred
-    portal: object | None = None                 # the daemon's loop (meshd.reach.relay_dial.LoopPortal)
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
     relay_dialer: object | None = None           # meshd.reach.relay_dial.RelayDialer
@@ -83,9 +163,8 @@ class PeerConnector:
         return self.relay_dialer is not None and self.relay_dialer.retry_same_peer(peer_id)
 
     def channel(self, hop: Hop) -> grpc.Channel:
-        if hop.peer_id == self.self_peer_id and self.own_unix and self.portal is not None:
-            # our own worker's frame socket, driven in the daemon's loop: no loopback gRPC
-            return RelayedGrpcChannel(self.portal, functools.partial(open_unix_frame_channel, self.own_unix))
+        if hop.peer_id == self.self_peer_id and self.own_unix:
+            return UnixFrameChannel(self.own_unix)   # our own worker, from this thread: no loopback gRPC
         if hop.peer_id == self.self_peer_id and self.own_endpoint:
             return loopback_channel(self.own_endpoint, GRPC_OPTIONS)
         if hop.relayed:

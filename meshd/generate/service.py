@@ -22,6 +22,15 @@ call ``generate`` with params they validated themselves). Data flow::
          {"text": "..."}   (held-back text released at the end, if any)
          {"done": true, "finish_reason": "stop"|"length", "tokens": [...], ...}
 
+With ``"logprobs": true`` each token event also carries ``"logprob"`` (log-
+softmax of the raw logits), ``"piece"`` and, with ``"top_logprobs": N``
+(0..20), that many ``{"token", "piece", "logprob"}`` alternatives. The done
+event carries the route, failovers and timings: ``prefill_s``, ``decode_s``,
+``decode_tokens_per_s``, ``tail_bytes_per_decode_step`` (response bytes from
+the tail per decode step: the token alone is ~20), and per decode step its
+wall time, the hops' own compute and the hop count (``step_wall_ms``,
+``step_execution_ms``, ``step_hops``).
+
 Routes are planned here, at the entry, from its own DHT view, with the same
 pure planner (routing.py) and the same signed records the tracker would use
 (ARCHITECTURE has the entry ask the tracker): one round trip less, and a
@@ -35,12 +44,12 @@ generation the same way. The daemon never abandons the thread.
 """
 from __future__ import annotations
 
-from dataclasses import fields
+import threading
 from typing import Awaitable, Callable
 
 import trio
 
-from meshd.generate.driver import GenerationCancelled, GenerationRequest, SwarmDriver
+from meshd.generate.driver import GenerationCancelled, GenerationRequest, SampledToken, SwarmDriver
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
 from meshd.generate.params import (DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS,  # noqa: F401 - re-exported
                                    GenerateParams)
@@ -48,15 +57,15 @@ from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.textstream import TextStream
 from meshd.plan.adverts import CoverageMap
 from proto import shard_runtime_pb2 as pb
-from proto.errors import LocalError, MeshdError
+from proto.errors import MeshdError
 
 # Tokens buffered between the driver thread and the socket writer.
 TOKEN_QUEUE_DEPTH = 32
 # What a client is told to wait before retrying when the swarm cannot serve
 # yet: about one swarm refresh (records propagate, a worker finishes loading).
 RETRY_AFTER_S = 5
-# Does this driver report log-probabilities (SampledToken, top_logprobs)?
-DRIVER_LOGPROBS = "top_logprobs" in {f.name for f in fields(GenerationRequest)}
+# How often a driver thread waiting for room in that buffer checks for a cancel.
+ROOM_POLL_S = 0.25
 
 Send = Callable[[dict], Awaitable[None]]
 
@@ -119,12 +128,15 @@ def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDrive
     def ads():
         return trio.from_thread.run(swarm.fresh_snapshot).ads
 
+    def cached_ads():
+        snap = swarm.snapshot   # replaced whole by the refresh loop: safe to read from the driver thread
+        return snap.ads if snap is not None else ()
+
     me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
-                            recipe_digest=claim.runtime_recipe_digest)
+                            recipe_digest=claim.runtime_recipe_digest, cached=cached_ads)
     state = node.supervisor.state
-    connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix,
-                              portal=node.relay_dialer.portal, pins=swarm.pins,
+    connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix, pins=swarm.pins,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
@@ -143,53 +155,59 @@ async def generate(swarm, params: GenerateParams, send: Send, *, observer: HopOb
     await drive(driver, tokenizer, params, send, failovers=failovers)
 
 
-def _parts(item) -> tuple[int, float | None, tuple]:
-    """(id, logprob, top) of what the driver yields: an int, or a SampledToken once it reports logprobs."""
-    if isinstance(item, int):
-        return item, None, ()
-    return int(item.id), item.logprob, tuple(item.top)
-
-
-def _token_event(tokenizer, params: GenerateParams, delta: str, item) -> dict:
-    token, logprob, top = _parts(item)
-    event = {"text": delta, "token": token}
+def _token_event(tokenizer, params: GenerateParams, delta: str, item: SampledToken) -> dict:
+    event = {"text": delta, "token": item.id}
     if params.logprobs:
-        event["logprob"] = logprob
-        event["piece"] = tokenizer.piece(token)
+        event["logprob"] = item.logprob
+        event["piece"] = tokenizer.piece(item.id)
         event["top_logprobs"] = [{"token": t, "piece": tokenizer.piece(t), "logprob": lp}
-                                 for t, lp in top[:params.top_logprobs]]
+                                 for t, lp in item.top[:params.top_logprobs]]
     return event
 
 
 async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Send, *,
                 failovers: list[dict] | None = None) -> None:
     """Run one generation on ``driver`` and send its events (see the module doc)."""
-    if params.logprobs and not DRIVER_LOGPROBS:
-        raise LocalError("this meshd build cannot report logprobs yet (its route driver returns token ids only)")
     if params.messages is not None:
         prompt_ids = tokenizer.encode_chat(params.messages)
     else:
         prompt_ids = tokenizer.encode_prompt(params.prompt, params.raw)
-    extra = {"top_logprobs": max(params.top_logprobs, 1)} if params.logprobs else {}
     gen = GenerationRequest(tuple(prompt_ids), params.max_tokens, sampling=params.sampling(),
-                            stop_ids=tokenizer.stop_ids, **extra)
+                            stop_ids=tokenizer.stop_ids, logprobs=params.logprobs,
+                            top_logprobs=params.top_logprobs)
     failovers = failovers if failovers is not None else []
+    # Tokens cross into trio without the driver thread waiting for the loop: a slot of
+    # ``room`` is taken per token (so at most TOKEN_QUEUE_DEPTH wait; the reader gives it
+    # back) and the token is queued with run_sync_soon, which runs callbacks in order.
     send_chan, recv_chan = trio.open_memory_channel(TOKEN_QUEUE_DEPTH)
+    room = threading.BoundedSemaphore(TOKEN_QUEUE_DEPTH)
+    loop = trio.lowlevel.current_trio_token()
+
+    def deliver(token: SampledToken) -> None:
+        try:
+            send_chan.send_nowait(token)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass                            # the reader is gone (client left): the driver is cancelled
     halt = False  # set by the trio side: a stop string completed, stop the driver
 
     def run_driver() -> None:
         stream = driver.generate(gen)
         try:
             for item in stream:
-                trio.from_thread.run(send_chan.send, item)
+                while not room.acquire(timeout=ROOM_POLL_S):
+                    if driver.cancelled:
+                        return
+                loop.run_sync_soon(deliver, item)
                 if halt:
                     break
         except GenerationCancelled:
-            if not halt:
+            # Only this function cancels the driver (a stop string, or the trio side cancelled:
+            # client gone, deadline): that side carries the reason, the thread just ends.
+            if not (halt or driver.cancelled):
                 raise
         finally:
             stream.close()
-            trio.from_thread.run_sync(send_chan.close)
+            loop.run_sync_soon(send_chan.close)
 
     await send({"event": "start", "prompt_tokens": len(prompt_ids), "session": driver.session_id})
     text = TextStream(tokenizer.decode, params.stop)
@@ -210,9 +228,10 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
         nursery.start_soon(run_thread)
         async with recv_chan:
             async for item in recv_chan:
+                room.release()
                 if halt:
                     continue  # drain what the thread still sends while it stops
-                tokens.append(_parts(item)[0])
+                tokens.append(item.id)
                 event = _token_event(tokenizer, params, text.push(tokens[-1]), item)
                 routes = driver.stats.routes
                 if len(routes) != routes_seen:  # the first token, and after each failover: the route in use
@@ -233,8 +252,14 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
     decode_s = times[-1] - times[0] if len(times) > 1 else 0.0
     route = stats.routes[-1] if stats.routes else None
     stopped = text.stopped or bool(tokens and tokens[-1] in tokenizer.stop_ids)
+    tail_bytes = stats.tail_bytes_per_decode_step
     await send({"done": True, "tokens": tokens, "failovers": failovers,
                 "finish_reason": "stop" if stopped else "length",
                 "prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
+                "prefill_s": round(stats.prefill_s, 6), "decode_s": round(decode_s, 6),
                 "decode_tokens_per_s": round((len(times) - 1) / decode_s, 3) if decode_s > 0 else None,
+                "tail_bytes_per_decode_step": round(tail_bytes, 2) if tail_bytes is not None else None,
+                "step_wall_ms": [round(n / 1e6, 4) for n in stats.step_wall_ns],
+                "step_execution_ms": [round(n / 1e6, 4) for n in stats.step_execution_ns],
+                "step_hops": list(stats.step_hops),
                 "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in route.hops] if route else []})

@@ -147,7 +147,7 @@ def channel_trusting(endpoint: str, cert_pem: bytes, options: list | None = None
 
 
 def pinned_channel_factory(pins: "Mapping[str, bytes]", options: list | None = None) -> Callable[[str], grpc.Channel]:
-    """A ``channel_factory`` for meshd.benchmarks.star_driver.RouteDriver: each hop's endpoint is
+    """A ``channel_factory(endpoint)`` (tests, e.g. a connector over it): each hop's endpoint is
     dialed through ``pinned_channel`` with the pin from that peer's signed record;
     an endpoint without a pin is refused (never a plaintext or unpinned fallback)."""
     frozen = dict(pins)

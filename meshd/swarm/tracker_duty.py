@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Callable
 
 from meshd.plan.adverts import CoverageMap, ShardAd, Span
 from meshd.plan.assignment import DirectiveIntent, JoinRequest, ModelFootprint, plan_join, plan_rebalance

@@ -6,7 +6,8 @@ a tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), exactly what
 
 * ``build_random_llama(seed, **overrides)``: a tiny LlamaForCausalLM with
   seeded random weights and a byte-level BPE tokenizer trained on a fixed
-  text (``build_tokenizer``).
+  text (``build_tokenizer``); ``vocab_size`` may exceed the tokenizer's
+  (``LLAMA_58M``: the 58M-parameter speed target).
 * ``build_random_gemma3(seed, **overrides)``: the second family, a tiny
   Gemma 3 text model (scaled embeddings, (1 + w) RMSNorm, sliding/full
   attention layers with two rotary bases, tied embeddings, logit softcap).
@@ -74,9 +75,14 @@ def _save_random(model_cls, config, seed: int, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def _special_ids(tokenizer) -> dict[str, int]:
+def _special_ids(tokenizer, params: dict[str, Any]) -> dict[str, int]:
+    """The tokenizer's ids; the vocabulary is the tokenizer's unless ``vocab_size`` asks for more
+    (e.g. a 32000-row embedding and head, as in real models, for timing)."""
+    vocab = params.get("vocab_size", len(tokenizer))
+    if vocab < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab} is smaller than the test tokenizer's {len(tokenizer)} ids")
     return {
-        "vocab_size": len(tokenizer),
+        "vocab_size": vocab,
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
@@ -103,11 +109,19 @@ def build_random_llama(seed: int = 0, **overrides: Any) -> Path:
     def build(out: Path) -> None:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        config = LlamaConfig(**{**params, **_special_ids(build_tokenizer())})
+        config = LlamaConfig(**{**params, **_special_ids(build_tokenizer(), params)})
         _save_random(LlamaForCausalLM, config, seed, out)
 
     info = {"family": "llama", "seed": seed, "params": params}
     return _cached_build(f"random-llama-{_key(info)}", build, info)
+
+
+# The speed target of the "one product path" issue: a 58M-parameter Llama (hidden 512, 8 layers,
+# 8 heads, vocabulary 32000, fp32), e.g. `meshd bench swarm --model DIR --layers 0:4,4:8`.
+LLAMA_58M: dict[str, Any] = {
+    "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 8, "num_attention_heads": 8,
+    "num_key_value_heads": 8, "vocab_size": 32000,
+}
 
 
 GEMMA3_DEFAULTS: dict[str, Any] = {
@@ -138,7 +152,7 @@ def build_random_gemma3(seed: int = 0, **overrides: Any) -> Path:
     def build(out: Path) -> None:
         from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-        config = Gemma3TextConfig(**{**params, **_special_ids(build_tokenizer())})
+        config = Gemma3TextConfig(**{**params, **_special_ids(build_tokenizer(), params)})
         _save_random(Gemma3ForCausalLM, config, seed, out)
 
     info = {"family": "gemma3_text", "seed": seed, "params": params}
@@ -217,7 +231,7 @@ def build_random_qwen2_moe(seed: int = 0, **overrides: Any) -> Path:
 def main() -> int:
     """``python -m meshd.testing.models``: build every test artifact and print the paths."""
     for path in (build_random_llama(), build_random_gemma3(), build_random_qwen3_moe(), build_random_qwen2_moe(),
-                 smollm2_artifact()):
+                 smollm2_artifact(), build_random_llama(**LLAMA_58M)):
         print(path)
     return 0
 
