@@ -32,7 +32,9 @@ def test_the_model_must_be_an_artifact_with_a_torch_reference(tmp_path):
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (["swarm", "--backend", "llama.cpp", "--json"], 1, "only for the torch backend"),
+    (["pipeline", "--backend", "llama.cpp", "--json"], 1, "bench swarm --backend llama.cpp"),
+    (["swarm", "--backend", "llama.cpp", "--model", "README.md", "--json"], 1, "is not a .gguf file"),
+    (["swarm", "--backend", "llama.cpp", "--layers", "0:4,4:30", "--json"], 1, "takes no --layers"),
     (["codec", "--layers", "0:4,4:8"], 2, "takes no --model"),
 ])
 def test_bench_refuses_clearly(args, code, message):

@@ -48,9 +48,9 @@ def bench_model(options, default: Callable[[], Path]) -> Path:
     """The artifact to bench: ``--model`` or the default; refuses what has no whole-model reference."""
     backend = getattr(options, "backend", None) or "torch"
     if backend != "torch":
-        raise ConfigError("meshd bench compares against the whole model in one process, which exists only "
-                          "for the torch backend so far; use --backend torch (llama.cpp's reference is not "
-                          "built yet)")
+        raise ConfigError("meshd bench pipeline compares torch daemons against the whole model in torch; "
+                          "for llama.cpp use meshd bench swarm --backend llama.cpp (whole-model llama.cpp "
+                          "reference, 2 and 3 daemons)")
     model = getattr(options, "model", None)
     path = Path(model).expanduser() if model else default()
     if not (path / "config.json").is_file():

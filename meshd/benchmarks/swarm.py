@@ -2,6 +2,7 @@
 
     meshd bench swarm [--quick] [--json]                     three daemons on SmolLM2, --layers auto
     meshd bench swarm --model DIR [--layers 0:4,4:8] [--backend torch]
+    meshd bench swarm --backend llama.cpp [--model FILE.gguf]      2 and 3 daemons (swarm_llama.py)
 
 Steps (progress lines on the given stream):
 1. route planning micro-benchmark (meshd/benchmarks/route_plan.py): ``route_plan_ms``;
@@ -81,6 +82,10 @@ def _start(root: Path, model: Path, options, progress, result: dict):
 
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
+    if (getattr(options, "backend", None) or "torch") == "llama.cpp":
+        from meshd.benchmarks.swarm_llama import run as run_llama   # whole-model llama.cpp as the reference
+
+        return run_llama(quick, progress, options)
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks import route_plan
     from meshd.benchmarks.local_swarm import THREADS

@@ -38,7 +38,7 @@ import trio
 from dht.expert_records import ExpertClaim, ExpertRecord, sign_experts, sign_experts_withdrawal, validate_experts
 from meshd.daemon.advertiser import Advertiser
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerState
-from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, _stop
+from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, _stop, ready_or_exit
 from meshd.errors import WorkerFailed
 from meshd.plan.experts import ExpertFootprint, coverage, demand, placements, plan_experts, runs_of
 from proto import moe_wire as W
@@ -111,20 +111,7 @@ class ExpertWorkerProcess(WorkerProcess):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump, proc.stdout, log_path, state, ready_line)
                 nursery.start_soon(self._pump, proc.stderr, log_path, state, None)
-                with trio.move_on_after(spec.ready_timeout_s) as scope:
-                    async with trio.open_nursery() as race:
-                        async def died() -> None:
-                            await proc.wait()
-                            race.cancel_scope.cancel()
-
-                        async def readied() -> None:
-                            await ready_line.wait()
-                            race.cancel_scope.cancel()
-
-                        race.start_soon(died)
-                        race.start_soon(readied)
-                if scope.cancelled_caught:
-                    raise WorkerFailed(f"the expert worker was not ready within {spec.ready_timeout_s:g} s")
+                await ready_or_exit(proc, ready_line, spec.ready_timeout_s, "the expert worker")
                 if proc.returncode is not None:
                     nursery.cancel_scope.cancel()
                     return proc.returncode

@@ -159,20 +159,7 @@ class WorkerProcess:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump, proc.stdout, log_path, state, ready_line)
                 nursery.start_soon(self._pump, proc.stderr, log_path, state, None)
-                with trio.move_on_after(spec.ready_timeout_s) as ready_scope:
-                    async with trio.open_nursery() as race:
-                        async def died() -> None:
-                            await proc.wait()
-                            race.cancel_scope.cancel()
-
-                        async def readied() -> None:
-                            await ready_line.wait()
-                            race.cancel_scope.cancel()
-
-                        race.start_soon(died)
-                        race.start_soon(readied)
-                if ready_scope.cancelled_caught:
-                    raise WorkerFailed(f"the worker was not ready within {spec.ready_timeout_s:g} s")
+                await ready_or_exit(proc, ready_line, spec.ready_timeout_s, "the worker")
                 if proc.returncode is not None:
                     await proc.wait()
                     nursery.cancel_scope.cancel()
@@ -254,6 +241,24 @@ if sys.platform.startswith("linux"):
     _prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now, not in the forked child
 else:  # pragma: no cover - the parent-death signal is a Linux feature
     _prctl = None
+
+
+async def ready_or_exit(proc: "_ChildProcess", ready_line: trio.Event, timeout_s: float, what: str) -> None:
+    """Wait until the child printed its ready line or exited; WorkerFailed after ``timeout_s``."""
+    with trio.move_on_after(timeout_s) as scope:
+        async with trio.open_nursery() as race:
+            async def died() -> None:
+                await proc.wait()
+                race.cancel_scope.cancel()
+
+            async def readied() -> None:
+                await ready_line.wait()
+                race.cancel_scope.cancel()
+
+            race.start_soon(died)
+            race.start_soon(readied)
+    if scope.cancelled_caught:
+        raise WorkerFailed(f"{what} was not ready within {timeout_s:g} s")
 
 
 def _die_with_parent() -> None:

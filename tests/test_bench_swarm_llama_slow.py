@@ -1,0 +1,27 @@
+"""``meshd bench swarm --backend llama.cpp --quick --json``: llama.cpp daemons against whole-model llama.cpp."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.native]
+
+
+def test_bench_swarm_llama_cpp_prints_the_keys_and_equal_tokens():
+    from meshd.testing.procs import REPO_ROOT, child_env
+
+    out = subprocess.run([sys.executable, "-m", "meshd", "bench", "swarm", "--backend", "llama.cpp", "--quick",
+                          "--json"], cwd=REPO_ROOT, env=child_env(1), capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    print(json.dumps(result, sort_keys=True))
+    assert result["path"] == "daemon" and result["backend"] == "llama.cpp" and result["tokens_equal"] is True
+    assert len(result["route_2"]) == 2 and len(result["route_3"]) == 3
+    assert result["threads_per_daemon"] == result["reference_threads"]
+    for n in (2, 3):
+        assert result[f"tail_bytes_per_decode_step_{n}"] <= 64
+        for key in ("decode_ratio", "prefill_ratio", "swarm_decode_tok_s", "whole_decode_tok_s"):
+            assert isinstance(result[f"{key}_{n}"], (int, float)) and result[f"{key}_{n}"] > 0, key
