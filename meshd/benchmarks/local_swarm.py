@@ -133,14 +133,18 @@ class LocalDaemon:
             pass
         return kids
 
-    def kill_node(self) -> None:
-        """SIGKILL the daemon and its worker at once: the machine is gone (no grace anywhere)."""
-        for pid in self.worker_pids():
+    def kill_node(self) -> float:
+        """SIGKILL the daemon and its worker at once: the machine is gone (no grace anywhere).
+        Returns the monotonic time of the first SIGKILL (what a recovery time counts from)."""
+        pids = self.worker_pids()
+        killed_at = time.monotonic()
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.kill()
+        return killed_at
 
 
 def wait_for(fn: Callable[[], T | None], what: str, timeout_s: float, daemon: LocalDaemon | None = None) -> T:

@@ -173,8 +173,7 @@ def _failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dic
 
     def kill(count: int) -> None:
         if count == 1 and not killed:
-            victim.kill_node()
-            killed.append(time.monotonic())
+            killed.append(victim.kill_node())
 
     n = max(new_tokens, 48)
     failed = R.generate(entry, prompt, n, on_token=kill)
