@@ -21,6 +21,12 @@ tests/test_shard_unary_memory.py measures both paths. Messages above
 proto.limits.MAX_FRAME_BYTES are refused by gRPC itself (RESOURCE_EXHAUSTED
 on that call only).
 
+Who is calling (session ownership, shard/sessions.py): a call on the TLS
+port is a remote peer, identified by its address (``addr:<ip>``) and the
+owner_token it must send; a call on the plaintext port (loopback only: the
+node's own daemon) is a private edge, "local", where the daemon may name a
+relayed circuit's Noise peer id in the SessionOpen.
+
 Threads: one per live stream (bounded by MAX_STREAMS); the service lock
 serializes model work.
 """
@@ -36,6 +42,7 @@ from proto.frames import parse_unary
 from proto.limits import MAX_FRAME_BYTES
 from shard.errors import MAX_DETAIL_CHARS
 from shard.service import ShardService
+from shard.sessions import LOCAL_OWNER
 from shard.stream import SessionStream
 
 SERVICE_NAME = "meshd.shard.v1.ShardRuntime"
@@ -49,9 +56,19 @@ GRPC_OPTIONS = [
 ]
 
 
+def caller(context) -> tuple[str, bool]:
+    """(peer, private) of a call: private for the plaintext (loopback) port, else the TLS client's address."""
+    if context.auth_context().get("transport_security_type") == [b"insecure"]:
+        return LOCAL_OWNER.peer, True
+    address = context.peer()                       # "ipv4:1.2.3.4:5678" / "ipv6:[::1]:5678"
+    host = address.split(":", 1)[-1].rpartition(":")[0] or address
+    return "addr:" + host.strip("[]"), False
+
+
 def _session(service: ShardService):
     def handler(request_iterator, context):
-        stream = SessionStream(service)
+        peer, private = caller(context)
+        stream = SessionStream(service, peer=peer, private=private)
         for body in request_iterator:
             for response in stream.receive(body):
                 yield response
@@ -66,12 +83,14 @@ def unary_refusal(exc: ProtocolError) -> str:
     return text if len(text) <= MAX_DETAIL_CHARS else text[: MAX_DETAIL_CHARS - 3] + "..."
 
 
-def _unary(fn, request_cls):
+def _unary(fn, request_cls, *, with_caller: bool = False):
     def handler(body: bytes, context):
         try:
             request = parse_unary(request_cls, body)
         except ProtocolError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, unary_refusal(exc))
+        if with_caller:
+            return fn(request, caller(context)[0]).SerializeToString()
         return fn(request).SerializeToString()
     return grpc.unary_unary_rpc_method_handler(handler, request_deserializer=None, response_serializer=None)
 
@@ -82,8 +101,8 @@ def generic_handler(service: ShardService) -> grpc.GenericRpcHandler:
         "Health": _unary(service.health, pb.HealthRequest),
         "Session": grpc.stream_stream_rpc_method_handler(
             _session(service), request_deserializer=None, response_serializer=None),
-        "Release": _unary(service.release, pb.ReleaseRequest),
-        "Cancel": _unary(service.cancel, pb.CancelRequest),
+        "Release": _unary(service.release, pb.ReleaseRequest, with_caller=True),
+        "Cancel": _unary(service.cancel, pb.CancelRequest, with_caller=True),
     })
 
 

@@ -47,6 +47,12 @@ Threads: ``generate`` is blocking and runs in a worker thread; ``cancel`` is
 safe from any thread (the current step finishes, then every hop's KV is
 released). The watchdog thread only cuts calls.
 
+Ownership: each driver holds a random secret; every hop's SessionOpen (and
+unary Release) carries ``owner_token(peer, range)`` = HMAC-SHA256(secret,
+peer id and range), so a hop knows only its own token: no hop of the route
+(and no one who learns the session id) can release, cancel, re-attach or
+supersede the session on another hop (shard/sessions.py).
+
 Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
 daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses
 its own worker's frame socket; relayed hops (``hop.relayed``) get a
@@ -62,6 +68,9 @@ wall time, the hops' own execution time and the bytes the tail sent back.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import threading
 import time
 import uuid
@@ -230,6 +239,7 @@ class SwarmDriver:
         self.source, self.connector, self.fingerprint = source, connector, fingerprint
         self.replan_wait_s = replan_wait_s
         self.session_id = session_id or uuid.uuid4().hex
+        self._owner_secret = os.urandom(32)
         self.on_failover = on_failover
         self.stats = DriverStats()
         self._cancel = threading.Event()
@@ -323,8 +333,13 @@ class SwarmDriver:
         spec = LinkSpec(peer_id=hop.peer_id, start=hop.start, end=hop.end, effective_start=hop.effective_start,
                         num_layers=num_layers, session_id=self.session_id, epoch=self._epoch,
                         fingerprint=self.fingerprint, chunk_tokens=self._chunk_tokens, max_tokens=self._max_tokens,
-                        tail=self._tail if hop.end == num_layers else None)
+                        tail=self._tail if hop.end == num_layers else None,
+                        owner_token=self.owner_token(hop.peer_id, hop.start, hop.end))
         return _LazyLink(index, spec, hop, self.connector, patience=self._patience.get(hop.peer_id, 1.0))
+
+    def owner_token(self, peer_id: str, start: int, end: int) -> bytes:
+        """This generation's secret for one hop (the same for every epoch of it)."""
+        return hmac.new(self._owner_secret, f"{peer_id}|{start}|{end}".encode(), hashlib.sha256).digest()
 
     # ------------------------------------------------------------------ stepping
     def _advance_with_failover(self, target: int) -> TailOut:
