@@ -34,7 +34,7 @@ import time
 import trio
 
 from meshd.plan.adverts import CoverageMap, Span
-from meshd.plan.assignment import DEFAULT_KV_BUDGET_TOKENS, JoinRequest, plan_join
+from meshd.plan.assignment import JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
 from meshd.sizes import format_size
@@ -66,7 +66,7 @@ class Swarm:
         self.config = node.config
         self.refresh_s = refresh_s
         self.auto = bool(self.config.auto_layers)
-        self.kv_budget = self.config.worker.kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
+        self.kv_budget = self.config.worker.kv_budget_tokens   # the worker admits against the same number
         self.slot = WorkerSlot(node, memory_bytes=self.config.memory_bytes or 0) if self.auto else None
         self.digest: str | None = None
         self.num_layers = 0

@@ -28,6 +28,10 @@ makes recovery exact and local:
                     advance(P) again -- new hops are re-prefilled from the
                     boundary rows, kept hops continue where they were, a hop
                     that already finished position P-1 is skipped.
+    full peer       a hop refusing with RESOURCE_EXHAUSTED and a retry hint is
+                    full, not broken: a replica is tried at once; with none,
+                    SwarmFull carries the smallest hint (the API's 429 and
+                    Retry-After) without the replan wait.
 
 Greedy output is therefore identical with and without failures (same
 inputs, same recipe on every route: the source pins the recipe). Seeded
@@ -112,6 +116,15 @@ class GenerationCancelled(MeshdError):
 
 class RouteFailed(MeshdError):
     """No route could finish the generation; the message says what to do."""
+
+
+class SwarmFull(RouteFailed):
+    """Every peer that could serve a hop refused for lack of room (RESOURCE_EXHAUSTED) and
+    retryably so; ``retry_after_ms`` is the smallest hint they gave. Try again then."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class RouteSource(Protocol):
@@ -240,6 +253,7 @@ class SwarmDriver:
         self.replan_wait_s = replan_wait_s
         self.session_id = session_id or uuid.uuid4().hex
         self._owner_secret = os.urandom(32)
+        self._full_hint_ms = 0    # smallest retry hint of the peers that refused for lack of room
         self.on_failover = on_failover
         self.stats = DriverStats()
         self._cancel = threading.Event()
@@ -428,6 +442,17 @@ class SwarmDriver:
                 self._slow_retries[peer] = self._slow_retries.get(peer, 0) + 1
                 self._patience[peer] = self._patience.get(peer, 1.0) * 2.0
                 new, fresh = old, {failure.index}
+        if new is None and failure.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and failure.retry_after_ms:
+            # Full, not broken: try a replica at once; with none, tell the caller when to come back
+            # (no replan wait: the peer said when it expects room).
+            self._full_hint_ms = min(self._full_hint_ms or failure.retry_after_ms, failure.retry_after_ms)
+            self._failed.add(peer)
+            try:
+                new = self.source.replace(old, peer, frozenset(self._failed), self._max_tokens)
+            except MissingLayersError as exc:
+                raise SwarmFull(f"every peer that serves these layers is full ({failure.detail}); "
+                                f"retry in {self._full_hint_ms} ms", self._full_hint_ms) from exc
+            fresh = set(hops_to_reprefill(old, new))
         if new is None:
             self._failed.add(peer)
             avoid = frozenset(self._failed)

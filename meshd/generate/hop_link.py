@@ -99,8 +99,8 @@ class HopLink:
         self.execution_ns = 0       # the hop's own compute of its last step (DecodeResult/Ack)
 
     # ------------------------------------------------------------------ helpers
-    def _fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL) -> HopFailure:
-        return HopFailure(self.index, self.spec.peer_id, detail, code)
+    def _fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL, retry_after_ms: int = 0) -> HopFailure:
+        return HopFailure(self.index, self.spec.peer_id, detail, code, retry_after_ms)
 
     def _send(self, body: bytes, *, work: bool = True) -> None:
         if work and self.window is not None:
@@ -134,7 +134,7 @@ class HopLink:
                 if kind == "status":
                     err = resp.status.error
                     name = pb.ErrorCode.Name(err.code) if err.code in pb.ErrorCode.values() else str(err.code)
-                    raise self._fail(f"{name}: {err.detail}", err.code)
+                    raise self._fail(f"{name}: {err.detail}", err.code, err.retry_after_ms)
                 if kind in ("chunk", "decode", "ack") and self.window is not None and self.window.inflight:
                     self.window.on_ack()
                 return resp, tensors
