@@ -20,7 +20,7 @@ from meshd.api.errors import api_error
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, WorkerConfig
 from meshd.daemon.worker_process import WorkerSpec
 from meshd.generate.driver import GenerationRequest, SwarmDriver, SwarmFull, collect
-from meshd.generate.routes import AdsRouteSource, PeerConnector
+from meshd.generate.routes import AdsRouteSource, LoadBook, PeerConnector
 from meshd.plan.assignment import JoinRequest
 from meshd.reach.tls import load_or_create_tls
 from meshd.testing.models import build_random_llama
@@ -101,3 +101,30 @@ def test_planned_kv_equals_admitted_kv_by_default(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["--model", "m"]).kv_budget_tokens == w.kv_budget_tokens
+
+
+def test_concurrent_generations_spread_over_replicas_by_the_entrys_load(model):
+    # Two replicas of [3,6) with the same measured speed: B and C.
+    made = [start_shard(model, "peer-a", 0, 3), start_shard(model, "peer-b", 3, 6),
+            start_shard(model, "peer-c", 3, 6)]
+    try:
+        fp = made[0].service.backend.fingerprint
+        book = LoadBook()
+        source = AdsRouteSource(lambda: [s.ad(NUM_LAYERS, 1.0) for s in made], fp.model_artifact_digest,
+                                NUM_LAYERS, entry_peer_id="entry", recipe_digest=fp.runtime_recipe_digest, load=book)
+        streams, tails = [], []
+        for _ in range(4):   # four generations running at once (each holds its route after its first token)
+            d = SwarmDriver(source, PeerConnector(insecure_loopback=True), fingerprint=fp, replan_wait_s=0.0)
+            gen = d.generate(GenerationRequest(PROMPT, NEW_TOKENS))
+            next(gen)
+            streams.append(gen)
+            tails.append(d.stats.routes[-1].hops[-1].peer_id)
+        assert sorted(tails) == ["peer-b", "peer-b", "peer-c", "peer-c"]
+        assert book.snapshot() == {"peer-a": 4, "peer-b": 2, "peer-c": 2}
+        assert [s.active_sessions() for s in made] == [4, 2, 2]
+        for gen in streams:
+            gen.close()
+        assert book.snapshot() == {}
+    finally:
+        for s in made:
+            s.kill()

@@ -34,6 +34,7 @@ import time
 import trio
 
 from meshd.plan.adverts import CoverageMap, Span
+from meshd.generate.routes import LoadBook
 from meshd.plan.assignment import JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
@@ -77,6 +78,7 @@ class Swarm:
         self.pins: dict[str, bytes] = {}
         self.last_join: str = ""
         self.tokenizer = None
+        self.load = LoadBook()   # our running generations' sessions per peer (routes spread by it)
 
     # ------------------------------------------------------------------ setup
     async def _describe_model(self) -> None:

@@ -254,6 +254,7 @@ class SwarmDriver:
         self.session_id = session_id or uuid.uuid4().hex
         self._owner_secret = os.urandom(32)
         self._full_hint_ms = 0    # smallest retry hint of the peers that refused for lack of room
+        self._held: tuple[str, ...] = ()   # peers counted in the source's LoadBook for this generation
         self.on_failover = on_failover
         self.stats = DriverStats()
         self._cancel = threading.Event()
@@ -342,6 +343,14 @@ class SwarmDriver:
             self._links = links
         self._route = route
         self.stats.routes.append(route)
+        self._hold(tuple(h.peer_id for h in route.hops))
+
+    def _hold(self, peers: tuple[str, ...]) -> None:
+        book = getattr(self.source, "load", None)   # AdsRouteSource's LoadBook (spreads generations)
+        if book is not None:
+            book.drop(self._held)
+            book.hold(peers)
+        self._held = peers
 
     def _new_link(self, index: int, hop: Hop, num_layers: int) -> HopLink:
         spec = LinkSpec(peer_id=hop.peer_id, start=hop.start, end=hop.end, effective_start=hop.effective_start,
@@ -491,6 +500,7 @@ class SwarmDriver:
     def _close_all(self) -> None:
         with self._lock:
             links, self._links = self._links, []
+        self._hold(())
         for link in links:
             link.close(release=True)
 

@@ -134,7 +134,8 @@ def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDrive
 
     me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
-                            recipe_digest=claim.runtime_recipe_digest, cached=cached_ads)
+                            recipe_digest=claim.runtime_recipe_digest, cached=cached_ads,
+                            load=getattr(swarm, "load", None))
     state = node.supervisor.state
     connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix, pins=swarm.pins,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
