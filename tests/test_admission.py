@@ -19,13 +19,13 @@ import torch
 from meshd.api.errors import api_error
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, WorkerConfig
 from meshd.daemon.worker_process import WorkerSpec
-from meshd.generate.driver import GenerationRequest, SwarmDriver, SwarmFull, collect
+from meshd.generate.driver import GenerationRequest, PromptTooLarge, SwarmDriver, SwarmFull, collect
 from meshd.generate.routes import AdsRouteSource, LoadBook, PeerConnector
 from meshd.plan.assignment import JoinRequest
 from meshd.reach.tls import load_or_create_tls
 from meshd.testing.models import build_random_llama
 from shard.reference import WholeModel
-from shard.sessions import Owner, SessionKey
+from shard.sessions import Owner, SessionKey, SessionPolicy
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
@@ -128,3 +128,36 @@ def test_concurrent_generations_spread_over_replicas_by_the_entrys_load(model):
     finally:
         for s in made:
             s.kill()
+
+
+def test_a_generation_past_the_models_context_is_refused_at_once(shards):
+    driver = driver_for(shards)
+    driver.context_tokens = len(PROMPT) + NEW_TOKENS - 1
+    with pytest.raises(PromptTooLarge) as err:
+        collect(driver, GenerationRequest(PROMPT, NEW_TOKENS))
+    assert "context" in str(err.value) and api_error(err.value).status == 400
+    assert driver.stats.routes == [] and all(s.active_sessions() == 0 for s in shards.values())
+    driver.context_tokens = len(PROMPT) + NEW_TOKENS          # exactly the context: runs
+    assert len(collect(driver, GenerationRequest(PROMPT, NEW_TOKENS))) == NEW_TOKENS
+
+
+def test_a_prompt_over_every_replicas_whole_kv_budget_is_refused_at_once(shards):
+    for peer in ("peer-b", "peer-c"):
+        shards[peer].service.manager.policy = SessionPolicy(kv_budget_tokens=len(PROMPT))
+    t0 = time.monotonic()
+    driver = driver_for(shards)
+    driver.replan_wait_s = 30.0                                  # the daemon's wait: not spent here
+    with pytest.raises(PromptTooLarge) as err:
+        collect(driver, GenerationRequest(PROMPT, NEW_TOKENS))
+    assert time.monotonic() - t0 < 20
+    assert "KV budget" in str(err.value) and api_error(err.value).status == 400
+    assert {e.failed_peer for e in driver.stats.failovers} == {"peer-b"}   # then C, the replica, refused too
+
+
+def test_the_entry_reads_the_models_context(model, tmp_path):
+    from meshd.plan.modelinfo import model_context_tokens
+    from native.packaged import smollm2_gguf_path
+
+    assert model_context_tokens(model) == 1024                  # config.json max_position_embeddings
+    assert model_context_tokens(smollm2_gguf_path()) == 8192    # GGUF context_length
+    assert model_context_tokens(tmp_path) == 0                  # says nothing: unchecked

@@ -78,15 +78,17 @@ class Swarm:
         self.pins: dict[str, bytes] = {}
         self.last_join: str = ""
         self.tokenizer = None
+        self.context_tokens = 0   # the model's trained context (set with the model's description)
         self.load = LoadBook()   # our running generations' sessions per peer (routes spread by it)
 
     # ------------------------------------------------------------------ setup
     async def _describe_model(self) -> None:
         from meshd.plan.footprint import model_footprint
-        from meshd.plan.modelinfo import held_layers, model_digest, model_num_layers
+        from meshd.plan.modelinfo import held_layers, model_context_tokens, model_digest, model_num_layers
 
         model, w = self.config.model, self.config.worker
         self.num_layers = model_num_layers(model)
+        self.context_tokens = model_context_tokens(model)   # the driver refuses longer generations at once
         held = held_layers(model)
         self.held = Span(*held) if held else None
         if self.held is not None:

@@ -118,6 +118,11 @@ class RouteFailed(MeshdError):
     """No route could finish the generation; the message says what to do."""
 
 
+class PromptTooLarge(LocalError):
+    """The prompt plus max new tokens exceed the model's context or every serving peer's
+    whole KV budget: no retry helps; shorten the prompt or max_tokens (the API's 400)."""
+
+
 class SwarmFull(RouteFailed):
     """Every peer that could serve a hop refused for lack of room (RESOURCE_EXHAUSTED) and
     retryably so; ``retry_after_ms`` is the smallest hint they gave. Try again then."""
@@ -248,8 +253,9 @@ class _Rows:
 class SwarmDriver:
     def __init__(self, source: RouteSource, connector: HopConnector, *, fingerprint: pb.Fingerprint,
                  replan_wait_s: float = REPLAN_WAIT_S, session_id: str | None = None,
-                 on_failover: Callable[[FailoverEvent], None] | None = None) -> None:
+                 on_failover: Callable[[FailoverEvent], None] | None = None, context_tokens: int = 0) -> None:
         self.source, self.connector, self.fingerprint = source, connector, fingerprint
+        self.context_tokens = context_tokens   # the model's trained context (0: unknown, unchecked)
         self.replan_wait_s = replan_wait_s
         self.session_id = session_id or uuid.uuid4().hex
         self._owner_secret = os.urandom(32)
@@ -279,6 +285,11 @@ class SwarmDriver:
     def generate(self, request: GenerationRequest) -> Iterator[SampledToken]:
         """Yield the generated tokens one by one (a generator; close() it to stop early)."""
         self._max_tokens = len(request.prompt_ids) + request.max_new_tokens
+        if self.context_tokens and self._max_tokens > self.context_tokens:
+            raise PromptTooLarge(
+                f"the prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_new_tokens}) "
+                f"is {self._max_tokens} tokens, past the model's {self.context_tokens}-token context; "
+                "shorten the prompt or lower max_tokens")
         self._chunk_tokens = request.chunk_tokens
         self._tail = request.tail_options()
         self._return_logits = request.return_logits
@@ -451,6 +462,17 @@ class SwarmDriver:
                 self._slow_retries[peer] = self._slow_retries.get(peer, 0) + 1
                 self._patience[peer] = self._patience.get(peer, 1.0) * 2.0
                 new, fresh = old, {failure.index}
+        if new is None and failure.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and not failure.retry_after_ms:
+            # No hint: the session exceeds the peer's WHOLE KV budget. A replica may be bigger;
+            # without one, no wait or retry helps: say so at once.
+            self._failed.add(peer)
+            try:
+                new = self.source.replace(old, peer, frozenset(self._failed), self._max_tokens)
+            except MissingLayersError as exc:
+                raise PromptTooLarge(
+                    f"{self._max_tokens} tokens (prompt + max_tokens) do not fit the KV budget of any peer "
+                    f"serving these layers ({failure.detail}); shorten the prompt or lower max_tokens") from exc
+            fresh = set(hops_to_reprefill(old, new))
         if new is None and failure.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and failure.retry_after_ms:
             # Full, not broken: try a replica at once; with none, tell the caller when to come back
             # (no replan wait: the peer said when it expects room).

@@ -141,7 +141,7 @@ def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDrive
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
-                         fingerprint=fingerprint, on_failover=lambda e: failovers.append(
+                         fingerprint=fingerprint, context_tokens=getattr(swarm, "context_tokens", 0), on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
          "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]}))
