@@ -227,7 +227,7 @@ class Node:
                     "expires_in_s": round((r.expires_at_ms - now) / 1000, 1),
                     "grpc_endpoint": r.payload.reachability.grpc_endpoint,
                     "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
-                    "model_id": r.payload.model_id,
+                    "model_id": r.payload.model_id, "free_kv_tokens": r.payload.free_kv_tokens,
                 } for r in live(records, now)]
 
         async with trio.open_nursery() as nursery:
