@@ -130,3 +130,31 @@ def test_per_peer_session_quota(head, clock):
     m.open(SessionKey("b1", 0), 8, BOB)                    # another peer is not affected
     m.release(SessionKey("a1", 0), ALICE)
     m.open(SessionKey("a3", 0), 8, Owner.of("noise:alice", b"d" * 32))
+
+
+# -- the home node's stamp on a relayed session's first frame (relay/transport.py) ---------------
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from relay.transport import stamp_relayed_peer  # noqa: E402
+
+PEER = "12D3KooWcircuitpeer"
+
+
+def test_the_stamp_overwrites_a_forged_peer_and_keeps_the_rest():
+    body = pb.SessionRequest(open=pb.SessionOpen(schema_version=1, route_session_id="s", route_epoch=3,
+                                                 owner_token=b"t" * 16, relayed_peer_id="forged")).SerializeToString()
+    stamped = pb.SessionRequest.FromString(stamp_relayed_peer(body, PEER))
+    assert stamped.open.relayed_peer_id == PEER
+    assert (stamped.open.route_session_id, stamped.open.route_epoch, stamped.open.owner_token) == ("s", 3, b"t" * 16)
+    with pytest.raises(ProtocolViolation):
+        stamp_relayed_peer(body, "?")                      # no authenticated peer: refuse, never "local"
+    decode = pb.SessionRequest(decode=pb.DecodeStep(position=1)).SerializeToString()
+    assert stamp_relayed_peer(decode, PEER) == decode      # not an open: the worker refuses it unchanged
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_the_stamp_fuzz_returns_the_bytes_or_a_stamped_open(body):
+    out = stamp_relayed_peer(body, PEER)
+    if out != body:
+        assert pb.SessionRequest.FromString(out).open.relayed_peer_id == PEER
