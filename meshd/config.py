@@ -60,6 +60,12 @@ MIN_RECORD_TTL_S = 2.0
 MAX_RECORD_TTL_S = 3600.0
 # A worker loads weights and runs a validation forward before it is ready.
 DEFAULT_WORKER_READY_TIMEOUT_S = 900.0
+# KV positions a worker holds (one 2048-token context for two concurrent
+# sessions). ONE setting (worker.kv_budget_tokens) for both sides: the planner
+# sizes a node's range with it (meshd/plan: weights + this KV + scratch within
+# --memory) and the worker admits sessions against exactly it (shard/sessions.py),
+# so --memory is never exceeded by KV the plan did not count.
+DEFAULT_KV_BUDGET_TOKENS = 4096
 # Restart backoff for a dead worker: doubles from the first to the cap (about 5
 # minutes: a crash loop costs a start every 5 min, a fixed model file is
 # picked up within that), and starts over once a worker has served this long
@@ -143,7 +149,7 @@ class ApiConfig:
 class WorkerConfig:
     dtype: str = "float32"
     backend: str = "torch"
-    kv_budget_tokens: int | None = None
+    kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS
     ready_timeout_s: float = DEFAULT_WORKER_READY_TIMEOUT_S
     restart_backoff_s: float = DEFAULT_RESTART_BACKOFF_S
     restart_backoff_max_s: float = DEFAULT_RESTART_BACKOFF_MAX_S
@@ -156,7 +162,7 @@ class WorkerConfig:
             raise ConfigError(f"worker.dtype must be one of {', '.join(WORKER_DTYPES)}, not {self.dtype!r}")
         if self.backend not in WORKER_BACKENDS:
             raise ConfigError(f"worker.backend must be one of {', '.join(WORKER_BACKENDS)}, not {self.backend!r}")
-        if self.kv_budget_tokens is not None and self.kv_budget_tokens <= 0:
+        if not isinstance(self.kv_budget_tokens, int) or self.kv_budget_tokens <= 0:
             raise ConfigError("worker.kv_budget_tokens must be positive")
         if not 0 < self.restart_backoff_s <= self.restart_backoff_max_s:
             raise ConfigError("need 0 < worker.restart_backoff_s <= worker.restart_backoff_max_s")

@@ -73,6 +73,8 @@ class CertificateMismatch(ProtocolViolation):
 class HopFailure(MeshdError):
     """The hop at ``index`` (peer ``peer_id``) failed or refused; the route driver fails over."""
 
-    def __init__(self, index: int, peer_id: str, detail: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
+    def __init__(self, index: int, peer_id: str, detail: str, code: int = pb.ERROR_CODE_INTERNAL,
+                 retry_after_ms: int = 0) -> None:
         super().__init__(f"hop {index} ({peer_id[:16]}): {detail}")
         self.index, self.peer_id, self.detail, self.code = index, peer_id, detail, code
+        self.retry_after_ms = retry_after_ms   # RESOURCE_EXHAUSTED: the peer's retry hint

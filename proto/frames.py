@@ -7,6 +7,9 @@
                                      small-frame bound. Protobuf errors
                                      map to PayloadCorrupt; then structural checks
                                      (a kind is set, schema versions, counts)
+    parse_unary                      bytes -> a unary request message (GetCapability, Health,
+                                     Release, Cancel), at most MAX_UNARY_REQUEST_BYTES; protobuf
+                                     errors map to PayloadCorrupt
     encode_frame                     body -> 4-byte big-endian length || body
     FrameReader                      sans-I/O reassembly of frames from arbitrary pieces
 
@@ -23,10 +26,11 @@ from google.protobuf.message import DecodeError
 
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolViolation, VersionUnsupported
-from proto.limits import DEFAULT_LIMITS, MAX_CONTROL_FRAME_BYTES, MAX_FRAME_BYTES, MAX_UNSCANNED_FRAME_BYTES, Limits
+from proto.limits import (DEFAULT_LIMITS, MAX_CONTROL_FRAME_BYTES, MAX_FRAME_BYTES, MAX_UNARY_REQUEST_BYTES,
+                          MAX_UNSCANNED_FRAME_BYTES, Limits)
 from proto.wirescan import REQUEST, RESPONSE, TENSOR_FIELDS, scan, top_level_field
 
-__all__ = ["SCHEMA_VERSION", "PREFIX_BYTES", "parse_request", "parse_response", "encode_frame",
+__all__ = ["SCHEMA_VERSION", "PREFIX_BYTES", "parse_request", "parse_response", "parse_unary", "encode_frame",
            "FrameReader", "check_schema_version"]
 
 SCHEMA_VERSION = pb.SCHEMA_VERSION_1
@@ -115,6 +119,25 @@ def parse_response(data: bytes, limits: Limits = DEFAULT_LIMITS, *,
     elif kind == "decode":
         _check_bundle(resp.decode.bundle, limits)
     return resp
+
+
+def parse_unary(message_cls, data: bytes, max_bytes: int = MAX_UNARY_REQUEST_BYTES):
+    """Parse one unary request body (raises only ProtocolError types).
+
+    The size is checked before protobuf parses; a body that does not parse is
+    PayloadCorrupt. Unknown fields are ignored, as protobuf does (newer peers).
+    """
+    what = message_cls.DESCRIPTOR.name
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise LocalError(f"{what} must be parsed from bytes, not {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise LimitExceeded(f"{what} of {len(data)} bytes > {max_bytes}")
+    message = message_cls()
+    try:
+        message.ParseFromString(bytes(data))
+    except (DecodeError, RecursionError, ValueError) as exc:
+        raise PayloadCorrupt(f"{what} does not parse: {exc}") from exc
+    return message
 
 
 def frame_prefix(length: int, max_frame_bytes: int = MAX_FRAME_BYTES) -> bytes:

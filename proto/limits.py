@@ -74,6 +74,12 @@ MAX_CONTROL_FRAME_BYTES = 64 * KIB
 # tensor decoder then checks every count and size before it allocates.
 MAX_UNSCANNED_FRAME_BYTES = MAX_CONTROL_FRAME_BYTES
 
+# One unary request (GetCapability, Health, Release, Cancel): a schema version,
+# a route session id (<= 128 chars), an epoch, a work id and a short reason --
+# well under 1 KiB. 4 KiB is the whole bound; anything larger is refused before
+# protobuf sees it.
+MAX_UNARY_REQUEST_BYTES = 4 * KIB
+
 # Signed DHT records: a capability payload with a few addresses is < 1 KiB;
 # 16 KiB bounds what a record can make a validator parse.
 MAX_RECORD_BYTES = 16 * KIB

@@ -79,6 +79,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
     ERROR_CODE_LIMIT_EXCEEDED: _ClassVar[ErrorCode]
     ERROR_CODE_PROTOCOL_VIOLATION: _ClassVar[ErrorCode]
+    ERROR_CODE_PERMISSION_DENIED: _ClassVar[ErrorCode]
 
 class ServingState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -152,6 +153,7 @@ ERROR_CODE_FLOW_CONTROL_VIOLATION: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_LIMIT_EXCEEDED: ErrorCode
 ERROR_CODE_PROTOCOL_VIOLATION: ErrorCode
+ERROR_CODE_PERMISSION_DENIED: ErrorCode
 SERVING_STATE_UNSPECIFIED: ServingState
 SERVING_STATE_SERVING: ServingState
 SERVING_STATE_DRAINING: ServingState
@@ -377,7 +379,7 @@ class TailSample(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "tail", "max_tokens")
+    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "tail", "max_tokens", "owner_token", "relayed_peer_id")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +389,8 @@ class SessionOpen(_message.Message):
     ACCEPTED_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     route_session_id: str
     route_epoch: int
@@ -396,7 +400,9 @@ class SessionOpen(_message.Message):
     accepted_compression: _containers.RepeatedScalarFieldContainer[Compression]
     tail: TailOptions
     max_tokens: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., tail: _Optional[_Union[TailOptions, _Mapping]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    owner_token: bytes
+    relayed_peer_id: str
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., tail: _Optional[_Union[TailOptions, _Mapping]] = ..., max_tokens: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., relayed_peer_id: _Optional[str] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch", "flow_control", "accepted_compression", "fingerprint", "past_len")
@@ -631,14 +637,16 @@ class HealthReport(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., state: _Optional[_Union[ServingState, str]] = ..., active_sessions: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., batch_occupancy: _Optional[int] = ..., kv_pressure: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., detail: _Optional[str] = ..., kv_tokens_used: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., expert_bytes_sent: _Optional[int] = ..., expert_bytes_received: _Optional[int] = ..., expert_positions: _Optional[int] = ..., expert_failovers: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("schema_version", "route_session_id", "route_epoch")
+    __slots__ = ("schema_version", "route_session_id", "route_epoch", "owner_token")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     route_session_id: str
     route_epoch: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released", "error")
@@ -649,18 +657,20 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: bool = ..., error: _Optional[_Union[ShardError, _Mapping]] = ...) -> None: ...
 
 class CancelRequest(_message.Message):
-    __slots__ = ("schema_version", "route_session_id", "route_epoch", "work_id", "reason")
+    __slots__ = ("schema_version", "route_session_id", "route_epoch", "work_id", "reason", "owner_token")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     route_session_id: str
     route_epoch: int
     work_id: str
     reason: str
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., work_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    owner_token: bytes
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., work_id: _Optional[str] = ..., reason: _Optional[str] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class CancelResponse(_message.Message):
     __slots__ = ("cancelled_work_items", "error")

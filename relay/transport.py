@@ -13,8 +13,14 @@ do not depend on its transport.
             this node's own worker ──▶ responses
             ──▶ framed back on the same stream
 
-The server never parses a frame; the worker does (proto.frames.parse_request),
-so the session state machine is the worker's one core for both transports.
+The server parses one frame only: the first; when it is a SessionOpen it
+stamps ``relayed_peer_id`` with the Noise-authenticated peer id of the
+circuit (whatever the peer put there) so the worker binds the session to that
+peer (shard/sessions.py: ownership and per-peer quota). A first frame that is
+not a parseable SessionOpen goes on unchanged: the worker, parsing with the
+same proto.frames.parse_request, refuses it and ends the stream. Every other frame is forwarded unparsed; the worker parses
+them (proto.frames.parse_request), so the session state machine is the
+worker's one core for both transports.
 
 Bounds: a channel holds at most one partial frame (FramedStream.read_size),
 whose bytes are first taken from the node-wide ByteBudget; between the stream
@@ -30,7 +36,8 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.network.stream.exceptions import StreamEOF
 
-from proto.errors import ProtocolError
+from proto.errors import ProtocolError, ProtocolViolation
+from proto.frames import parse_request
 from relay import trace
 from relay.bridge import WorkerLink, WorkerSession
 from relay.local_link import UNIX_SCHEME, UnixWorkerLink, UnixWorkerSession
@@ -174,7 +181,7 @@ class RelayedSessionServer:
         self.active += 1
         channel = RelayedFrameChannel(stream, budget=self.budget, side="h")
         try:
-            await self._serve(channel)
+            await self._serve(channel, _peer(stream))
             self.served += 1
         except* (ProtocolError, RelayUnreachable, WorkerUnavailable) as group:
             # The peer's bad framing, a vanished peer or our worker: this session only.
@@ -183,8 +190,13 @@ class RelayedSessionServer:
         finally:
             self.active -= 1
 
-    async def _serve(self, channel: RelayedFrameChannel) -> None:
+    async def _serve(self, channel: RelayedFrameChannel, peer_id: str) -> None:
+        first = await channel.receive()
+        if first is None:
+            return
+        opening = stamp_relayed_peer(first, peer_id)
         async with self._session_cls.open(self._link) as worker:
+            await worker.send(opening)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._uplink, channel, worker)
                 while (body := await worker.receive()) is not None:
@@ -205,6 +217,21 @@ class RelayedSessionServer:
     def snapshot(self) -> dict:
         return {"sessions_active": self.active, "sessions_served": self.served,
                 "sessions_refused": self.refused, "buffered_bytes": self.budget.in_use}
+
+
+def stamp_relayed_peer(body: bytes, peer_id: str) -> bytes:
+    """The first frame of a relayed session: a SessionOpen gets ``relayed_peer_id`` = the circuit's
+    authenticated peer; anything else is returned as it is (the worker refuses it)."""
+    try:
+        request = parse_request(body)
+    except ProtocolError:
+        return body
+    if request.WhichOneof("kind") != "open":
+        return body
+    if not peer_id or peer_id == "?":
+        raise ProtocolViolation("the circuit's peer id is unknown; refusing the session")
+    request.open.relayed_peer_id = peer_id
+    return request.SerializeToString()
 
 
 def _peer(stream) -> str:

@@ -15,7 +15,8 @@ Files and roles (data flows top to bottom):
     expert_server.py  the expert peer's TLS server (thread per connection, bounded)
     torch_backend.py  TorchRangeBackend: meta build + safe_open range loading, exact forward
     reference.py      the whole-model reference (transformers CausalLM in one process)
-    sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, LRU, budget
+    sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, budget,
+                      owners (token + peer), per-peer quota, eviction only under pressure
     sampling.py       greedy / temperature / top-k / top-p, a pure function of (seed, position); logprobs
     errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...), ArtifactError;
                       foreign exceptions mapped (map_failure) and logged (log_failure)

@@ -9,6 +9,7 @@
         ├── EpochStale                 a newer epoch of the route session exists
         ├── ResourceExhausted          KV budget full or out of memory; carries retry_after_ms
         ├── Cancelled                  the session was cancelled
+        ├── PermissionDenied           the session belongs to another opener
         ├── FingerprintMismatch        artifact/recipe digests differ from ours
         ├── RangeMismatch              the requested range is not the one we serve
         ├── DeadlineExceeded           the work's deadline had passed
@@ -83,6 +84,12 @@ class Cancelled(ShardRefusal):
     """The session was cancelled; open a new epoch to continue."""
 
     code = pb.ERROR_CODE_CANCELLED
+
+
+class PermissionDenied(ShardRefusal):
+    """The session was opened by someone else (another owner token or peer); use your own."""
+
+    code = pb.ERROR_CODE_PERMISSION_DENIED
 
 
 class FingerprintMismatch(ShardRefusal):

@@ -29,7 +29,7 @@ from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
 from shard.backend import RangeBackend
 from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
-from shard.sessions import SessionKey, SessionManager, SessionPolicy
+from shard.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
 
 # Validation forward: enough positions to exercise prefill and the cache, few
 # enough to finish in well under a second on the smallest machine.
@@ -161,11 +161,13 @@ class ShardService:
     def _key(self, session_id: str, epoch: int) -> SessionKey:
         return SessionKey(session_id, int(epoch))
 
-    def release(self, request: pb.ReleaseRequest) -> pb.ReleaseResponse:
+    def release(self, request: pb.ReleaseRequest, peer: str = LOCAL_OWNER.peer) -> pb.ReleaseResponse:
+        """Release by unary RPC: ``peer`` is who the edge saw; the request's owner_token must match."""
         try:
             key = self._key(request.route_session_id, request.route_epoch)
+            owner = Owner.of(peer, request.owner_token)
             with self.lock:
-                return pb.ReleaseResponse(released=self.manager.release(key))
+                return pb.ReleaseResponse(released=self.manager.release(key, owner))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.ReleaseResponse(released=False, error=to_shard_error(exc))
         except Exception as exc:  # ours (a backend's cache release): logged, typed
@@ -173,11 +175,12 @@ class ShardService:
             return pb.ReleaseResponse(released=False, error=to_shard_error(
                 InternalError(f"releasing the session failed ({type(exc).__name__}); see the worker's log")))
 
-    def cancel(self, request: pb.CancelRequest) -> pb.CancelResponse:
+    def cancel(self, request: pb.CancelRequest, peer: str = LOCAL_OWNER.peer) -> pb.CancelResponse:
         try:
             key = self._key(request.route_session_id, request.route_epoch)
+            owner = Owner.of(peer, request.owner_token)
             with self.lock:
-                return pb.CancelResponse(cancelled_work_items=self.manager.cancel(key))
+                return pb.CancelResponse(cancelled_work_items=self.manager.cancel(key, owner))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.CancelResponse(error=to_shard_error(exc))
         except Exception as exc:  # ours (a backend's cache release): logged, typed

@@ -20,20 +20,37 @@ Rules, checked in this order on every ``step``:
      (``shard.errors.map_failure``: the backend's own refusal or the peer's
      protocol error as it is, ResourceExhausted only for a real lack of
      memory, else InternalError), logged with its traceback.
+Ownership: every session is bound to the ``Owner`` that opened it -- the
+authenticated peer the edge saw (the Noise peer id of a relayed circuit, as
+the node's own daemon reports it; the client address on the TLS port; "local"
+on the worker's private edges) and the SHA-256 of the opener's
+``owner_token`` (a per-hop secret the driver derives; it travels only inside
+the pinned TLS or end-to-end Noise channel). Re-attaching, superseding with a
+higher epoch, releasing or cancelling a session with another owner is
+PermissionDenied; the session is untouched. Work on a session happens on the
+stream that opened (or re-attached to) it, so it is owned too.
+
 Admission (``open``): reservations are counted in tokens against
-``kv_budget_tokens``; when full, least-recently-used sessions idle for at
-least ``min_idle_before_evict_s`` are evicted; if that is not enough the new
-session gets ResourceExhausted with ``retry_after_ms``. The backend's own
+``kv_budget_tokens``; a peer holds at most ``max_sessions_per_peer`` sessions.
+Eviction happens only under pressure (the budget or the table is full), oldest
+(least recently used) first, and only of sessions that are idle: the opener's
+same owner's after ``min_idle_before_evict_s``, anyone else's only after
+``foreign_idle_evict_s`` (abandoned: a live generation steps far more often).
+If that is not enough the new session gets ResourceExhausted with
+``retry_after_ms``. The backend's own
 cache may refuse too: its ResourceExhausted (llama.cpp's sequences or cells)
 and a real MemoryError are "no room"; any other failure to create a cache is
 InternalError (logged), never reported as lack of room. A higher epoch of an
-id supersedes (and frees) the lower ones. ``release`` frees at once.
+id supersedes (and frees) the lower ones of the same owner. ``release`` frees
+at once. Sessions idle past ``ttl_s`` are dropped whatever the pressure (a
+crashed driver never releases).
 
 No I/O, no threads: the gRPC/relay edges serialize calls (one lock). The only
 side effect is the worker log line of a failure that is ours.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -45,7 +62,8 @@ import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
 from shard.backend import RangeBackend
-from shard.errors import (CacheMiss, Cancelled, EpochStale, ResourceExhausted, log_failure, map_failure)
+from shard.errors import (CacheMiss, Cancelled, EpochStale, PermissionDenied, ResourceExhausted, log_failure,
+                          map_failure)
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +74,23 @@ DEFAULT_SESSION_TOKENS = 2048
 MAX_SESSION_ID_CHARS = 128
 # Sessions live this long without any use (a crashed driver never releases).
 DEFAULT_TTL_S = 300.0
-# A session used this recently is never evicted for a newcomer (prevents two
-# routes from thrashing each other's caches mid-generation).
+# A session used this recently is never evicted for a newcomer of the same
+# peer (prevents two of its routes from thrashing each other mid-generation).
 DEFAULT_MIN_IDLE_BEFORE_EVICT_S = 2.0
+# Another peer's session is evicted for a newcomer only after this long idle:
+# a live generation steps every few ms to a few s (a long prefill upstream),
+# so a session idle this long is abandoned (its driver crashed or lost us).
+DEFAULT_FOREIGN_IDLE_EVICT_S = 60.0
 # Bounded session table regardless of the token budget.
 DEFAULT_MAX_SESSIONS = 256
+# Sessions one peer may hold: a quarter of the table, so no single peer can
+# take every slot (an entry runs one session per generation per hop).
+DEFAULT_MAX_SESSIONS_PER_PEER = 64
+# SessionOpen.owner_token: 128 bits at least (unguessable), 64 bytes at most.
+MIN_OWNER_TOKEN_BYTES = 16
+MAX_OWNER_TOKEN_BYTES = 64
+# Peer identities are peer ids or addresses; bound what we keep per session.
+MAX_PEER_CHARS = 128
 # Remembered ids for stale-epoch and cancel checks; oldest forgotten first.
 EPOCH_MEMORY = 4096
 # Smallest retry hint: below this a retry storm costs more than it saves.
@@ -80,17 +110,38 @@ class SessionKey:
 
 
 @dataclass(frozen=True, slots=True)
+class Owner:
+    """Who opened a session: the authenticated peer the edge saw and the digest of its owner token."""
+
+    peer: str
+    token_digest: bytes = b""
+
+    @classmethod
+    def of(cls, peer: str, token: bytes = b"") -> "Owner":
+        """The owner of a request carrying ``token`` (ProtocolViolation for a token of a bad size)."""
+        if token and not MIN_OWNER_TOKEN_BYTES <= len(token) <= MAX_OWNER_TOKEN_BYTES:
+            raise ProtocolViolation(f"owner_token must be {MIN_OWNER_TOKEN_BYTES}..{MAX_OWNER_TOKEN_BYTES} bytes")
+        return cls(peer[:MAX_PEER_CHARS], hashlib.sha256(token).digest() if token else b"")
+
+
+# The worker's private edges without a token (its own daemon, tests in process).
+LOCAL_OWNER = Owner("local")
+
+
+@dataclass(frozen=True, slots=True)
 class SessionPolicy:
     kv_budget_tokens: int
     ttl_s: float = DEFAULT_TTL_S
     min_idle_before_evict_s: float = DEFAULT_MIN_IDLE_BEFORE_EVICT_S
     max_sessions: int = DEFAULT_MAX_SESSIONS
+    foreign_idle_evict_s: float = DEFAULT_FOREIGN_IDLE_EVICT_S
+    max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER
 
     def __post_init__(self) -> None:
-        if self.kv_budget_tokens <= 0 or self.max_sessions <= 0:
-            raise ValueError("kv_budget_tokens and max_sessions must be positive")
-        if self.ttl_s <= 0 or self.min_idle_before_evict_s < 0:
-            raise ValueError("ttl_s must be positive and min_idle_before_evict_s non-negative")
+        if self.kv_budget_tokens <= 0 or self.max_sessions <= 0 or self.max_sessions_per_peer <= 0:
+            raise ValueError("kv_budget_tokens, max_sessions and max_sessions_per_peer must be positive")
+        if self.ttl_s <= 0 or self.min_idle_before_evict_s < 0 or self.foreign_idle_evict_s < 0:
+            raise ValueError("ttl_s must be positive and the eviction idle times non-negative")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,10 +167,11 @@ class ManagerStats:
 
 
 class _Session:
-    __slots__ = ("key", "cache", "max_tokens", "last_step", "last_payload", "last_used")
+    __slots__ = ("key", "owner", "cache", "max_tokens", "last_step", "last_payload", "last_used")
 
-    def __init__(self, key: SessionKey, cache, max_tokens: int, now: float) -> None:
+    def __init__(self, key: SessionKey, owner: Owner, cache, max_tokens: int, now: float) -> None:
         self.key = key
+        self.owner = owner
         self.cache = cache
         self.max_tokens = max_tokens
         self.last_step: int | None = None
@@ -184,22 +236,39 @@ class SessionManager:
         return None if session is None else session.cache.past_len
 
     # -- admission ---------------------------------------------------------------
-    def _make_room(self, tokens: int) -> None:
+    def _check_owner(self, session: _Session, owner: Owner, doing: str) -> None:
+        if session.owner != owner:
+            raise PermissionDenied(f"cannot {doing} session {session.key.session_id[:32]}: "
+                                   "another peer opened it (owner token or peer differs)")
+
+    def _evictable(self, session: _Session, owner: Owner, now: float) -> bool:
+        idle = now - session.last_used
+        if session.owner == owner:
+            return idle >= self.policy.min_idle_before_evict_s
+        return idle >= self.policy.foreign_idle_evict_s
+
+    def _make_room(self, tokens: int, owner: Owner) -> None:
         policy, now = self.policy, self.clock()
+        held = sum(1 for s in self._sessions.values() if s.owner.peer == owner.peer)
+        if held >= policy.max_sessions_per_peer:
+            raise ResourceExhausted(
+                f"this peer already holds {held} sessions here (at most {policy.max_sessions_per_peer} "
+                "per peer); release some first", retry_after_ms=max(MIN_RETRY_AFTER_MS, 1000))
         reserved = sum(s.max_tokens for s in self._sessions.values())
         count = len(self._sessions)
         victims: list[SessionKey] = []
-        for key, session in self._sessions.items():  # least recently used first
+        for key, session in self._sessions.items():  # least recently used (oldest) first
             if reserved + tokens <= policy.kv_budget_tokens and count < policy.max_sessions:
                 break
-            if now - session.last_used < policy.min_idle_before_evict_s:
-                break  # this one and every later one are in active use
+            if not self._evictable(session, owner, now):
+                continue
             victims.append(key)
             reserved -= session.max_tokens
             count -= 1
         if reserved + tokens > policy.kv_budget_tokens or count >= policy.max_sessions:
-            oldest = next(iter(self._sessions.values()), None)
-            wait_s = policy.min_idle_before_evict_s - (now - oldest.last_used) if oldest else 0.0
+            waits = [(policy.min_idle_before_evict_s if s.owner == owner else policy.foreign_idle_evict_s)
+                     - (now - s.last_used) for s in self._sessions.values()]
+            wait_s = min(waits) if waits else 0.0
             retry_ms = max(MIN_RETRY_AFTER_MS, math.ceil(wait_s * 1000))
             raise ResourceExhausted(
                 f"KV budget full ({reserved} of {policy.kv_budget_tokens} tokens reserved, "
@@ -208,12 +277,13 @@ class SessionManager:
         for key in victims:
             self._drop(key)
 
-    def open(self, key: SessionKey, max_tokens: int = 0) -> int:
+    def open(self, key: SessionKey, max_tokens: int = 0, owner: Owner = LOCAL_OWNER) -> int:
         """Admit (or re-attach to) a session; returns the tokens already cached."""
         self.expire()
         self._check_current(key)
         existing = self._sessions.get(key)
         if existing is not None:
+            self._check_owner(existing, owner, "re-attach to")
             self._touch(existing)
             return existing.cache.past_len
         tokens = max_tokens or DEFAULT_SESSION_TOKENS
@@ -223,16 +293,19 @@ class SessionManager:
                 f"({self.policy.kv_budget_tokens}); use a shard with more memory")
             refusal.retryable = False
             raise refusal
-        for older in [k for k in self._sessions if k.session_id == key.session_id and k.epoch < key.epoch]:
-            self._drop(older)  # superseded by the new epoch
-        self._make_room(tokens)
+        older = [s for k, s in self._sessions.items() if k.session_id == key.session_id and k.epoch < key.epoch]
+        for session in older:
+            self._check_owner(session, owner, "supersede")
+        for session in older:
+            self._drop(session.key)  # superseded by the new epoch
+        self._make_room(tokens, owner)
         try:
             cache = self.backend.new_cache(tokens)
         except Exception as exc:  # llama.cpp's pool may be full (its ResourceExhausted); else ours
             log_failure(log, exc, f"creating a KV cache of {tokens} tokens")
             raise map_failure(exc, f"creating a KV cache of {tokens} tokens") from exc
         self._remember_epoch(key)
-        self._sessions[key] = _Session(key, cache, tokens, self.clock())
+        self._sessions[key] = _Session(key, owner, cache, tokens, self.clock())
         return 0
 
     # -- work ----------------------------------------------------------------------
@@ -297,12 +370,21 @@ class SessionManager:
         session.last_step, session.last_payload = step, payload
         return StepResult(payload, session.cache.past_len, False, elapsed)
 
-    def release(self, key: SessionKey) -> bool:
-        """Free the session at once; idempotent (False when nothing was there)."""
+    def release(self, key: SessionKey, owner: Owner = LOCAL_OWNER) -> bool:
+        """Free the session at once; idempotent (False when nothing was there); its owner only."""
+        session = self._sessions.get(key)
+        if session is not None:
+            self._check_owner(session, owner, "release")
         return self._drop(key)
 
-    def cancel(self, key: SessionKey) -> int:
-        """Drop the session and refuse further work on this (id, epoch)."""
+    def cancel(self, key: SessionKey, owner: Owner = LOCAL_OWNER) -> int:
+        """Drop the session and refuse further work on this (id, epoch); its owner only.
+
+        Cancelling a key that is not here is allowed and remembered unless
+        another owner holds a session of the same id (a higher epoch would make
+        theirs stale): then PermissionDenied."""
+        for session in [s for k, s in self._sessions.items() if k.session_id == key.session_id]:
+            self._check_owner(session, owner, "cancel")   # nor mark another's epochs stale
         self._cancelled[key] = None
         while len(self._cancelled) > EPOCH_MEMORY:
             self._cancelled.popitem(last=False)

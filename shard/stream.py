@@ -27,6 +27,15 @@ this stream with a typed terminal ShardStatus (``map_failure``: INTERNAL, or
 RESOURCE_EXHAUSTED for a real lack of memory) and is logged with its
 traceback in the worker's log; it never ends the worker.
 
+Ownership: the edge tells the stream who is on the other end (``peer``: the
+client address on the TLS port, "local" on the worker's private edges) and
+whether it is a private edge (``private``: the Unix frame socket, loopback
+gRPC), where the node's own daemon may name the relayed circuit's Noise peer
+id in ``SessionOpen.relayed_peer_id``; elsewhere that field is ignored. The
+open's ``owner_token`` (required on non-private edges) and that peer are the
+session's Owner (shard/sessions.py); in-stream release and cancel act as the
+stream's owner.
+
 Tail: a tail opened with ``TailOptions.sample`` draws the next token itself
 (shard/sampling.py: a pure function of the seed and the token's position, so
 a replacement tail draws the same one) on decode steps and on a prompt's
@@ -58,7 +67,7 @@ from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, Rang
                           log_failure, map_failure, to_shard_error)
 from shard.sampling import SamplingSpec, check_top_logprobs, sample_token, token_logprobs
 from shard.service import ACCEPTED_COMPRESSION, ShardService
-from shard.sessions import SessionKey
+from shard.sessions import LOCAL_OWNER, Owner, SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +125,17 @@ def _parts(payload) -> tuple[dict[str, np.ndarray], pb.TailSample | None]:
     return payload or {}, None
 
 
+# How the owner's peer is spelled when the daemon names a relayed circuit's peer.
+RELAYED_PEER_PREFIX = "noise:"
+
+
 class SessionStream:
-    def __init__(self, service: ShardService, *, wall_ns: Callable[[], int] = time.time_ns) -> None:
+    def __init__(self, service: ShardService, *, wall_ns: Callable[[], int] = time.time_ns,
+                 peer: str = LOCAL_OWNER.peer, private: bool = True) -> None:
         self.service = service
         self.wall_ns = wall_ns
+        self.peer, self.private = peer, private
+        self.owner: Owner = LOCAL_OWNER
         self.state = AWAIT_OPEN
         self.key: SessionKey | None = None
         self.effective_start = 0
@@ -171,16 +187,20 @@ class SessionStream:
         if (r.start_layer, r.end_layer) != (lr.start, lr.end) or not lr.start <= r.effective_start_layer < lr.end:
             raise RangeMismatch(f"this shard serves layers [{lr.start}, {lr.end}) of {lr.num_layers}")
         key = SessionKey(o.route_session_id, int(o.route_epoch))
+        if not self.private and not o.owner_token:
+            raise ProtocolViolation("SessionOpen needs an owner_token on this port")
+        peer = RELAYED_PEER_PREFIX + o.relayed_peer_id if self.private and o.relayed_peer_id else self.peer
+        owner = Owner.of(peer, o.owner_token)
         sampling = None
         if lr.is_tail and o.tail.sample:
             sampling = SamplingSpec.from_pb(o.tail.sampling)
             check_top_logprobs(int(o.tail.top_logprobs))
         with self.service.lock:
-            past_len = self.service.manager.open(key, int(o.max_tokens))
+            past_len = self.service.manager.open(key, int(o.max_tokens), owner)
         flow = negotiate(o.proposed_flow_control, self.service.local_flow)
         self.ledger = CreditLedger(flow)
         self.key, self.effective_start, self.tail, self.state = key, r.effective_start_layer, o.tail, OPEN
-        self.sampling = sampling
+        self.sampling, self.owner = sampling, owner
         return [pb.SessionResponse(accepted=pb.SessionAccepted(
             schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
             flow_control=flow, accepted_compression=ACCEPTED_COMPRESSION,
@@ -293,7 +313,7 @@ class SessionStream:
         if r.route_session_id != self.key.session_id or r.route_epoch != self.key.epoch:
             raise ProtocolViolation("release names another session or epoch than this stream's")
         with self.service.lock:
-            self.service.manager.release(self.key)
+            self.service.manager.release(self.key, self.owner)
         self.state = CLOSED
         return [pb.SessionResponse(ack=pb.Ack(work_id=r.work_id)).SerializeToString()]
 
@@ -302,5 +322,5 @@ class SessionStream:
         if c.route_session_id != self.key.session_id or c.route_epoch != self.key.epoch:
             raise ProtocolViolation("cancel names another session or epoch than this stream's")
         with self.service.lock:
-            self.service.manager.cancel(self.key)
+            self.service.manager.cancel(self.key, self.owner)
         raise Cancelled(f"cancelled by the initiator: {c.reason[:80]}")

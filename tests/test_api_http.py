@@ -216,6 +216,24 @@ def test_busy_entry_answers_429_with_retry_after(core, shards):
     assert idle(shards)
 
 
+def test_a_full_swarm_answers_429_with_the_workers_retry_hint(api, shards):
+    from shard.sessions import Owner, SessionKey
+
+    url, _ = api
+    m, hog = shards[1].service.manager, SessionKey("hog", 0)
+    with shards[1].service.lock:   # another peer's session takes the tail's whole KV budget
+        m.open(hog, m.policy.kv_budget_tokens, Owner.of("noise:hog", b"h" * 32))
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"model": MODEL_ID, "prompt": PROMPT, "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "swarm_full", r.text
+        assert int(r.headers["retry-after"]) >= 1
+    finally:
+        with shards[1].service.lock:
+            m.release(hog, Owner.of("noise:hog", b"h" * 32))
+    assert idle(shards)
+
+
 def test_generation_deadline_gives_504_and_frees_the_kv(core, shards):
     with running_api(core, limits=EntryLimits(deadline_s=0.5)) as (url, _):
         with pytest.raises(openai.APIStatusError) as info:

@@ -31,7 +31,8 @@ POLL_S = 0.5
 
 
 class Daemon:
-    def __init__(self, root: Path, index: int, model: Path, span: tuple[int, int], bootstrap: str | None):
+    def __init__(self, root: Path, index: int, model: Path, span: tuple[int, int], bootstrap: str | None,
+                 extra: tuple[str, ...] | list[str] = ()):
         self.data_dir = root / f"d{index}"
         self.log = root / f"d{index}.log"
         args = [sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", f"{span[0]}:{span[1]}",
@@ -39,6 +40,7 @@ class Daemon:
                 "--record-ttl", str(RECORD_TTL_S)]
         if bootstrap:
             args += ["--bootstrap", bootstrap]
+        args += list(extra)
         self.log_file = open(self.log, "w")
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=subprocess_env(), stdout=self.log_file,
                                      stderr=subprocess.STDOUT)

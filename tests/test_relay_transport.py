@@ -6,6 +6,7 @@ import os
 import pytest
 import trio
 
+from proto import shard_runtime_pb2 as pb
 from relay.client import dial_relayed
 from relay.errors import RelayRefused
 from relay.transport import RelayedSessionServer, open_session_channel
@@ -27,10 +28,18 @@ def test_frames_travel_through_the_relay_to_the_worker_and_back():
                 try:
                     channel = await open_session_channel(t.dialer, t.home.get_id())
                     secret = os.urandom(64) * 64      # 4 KiB a relay would recognise
-                    bodies = [b"open", secret, b"x" * (1 << 20)]
-                    for body in bodies:
+                    opening = pb.SessionRequest(open=pb.SessionOpen(
+                        schema_version=1, route_session_id="s", relayed_peer_id="forged")).SerializeToString()
+                    bodies = [opening, secret, b"x" * (1 << 20)]
+                    for i, body in enumerate(bodies):
                         await channel.send(body)
-                        assert await channel.receive() == ECHO_PREFIX + body
+                        echoed = await channel.receive()
+                        if i == 0:   # the home node stamps the circuit's authenticated peer id
+                            stamped = pb.SessionRequest.FromString(echoed[len(ECHO_PREFIX):])
+                            assert stamped.open.relayed_peer_id == str(t.dialer.get_id())
+                            assert stamped.open.route_session_id == "s"
+                        else:
+                            assert echoed == ECHO_PREFIX + body
                     await channel.close()
                     assert await channel.receive() is None
                     with trio.fail_after(5):
@@ -42,7 +51,7 @@ def test_frames_travel_through_the_relay_to_the_worker_and_back():
                     assert snap["bytes_forwarded"] >= 2 * sum(map(len, bodies))
                     # The relay forwarded everything, yet never saw a frame in clear.
                     assert len(captured) == snap["bytes_forwarded"]
-                    assert secret[:256] not in captured and b"echo:open" not in captured
+                    assert secret[:256] not in captured and b"echo:" not in captured
                 finally:
                     server.close()
 

@@ -8,7 +8,8 @@ Whose fault, which status (the client libraries pick their exception by it):
     401 authentication_error    missing or wrong bearer key
     404 not_found_error         unknown route or model
     413 invalid_request_error   body over the bound
-    429 rate_limit_error        this entry runs and queues all it may (Retry-After)
+    429 rate_limit_error        this entry runs and queues all it may, or every peer that
+                                serves a hop is full (SwarmFull: their retry hint as Retry-After)
     503 service_unavailable     the swarm has no coverage / no route right now (Retry-After)
     504 timeout_error           the generation outlived its deadline
     500 server_error            anything else (a bug: logged, never a crash)
@@ -16,7 +17,7 @@ Whose fault, which status (the client libraries pick their exception by it):
 from __future__ import annotations
 
 from meshd.api.jsonbody import BadJson
-from meshd.generate.driver import RouteFailed
+from meshd.generate.driver import RouteFailed, SwarmFull
 from meshd.generate.service import NotReady
 from proto.errors import LocalError
 
@@ -61,6 +62,9 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, NotReady):
         return ApiError(503, str(exc), type="service_unavailable", code="no_coverage",
                         retry_after_s=exc.retry_after_s)
+    if isinstance(exc, SwarmFull):
+        return ApiError(429, str(exc), type="rate_limit_error", code="swarm_full",
+                        retry_after_s=max(1, -(-exc.retry_after_ms // 1000)))
     if isinstance(exc, RouteFailed):
         return ApiError(503, str(exc), type="service_unavailable", code="no_route", retry_after_s=5)
     if isinstance(exc, GenerationDeadline):

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from meshd.config import machine_cores
+from meshd.config import DEFAULT_KV_BUDGET_TOKENS, machine_cores
 from proto.errors import MeshdError
 
 log = logging.getLogger("meshd.worker")
@@ -41,7 +41,6 @@ log = logging.getLogger("meshd.worker")
 SWEEP_INTERVAL_S = 5.0
 # How quickly SIGTERM is noticed by the main thread.
 STOP_POLL_S = 0.2
-DEFAULT_KV_BUDGET_TOKENS = 16384
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default="127.0.0.1:0", help="loopback HOST:PORT for plaintext (port 0 = any)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch")
-    parser.add_argument("--kv-budget-tokens", type=int, default=DEFAULT_KV_BUDGET_TOKENS)
+    parser.add_argument("--kv-budget-tokens", type=int, default=DEFAULT_KV_BUDGET_TOKENS,
+                        help="KV positions to admit sessions against (the planner sizes ranges with the same number)")
     parser.add_argument("--max-sessions", type=int, default=64)
     parser.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session is kept")
     parser.add_argument("--min-idle-evict", type=float, default=2.0,

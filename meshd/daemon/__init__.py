@@ -4,6 +4,7 @@
     control.py         the local control socket (JSON lines; server and blocking client)
     api_part.py        the HTTP API's entry and server, wired to the node; the dashboard's status JSON
     advertiser.py      keeps our signed capability record alive in the DHT
+    free_kv.py         when our record's free KV is republished (moved > 10% of the budget, rate-limited)
     supervisor.py      restarts the worker with backoff, withdraws meanwhile
     worker_process.py  the life of one ``meshd worker`` subprocess
     worker_slot.py     the worker of a ``--layers auto`` node (range assigned at run time)

@@ -41,6 +41,7 @@ from dht import keys as K
 from dht.node import DhtNode
 from dht.records import live
 from meshd.daemon.advertiser import Advertiser, claim_from_report
+from meshd.daemon.free_kv import POLL_S as FREE_KV_POLL_S, FreeKvGate
 from meshd.daemon.api_part import ApiPart
 from meshd.config import DaemonConfig
 from meshd.daemon.control import serve_control
@@ -54,7 +55,7 @@ from dht.identity import Identity, load_or_create_identity
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from relay.reachability import serve_dialback
 from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
-from meshd.daemon.worker_process import WorkerProcess, WorkerSpec
+from meshd.daemon.worker_process import WorkerProcess, WorkerSpec, fetch_health
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class Node:
         self.dht = dht
         self.progress = progress
         self.advertiser = Advertiser(identity, dht.publish, ttl_s=config.record_ttl_s, wall_ms=wall_ms)
+        self.free_kv = FreeKvGate()   # our record's free KV follows the worker (meshd/daemon/free_kv.py)
         self.supervisor: Supervisor | None = None
         self.swarm = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
         self.experts = None  # meshd/daemon/experts_part.py: MoE expert peer or holder (--experts)
@@ -125,6 +127,7 @@ class Node:
 
     async def on_worker_ready(self, ready: WorkerReady) -> None:
         self._ready = ready
+        self.free_kv.reset()
         self.relaying.serve_worker(ready.unix or ready.listen)   # the frame socket: no gRPC leg
         self.refresh_claim()
 
@@ -145,7 +148,8 @@ class Node:
             port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
             endpoint = f"{self.advertise_host}:{port}" if port else ""
             direct, pin = self.direct_addrs(), (self.tls.sha256 if endpoint else b"")
-        claim = claim_from_report(ready.report, grpc_endpoint=endpoint, tls_cert_sha256=pin, direct_addrs=direct)
+        claim = claim_from_report(ready.report, grpc_endpoint=endpoint, tls_cert_sha256=pin, direct_addrs=direct,
+                                  free_kv_tokens=self.free_kv.published)
         if self.relaying.private:
             claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
         if claim == self.advertiser.claim:
@@ -165,6 +169,22 @@ class Node:
         self.advertiser.set_claim(None)
 
     # ------------------------------------------------------------------ tasks
+    async def watch_free_kv(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Poll our worker's Health; republish our record when its free KV moved (FreeKvGate)."""
+        task_status.started()
+        while True:
+            await trio.sleep(FREE_KV_POLL_S)
+            ready = self._ready
+            if ready is None:
+                continue
+            try:
+                health = await trio.to_thread.run_sync(fetch_health, ready.listen)
+            except Exception:  # noqa: BLE001 - the supervisor's own health watch judges the worker
+                continue
+            free = health.kv_budget_tokens - health.kv_tokens_used
+            if ready is self._ready and self.free_kv.offer(free, health.kv_budget_tokens, trio.current_time()):
+                self.refresh_claim()
+
 
     async def peer_sync(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -207,7 +227,7 @@ class Node:
                     "expires_in_s": round((r.expires_at_ms - now) / 1000, 1),
                     "grpc_endpoint": r.payload.reachability.grpc_endpoint,
                     "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
-                    "model_id": r.payload.model_id,
+                    "model_id": r.payload.model_id, "free_kv_tokens": r.payload.free_kv_tokens,
                 } for r in live(records, now)]
 
         async with trio.open_nursery() as nursery:
@@ -269,6 +289,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                 await nursery.start(node.upgrader.run)
                 await nursery.start(node.relaying.run)
                 await nursery.start(node.advertiser.run)
+                await nursery.start(node.watch_free_kv)
                 await nursery.start(partial(serve_control, stream_handler=node.handle_stream),
                                     config.control_socket, node.handle)
                 await nursery.start(node.api.run)

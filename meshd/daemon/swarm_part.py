@@ -34,7 +34,8 @@ import time
 import trio
 
 from meshd.plan.adverts import CoverageMap, Span
-from meshd.plan.assignment import DEFAULT_KV_BUDGET_TOKENS, JoinRequest, plan_join
+from meshd.generate.routes import LoadBook
+from meshd.plan.assignment import JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
 from meshd.sizes import format_size
@@ -66,7 +67,7 @@ class Swarm:
         self.config = node.config
         self.refresh_s = refresh_s
         self.auto = bool(self.config.auto_layers)
-        self.kv_budget = self.config.worker.kv_budget_tokens or DEFAULT_KV_BUDGET_TOKENS
+        self.kv_budget = self.config.worker.kv_budget_tokens   # the worker admits against the same number
         self.slot = WorkerSlot(node, memory_bytes=self.config.memory_bytes or 0) if self.auto else None
         self.digest: str | None = None
         self.num_layers = 0
@@ -77,14 +78,17 @@ class Swarm:
         self.pins: dict[str, bytes] = {}
         self.last_join: str = ""
         self.tokenizer = None
+        self.context_tokens = 0   # the model's trained context (set with the model's description)
+        self.load = LoadBook()   # our running generations' sessions per peer (routes spread by it)
 
     # ------------------------------------------------------------------ setup
     async def _describe_model(self) -> None:
         from meshd.plan.footprint import model_footprint
-        from meshd.plan.modelinfo import held_layers, model_digest, model_num_layers
+        from meshd.plan.modelinfo import held_layers, model_context_tokens, model_digest, model_num_layers
 
         model, w = self.config.model, self.config.worker
         self.num_layers = model_num_layers(model)
+        self.context_tokens = model_context_tokens(model)   # the driver refuses longer generations at once
         held = held_layers(model)
         self.held = Span(*held) if held else None
         if self.held is not None:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import trio
 
+from meshd.config import DEFAULT_KV_BUDGET_TOKENS
 from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import OnReady, WorkerReady, WorkerState
 from meshd.reach.tls import TlsMaterial, loopback_channel
@@ -59,7 +60,7 @@ class WorkerSpec:
     tls_host: str = "127.0.0.1"
     dtype: str = "float32"
     backend: str = "torch"
-    kv_budget_tokens: int | None = None
+    kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS   # the planner's number: always passed on
     torch_threads: int = 1
     ready_timeout_s: float = 900.0
     # MoE holder: the experts its range holds and the placement file the daemon keeps for the rest.
@@ -75,8 +76,7 @@ class WorkerSpec:
                "--tls-listen", f"{self.tls_host}:0", "--tls-cert", str(self.tls.cert_path),
                "--tls-key", str(self.tls.key_path), "--ready-file", str(ready_file),
                "--threads", str(self.torch_threads)]
-        if self.kv_budget_tokens is not None:
-            cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
+        cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
         if self.experts is not None or self.offload_experts:
             cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
             cmd += ["--expert-peers", str(self.expert_peers)] if self.expert_peers else []

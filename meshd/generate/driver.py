@@ -28,6 +28,10 @@ makes recovery exact and local:
                     advance(P) again -- new hops are re-prefilled from the
                     boundary rows, kept hops continue where they were, a hop
                     that already finished position P-1 is skipped.
+    full peer       a hop refusing with RESOURCE_EXHAUSTED and a retry hint is
+                    full, not broken: a replica is tried at once; with none,
+                    SwarmFull carries the smallest hint (the API's 429 and
+                    Retry-After) without the replan wait.
 
 Greedy output is therefore identical with and without failures (same
 inputs, same recipe on every route: the source pins the recipe). Seeded
@@ -47,6 +51,12 @@ Threads: ``generate`` is blocking and runs in a worker thread; ``cancel`` is
 safe from any thread (the current step finishes, then every hop's KV is
 released). The watchdog thread only cuts calls.
 
+Ownership: each driver holds a random secret; every hop's SessionOpen (and
+unary Release) carries ``owner_token(peer, range)`` = HMAC-SHA256(secret,
+peer id and range), so a hop knows only its own token: no hop of the route
+(and no one who learns the session id) can release, cancel, re-attach or
+supersede the session on another hop (shard/sessions.py).
+
 Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
 daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses
 its own worker's frame socket; relayed hops (``hop.relayed``) get a
@@ -62,6 +72,9 @@ wall time, the hops' own execution time and the bytes the tail sent back.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import threading
 import time
 import uuid
@@ -103,6 +116,20 @@ class GenerationCancelled(MeshdError):
 
 class RouteFailed(MeshdError):
     """No route could finish the generation; the message says what to do."""
+
+
+class PromptTooLarge(LocalError):
+    """The prompt plus max new tokens exceed the model's context or every serving peer's
+    whole KV budget: no retry helps; shorten the prompt or max_tokens (the API's 400)."""
+
+
+class SwarmFull(RouteFailed):
+    """Every peer that could serve a hop refused for lack of room (RESOURCE_EXHAUSTED) and
+    retryably so; ``retry_after_ms`` is the smallest hint they gave. Try again then."""
+
+    def __init__(self, message: str, retry_after_ms: int) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
 
 
 class RouteSource(Protocol):
@@ -226,10 +253,14 @@ class _Rows:
 class SwarmDriver:
     def __init__(self, source: RouteSource, connector: HopConnector, *, fingerprint: pb.Fingerprint,
                  replan_wait_s: float = REPLAN_WAIT_S, session_id: str | None = None,
-                 on_failover: Callable[[FailoverEvent], None] | None = None) -> None:
+                 on_failover: Callable[[FailoverEvent], None] | None = None, context_tokens: int = 0) -> None:
         self.source, self.connector, self.fingerprint = source, connector, fingerprint
+        self.context_tokens = context_tokens   # the model's trained context (0: unknown, unchecked)
         self.replan_wait_s = replan_wait_s
         self.session_id = session_id or uuid.uuid4().hex
+        self._owner_secret = os.urandom(32)
+        self._full_hint_ms = 0    # smallest retry hint of the peers that refused for lack of room
+        self._held: tuple[str, ...] = ()   # peers counted in the source's LoadBook for this generation
         self.on_failover = on_failover
         self.stats = DriverStats()
         self._cancel = threading.Event()
@@ -254,6 +285,11 @@ class SwarmDriver:
     def generate(self, request: GenerationRequest) -> Iterator[SampledToken]:
         """Yield the generated tokens one by one (a generator; close() it to stop early)."""
         self._max_tokens = len(request.prompt_ids) + request.max_new_tokens
+        if self.context_tokens and self._max_tokens > self.context_tokens:
+            raise PromptTooLarge(
+                f"the prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_new_tokens}) "
+                f"is {self._max_tokens} tokens, past the model's {self.context_tokens}-token context; "
+                "shorten the prompt or lower max_tokens")
         self._chunk_tokens = request.chunk_tokens
         self._tail = request.tail_options()
         self._return_logits = request.return_logits
@@ -318,13 +354,26 @@ class SwarmDriver:
             self._links = links
         self._route = route
         self.stats.routes.append(route)
+        self._hold(tuple(h.peer_id for h in route.hops))
+
+    def _hold(self, peers: tuple[str, ...]) -> None:
+        book = getattr(self.source, "load", None)   # AdsRouteSource's LoadBook (spreads generations)
+        if book is not None:
+            book.drop(self._held)
+            book.hold(peers)
+        self._held = peers
 
     def _new_link(self, index: int, hop: Hop, num_layers: int) -> HopLink:
         spec = LinkSpec(peer_id=hop.peer_id, start=hop.start, end=hop.end, effective_start=hop.effective_start,
                         num_layers=num_layers, session_id=self.session_id, epoch=self._epoch,
                         fingerprint=self.fingerprint, chunk_tokens=self._chunk_tokens, max_tokens=self._max_tokens,
-                        tail=self._tail if hop.end == num_layers else None)
+                        tail=self._tail if hop.end == num_layers else None,
+                        owner_token=self.owner_token(hop.peer_id, hop.start, hop.end))
         return _LazyLink(index, spec, hop, self.connector, patience=self._patience.get(hop.peer_id, 1.0))
+
+    def owner_token(self, peer_id: str, start: int, end: int) -> bytes:
+        """This generation's secret for one hop (the same for every epoch of it)."""
+        return hmac.new(self._owner_secret, f"{peer_id}|{start}|{end}".encode(), hashlib.sha256).digest()
 
     # ------------------------------------------------------------------ stepping
     def _advance_with_failover(self, target: int) -> TailOut:
@@ -413,6 +462,28 @@ class SwarmDriver:
                 self._slow_retries[peer] = self._slow_retries.get(peer, 0) + 1
                 self._patience[peer] = self._patience.get(peer, 1.0) * 2.0
                 new, fresh = old, {failure.index}
+        if new is None and failure.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and not failure.retry_after_ms:
+            # No hint: the session exceeds the peer's WHOLE KV budget. A replica may be bigger;
+            # without one, no wait or retry helps: say so at once.
+            self._failed.add(peer)
+            try:
+                new = self.source.replace(old, peer, frozenset(self._failed), self._max_tokens)
+            except MissingLayersError as exc:
+                raise PromptTooLarge(
+                    f"{self._max_tokens} tokens (prompt + max_tokens) do not fit the KV budget of any peer "
+                    f"serving these layers ({failure.detail}); shorten the prompt or lower max_tokens") from exc
+            fresh = set(hops_to_reprefill(old, new))
+        if new is None and failure.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and failure.retry_after_ms:
+            # Full, not broken: try a replica at once; with none, tell the caller when to come back
+            # (no replan wait: the peer said when it expects room).
+            self._full_hint_ms = min(self._full_hint_ms or failure.retry_after_ms, failure.retry_after_ms)
+            self._failed.add(peer)
+            try:
+                new = self.source.replace(old, peer, frozenset(self._failed), self._max_tokens)
+            except MissingLayersError as exc:
+                raise SwarmFull(f"every peer that serves these layers is full ({failure.detail}); "
+                                f"retry in {self._full_hint_ms} ms", self._full_hint_ms) from exc
+            fresh = set(hops_to_reprefill(old, new))
         if new is None:
             self._failed.add(peer)
             avoid = frozenset(self._failed)
@@ -451,6 +522,7 @@ class SwarmDriver:
     def _close_all(self) -> None:
         with self._lock:
             links, self._links = self._links, []
+        self._hold(())
         for link in links:
             link.close(release=True)
 

@@ -69,6 +69,7 @@ class LinkSpec:
     chunk_tokens: int
     max_tokens: int
     tail: pb.TailOptions | None = None   # the tail's options (sampling, logprobs, logits)
+    owner_token: bytes = b""             # this hop's secret for the session (driver.owner_token)
 
     @property
     def is_tail(self) -> bool:
@@ -98,8 +99,8 @@ class HopLink:
         self.execution_ns = 0       # the hop's own compute of its last step (DecodeResult/Ack)
 
     # ------------------------------------------------------------------ helpers
-    def _fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL) -> HopFailure:
-        return HopFailure(self.index, self.spec.peer_id, detail, code)
+    def _fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL, retry_after_ms: int = 0) -> HopFailure:
+        return HopFailure(self.index, self.spec.peer_id, detail, code, retry_after_ms)
 
     def _send(self, body: bytes, *, work: bool = True) -> None:
         if work and self.window is not None:
@@ -133,7 +134,7 @@ class HopLink:
                 if kind == "status":
                     err = resp.status.error
                     name = pb.ErrorCode.Name(err.code) if err.code in pb.ErrorCode.values() else str(err.code)
-                    raise self._fail(f"{name}: {err.detail}", err.code)
+                    raise self._fail(f"{name}: {err.detail}", err.code, err.retry_after_ms)
                 if kind in ("chunk", "decode", "ack") and self.window is not None and self.window.inflight:
                     self.window.on_ack()
                 return resp, tensors
@@ -151,7 +152,7 @@ class HopLink:
             shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
             proposed_flow_control=pb.FlowControl(max_prefill_chunk_tokens=s.chunk_tokens),
             accepted_compression=[pb.COMPRESSION_NONE], tail=s.tail if s.is_tail else None,
-            max_tokens=s.max_tokens,
+            max_tokens=s.max_tokens, owner_token=s.owner_token,
         )).SerializeToString(), work=False)
         resp, _ = self._recv(self.deadlines.open_s())
         if resp.WhichOneof("kind") != "accepted":
@@ -251,7 +252,7 @@ class HopLink:
                             RELEASE_METHOD, request_serializer=pb.ReleaseRequest.SerializeToString,
                             response_deserializer=pb.ReleaseResponse.FromString)(
                             pb.ReleaseRequest(schema_version=SCHEMA_VERSION, route_session_id=s.session_id,
-                                              route_epoch=s.epoch), timeout=RELEASE_TIMEOUT_S)
+                                              route_epoch=s.epoch, owner_token=s.owner_token), timeout=RELEASE_TIMEOUT_S)
                     except grpc.RpcError:
                         pass  # a dead hop holds nothing worth releasing; its TTL cleans up
         finally:

@@ -10,6 +10,14 @@ first, because a fresh DHT read waits up to the DHT's RPC timeout (3 s) on
 a peer that froze -- the very peer being replaced -- and a failover should
 not.
 
+Load: ``load`` (optional) is the entry's ``LoadBook`` -- how many of its own
+running generations hold a session on each peer (drivers hold and drop their
+route's peers). Planning prices a peer holding n of them at (1 + n) x its
+measured decode ms per layer (its one forward lock serves them in turn), so
+concurrent generations spread over replicas instead of piling onto the
+cheapest one; peers the swarm has filled are avoided through the free KV in
+their records (routing.py's no-KV penalty, meshd/daemon/free_kv.py).
+
 ``FixedRouteSource`` is one route given up front -- tests, benchmarks, a
 user's fixed split -- with no swarm behind it: ``plan`` returns it and
 ``replace`` finds nothing (MissingLayersError), so a failed hop ends the
@@ -38,8 +46,10 @@ True tells the driver to rebuild the hop on the same peer via another relay.
 """
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass, field, replace as replace_fields
 from typing import Callable, Iterable, Mapping, Sequence
 
 import grpc
@@ -65,6 +75,37 @@ def wall_ms() -> int:
     return int(time.time() * 1000)
 
 
+class LoadBook:
+    """Sessions this entry's running generations hold per peer (thread-safe; drivers run in threads)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: Counter[str] = Counter()
+
+    def hold(self, peers: Iterable[str]) -> None:
+        with self._lock:
+            self._held.update(peers)
+
+    def drop(self, peers: Iterable[str]) -> None:
+        with self._lock:
+            self._held.subtract(peers)
+            self._held = Counter({p: n for p, n in self._held.items() if n > 0})
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._held)
+
+
+def loaded(ads: Iterable[ShardAd], load: "LoadBook | None") -> tuple[ShardAd, ...]:
+    """The ads priced by the entry's own load on each peer ((1 + n) x its decode ms per layer)."""
+    ads = tuple(ads)
+    held = load.snapshot() if load is not None else {}
+    if not held:
+        return ads
+    return tuple(replace_fields(ad, decode_ms_per_layer=ad.decode_ms_per_layer * (1 + held[ad.peer_id]))
+                 if held.get(ad.peer_id) else ad for ad in ads)
+
+
 @dataclass(slots=True)
 class AdsRouteSource:
     ads: AdsSnapshot
@@ -75,15 +116,16 @@ class AdsRouteSource:
     costs: RouteCosts = field(default_factory=RouteCosts)
     clock: Callable[[], int] = wall_ms
     cached: AdsSnapshot | None = None
+    load: LoadBook | None = None
 
     def plan(self, needed_tokens: int) -> Route:
-        return plan_route(tuple(self.ads()), model_digest=self.model_digest, num_layers=self.num_layers,
+        return plan_route(loaded(self.ads(), self.load), model_digest=self.model_digest, num_layers=self.num_layers,
                           now_ms=self.clock(), entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
                           costs=self.costs, recipe_digest=self.recipe_digest)
 
     def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route:
         def attempt(ads: Iterable[ShardAd]) -> Route:
-            return replacement_route(route, failed_peer, tuple(ads), now_ms=self.clock(),
+            return replacement_route(route, failed_peer, loaded(ads, self.load), now_ms=self.clock(),
                                      entry_peer_id=self.entry_peer_id, needed_tokens=needed_tokens,
                                      costs=self.costs, avoid=avoid)
         if self.cached is not None:

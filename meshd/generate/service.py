@@ -134,13 +134,14 @@ def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDrive
 
     me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
-                            recipe_digest=claim.runtime_recipe_digest, cached=cached_ads)
+                            recipe_digest=claim.runtime_recipe_digest, cached=cached_ads,
+                            load=getattr(swarm, "load", None))
     state = node.supervisor.state
     connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix, pins=swarm.pins,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
-                         fingerprint=fingerprint, on_failover=lambda e: failovers.append(
+                         fingerprint=fingerprint, context_tokens=getattr(swarm, "context_tokens", 0), on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
          "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]}))

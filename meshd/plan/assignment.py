@@ -39,15 +39,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 
+from meshd.config import DEFAULT_KV_BUDGET_TOKENS
 from meshd.plan.adverts import MAX_LAYERS, MAX_MEMORY_BYTES, CoverageMap, ShardAd, Span
 from meshd.plan.errors import NoFitError, PlanInputError
 from meshd.sizes import format_size
 from proto import shard_runtime_pb2 as pb
 
-# Positions of KV cache a new range reserves per layer by default: one
-# 2048-token context for two concurrent sessions. The worker's
-# --kv-budget-tokens is the same number.
-DEFAULT_KV_BUDGET_TOKENS = 4096
+# Positions of KV cache a new range reserves per layer by default: the one
+# setting the worker admits against too (meshd.config.DEFAULT_KV_BUDGET_TOKENS).
 # Upper bound on a KV budget: 16M positions is beyond any model's context.
 MAX_KV_BUDGET_TOKENS = 1 << 24
 # Bytes of one layer's weights, bounded so sums stay exact and meaningful.

@@ -55,6 +55,27 @@ def _gguf_layers(path: Path) -> int:
         raise ConfigError(f"{path} cannot be read: {exc}") from exc
 
 
+def model_context_tokens(path: Path) -> int:
+    """The model's trained context (config.json max_position_embeddings, GGUF context_length);
+    0 when the artifact does not say (then no context check is made)."""
+    try:
+        if path.is_file():
+            from native.gguf_range import model_info, open_reader
+
+            return int(model_info(open_reader(path)).context_length or 0)
+        config = path / "config.json"
+        if not config.is_file() or config.stat().st_size > MAX_CONFIG_JSON_BYTES:
+            return 0
+        data = json.loads(config.read_text())
+    except Exception:  # noqa: BLE001 - an unreadable model is reported by model_num_layers, not here
+        return 0
+    for section in (data, data.get("text_config") or {}):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
 def held_layers(path: Path) -> tuple[int, int] | None:
     """The layers a GGUF slice (``meshd slice``) holds, or None for a whole model / directory."""
     if not (path.is_file() and path.suffix == ".gguf"):
