@@ -51,29 +51,37 @@ def workers(model, tls):
         assert w.stop() == 0
 
 
-def _frames_factory(workers, pin, channels):
-    by_endpoint = {w.endpoint: w for w in workers}
+class _Recording:
+    """The product's PeerConnector, keeping the channels it made."""
 
-    def factory(endpoint):
-        w = by_endpoint[endpoint]
-        ch = TlsFrameChannel(w.frames_endpoint, pin, lambda: pinned_channel(w.tls_endpoint, pin, GRPC_OPTIONS))
-        channels.append(ch)
+    def __init__(self, connector) -> None:
+        self.connector, self.channels = connector, []
+
+    def channel(self, hop):
+        ch = self.connector.channel(hop)
+        self.channels.append(ch)
         return ch
-    return factory
 
 
 def test_route_over_frames_equals_the_whole_model(model, workers, tls):
+    from meshd.generate.routes import PeerConnector, fixed_route
+
     assert all(w.frames_endpoint for w in workers)
-    channels: list[TlsFrameChannel] = []
-    source = fixed_source(workers, SPECS, 6)
+    bounds = [(0, 3), (3, 6)]
+    source = fixed_route([(w.tls_endpoint, a, b) for w, (a, b) in zip(workers, bounds)], 6)
+    connector = _Recording(PeerConnector(pins={w.tls_endpoint: tls.pin for w in workers},
+                                         frames={w.tls_endpoint: w.frames_endpoint for w in workers}))
     ref = WholeModel(model).generate(PROMPT, 12, chunk_tokens=16)
     # capability over the fallback (pinned gRPC); sessions over frames
-    res = drive_fixed(source, PROMPT, 12, connector=FactoryConnector(_frames_factory(workers, tls.pin, channels)),
-                      return_logits=True)
+    res = drive_fixed(source, PROMPT, 12, connector=connector, return_logits=True)
     assert res.tokens == ref.tokens
     assert max(float(abs(a - b).max()) for a, b in zip(res.logits, ref.logits)) == 0.0
-    sessions = [c for c in channels if c.used]
-    assert sessions and all(c.used == "frames" for c in sessions)
+    sessions = [c for c in connector.channels if getattr(c, "used", "")]
+    assert len(sessions) == 2 and all(isinstance(c, TlsFrameChannel) and c.used == "frames" for c in sessions)
+    # a record without a frames endpoint: plain pinned gRPC, same tokens
+    grpc_only = _Recording(PeerConnector(pins={w.tls_endpoint: tls.pin for w in workers}))
+    assert drive_fixed(source, PROMPT, 12, connector=grpc_only).tokens == ref.tokens
+    assert not any(isinstance(c, TlsFrameChannel) for c in grpc_only.channels)
 
 
 def test_unreachable_frames_port_falls_back_to_grpc(model, workers, tls):
@@ -164,7 +172,7 @@ def test_plaintext_on_the_frames_port_gets_nothing(workers):
         assert b"SessionResponse" not in data and not data.startswith(b"\x00\x00")   # a TLS alert at most
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(junk=st.binary(min_size=1, max_size=2048))
 def test_fuzzed_bytes_end_one_connection_only(workers, junk):
     with _tls_connect(workers[1].frames_endpoint) as s:

@@ -194,7 +194,8 @@ def route_logits(entry, prompt_ids: Sequence[int], n: int):
         chain.append(e)
         at = e["end"]
     hops = tuple(Hop(e["peer_id"], e["start"], e["end"], e["start"], False, e["grpc_endpoint"]) for e in chain)
-    connector = PeerConnector(pins={e["peer_id"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain})
+    connector = PeerConnector(pins={e["peer_id"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain},
+                              frames={e["peer_id"]: e["frames_endpoint"] for e in chain if e.get("frames_endpoint")})
     source = FixedRouteSource(Route("", entries[0]["num_layers"], hops))
     driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))
     tokens = [t.id for t in driver.generate(GenerationRequest(tuple(prompt_ids), n, return_logits=True))]
