@@ -139,7 +139,8 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
         "whole_decode_tok_s": whole_rate, "whole_prefill_tok_s": len(ids) / best["whole_prefill"],
     }
     for n in configs:
-        fig, (checked_tokens, logits) = best[f"split{n}"], best[f"logits{n}"]
+        fig, (checked_tokens, logits, transports) = best[f"split{n}"], best[f"logits{n}"]
+        out[f"logits_pass_hop_transports_{n}"] = transports
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref.logits))
         out[f"tokens_equal_{n}"] = fig.tokens == whole_tokens and checked_tokens[:len(whole_tokens)] == whole_tokens
         out[f"max_abs_logit_diff_{n}"] = diff
