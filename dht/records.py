@@ -88,6 +88,7 @@ class CapabilityClaim:
     relayed_addrs: tuple[str, ...] = ()
     grpc_endpoint: str = ""
     tls_cert_sha256: bytes = b""
+    frames_endpoint: str = ""      # the framed fast path (same certificate as grpc_endpoint)
     memory_budget_bytes: int = 0
     free_kv_tokens: int = 0
     decode_ms_per_layer: float = 0.0
@@ -106,6 +107,8 @@ class CapabilityClaim:
             raise ValueError(f"bad layer range {self.start_layer}:{self.end_layer} of {self.num_layers}")
         if self.tls_cert_sha256 and len(self.tls_cert_sha256) != 32:
             raise ValueError("tls_cert_sha256 must be 32 bytes")
+        if self.frames_endpoint and not self.grpc_endpoint:
+            raise ValueError("a frames_endpoint needs the grpc_endpoint it is a fast path beside")
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +156,8 @@ def sign_capability(claim: CapabilityClaim, key, *, peer_id: str, sequence: int,
         reachability=pb.Reachability(direct_addrs=list(claim.direct_addrs),
                                      relayed_addrs=list(claim.relayed_addrs),
                                      grpc_endpoint=claim.grpc_endpoint,
-                                     tls_cert_sha256=claim.tls_cert_sha256),
+                                     tls_cert_sha256=claim.tls_cert_sha256,
+                                     frames_endpoint=claim.frames_endpoint),
         issued_at_unix_ms=now_ms, expires_at_unix_ms=now_ms + ttl_ms, sequence=sequence,
         model_id=claim.model_id, num_layers=claim.num_layers, delegated_experts=list(claim.delegated_experts))
     return _sign(payload, key)
@@ -276,6 +280,10 @@ def _check_bounds(p: pb.CapabilityPayload) -> None:
         raise bad("tls_cert_sha256 must be 32 bytes")
     if reach.grpc_endpoint and len(reach.tls_cert_sha256) != 32:
         raise bad("a grpc_endpoint needs its certificate hash (tls_cert_sha256)")
+    if len(reach.frames_endpoint) > MAX_ENDPOINT_CHARS:
+        raise bad("frames_endpoint too long")
+    if reach.frames_endpoint and not reach.grpc_endpoint:
+        raise bad("a frames_endpoint is a fast path beside a grpc_endpoint (the fallback), never alone")
     if len(p.model_id) > MAX_MODEL_ID_CHARS or len(p.dtypes) > MAX_DTYPES:
         raise bad("model_id or dtypes over bound")
 

@@ -693,16 +693,18 @@ class SignedRecord(_message.Message):
     def __init__(self, kind: _Optional[_Union[RecordKind, str]] = ..., payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class Reachability(_message.Message):
-    __slots__ = ("direct_addrs", "relayed_addrs", "grpc_endpoint", "tls_cert_sha256")
+    __slots__ = ("direct_addrs", "relayed_addrs", "grpc_endpoint", "tls_cert_sha256", "frames_endpoint")
     DIRECT_ADDRS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_ADDRS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TLS_CERT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     direct_addrs: _containers.RepeatedScalarFieldContainer[str]
     relayed_addrs: _containers.RepeatedScalarFieldContainer[str]
     grpc_endpoint: str
     tls_cert_sha256: bytes
-    def __init__(self, direct_addrs: _Optional[_Iterable[str]] = ..., relayed_addrs: _Optional[_Iterable[str]] = ..., grpc_endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ...) -> None: ...
+    frames_endpoint: str
+    def __init__(self, direct_addrs: _Optional[_Iterable[str]] = ..., relayed_addrs: _Optional[_Iterable[str]] = ..., grpc_endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., frames_endpoint: _Optional[str] = ...) -> None: ...
 
 class Throughput(_message.Message):
     __slots__ = ("decode_ms_per_layer", "prefill_tokens_per_s")

@@ -47,6 +47,8 @@ def varint(n: int) -> bytes:
     """Protobuf base-128 varint of a non-negative int."""
     if n < 0x80:
         return _ONE_BYTE[n]
+    if n < 0x4000:       # two bytes: every size of a decode step's frame
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -106,17 +108,30 @@ class PreparedTensor:
         return pb.NamedTensor.FromString(b"".join(self.pieces()[0]))
 
 
+# Header prefixes (everything before the CRC) already built: a decode step sends the
+# same name, shape and dtype every time. Bounded: cleared when full.
+_HEADER_CACHE: dict[tuple, bytes] = {}
+MAX_HEADER_CACHE = 256
+
+
 def _header_bytes(name_utf8: bytes, shape: tuple[int, ...], dtype: int, total: int,
                   compression: int, crc: bytes) -> bytes:
     """Canonical serialization of NamedTensor fields 1-7 as prepare_tensor fills them."""
-    out = b"\x0a" + varint(len(name_utf8)) + name_utf8
-    if shape:
-        packed = b"".join([varint(d) for d in shape])
-        out += b"\x12" + varint(len(packed)) + packed
-    out += b"\x18" + varint(dtype) + b"\x20\x01"          # byte_order: little-endian
-    if total:
-        out += b"\x28" + varint(total)
-    return out + b"\x30" + varint(compression) + b"\x3a\x08\x08\x02\x12\x04" + crc  # CRC32C
+    key = (name_utf8, shape, dtype, total, compression)
+    prefix = _HEADER_CACHE.get(key)
+    if prefix is None:
+        out = b"\x0a" + varint(len(name_utf8)) + name_utf8
+        if shape:
+            packed = b"".join([varint(d) for d in shape])
+            out += b"\x12" + varint(len(packed)) + packed
+        out += b"\x18" + varint(dtype) + b"\x20\x01"          # byte_order: little-endian
+        if total:
+            out += b"\x28" + varint(total)
+        prefix = out + b"\x30" + varint(compression) + b"\x3a\x08\x08\x02\x12\x04"  # CRC32C, 4 bytes
+        if len(_HEADER_CACHE) >= MAX_HEADER_CACHE:
+            _HEADER_CACHE.clear()
+        _HEADER_CACHE[key] = prefix
+    return prefix + crc
 
 
 def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRESSION_NONE,

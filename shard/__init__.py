@@ -24,6 +24,8 @@ Files and roles (data flows top to bottom):
     service.py        ShardService: backend + sessions + lock; capability (validated), health
     stream.py         sans-I/O Session stream core: request bytes in, response bytes out
     server.py         the grpcio edge (identity-serialized Session stream, unary RPCs)
+    frame_server.py   the framed fast path for peers: Session frames over TLS/TCP (same stream core,
+                      same certificate as the TLS gRPC port); serve_frames is shared with unix_server
     unix_server.py    the worker's private Unix frame socket (same stream core)
 
 The ``meshd worker`` command that picks a backend lives in meshd/cli/worker.py, so

@@ -9,7 +9,7 @@ sans-I/O core (shard.stream.SessionStream over the worker's ShardService), so
 one core now has three edges: gRPC, TLS gRPC, and this socket.
 
     daemon (trio) ── unix stream ──▶ accept thread ──▶ one thread per connection:
-        FrameReader ─ body ─▶ SessionStream.receive ─ bodies ─▶ encode_frame ─▶ sendall
+        shard.frame_server.serve_frames: FrameReader ─ body ─▶ SessionStream.receive ─▶ sendall
 
 Who may connect: the socket is created inside the daemon's private run
 directory with mode 0600 (owner only); it never listens on a network.
@@ -25,19 +25,14 @@ import socket
 import threading
 from pathlib import Path
 
-from proto.errors import ProtocolError
-from proto.frames import FrameReader, encode_frame
-from proto.limits import MAX_FRAME_BYTES
+from shard.frame_server import serve_frames
 from shard.server import MAX_STREAMS
 from shard.service import ShardService
-from shard.stream import SessionStream, _status
 
 __all__ = ["UnixFrameServer", "MAX_CONNECTIONS", "UNIX_SCHEME"]
 
 # The same bound as concurrent gRPC streams: each connection holds one thread.
 MAX_CONNECTIONS = MAX_STREAMS
-# Bytes asked of the socket per read: a 1 MiB prefill chunk arrives in a few reads.
-READ_BYTES = 256 * 1024
 # Endpoint spelling for a worker's socket (``unix:/path``), as gRPC spells it.
 UNIX_SCHEME = "unix:"
 _BACKLOG = 16
@@ -93,24 +88,8 @@ class UnixFrameServer:
             thread.start()
 
     def _serve(self, conn: socket.socket) -> None:
-        stream = SessionStream(self.service)
-        reader = FrameReader(MAX_FRAME_BYTES)
         try:
             with conn:
-                while not stream.closed:
-                    data = conn.recv(READ_BYTES)
-                    if not data:
-                        return                  # the daemon ended the session's stream
-                    try:
-                        reader.feed(data)
-                    except ProtocolError as exc:    # bad length prefix: answer, then close
-                        conn.sendall(encode_frame(_status(exc, terminal=True)))
-                        return
-                    while not stream.closed and (body := reader.next_frame()) is not None:
-                        out = stream.receive(body)
-                        if out:
-                            conn.sendall(b"".join(encode_frame(r) for r in out))
-        except OSError:
-            pass                                # the peer went away: nothing to answer
+                serve_frames(conn, self.service)
         finally:
             self._live.release()

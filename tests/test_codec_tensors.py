@@ -206,3 +206,19 @@ def test_every_protocol_error_carries_a_code():
     for cls in ProtocolError.__subclasses__():
         assert cls.code != pb.ERROR_CODE_UNSPECIFIED
     assert DEFAULT_LIMITS.max_frame_bytes >= DEFAULT_LIMITS.max_fragment_bytes
+
+
+def test_varint_fast_paths_match_protobuf_and_header_cache_is_bounded():
+    from google.protobuf.internal.encoder import _VarintBytes
+
+    from proto import tensors as T
+
+    for n in (0, 1, 0x7F, 0x80, 0x81, 576, 2304, 0x3FFF, 0x4000, 0x4001, 2**21, 2**35, 2**63):
+        assert T.varint(n) == _VarintBytes(n), n
+    T._HEADER_CACHE.clear()
+    for i in range(T.MAX_HEADER_CACHE + 5):   # distinct shapes: the cache never grows past its bound
+        arr = np.zeros((1, i + 1), np.float32)
+        assert T.encode_tensor("h", arr).SerializeToString() == T.prepare_tensor("h", arr).to_message().SerializeToString()
+        assert len(T._HEADER_CACHE) <= T.MAX_HEADER_CACHE
+    a, b = np.ones((1, 4), np.float32), np.full((1, 4), 2.0, np.float32)   # same header prefix, other CRC
+    assert T.prepare_tensor("h", a).header != T.prepare_tensor("h", b).header

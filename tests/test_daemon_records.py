@@ -170,3 +170,35 @@ def test_fuzz_validator_typed_errors_and_total_select(key, values):
     # a valid value among garbage always wins
     valid = good(A) if "/peer/" in key else encode_record_set([validate_capability(good(A), NOW_MS)])
     assert v.select(key, values + [valid]) == len(values)
+
+
+def test_frames_endpoint_travels_signed_beside_its_grpc_fallback():
+    from dataclasses import replace
+
+    from dht.records import sign_capability
+    from meshd.swarm.view import snapshot_from_records
+    from tests._daemon_helpers import claim
+
+    with_frames = replace(claim(), frames_endpoint="127.0.0.1:5001")
+    raw = sign_capability(with_frames, A.signing_key, peer_id=A.peer_id, sequence=11, now_ms=NOW_MS, ttl_ms=TTL_MS)
+    rec = validate_capability(raw, NOW_MS)
+    assert rec.payload.reachability.frames_endpoint == "127.0.0.1:5001"
+    plain = validate_capability(good(B), NOW_MS)
+    snap = snapshot_from_records(DIGEST, [rec, plain], NOW_MS)
+    assert snap.frames == {A.peer_id: "127.0.0.1:5001"}          # B offers none: gRPC only
+    assert snap.pins[A.peer_id] == b"\x01" * 32                  # the same record's pin covers it
+    with pytest.raises(ValueError, match="frames_endpoint"):
+        replace(claim(), grpc_endpoint="", tls_cert_sha256=b"", frames_endpoint="127.0.0.1:5001")
+
+
+@pytest.mark.parametrize("frames, grpc_ep, reason", [("1" * 300, "127.0.0.1:5000", "too long"),
+                                                     ("127.0.0.1:5001", "", "never alone")])
+def test_frames_endpoint_bounds_are_refused(frames, grpc_ep, reason):
+    from tests._daemon_helpers import raw_payload, signed
+
+    p = raw_payload(A)
+    p.reachability.grpc_endpoint = grpc_ep
+    p.reachability.tls_cert_sha256 = b"\x01" * 32
+    p.reachability.frames_endpoint = frames
+    with pytest.raises(RecordRejected, match=reason):
+        validate_capability(signed(p, A.signing_key), NOW_MS)

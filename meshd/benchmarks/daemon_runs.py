@@ -181,7 +181,8 @@ class Reference:
 
 
 def route_logits(entry, prompt_ids: Sequence[int], n: int):
-    """The logits rows of the entry's route, driven in this process over the daemons' pinned endpoints."""
+    """The logits rows of the entry's route, driven in this process over the daemons' pinned endpoints
+    (their framed fast path when their records offer it), and the transport that carried each hop."""
     from meshd.generate.driver import GenerationRequest, SwarmDriver
     from meshd.generate.routes import FixedRouteSource, PeerConnector, discover_fingerprint
     from meshd.plan.routing import Hop, Route
@@ -194,8 +195,18 @@ def route_logits(entry, prompt_ids: Sequence[int], n: int):
         chain.append(e)
         at = e["end"]
     hops = tuple(Hop(e["peer_id"], e["start"], e["end"], e["start"], False, e["grpc_endpoint"]) for e in chain)
-    connector = PeerConnector(pins={e["peer_id"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain})
+    connector = PeerConnector(pins={e["peer_id"]: bytes.fromhex(e["tls_cert_sha256"]) for e in chain},
+                              frames={e["peer_id"]: e["frames_endpoint"] for e in chain if e.get("frames_endpoint")})
     source = FixedRouteSource(Route("", entries[0]["num_layers"], hops))
-    driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))
+    made: list = []
+
+    class Recording:   # the product's connector, keeping its channels to say which transport carried each hop
+        def channel(self, hop):
+            made.append(connector.channel(hop))
+            return made[-1]
+
+    recording = Recording()
+    driver = SwarmDriver(source, recording, fingerprint=discover_fingerprint(recording, source.route))
     tokens = [t.id for t in driver.generate(GenerationRequest(tuple(prompt_ids), n, return_logits=True))]
-    return tokens, driver.stats.logits
+    # the sessions' channels are the last ones made (after the capability questions)
+    return tokens, driver.stats.logits, [getattr(c, "used", "") or "grpc" for c in made[-len(hops):]]

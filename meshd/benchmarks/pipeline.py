@@ -32,7 +32,10 @@ instead of the mean, robust to a stray scheduling stall on a shared machine),
 machine's round-trip floors measured in the same run
 (``meshd.benchmarks.hopfloor``: a bare gRPC stream and a raw socket whose
 peer holds for the hops' execution time) and
-``per_hop_overhead_above_grpc_floor_ms``, and ``half_range_rss_ratio``:
+``per_hop_overhead_above_grpc_floor_ms``; ``hop_transport_overhead_ms`` (one
+hop's decode step over pinned TLS gRPC, the framed TLS fast path and the Unix
+socket, alternating step by step: meshd/benchmarks/hoptransport.py) and
+``frames_vs_grpc_overhead_ratio``; and ``half_range_rss_ratio``:
 resident memory above a bare python+torch+transformers process of a worker
 holding the middle half of the layers, divided by the same for a whole-model
 worker.
@@ -136,7 +139,8 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
         "whole_decode_tok_s": whole_rate, "whole_prefill_tok_s": len(ids) / best["whole_prefill"],
     }
     for n in configs:
-        fig, (checked_tokens, logits) = best[f"split{n}"], best[f"logits{n}"]
+        fig, (checked_tokens, logits, transports) = best[f"split{n}"], best[f"logits{n}"]
+        out[f"logits_pass_hop_transports_{n}"] = transports
         diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, ref.logits))
         out[f"tokens_equal_{n}"] = fig.tokens == whole_tokens and checked_tokens[:len(whole_tokens)] == whole_tokens
         out[f"max_abs_logit_diff_{n}"] = diff
@@ -158,6 +162,10 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
     hold_ms = sum(fig.step_execution_ms) / len(fig.step_execution_ms) / first
     _say(progress, f"round-trip floors (peer holds {hold_ms:.1f} ms, like a hop)")
     out.update(hopfloor.measure(hold_ms, FLOOR_FRAME_BYTES, rounds=40 if quick else 100))
+    from meshd.benchmarks import hoptransport
+
+    _say(progress, "one hop's decode step over TLS gRPC, framed TLS and the Unix socket, alternating")
+    out.update(hoptransport.measure(80 if quick else 200))
     out["per_hop_overhead_above_grpc_floor_ms"] = out["per_hop_overhead_ms"] - out["grpc_round_trip_floor_ms"]
     out["per_hop_overhead_median_above_grpc_floor_ms"] = (out[f"per_hop_overhead_median_ms_{first}"]
                                                           - out["grpc_round_trip_floor_ms"])

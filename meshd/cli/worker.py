@@ -2,14 +2,15 @@
 
     python -m meshd worker --model PATH --layers A:B --listen 127.0.0.1:PORT
         [--dtype float32|bfloat16] [--backend torch|llama.cpp] [--kv-budget-tokens N]
-        [--tls-listen HOST:PORT --tls-cert FILE --tls-key FILE] [--ready-file FILE]
+        [--tls-listen HOST:PORT --tls-cert FILE --tls-key FILE] [--frames-listen HOST:PORT]
+        [--unix-listen PATH] [--ready-file FILE]
         [--experts SPEC --expert-peers FILE]         (MoE: hold only these experts)
 
 Without ``--layers``, ``--experts SPEC --expert-listen HOST:PORT`` makes it an
 expert peer instead (meshd/cli/expert_worker.py).
 
 Order: load the range (progress on stderr) -> validate it with a bounded real
-forward -> listen -> write the ready file ({"listen", "tls_listen", "pid"},
+forward -> listen -> write the ready file ({"listen", "tls_listen", "frames_tls", "unix", "pid"},
 atomically) and print one "ready" line on stdout -> serve until SIGTERM /
 SIGINT. Plaintext listens only on loopback; peers use the TLS port.
 
@@ -63,6 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-key", help="PEM private key for --tls-listen")
     parser.add_argument("--unix-listen", help="also serve Session frames on this Unix socket (mode 0600; "
                         "the daemon's own link for relayed sessions)")
+    parser.add_argument("--frames-listen", help="HOST:PORT of the framed fast path (Session frames over TLS, "
+                        "the --tls-cert certificate; shard/frame_server.py)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
     parser.add_argument("--model-id", default="", help="human label reported in the capability")
     from meshd.cli import expert_worker
@@ -156,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"refusing plaintext on {args.listen}: --listen must be loopback; peers use --tls-listen",
               file=sys.stderr)
         return 2
-    if args.tls_listen and not (args.tls_cert and args.tls_key):
-        print("--tls-listen needs --tls-cert and --tls-key", file=sys.stderr)
+    if (args.tls_listen or args.frames_listen) and not (args.tls_cert and args.tls_key):
+        print("--tls-listen and --frames-listen need --tls-cert and --tls-key", file=sys.stderr)
         return 2
     import torch
 
@@ -177,6 +180,11 @@ def run(args: argparse.Namespace) -> int:
         from shard.unix_server import UnixFrameServer
 
         unix = UnixFrameServer(service, args.unix_listen).start()
+    frames = None
+    if args.frames_listen:
+        from shard.frame_server import TlsFrameServer
+
+        frames = TlsFrameServer(service, args.frames_listen, cert_file=args.tls_cert, key_file=args.tls_key).start()
     host = args.listen.rpartition(":")[0]
     listen = f"{host}:{port}"
     tls_listen = f"{args.tls_listen.rpartition(':')[0]}:{tls_port}" if tls_port else None
@@ -185,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if args.ready_file:
         _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid(),
-                                       "unix": unix.endpoint if unix else None})
+                                       "unix": unix.endpoint if unix else None,
+                                       "frames_tls": frames.endpoint if frames else None})
     print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
     try:
         last_sweep = time.monotonic()
@@ -198,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if unix is not None:
             unix.close()
+        if frames is not None:
+            frames.close()
         server.stop(grace=1.0).wait()
         print("[worker] stopped", file=sys.stderr, flush=True)
     # Every stream is closed and nothing is left to flush; the interpreter's

@@ -41,7 +41,8 @@ BACKEND_ENUM = {"torch": pb.BACKEND_TORCH, "llama.cpp": pb.BACKEND_LLAMA_CPP}
 
 
 def claim_from_report(report: pb.CapabilityReport, *, grpc_endpoint: str, tls_cert_sha256: bytes,
-                      direct_addrs: tuple[str, ...], free_kv_tokens: int | None = None) -> CapabilityClaim:
+                      direct_addrs: tuple[str, ...], free_kv_tokens: int | None = None,
+                      frames_endpoint: str = "") -> CapabilityClaim:
     """Turn the worker's validated CapabilityReport into what we sign and advertise;
     ``free_kv_tokens`` is the worker's latest free KV (None: the whole budget, as at start)."""
     fp, r = report.fingerprint, report.shard_range
@@ -52,6 +53,7 @@ def claim_from_report(report: pb.CapabilityReport, *, grpc_endpoint: str, tls_ce
         dtypes=(report.boundary_dtype,) if report.boundary_dtype else (),
         model_id=report.model_id[:256], direct_addrs=direct_addrs,
         grpc_endpoint=grpc_endpoint, tls_cert_sha256=tls_cert_sha256,
+        frames_endpoint=frames_endpoint if grpc_endpoint else "",
         free_kv_tokens=report.kv_budget_tokens if free_kv_tokens is None else free_kv_tokens,
         decode_ms_per_layer=report.decode_ms_per_layer, prefill_tokens_per_s=report.prefill_tokens_per_s,
         delegated_experts=tuple(report.delegated_experts))

@@ -143,13 +143,15 @@ class Node:
         if self.relaying.private and not self.relaying.relayed_addrs and self.advertiser.claim is None:
             return   # not reachable yet: the first reservation will call us again
         if self.relaying.private:
-            endpoint, direct, pin = "", (), b""
+            endpoint, frames, direct, pin = "", "", (), b""
         else:
             port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
             endpoint = f"{self.advertise_host}:{port}" if port else ""
+            frames_port = split_endpoint(ready.frames)[1] if ready.frames and endpoint else None
+            frames = f"{self.advertise_host}:{frames_port}" if frames_port else ""
             direct, pin = self.direct_addrs(), (self.tls.sha256 if endpoint else b"")
         claim = claim_from_report(ready.report, grpc_endpoint=endpoint, tls_cert_sha256=pin, direct_addrs=direct,
-                                  free_kv_tokens=self.free_kv.published)
+                                  free_kv_tokens=self.free_kv.published, frames_endpoint=frames)
         if self.relaying.private:
             claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
         if claim == self.advertiser.claim:
@@ -226,6 +228,7 @@ class Node:
                     "num_layers": r.num_layers, "sequence": r.sequence,
                     "expires_in_s": round((r.expires_at_ms - now) / 1000, 1),
                     "grpc_endpoint": r.payload.reachability.grpc_endpoint,
+                    "frames_endpoint": r.payload.reachability.frames_endpoint,
                     "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
                     "model_id": r.payload.model_id, "free_kv_tokens": r.payload.free_kv_tokens,
                 } for r in live(records, now)]

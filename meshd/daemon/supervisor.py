@@ -45,6 +45,7 @@ class WorkerReady:
     pid: int
     report: pb.CapabilityReport = field(compare=False, repr=False)
     unix: str = ""          # ``unix:/path`` of the worker's frame socket ("" if it has none)
+    frames: str = ""        # HOST:PORT of its framed TLS fast path for peers ("" if none)
 
 
 def describe_exit(code: int | None) -> tuple[str, str | None]:
@@ -96,6 +97,7 @@ class WorkerState:
     endpoint: str = ""
     tls_endpoint: str = ""
     unix: str = ""          # the worker's frame socket (``unix:/path``), "" if none
+    frames_endpoint: str = ""   # its framed TLS fast path (HOST:PORT), "" if none
     last_exit: int | None = None
     log_path: str = ""      # the worker's log file (its stdout and stderr)
     health: dict = field(default_factory=dict)

@@ -76,6 +76,7 @@ class Swarm:
         self.snapshot: SwarmSnapshot | None = None
         self.ledger = DirectiveLedger()
         self.pins: dict[str, bytes] = {}
+        self.frames: dict[str, str] = {}   # peer id -> framed fast path, from the record that gave its pin
         self.last_join: str = ""
         self.tokenizer = None
         self.context_tokens = 0   # the model's trained context (set with the model's description)
@@ -137,6 +138,11 @@ class Swarm:
         snap = await fetch_snapshot(self.node.dht, self.digest, wall_ms())
         self.snapshot = snap
         self.pins.update(snap.pins)
+        for peer in snap.pins:   # a peer that stopped offering the fast path loses it here
+            if peer in snap.frames:
+                self.frames[peer] = snap.frames[peer]
+            else:
+                self.frames.pop(peer, None)
         return snap
 
     async def _mesh(self, snap: SwarmSnapshot) -> None:

@@ -74,7 +74,8 @@ class WorkerSpec:
                "--layers", f"{self.layers[0]}:{self.layers[1]}", "--listen", "127.0.0.1:0",
                "--dtype", self.dtype, "--backend", self.backend,
                "--tls-listen", f"{self.tls_host}:0", "--tls-cert", str(self.tls.cert_path),
-               "--tls-key", str(self.tls.key_path), "--ready-file", str(ready_file),
+               "--tls-key", str(self.tls.key_path), "--frames-listen", f"{self.tls_host}:0",
+               "--ready-file", str(ready_file),
                "--threads", str(self.torch_threads)]
         cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
         if self.experts is not None or self.offload_experts:
@@ -167,8 +168,9 @@ class WorkerProcess:
                 ready = self._read_ready(ready_file, proc.pid)
                 report = await trio.to_thread.run_sync(fetch_capability, ready.listen)
                 check_report(report, spec.layers)
-                ready = WorkerReady(ready.listen, ready.tls_listen, proc.pid, report, ready.unix)
+                ready = WorkerReady(ready.listen, ready.tls_listen, proc.pid, report, ready.unix, ready.frames)
                 state.endpoint, state.tls_endpoint, state.unix = ready.listen, ready.tls_listen, ready.unix
+                state.frames_endpoint = ready.frames
                 await on_ready(ready)
                 nursery.start_soon(self._watch_health, proc, ready.listen, state)
                 code = await proc.wait()
@@ -183,7 +185,7 @@ class WorkerProcess:
         try:
             data = json.loads(path.read_text()[:65536])
             return WorkerReady(str(data["listen"]), str(data.get("tls_listen") or ""), pid, pb.CapabilityReport(),
-                               str(data.get("unix") or ""))
+                               str(data.get("unix") or ""), str(data.get("frames_tls") or ""))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise WorkerFailed(f"the worker's ready file {path} is unusable: {exc}") from exc
 

@@ -8,7 +8,8 @@
     hop_link.py       one hop's Session stream (blocking gRPC call, credits, past length)
     deadlines.py      each hop's step deadlines from its own measured step times (silent hops)
     request_queue.py  request bodies from the driver's thread to the transport
-    unix_channel.py   the own worker's Unix frame socket, read and written by the driver's thread
+    unix_channel.py   frame channels read and written by the driver's thread: the own worker's Unix
+                      socket, and a peer's framed TLS fast path (TlsFrameChannel, gRPC as fallback)
     routes.py         route sources (DHT ads, a fixed route) and the peer connector
     tokenizer.py      the artifact's tokenizer and chat template, without transformers
     gguf_tokenizer.py the same from a .gguf's metadata (transformers' ids, a tenth of its time)

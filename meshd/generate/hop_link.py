@@ -145,7 +145,12 @@ class HopLink:
     def open(self) -> None:
         s = self.spec
         call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
+        try:   # a frame channel connects here (gRPC connects lazily): the same one failure type
+            self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._fail(f"transport: {exc.code().name}: {exc.details()}") from exc
+        except MeshdError as exc:   # CertificateMismatch: the peer is not the one its record names
+            raise self._fail(f"cannot connect: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
         self._send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
             fingerprint=s.fingerprint,

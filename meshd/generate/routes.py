@@ -33,7 +33,11 @@ capability and checks they name one artifact and recipe.
                                else loopback plaintext gRPC to it
                                (meshd/reach/tls.py)
     * a peer with a pin     -> TLS, trusting only the certificate whose
-                               SHA-256 the peer's signed record carries
+                               SHA-256 the peer's signed record carries:
+                               its framed fast path (Session frames over
+                               TLS, unix_channel.TlsFrameChannel) when the
+                               same record offers one, with pinned gRPC as
+                               the fallback and for unary calls; else gRPC
     * a relayed hop         -> a circuit through one of the peer's relays
                                (meshd/reach/relay_dial.py RelayDialer, on the
                                daemon's own host); without a dialer, or when
@@ -61,7 +65,7 @@ from meshd.plan.routing import Hop, Route, RouteCosts, plan_route, replacement_r
 from meshd.reach.tls import loopback_channel, pinned_channel
 from proto import shard_runtime_pb2 as pb
 from proto.frames import SCHEMA_VERSION
-from meshd.generate.unix_channel import UnixFrameChannel
+from meshd.generate.unix_channel import TlsFrameChannel, UnixFrameChannel
 from shard.artifact import fingerprints_match
 from shard.server import GRPC_OPTIONS, SERVICE_NAME
 
@@ -200,6 +204,7 @@ class PeerConnector:
     insecure_loopback: bool = False
     relay_dialer: object | None = None           # meshd.reach.relay_dial.RelayDialer
     relayed_addrs: Callable[[str], Sequence[str]] = lambda peer_id: ()  # the peer's p2p-circuit addrs
+    frames: Mapping[str, str] = field(default_factory=dict)  # peer id -> its framed TLS fast path (same pin)
 
     def retry_same_peer(self, peer_id: str) -> bool:
         return self.relay_dialer is not None and self.relay_dialer.retry_same_peer(peer_id)
@@ -220,4 +225,7 @@ class PeerConnector:
         pin = self.pins.get(hop.peer_id)
         if not pin:
             raise HopFailure(0, hop.peer_id, "the peer's record carries no TLS certificate pin")
+        frames = self.frames.get(hop.peer_id)
+        if frames:   # the fast path; the pinned gRPC port carries the unary calls and is the fallback
+            return TlsFrameChannel(frames, pin, lambda: pinned_channel(hop.endpoint, pin, GRPC_OPTIONS))
         return pinned_channel(hop.endpoint, pin, GRPC_OPTIONS)

@@ -138,6 +138,7 @@ def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDrive
                             load=getattr(swarm, "load", None))
     state = node.supervisor.state
     connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix, pins=swarm.pins,
+                              frames=swarm.frames,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = SwarmDriver(source, MeteredConnector(connector, observer, me) if observer else connector,

@@ -57,6 +57,7 @@ class WorkerProcess:
     pid: int
     tls_endpoint: str | None = None
     unix_endpoint: str | None = None
+    frames_endpoint: str | None = None      # the framed fast path (TLS), with --frames-listen
 
     def stop(self) -> int:
         return stop_process(self.proc)
@@ -87,7 +88,8 @@ class PendingWorker:
                 self.ready.unlink()
             self.ready.parent.rmdir()
         return WorkerProcess(proc=self.proc, endpoint=info["listen"], pid=info["pid"],
-                             tls_endpoint=info.get("tls_listen"), unix_endpoint=info.get("unix"))
+                             tls_endpoint=info.get("tls_listen"), unix_endpoint=info.get("unix"),
+                             frames_endpoint=info.get("frames_tls"))
 
 
 def start_worker(model: str | os.PathLike, layers: str, *, dtype: str = "float32", threads: int = 2,

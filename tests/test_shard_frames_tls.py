@@ -1,0 +1,231 @@
+"""The framed fast path (shard/frame_server.py, meshd/generate/unix_channel.py TlsFrameChannel):
+Session frames over pinned TLS/TCP to real worker processes -- exact, pinned, bounded, gRPC fallback."""
+from __future__ import annotations
+
+import socket
+import ssl
+import tempfile
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshd.errors import CertificateMismatch
+from meshd.generate.unix_channel import TlsFrameChannel, UnixLinkError
+from meshd.reach.tls import pinned_channel
+from meshd.testing import models as testmodels
+from meshd.testing.experts import tls_files
+from meshd.testing.procs import spawn_workers
+from proto import shard_runtime_pb2 as pb
+from proto.frames import FrameReader, encode_frame, parse_response
+from proto.limits import MAX_FRAME_BYTES
+from shard.expert_transport import client_tls_context
+from shard.reference import WholeModel
+from shard.server import GRPC_OPTIONS
+from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
+
+SPECS = ["0:3", "3:6"]
+torch.set_num_threads(1)  # as the workers: same reduction order, exact logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    return testmodels.build_random_llama()
+
+
+@pytest.fixture(scope="module")
+def tls():
+    return tls_files(Path(tempfile.mkdtemp(prefix="mft-")), "worker")
+
+
+@pytest.fixture(scope="module")
+def workers(model, tls):
+    ws = spawn_workers(model, SPECS, threads=1, extra=[
+        "--tls-listen", "127.0.0.1:0", "--tls-cert", str(tls.cert), "--tls-key", str(tls.key),
+        "--frames-listen", "127.0.0.1:0"])
+    yield ws
+    for w in ws:
+        assert w.stop() == 0
+
+
+class _Recording:
+    """The product's PeerConnector, keeping the channels it made."""
+
+    def __init__(self, connector) -> None:
+        self.connector, self.channels = connector, []
+
+    def channel(self, hop):
+        ch = self.connector.channel(hop)
+        self.channels.append(ch)
+        return ch
+
+
+def test_route_over_frames_equals_the_whole_model(model, workers, tls):
+    from meshd.generate.routes import PeerConnector, fixed_route
+
+    assert all(w.frames_endpoint for w in workers)
+    bounds = [(0, 3), (3, 6)]
+    source = fixed_route([(w.tls_endpoint, a, b) for w, (a, b) in zip(workers, bounds)], 6)
+    connector = _Recording(PeerConnector(pins={w.tls_endpoint: tls.pin for w in workers},
+                                         frames={w.tls_endpoint: w.frames_endpoint for w in workers}))
+    ref = WholeModel(model).generate(PROMPT, 12, chunk_tokens=16)
+    # capability over the fallback (pinned gRPC); sessions over frames
+    res = drive_fixed(source, PROMPT, 12, connector=connector, return_logits=True)
+    assert res.tokens == ref.tokens
+    assert max(float(abs(a - b).max()) for a, b in zip(res.logits, ref.logits)) == 0.0
+    sessions = [c for c in connector.channels if getattr(c, "used", "")]
+    assert len(sessions) == 2 and all(isinstance(c, TlsFrameChannel) and c.used == "frames" for c in sessions)
+    # a record without a frames endpoint: plain pinned gRPC, same tokens
+    grpc_only = _Recording(PeerConnector(pins={w.tls_endpoint: tls.pin for w in workers}))
+    assert drive_fixed(source, PROMPT, 12, connector=grpc_only).tokens == ref.tokens
+    assert not any(isinstance(c, TlsFrameChannel) for c in grpc_only.channels)
+
+
+def test_unreachable_frames_port_falls_back_to_grpc(model, workers, tls):
+    with socket.socket() as s:          # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    channels = []
+
+    def factory(endpoint):
+        w = next(x for x in workers if x.endpoint == endpoint)
+        ch = TlsFrameChannel(dead, tls.pin, lambda: pinned_channel(w.tls_endpoint, tls.pin, GRPC_OPTIONS))
+        channels.append(ch)
+        return ch
+
+    ref = WholeModel(model).generate(PROMPT, 4, chunk_tokens=16)
+    res = drive_fixed(fixed_source(workers, SPECS, 6), PROMPT, 4, connector=FactoryConnector(factory))
+    assert res.tokens == ref.tokens
+    used = [c for c in channels if c.used]
+    assert used and all(c.used == "grpc" and "cannot reach" in c.fallback_reason for c in used)
+    # without a fallback the hop fails with a transport error the driver can route around
+    with pytest.raises(UnixLinkError):
+        TlsFrameChannel(dead, tls.pin).stream_stream("/x/Session")(iter(()))
+
+
+def test_wrong_pin_is_refused_and_never_falls_back(workers, tls):
+    fell_back = []
+    ch = TlsFrameChannel(workers[0].frames_endpoint, bytes(32), lambda: fell_back.append(1))
+    from meshd.generate.request_queue import RequestQueue
+
+    with pytest.raises(CertificateMismatch):
+        ch.stream_stream("/x/Session")(RequestQueue(4))
+    assert not fell_back
+    with pytest.raises(CertificateMismatch):
+        TlsFrameChannel(workers[0].frames_endpoint, b"short")
+
+
+def test_driver_maps_a_pin_mismatch_to_a_hop_failure(workers, tls):
+    from meshd.generate.driver import GenerationRequest, RouteFailed, SwarmDriver
+    from meshd.generate.routes import PeerConnector, discover_fingerprint
+
+    def factory(endpoint):
+        w = next(x for x in workers if x.endpoint == endpoint)
+        return TlsFrameChannel(w.frames_endpoint, bytes(32) if w is workers[1] else tls.pin)
+
+    source = fixed_source(workers, SPECS, 6)
+    fingerprint = discover_fingerprint(PeerConnector(insecure_loopback=True), source.route)
+    driver = SwarmDriver(source, FactoryConnector(factory), fingerprint=fingerprint)
+    with pytest.raises(RouteFailed, match="does not match the pin"):
+        list(driver.generate(GenerationRequest(tuple(PROMPT), 2, chunk_tokens=16)))
+
+
+def _tls_connect(endpoint: str) -> ssl.SSLSocket:
+    host, port = endpoint.rsplit(":", 1)
+    raw = socket.create_connection((host, int(port)), timeout=30)
+    return client_tls_context().wrap_socket(raw, server_hostname="meshd-peer")
+
+
+def _read_one(sock) -> bytes:
+    reader = FrameReader(MAX_FRAME_BYTES)
+    while (body := reader.next_frame()) is None:
+        data = sock.recv(65536)
+        assert data, "closed without a status"
+        reader.feed(data)
+    return body
+
+
+def test_bad_prefix_gets_a_typed_status_and_the_worker_keeps_serving(workers):
+    with _tls_connect(workers[0].frames_endpoint) as s:
+        s.sendall((MAX_FRAME_BYTES + 1).to_bytes(4, "big"))
+        status = parse_response(_read_one(s)).status
+        assert status.terminal and status.error.code == pb.ERROR_CODE_LIMIT_EXCEEDED
+        assert s.recv(1) == b""            # then closed
+    with _tls_connect(workers[0].frames_endpoint) as s:   # a message not allowed before open
+        s.sendall(encode_frame(pb.SessionRequest(release=pb.ReleaseSignal()).SerializeToString()))
+        status = parse_response(_read_one(s)).status
+        assert status.terminal and status.error.code == pb.ERROR_CODE_PROTOCOL_VIOLATION
+    assert len(drive_fixed(fixed_source(workers, SPECS, 6), PROMPT, 3).tokens) == 3
+
+
+def test_plaintext_on_the_frames_port_gets_nothing(workers):
+    host, port = workers[0].frames_endpoint.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(encode_frame(pb.SessionRequest(release=pb.ReleaseSignal()).SerializeToString()))
+        try:
+            data = s.recv(65536)
+        except ConnectionResetError:
+            data = b""
+        assert b"SessionResponse" not in data and not data.startswith(b"\x00\x00")   # a TLS alert at most
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(junk=st.binary(min_size=1, max_size=2048))
+def test_fuzzed_bytes_end_one_connection_only(workers, junk):
+    with _tls_connect(workers[1].frames_endpoint) as s:
+        s.settimeout(30)
+        s.sendall(junk)
+        try:
+            socket.socket.shutdown(s, socket.SHUT_WR)
+        except OSError:
+            pass
+        got = b""
+        try:
+            while data := s.recv(65536):
+                got += data
+        except (OSError, ssl.SSLError):
+            pass
+    reader = FrameReader(MAX_FRAME_BYTES)
+    reader.feed(got)
+    while (body := reader.next_frame()) is not None:   # whatever came back is well-framed responses
+        parse_response(body)
+
+
+def test_worker_still_serves_after_the_fuzzing(workers, model):
+    ref = WholeModel(model).generate(PROMPT, 3, chunk_tokens=16)
+    assert drive_fixed(fixed_source(workers, SPECS, 6), PROMPT, 3).tokens == ref.tokens
+
+
+def test_grpc_fallback_channel_carries_unary_calls(workers, tls):
+    ch = TlsFrameChannel(workers[0].frames_endpoint, tls.pin,
+                         lambda: pinned_channel(workers[0].tls_endpoint, tls.pin, GRPC_OPTIONS))
+    report = ch.unary_unary("/meshd.shard.v1.ShardRuntime/GetCapability",
+                            request_serializer=pb.CapabilityRequest.SerializeToString,
+                            response_deserializer=pb.CapabilityReport.FromString)(
+        pb.CapabilityRequest(schema_version=pb.SCHEMA_VERSION_1), timeout=30)
+    assert report.validated
+    ch.close()
+    with pytest.raises(grpc.RpcError):
+        TlsFrameChannel(workers[0].frames_endpoint, tls.pin).unary_unary("/x/Release")()
+
+
+def test_the_frames_port_is_not_a_private_edge(workers):
+    """A TLS frames caller is a public peer: an open without an owner token is refused, so it can
+    neither act as the local daemon nor name a relayed peer (only the Unix socket may)."""
+    from shard.server import SERVICE_NAME
+
+    with grpc.insecure_channel(workers[0].endpoint) as channel:   # the private loopback port
+        report = pb.CapabilityReport.FromString(channel.unary_unary(f"/{SERVICE_NAME}/GetCapability")(
+            pb.CapabilityRequest().SerializeToString()))
+    body = pb.SessionRequest(open=pb.SessionOpen(
+        schema_version=1, route_session_id=b"f" * 16, route_epoch=0, fingerprint=report.fingerprint,
+        shard_range=pb.ShardRange(start_layer=0, end_layer=3), max_tokens=8,
+        relayed_peer_id="12D3KooWForged")).SerializeToString()
+    with _tls_connect(workers[0].frames_endpoint) as s:
+        s.sendall(encode_frame(body))
+        resp = parse_response(_read_one(s))
+        assert resp.WhichOneof("kind") == "status", resp
+        assert "owner_token" in resp.status.error.detail
