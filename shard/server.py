@@ -20,6 +20,7 @@ import grpc
 
 from proto import shard_runtime_pb2 as pb
 from proto.limits import MAX_FRAME_BYTES
+from shard.forward import serve_control
 from shard.service import ShardService
 from shard.stream import SessionStream
 
@@ -41,6 +42,9 @@ def _session(service: ShardService):
             for response in stream.receive(body):
                 yield response
             if stream.closed:
+                return
+            if stream.push_sink is not None:   # pushed: answers also come from other streams
+                yield from serve_control(stream, request_iterator)
                 return
     return handler
 

@@ -108,9 +108,25 @@ class UnixFrameServer:
                         return
                     while not stream.closed and (body := reader.next_frame()) is not None:
                         out = stream.receive(body)
-                        if out:
+                        sink = stream.push_sink     # pushed: other threads answer here too
+                        if sink is not None:
+                            if not sink.attached:
+                                sink.attach(_writer(conn))
+                            for r in out:
+                                sink.emit(r)
+                        elif out:
                             conn.sendall(b"".join(encode_frame(r) for r in out))
         except OSError:
             pass                                # the peer went away: nothing to answer
         finally:
+            stream.push_closed()
             self._live.release()
+
+
+def _writer(conn: socket.socket):
+    def write(body: bytes) -> None:
+        try:
+            conn.sendall(encode_frame(body))
+        except OSError:
+            pass                                # the daemon went away; the stream's end cleans up
+    return write
