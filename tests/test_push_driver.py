@@ -157,3 +157,30 @@ def test_a_worker_without_a_dialer_refuses_to_push(model, reference):
     finally:
         for s in made:
             s.kill()
+
+
+def test_a_silent_middle_hop_is_found_by_the_route_deadline_and_replaced(shards, reference):
+    """B stops answering mid-decode (its session lock is held): nothing fails, so the route's step
+    deadline passes; B is the hop that does not answer Health, and D takes over from A's rows."""
+    import threading
+    import time
+
+    from meshd.generate.deadlines import DECODE_FLOOR_S
+
+    driver = driver_for(shards)
+    lock = shards["peer-b"].service.lock
+    tokens, times = [], []
+    try:
+        for token in driver.generate(request()):
+            tokens.append(token.id)
+            times.append(time.monotonic())
+            if len(tokens) == 4:
+                lock.acquire()
+    finally:
+        if lock.locked():
+            lock.release()
+    assert tokens == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-b" and "Health" in event.detail
+    assert times[4] - times[3] >= DECODE_FLOOR_S
+    assert threading.active_count() < 200   # reader threads end with their streams
