@@ -308,6 +308,8 @@ def after_decode(stream, d: pb.DecodeStep, head: pb.DecodeResult, tensors: dict)
     session: PushSession = stream.push
     if session.is_tail:
         head.legs = d.legs + 1
+        head.execution_nanos += d.route_execution_nanos     # the route's compute, for the entry's figures
         session.answer(wire.response_decode(head, tensors))
         return
-    session.push(int(d.position), tensors[HIDDEN], decode=True, legs=d.legs + 1)
+    session.push(int(d.position), tensors[HIDDEN], decode=True, legs=d.legs + 1,
+                 execution=d.route_execution_nanos + head.execution_nanos)

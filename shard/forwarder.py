@@ -156,11 +156,12 @@ class Forwarder:
         self.sent_frames += 1
 
     def _body(self, first: int, rows: np.ndarray, index: int, count: int, final: bool, decode: bool,
-              legs: int = 0) -> bytes:
+              legs: int = 0, execution: int = 0) -> bytes:
         s = self.session
         self._step += 1
         if decode:
-            head = pb.DecodeStep(idempotency_step=self._step, position=first, expected_past_len=first, legs=legs)
+            head = pb.DecodeStep(idempotency_step=self._step, position=first, expected_past_len=first, legs=legs,
+                                 route_execution_nanos=execution)
             return wire.request_decode(head, HIDDEN, rows)
         t = self.target
         env = pb.Envelope(
@@ -173,14 +174,14 @@ class Forwarder:
         return wire.request_chunk(env, {HIDDEN: rows})
 
     def push(self, first: int, rows: np.ndarray, *, index: int = 0, count: int = 1, final: bool = True,
-             decode: bool = False, legs: int = 0) -> None:
+             decode: bool = False, legs: int = 0, execution: int = 0) -> None:
         """Send this hop's output rows for positions [first, first + n) on (PushError on failure)."""
         with self._lock:
             self._keep(first, rows)
             self._batches.append((first, rows.shape[0], index, count, final, decode))
             if self._call is None:
                 self._open()
-            self._send(self._body(first, rows, index, count, final, decode, legs))
+            self._send(self._body(first, rows, index, count, final, decode, legs, execution))
 
     def repoint(self, target: pb.PushTarget) -> None:
         """Push to ``target`` from now on, after re-sending every held row in its first batches."""

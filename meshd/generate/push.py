@@ -310,7 +310,7 @@ class PushDriver(star.SwarmDriver):
         if plain:
             s = self.stats
             s.step_wall_ns.append(time.perf_counter_ns() - t0)
-            s.step_execution_ns.append(int(resp.decode.execution_nanos))
+            s.step_execution_ns.append(int(resp.decode.execution_nanos))   # every hop's, summed along the way
             s.step_tail_bytes.append(nbytes)
             s.step_hops.append(len(links))
             s.step_legs.append(int(resp.decode.legs))
