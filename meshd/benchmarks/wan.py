@@ -32,7 +32,8 @@ removed at the end.
 Arithmetic worth knowing when reading the ratio: the entry serves the head,
 so its first leg is local. Per decode token the star crosses the network
 2 x (hops - 1) times, push hops times (one-way legs, RTT/2 each): with three
-hops 4 x RTT/2 against 3 x RTT/2, at most 1.33x before compute is counted.
+hops the delay alone is 4 x RTT/2 against 3 x RTT/2 (1.33x); the per-leg
+software cost counts all legs, 6 against 4 (1.5x); compute is the same.
 """
 from __future__ import annotations
 
