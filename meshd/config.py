@@ -16,6 +16,8 @@ TOML layout (every key optional; names match the dataclass fields)::
     advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
     record_ttl_s = 120
     reachability = "auto"             # auto | public | private (private: always use relays)
+    route_topology = "push"           # push: hops send rows to the next hop (hops + 1 legs per
+                                      # token); star: the entry carries every boundary (2 x hops)
     experts = "0-3:E4-E7"             # MoE: with layers, hold only these experts of them (peers run
                                       # the rest); without layers, serve them as an expert peer;
                                       # "auto" (with memory_bytes): an expert peer sized to the memory
@@ -84,6 +86,8 @@ WORKER_BACKENDS = ("torch", "llama.cpp")
 # auto: ask connected peers to dial us back (relay/reachability.py) and use relays
 # only when they cannot; public/private skip the probe (private forces relaying).
 REACHABILITY_MODES = ("auto", "public", "private")
+# How the entry drives a route (meshd/generate/push.py); push is the default: fewer network legs.
+ROUTE_TOPOLOGIES = ("push", "star")
 EXPERT_ACTS = ("f32", "q8")
 # The HTTP API listens on loopback unless told otherwise (secure by default).
 DEFAULT_API_LISTEN = "127.0.0.1:8080"
@@ -192,6 +196,7 @@ class DaemonConfig:
     auto_layers: bool = False
     memory_bytes: int | None = None
     reachability: str = "auto"
+    route_topology: str = "push"
     # MoE (meshd/daemon/experts_part.py): the experts held ("L:E0-E7,..." or "auto"), the holder's row format.
     experts: str | None = None
     expert_act: str = "f32"
@@ -201,6 +206,8 @@ class DaemonConfig:
         if self.reachability not in REACHABILITY_MODES:
             raise ConfigError(f"reachability must be one of {', '.join(REACHABILITY_MODES)}, "
                               f"not {self.reachability!r}")
+        if self.route_topology not in ROUTE_TOPOLOGIES:
+            raise ConfigError(f"route_topology must be one of {', '.join(ROUTE_TOPOLOGIES)}")
         object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
         if self.model is not None:
             object.__setattr__(self, "model", Path(os.path.expanduser(str(self.model))))

@@ -379,7 +379,7 @@ class TailSample(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "tail", "max_tokens", "owner_token", "relayed_peer_id")
+    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "tail", "max_tokens", "owner_token", "relayed_peer_id", "push_next", "push", "push_feed")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +391,9 @@ class SessionOpen(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RELAYED_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    PUSH_NEXT_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FEED_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     route_session_id: str
     route_epoch: int
@@ -402,7 +405,26 @@ class SessionOpen(_message.Message):
     max_tokens: int
     owner_token: bytes
     relayed_peer_id: str
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., tail: _Optional[_Union[TailOptions, _Mapping]] = ..., max_tokens: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., relayed_peer_id: _Optional[str] = ...) -> None: ...
+    push_next: PushTarget
+    push: bool
+    push_feed: bool
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., tail: _Optional[_Union[TailOptions, _Mapping]] = ..., max_tokens: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., relayed_peer_id: _Optional[str] = ..., push_next: _Optional[_Union[PushTarget, _Mapping]] = ..., push: bool = ..., push_feed: bool = ...) -> None: ...
+
+class PushTarget(_message.Message):
+    __slots__ = ("peer_id", "endpoint", "tls_cert_sha256", "shard_range", "route_epoch", "owner_token")
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TLS_CERT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    peer_id: str
+    endpoint: str
+    tls_cert_sha256: bytes
+    shard_range: ShardRange
+    route_epoch: int
+    owner_token: bytes
+    def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., route_epoch: _Optional[int] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch", "flow_control", "accepted_compression", "fingerprint", "past_len")
@@ -433,36 +455,42 @@ class ActivationChunk(_message.Message):
     def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ...) -> None: ...
 
 class DecodeStep(_message.Message):
-    __slots__ = ("idempotency_step", "position", "expected_past_len", "tensor", "work_id", "deadline_unix_nanos")
+    __slots__ = ("idempotency_step", "position", "expected_past_len", "tensor", "work_id", "deadline_unix_nanos", "legs", "route_execution_nanos")
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_PAST_LEN_FIELD_NUMBER: _ClassVar[int]
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
+    LEGS_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EXECUTION_NANOS_FIELD_NUMBER: _ClassVar[int]
     idempotency_step: int
     position: int
     expected_past_len: int
     tensor: NamedTensor
     work_id: str
     deadline_unix_nanos: int
-    def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., expected_past_len: _Optional[int] = ..., tensor: _Optional[_Union[NamedTensor, _Mapping]] = ..., work_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ...) -> None: ...
+    legs: int
+    route_execution_nanos: int
+    def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., expected_past_len: _Optional[int] = ..., tensor: _Optional[_Union[NamedTensor, _Mapping]] = ..., work_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ..., legs: _Optional[int] = ..., route_execution_nanos: _Optional[int] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "bundle", "sample")
+    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "bundle", "sample", "legs")
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     PAST_LEN_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     EXECUTION_NANOS_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    LEGS_FIELD_NUMBER: _ClassVar[int]
     idempotency_step: int
     past_len: int
     duplicate: bool
     execution_nanos: int
     bundle: TensorBundle
     sample: TailSample
-    def __init__(self, idempotency_step: _Optional[int] = ..., past_len: _Optional[int] = ..., duplicate: bool = ..., execution_nanos: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ...) -> None: ...
+    legs: int
+    def __init__(self, idempotency_step: _Optional[int] = ..., past_len: _Optional[int] = ..., duplicate: bool = ..., execution_nanos: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ..., legs: _Optional[int] = ...) -> None: ...
 
 class ReleaseSignal(_message.Message):
     __slots__ = ("route_session_id", "route_epoch", "work_id")
@@ -501,34 +529,44 @@ class Ack(_message.Message):
     def __init__(self, work_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., cache_result: _Optional[_Union[CacheResult, _Mapping]] = ..., duplicate: bool = ..., execution_nanos: _Optional[int] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
-    __slots__ = ("work_id", "route_session_id", "idempotency_step", "error", "terminal")
+    __slots__ = ("work_id", "route_session_id", "idempotency_step", "error", "terminal", "failed_peer_id")
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TERMINAL_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PEER_ID_FIELD_NUMBER: _ClassVar[int]
     work_id: str
     route_session_id: str
     idempotency_step: int
     error: ShardError
     terminal: bool
-    def __init__(self, work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., error: _Optional[_Union[ShardError, _Mapping]] = ..., terminal: bool = ...) -> None: ...
+    failed_peer_id: str
+    def __init__(self, work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., idempotency_step: _Optional[int] = ..., error: _Optional[_Union[ShardError, _Mapping]] = ..., terminal: bool = ..., failed_peer_id: _Optional[str] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("open", "chunk", "decode", "flow_control", "release", "cancel")
+    __slots__ = ("open", "chunk", "decode", "flow_control", "release", "cancel", "repoint")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     FLOW_CONTROL_FIELD_NUMBER: _ClassVar[int]
     RELEASE_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    REPOINT_FIELD_NUMBER: _ClassVar[int]
     open: SessionOpen
     chunk: ActivationChunk
     decode: DecodeStep
     flow_control: FlowControl
     release: ReleaseSignal
     cancel: CancelSignal
-    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[ActivationChunk, _Mapping]] = ..., decode: _Optional[_Union[DecodeStep, _Mapping]] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., release: _Optional[_Union[ReleaseSignal, _Mapping]] = ..., cancel: _Optional[_Union[CancelSignal, _Mapping]] = ...) -> None: ...
+    repoint: PushRepoint
+    def __init__(self, open: _Optional[_Union[SessionOpen, _Mapping]] = ..., chunk: _Optional[_Union[ActivationChunk, _Mapping]] = ..., decode: _Optional[_Union[DecodeStep, _Mapping]] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., release: _Optional[_Union[ReleaseSignal, _Mapping]] = ..., cancel: _Optional[_Union[CancelSignal, _Mapping]] = ..., repoint: _Optional[_Union[PushRepoint, _Mapping]] = ...) -> None: ...
+
+class PushRepoint(_message.Message):
+    __slots__ = ("next",)
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    next: PushTarget
+    def __init__(self, next: _Optional[_Union[PushTarget, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
     __slots__ = ("accepted", "chunk", "ack", "flow_control", "status", "decode")

@@ -88,15 +88,16 @@ def request_decode(step: pb.DecodeStep, name: str, array: np.ndarray | PreparedT
     """Serialized SessionRequest{decode: step with ``tensor`` set from ``array``}.
 
     ``step`` supplies the scalar fields (idempotency_step, position,
-    expected_past_len, work_id, deadline_unix_nanos); its own tensor is ignored.
+    expected_past_len, work_id, deadline_unix_nanos, legs, route_execution_nanos); its own
+    tensor is ignored.
     """
     if not isinstance(step, pb.DecodeStep):
         raise LocalError("step must be a pb.DecodeStep")
     (prep,) = prepare_bundle({name: array}, **encode_kwargs)
     before = pb.DecodeStep(idempotency_step=step.idempotency_step, position=step.position,
                            expected_past_len=step.expected_past_len).SerializeToString()
-    after = pb.DecodeStep(work_id=step.work_id,
-                          deadline_unix_nanos=step.deadline_unix_nanos).SerializeToString()
+    after = pb.DecodeStep(work_id=step.work_id, deadline_unix_nanos=step.deadline_unix_nanos,
+                          legs=step.legs, route_execution_nanos=step.route_execution_nanos).SerializeToString()
     pieces, size = prep.pieces()
     head = before + b"\x22" + varint(size)
     return _finish(b"\x1a", [head, *pieces, after], len(head) + size + len(after), framed)

@@ -23,6 +23,9 @@ Files and roles (data flows top to bottom):
     worklog.py        the worker's stderr log: one line per record, traceback lines marked
     service.py        ShardService: backend + sessions + lock; capability (validated), health
     stream.py         sans-I/O Session stream core: request bytes in, response bytes out
+    forward.py        push topology: pushed sessions, feeders, the entry's control stream answered
+                      from other threads (ControlSink), the hooks stream.py calls
+    forwarder.py      a pushed hop's stream to its successor; the rows it keeps for a replacement
     server.py         the grpcio edge (identity-serialized Session stream, unary RPCs)
     frame_server.py   the framed fast path for peers: Session frames over TLS/TCP (same stream core,
                       same certificate as the TLS gRPC port); serve_frames is shared with unix_server

@@ -35,6 +35,7 @@ on that connection only, which is then closed.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import ssl
 import threading
@@ -71,23 +72,53 @@ def serve_frames(conn, service: ShardService, *, idle_timeout_s: float | None = 
     caller; otherwise the public caller's address (TLS frames), never trusted to name anyone."""
     stream = SessionStream(service) if peer is None else SessionStream(service, peer=peer, private=False)
     reader = FrameReader(MAX_FRAME_BYTES)
+    # A pushed session's answers are written by other threads (its sink) while this one reads.
+    # An SSL object must not be read and written at once, so every read and write on ``conn``
+    # holds ``io``; reads wait for readiness first (select), outside the lock.
+    io = threading.Lock()
+
+    def write(body: bytes) -> None:
+        try:
+            with io:
+                conn.sendall(encode_frame(body))
+        except (OSError, ssl.SSLError):
+            pass                                # the peer went away; the stream's end cleans up
+
+    def read() -> bytes:
+        pending = getattr(conn, "pending", None)
+        if not (pending and pending()):
+            ready, _, _ = select.select([conn], [], [], idle_timeout_s)
+            if not ready:
+                raise TimeoutError("idle")
+        with io:
+            return conn.recv(READ_BYTES)
+
     conn.settimeout(idle_timeout_s)
     try:
         while not stream.closed:
-            data = conn.recv(READ_BYTES)
+            data = read()
             if not data:
                 return                  # the peer ended the session's stream
             try:
                 reader.feed(data)
             except ProtocolError as exc:    # bad length prefix: answer, then close
-                conn.sendall(encode_frame(_status(exc, terminal=True)))
+                write(_status(exc, terminal=True))
                 return
             while not stream.closed and (body := reader.next_frame()) is not None:
                 out = stream.receive(body)
-                if out:
-                    conn.sendall(b"".join(encode_frame(r) for r in out))
+                sink = stream.push_sink         # pushed: other threads answer here too
+                if sink is not None:
+                    if not sink.attached:
+                        sink.attach(write)
+                    for r in out:
+                        sink.emit(r)
+                elif out:
+                    with io:
+                        conn.sendall(b"".join(encode_frame(r) for r in out))
     except (OSError, ssl.SSLError):
         pass                                # the peer went away or idled out: nothing to answer
+    finally:
+        stream.push_closed()
 
 
 class TlsFrameServer:

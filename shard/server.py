@@ -41,6 +41,7 @@ from proto.errors import ProtocolError
 from proto.frames import parse_unary
 from proto.limits import MAX_FRAME_BYTES
 from shard.errors import MAX_DETAIL_CHARS
+from shard.forward import serve_control
 from shard.service import ShardService
 from shard.sessions import LOCAL_OWNER
 from shard.stream import SessionStream
@@ -73,6 +74,9 @@ def _session(service: ShardService):
             for response in stream.receive(body):
                 yield response
             if stream.closed:
+                return
+            if stream.push_sink is not None:   # pushed: answers also come from other streams
+                yield from serve_control(stream, request_iterator)
                 return
     return handler
 

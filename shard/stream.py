@@ -62,6 +62,7 @@ from proto.flow import CreditLedger, negotiate
 from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
+from shard import forward
 from shard.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
                           log_failure, map_failure, to_shard_error)
@@ -85,7 +86,7 @@ AWAIT_OPEN, OPEN, CLOSED = "await_open", "open", "closed"
 # Which request kinds each state accepts; anything else is a ProtocolViolation.
 ALLOWED = {
     AWAIT_OPEN: {"open"},
-    OPEN: {"chunk", "decode", "flow_control", "release", "cancel"},
+    OPEN: {"chunk", "decode", "flow_control", "release", "cancel", "repoint"},
     CLOSED: set(),
 }
 
@@ -142,10 +143,23 @@ class SessionStream:
         self.tail = pb.TailOptions()
         self.sampling: SamplingSpec | None = None   # the tail samples (a pure function of seed and position)
         self.ledger: CreditLedger | None = None
+        self.push = None            # shard.forward.PushSession of a pushed session (issue 18)
+        self.push_role = ""         # "control" (the entry's stream) or "feed" (the upstream hop's)
 
     @property
     def closed(self) -> bool:
         return self.state == CLOSED
+
+    @property
+    def push_sink(self):
+        """A pushed session's control stream answers through this sink, from any thread."""
+        return self.push.sink if self.push_role == "control" else None
+
+    def push_closed(self) -> None:
+        """The stream ended: a control stream's pushed session (and its forwarder) goes too."""
+        if self.push_role == "control" and self.push is not None:
+            self.push.close()
+        self.push = None
 
     # -- entry point -------------------------------------------------------------------
     def receive(self, data: bytes) -> list[bytes]:
@@ -163,7 +177,7 @@ class SessionStream:
                 self.ledger.on_chunk(len(data))
             handler = {"open": self._on_open, "chunk": self._on_chunk, "decode": self._on_decode,
                        "flow_control": self._on_flow_control, "release": self._on_release,
-                       "cancel": self._on_cancel}[kind]
+                       "cancel": self._on_cancel, "repoint": self._on_repoint}[kind]
             return handler(req, tensors)
         except (ProtocolError, ShardRefusal) as exc:  # frame-level, a refused open, or a cancel
             self.state = CLOSED
@@ -191,6 +205,8 @@ class SessionStream:
             raise ProtocolViolation("SessionOpen needs an owner_token on this port")
         peer = RELAYED_PEER_PREFIX + o.relayed_peer_id if self.private and o.relayed_peer_id else self.peer
         owner = Owner.of(peer, o.owner_token)
+        if o.push_feed:
+            return forward.attach_feeder(self, key, o, owner)
         sampling = None
         if lr.is_tail and o.tail.sample:
             sampling = SamplingSpec.from_pb(o.tail.sampling)
@@ -201,6 +217,8 @@ class SessionStream:
         self.ledger = CreditLedger(flow)
         self.key, self.effective_start, self.tail, self.state = key, r.effective_start_layer, o.tail, OPEN
         self.sampling, self.owner = sampling, owner
+        if o.push:
+            forward.open_control(self, key, o)
         return [pb.SessionResponse(accepted=pb.SessionAccepted(
             schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
             flow_control=flow, accepted_compression=ACCEPTED_COMPRESSION,
@@ -285,6 +303,9 @@ class SessionStream:
         out_env.CopyFrom(env)
         out_env.position.token_count = span.token_count
         tensors, sample = _parts(result.payload)
+        if self.push is not None:
+            forward.after_chunk(self, out_env, tensors, sample)
+            return self._grant()
         return [wire.response_chunk(out_env, tensors, sample=sample), *self._grant()]
 
     def _on_decode(self, req: pb.SessionRequest, tensors) -> list[bytes]:
@@ -301,6 +322,9 @@ class SessionStream:
         tensors, sample = _parts(result.payload)
         if sample is not None:
             head.sample.CopyFrom(sample)
+        if self.push is not None:
+            forward.after_decode(self, d, head, tensors)
+            return self._grant()
         # One-copy serializer at every size: building protobuf NamedTensors and
         # copying them into the result cost ~10x more per decode step.
         return [wire.response_decode(head, tensors), *self._grant()]
@@ -308,12 +332,22 @@ class SessionStream:
     def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         return []  # responses answer requests one to one; the peer's grants need no bookkeeping
 
+    def _on_repoint(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
+        if self.push_role != "control":
+            raise ProtocolViolation("repoint is only for a pushed session's entry stream")
+        self.push.repoint(req.repoint.next)
+        return []
+
     def _on_release(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
+        if self.push_role == "feed":
+            raise ProtocolViolation("a feeder stream cannot release the session")
         r = req.release
         if r.route_session_id != self.key.session_id or r.route_epoch != self.key.epoch:
             raise ProtocolViolation("release names another session or epoch than this stream's")
         with self.service.lock:
             self.service.manager.release(self.key, self.owner)
+        if self.push is not None:
+            self.push.release()
         self.state = CLOSED
         return [pb.SessionResponse(ack=pb.Ack(work_id=r.work_id)).SerializeToString()]
 

@@ -93,3 +93,4 @@ class UnixFrameServer:
                 serve_frames(conn, self.service)
         finally:
             self._live.release()
+

@@ -127,6 +127,8 @@ def test_32_greedy_tokens_equal_the_whole_model(swarm, whole, model):
     print("route:", done["route"], "tokens:", done["tokens"])
     assert done["tokens"] == expected
     assert len(done["route"]) == 3 and not done["failovers"]
+    # the product default pushes: each hop sends its rows to the next, the tail the token (issue 18)
+    assert done["topology"] == "push" and done["step_legs"] and set(done["step_legs"]) == {3 + 1}
 
 
 def test_meshd_generate_streams_the_same_text(swarm, whole, model):
@@ -229,6 +231,7 @@ def test_killing_the_middle_hop_during_decode_keeps_the_tokens(swarm, whole, mod
     assert done["failovers"][0]["failed_peer"] == middle_peer
     assert done["failovers"][0]["position"] > done["prompt_tokens"]  # after the prefill: during decode
     assert middle_peer not in " ".join(done["route"])
+    assert done["topology"] == "push"
 
 
 def test_a_node_joining_during_a_generation_does_not_break_it(swarm, whole, model):

@@ -31,6 +31,11 @@ Steps (progress lines on the given stream):
    monotonic clock shared by the processes on this host) and
    ``failover_to_token_s`` (failure seen by the driver -> next token).
 ``path: "daemon"`` says what was timed. Every daemon is stopped at the end.
+
+``--rtt-ms N``: instead, the daemons run in network namespaces N ms apart and
+star is compared with push in the same run, plus the same on loopback
+(meshd/benchmarks/wan.py: ``push_vs_star_decode_ratio``, ``legs_per_token``,
+``hops``).
 """
 from __future__ import annotations
 
@@ -86,6 +91,10 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         from meshd.benchmarks.swarm_llama import run as run_llama   # whole-model llama.cpp as the reference
 
         return run_llama(quick, progress, options)
+    if getattr(options, "rtt_ms", None) is not None:   # star vs push across a delayed network
+        from meshd.benchmarks import wan
+
+        return wan.run(options.rtt_ms, quick=quick, progress=progress, options=options)
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks import route_plan
     from meshd.benchmarks.local_swarm import THREADS

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="swarm, pipeline: a model artifact directory (default: SmolLM2-135M)")
     parser.add_argument("--layers", help="swarm, pipeline: a fixed split A:B,C:D,... (one daemon per range; "
                                          "default: swarm --layers auto, pipeline 2 and 3 even ranges)")
+    parser.add_argument("--rtt-ms", type=float, dest="rtt_ms",
+                        help="swarm: run the daemons in network namespaces with this round trip between them "
+                             "(tc netem; root) and compare star with push (meshd/benchmarks/wan.py)")
     parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
                         help="swarm, pipeline: the daemons' backend (default torch)")
 
@@ -42,6 +45,8 @@ def run(args: argparse.Namespace) -> int:
     from meshd.cli.common import fail
     from proto.errors import MeshdError
 
+    if args.rtt_ms is not None and args.name != "swarm":
+        return fail("only bench swarm takes --rtt-ms", 2)
     if args.name not in MODEL_OPTIONS and (args.model or args.layers or args.backend != "torch"):
         return fail(f"bench {args.name} takes no --model/--layers/--backend (only {', '.join(MODEL_OPTIONS)} do)", 2)
     module = importlib.import_module(BENCHMARKS[args.name])

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reachability", choices=("auto", "public", "private"),
                         help="auto (default): probe whether peers can dial us and use relays if not; "
                              "private: always reserve on relays; public: never")
+    parser.add_argument("--topology", choices=("push", "star"), dest="route_topology",
+                        help="push (default): each hop sends its rows to the next; star: the entry carries them")
     parser.add_argument("--api-listen", metavar="HOST:PORT|off",
                         help="the HTTP API, metrics and dashboard (default 127.0.0.1:8080; port 0: any free port); "
                              "beyond loopback it needs --api-key")
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             "listen": tuple(args.listen) if args.listen else None,
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
+            "route_topology": args.route_topology,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,
             "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,

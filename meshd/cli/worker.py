@@ -148,6 +148,23 @@ def _load_and_validate(args: argparse.Namespace):
     return service, router, None
 
 
+def push_dialer(target):
+    """How this worker reaches the successor an entry named (push topology, shard/forward.py).
+
+    The worker dials itself rather than through its daemon: the rows are here, and a detour
+    through the daemon would add a process hop and a thread hand-off to every step. Only TLS
+    pinned to the certificate hash the entry took from the target's signed record; a target
+    without a pin is refused (relayed targets never get here: the entry drives those as a star).
+    """
+    from meshd.errors import ConfigError
+    from meshd.reach.tls import pinned_channel
+    from shard.server import GRPC_OPTIONS
+
+    if len(target.tls_cert_sha256) != 32:
+        raise ConfigError(f"push target {target.peer_id[-12:]} carries no certificate pin; refusing to dial")
+    return pinned_channel(target.endpoint, bytes(target.tls_cert_sha256), GRPC_OPTIONS)
+
+
 def run(args: argparse.Namespace) -> int:
     from meshd.cli import expert_worker
     from shard import worklog
@@ -171,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     if service is None:
         print(f"cannot load {args.model} layers {args.layers}: {failure}", file=sys.stderr, flush=True)
         return 1
+    service.push_dialer = push_dialer
     tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes()) if args.tls_listen else (None, None)
     server, port, tls_port = build_server(service, args.listen, tls_listen=args.tls_listen,
                                           tls_cert=tls[0], tls_key=tls[1])

@@ -5,6 +5,7 @@
     textstream.py     incremental detokenization; stop strings held back and cut
     hop_meter.py      per-hop bytes and decode-step latency, measured on each hop's channel
     driver.py         SwarmDriver: the one route driver (failover, exact recovery, token-only tails)
+    push.py           PushDriver: the driver with the push topology (hops + 1 legs per token), star kept
     hop_link.py       one hop's Session stream (blocking gRPC call, credits, past length)
     deadlines.py      each hop's step deadlines from its own measured step times (silent hops)
     request_queue.py  request bodies from the driver's thread to the transport

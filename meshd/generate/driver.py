@@ -211,6 +211,7 @@ class DriverStats:
     step_tail_bytes: list[int] = field(default_factory=list)     # response bytes from the tail
     step_hops: list[int] = field(default_factory=list)
     hop_execution_ns: list[int] = field(default_factory=list)    # per hop index, summed over those steps
+    step_legs: list[int] = field(default_factory=list)           # network legs each step took, counted (push.py)
     logits: list[np.ndarray] = field(default_factory=list)       # with return_logits only
 
     @property

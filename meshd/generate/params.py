@@ -44,6 +44,7 @@ class GenerateParams:
     stop: tuple[str, ...] = ()
     logprobs: bool = False          # report each chosen token's log-probability
     top_logprobs: int = 0           # and this many alternatives per position
+    topology: str = ""              # "push" | "star" for this request; "": the node's route_topology
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -85,12 +86,14 @@ class GenerateParams:
         if not isinstance(self.stop, tuple):
             raise LocalError("stop must be a list of strings")
         check_stops(self.stop)
+        if self.topology not in ("", "push", "star"):
+            raise LocalError("topology must be push or star")
 
     @classmethod
     def from_request(cls, request: dict) -> "GenerateParams":
         """A control-socket request (``{"op": "generate", ...}``); unknown keys are ignored."""
         known = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "raw", "logprobs",
-                 "top_logprobs"}
+                 "top_logprobs", "topology"}
         fields = {k: v for k, v in request.items() if k in known}
         if "stop" in request:
             stop = request["stop"]

@@ -51,6 +51,7 @@ import trio
 
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, SampledToken, SwarmDriver
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
+from meshd.generate.push import PushDriver
 from meshd.generate.params import (DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS,  # noqa: F401 - re-exported
                                    GenerateParams)
 from meshd.generate.routes import AdsRouteSource, PeerConnector
@@ -118,7 +119,7 @@ async def entry_tokenizer(swarm):
     return swarm.tokenizer
 
 
-def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDriver, list[dict]]:
+def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "") -> tuple[SwarmDriver, list[dict]]:
     """A route driver over the swarm as this node sees it, and the list its failovers are noted in."""
     node = swarm.node
     claim = node.advertiser.claim
@@ -141,8 +142,10 @@ def swarm_driver(swarm, observer: HopObserver | None = None) -> tuple[SwarmDrive
                               frames=swarm.frames,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
-    driver = SwarmDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
-                         fingerprint=fingerprint, context_tokens=getattr(swarm, "context_tokens", 0), on_failover=lambda e: failovers.append(
+    driver = PushDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
+                        topology=topology or swarm.config.route_topology,
+                        fingerprint=fingerprint, context_tokens=getattr(swarm, "context_tokens", 0),
+                        on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
          "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]}))
@@ -153,7 +156,7 @@ async def generate(swarm, params: GenerateParams, send: Send, *, observer: HopOb
     """The core on the daemon's swarm: check readiness, then ``drive`` (raises NotReady, LocalError)."""
     await check_ready(swarm)
     tokenizer = await entry_tokenizer(swarm)
-    driver, failovers = swarm_driver(swarm, observer)
+    driver, failovers = swarm_driver(swarm, observer, params.topology)
     await drive(driver, tokenizer, params, send, failovers=failovers)
 
 
@@ -264,4 +267,6 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
                 "step_wall_ms": [round(n / 1e6, 4) for n in stats.step_wall_ns],
                 "step_execution_ms": [round(n / 1e6, 4) for n in stats.step_execution_ns],
                 "step_hops": list(stats.step_hops),
+                "step_legs": list(stats.step_legs),
+                "topology": "push" if getattr(driver, "_pushing", False) else "star",
                 "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in route.hops] if route else []})

@@ -1,0 +1,261 @@
+"""``meshd bench swarm --rtt-ms N``: star vs push through real daemons across a delayed network.
+
+    meshd bench swarm --rtt-ms 20 [--quick] [--json] [--model DIR] [--layers 0:10,10:20,20:30]
+
+Topology (root; iproute2): a hub namespace that forwards, and one namespace
+per daemon joined to it by a veth pair. The delay: this machine's kernel has
+no ``sch_netem`` (``tc qdisc add ... netem`` -> "Specified qdisc kind is
+unknown", no modules to load), so each daemon advertises its TLS endpoint at
+the hub's address on its link (``--advertise-host 10.214.i.1``) and a
+delaying forwarder in the hub (delay_proxy.py: RTT/2 per direction,
+pipelined) carries every hop-to-hop and entry-to-hop connection to the
+daemon's worker: every daemon-to-daemon round trip takes RTT, while each
+daemon reaches its own worker over its Unix socket. No NAT: the daemons are
+public to each other (``--reachability public``).
+
+    ns n0 (10.214.1.2) --veth-- hub (10.214.i.1: forwarding + delay proxy) --veth-- ns n1 (10.214.2.2) ...
+
+One ``meshd join --layers A:B`` per range (default: three even ranges), each
+in its namespace, bootstrapped from the first; the entry is the layer-0
+daemon. In the same run, alternating rounds after a warm-up of each: a
+generation with ``topology: star`` and one with ``topology: push`` through the
+entry's control socket (the generate op a user runs). Then the same daemons'
+figures on loopback (a LocalSwarm of the same ranges, same rounds).
+
+Keys: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
+``legs_per_token`` (push: the median of the legs the hops counted in each
+decode step's frames, not computed from the route), ``star_legs_per_token``,
+``hops``, ``rtt_ms``, ``tokens_equal`` (star == push, every round),
+``loopback`` (the same keys on loopback). Every namespace and daemon is
+removed at the end.
+
+Arithmetic worth knowing when reading the ratio: the entry serves the head,
+so its first leg is local. Per decode token the star crosses the network
+2 x (hops - 1) times, push hops times (one-way legs, RTT/2 each): with three
+hops the delay alone is 4 x RTT/2 against 3 x RTT/2 (1.33x); the per-leg
+software cost counts all legs, 6 against 4 (1.5x); compute is the same.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import TextIO
+
+SUBNET = "10.214"
+# Names carry our pid so parallel runs never collide; interface names stay within 15 characters.
+_TAG_MOD = 100000
+
+
+class NetnsError(RuntimeError):
+    """Namespaces or netem could not be set up here; the message says why."""
+
+
+def _run(*cmd: str) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed ({done.returncode}): {done.stderr.strip()}")
+
+
+class DelayedNet:
+    """A hub namespace and ``count`` node namespaces; ``delay(endpoints)`` starts the hub's proxy."""
+
+    def __init__(self, count: int, rtt_ms: float) -> None:
+        self.tag = f"{os.getpid() % _TAG_MOD:05d}"
+        self.count, self.rtt_ms = count, rtt_ms
+        self.hub = f"mw{self.tag}-hub"
+        self.nodes = [f"mw{self.tag}-n{i}" for i in range(count)]
+        self.proxy: subprocess.Popen | None = None
+
+    def hub_ip(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}.1"
+
+    def delay(self, ports: dict[int, int]) -> None:
+        """Forward hub_ip(i):port -> ip(i):port for each node i, RTT/2 each way."""
+        from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+
+        pairs = [f"{self.hub_ip(i)}:{p}={self.ip(i)}:{p}" for i, p in ports.items()]
+        self.proxy = subprocess.Popen(["ip", "netns", "exec", self.hub, sys.executable, "-m",
+                                       "meshd.benchmarks.delay_proxy", f"{self.rtt_ms / 2:g}", *pairs],
+                                      cwd=REPO_ROOT, env=child_env(1), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+        line = self.proxy.stdout.readline()
+        if line.strip() != "ready":
+            raise NetnsError(f"the delay proxy did not start: {self.proxy.stderr.read()[-500:]}")
+
+    def ip(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}.2"
+
+    def prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.nodes[i]]
+
+    def up(self) -> "DelayedNet":
+        if os.geteuid() != 0:
+            raise NetnsError("--rtt-ms needs root (network namespaces and tc netem)")
+        for tool in ("ip",):
+            if shutil.which(tool) is None:
+                raise NetnsError(f"`{tool}` is not installed (apt-get install -y iproute2)")
+        try:
+            _run("ip", "netns", "add", self.hub)
+            _run("ip", "-n", self.hub, "link", "set", "lo", "up")
+            _run("ip", "netns", "exec", self.hub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            for i, ns in enumerate(self.nodes):
+                a, b = f"mw{self.tag}h{i}", f"mw{self.tag}n{i}"
+                _run("ip", "netns", "add", ns)
+                _run("ip", "-n", ns, "link", "set", "lo", "up")
+                _run("ip", "link", "add", a, "type", "veth", "peer", "name", b)
+                _run("ip", "link", "set", a, "netns", self.hub)
+                _run("ip", "link", "set", b, "netns", ns)
+                _run("ip", "-n", self.hub, "addr", "add", f"{SUBNET}.{i + 1}.1/24", "dev", a)
+                _run("ip", "-n", ns, "addr", "add", f"{self.ip(i)}/24", "dev", b)
+                _run("ip", "-n", self.hub, "link", "set", a, "up")
+                _run("ip", "-n", ns, "link", "set", b, "up")
+                _run("ip", "-n", ns, "route", "add", "default", "via", f"{SUBNET}.{i + 1}.1")
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()
+            try:
+                self.proxy.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait(10)
+        for ns in (*self.nodes, self.hub):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+
+
+def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str, advertise: str, layers: str,
+               bootstrap: str | None, threads: int, record_ttl_s: float, kv_budget_tokens: int):
+    from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env
+
+    d = LocalDaemon.__new__(LocalDaemon)
+    d.name, d.data_dir, d.log = name, root / name, root / f"{name}.log"
+    args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
+            "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir), "--record-ttl", str(record_ttl_s),
+            "--reachability", "public", "--api-listen", "off", "--threads", str(threads),
+            "--kv-budget-tokens", str(kv_budget_tokens)]
+    if bootstrap:
+        args += ["--bootstrap", bootstrap]
+    d._log_file = open(d.log, "w")
+    d.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(threads), stdout=d._log_file,
+                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    return d
+
+
+def _generate(daemon, prompt: str, n: int, topology: str) -> dict:
+    done = None
+    for event in daemon.generate(prompt, max_tokens=n, raw=True, topology=topology):
+        if event.get("done"):
+            done = event
+        elif "error" in event:
+            raise RuntimeError(f"{daemon.name}: {event['error']}")
+    if done is None:
+        raise RuntimeError(f"{daemon.name} ended the generation without a done event")
+    return done
+
+
+def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: str) -> dict:
+    """Alternating star / push rounds after a warm-up of each; the figures (module doc)."""
+    for topology in ("star", "push"):
+        _generate(entry, prompt, 4, topology)
+    runs: dict[str, list[dict]] = {"star": [], "push": []}
+    for r in range(rounds):
+        for topology in ("star", "push"):
+            runs[topology].append(_generate(entry, prompt, new_tokens, topology))
+        _say(progress, f"{label} round {r + 1}/{rounds}: star {runs['star'][-1]['decode_tokens_per_s']} tok/s, "
+                       f"push {runs['push'][-1]['decode_tokens_per_s']} tok/s")
+    best = {t: max(d["decode_tokens_per_s"] or 0.0 for d in runs[t]) for t in runs}
+    legs = {t: [x for d in runs[t] for x in d.get("step_legs", [])] for t in runs}
+    tokens = [d["tokens"] for t in runs for d in runs[t]]
+    return {
+        "star_decode_tok_s": round(best["star"], 3), "push_decode_tok_s": round(best["push"], 3),
+        "push_vs_star_decode_ratio": round(best["push"] / best["star"], 3) if best["star"] else None,
+        "legs_per_token": statistics.median(legs["push"]) if legs["push"] else None,
+        "star_legs_per_token": statistics.median(legs["star"]) if legs["star"] else None,
+        "hops": len(runs["push"][-1]["route"]),
+        "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}),
+        "tokens_equal": all(t == tokens[0] for t in tokens),
+        "star_prefill_s": round(min(d["prefill_s"] for d in runs["star"]), 4),
+        "push_prefill_s": round(min(d["prefill_s"] for d in runs["push"]), 4),
+    }
+
+
+def _say(progress: TextIO | None, line: str) -> None:
+    if progress is not None:
+        print(f"swarm bench (wan): {line}", file=progress, flush=True)
+
+
+def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
+    from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks.local_swarm import THREADS, LocalSwarm, wait_for
+    from meshd.plan.modelinfo import model_num_layers
+    from native.packaged import smollm2_artifact
+
+    if not 0 <= rtt_ms <= 1000:
+        raise NetnsError("--rtt-ms must be within 0..1000")
+    model = R.bench_model(options, smollm2_artifact)
+    num_layers = model_num_layers(model)
+    layers = getattr(options, "layers", None)
+    specs = R.parse_splits(layers, num_layers) if layers else _even(num_layers, 3)
+    new_tokens = 16 if quick else R.QUICK_NEW_TOKENS
+    rounds = 1 if quick else 3
+    prompt = R.PROMPT_TEXT
+    result: dict = {"path": "daemon", "model": str(model), "rtt_ms": rtt_ms, "layers": specs,
+                    "new_tokens": new_tokens, "rounds": rounds, "threads": THREADS}
+    root = Path(tempfile.mkdtemp(prefix="meshd-bench-wan-"))
+    net = DelayedNet(len(specs), rtt_ms)
+    swarm = LocalSwarm(root, model)
+    try:
+        net.up()
+        _say(progress, f"{len(specs)} namespaces, {rtt_ms:g} ms round trips between them; starting daemons")
+        for i, spec in enumerate(specs):
+            d = _ns_daemon(root, f"n{i}", model, prefix=net.prefix(i), ip=net.ip(i), advertise=net.hub_ip(i),
+                           layers=spec,
+                           bootstrap=swarm.bootstrap, threads=THREADS, record_ttl_s=R.BENCH_RECORD_TTL_S,
+                           kv_budget_tokens=1024)
+            swarm.daemons.append(d)
+            if swarm.bootstrap is None:
+                swarm.bootstrap = d.address()
+        for d in swarm.daemons:
+            swarm.wait_serving(d, R.START_TIMEOUT_S)
+        entry = R.entry_of(swarm)
+        wait_for(lambda: (v := entry.swarm()) and v.get("coverage", {}).get("fully_covered")
+                 and len(v["ads"]) >= len(specs) and v, "full coverage", R.START_TIMEOUT_S, entry)
+        (entries,) = (entry.query("status") or {})["coverage"].values()
+        ports = {}
+        for e in entries:
+            host, _, port = e["grpc_endpoint"].rpartition(":")
+            ports[next(i for i in range(len(specs)) if net.hub_ip(i) == host)] = int(port)
+        net.delay(ports)
+        result["delay"] = "userspace proxy in the hub namespace (no sch_netem in this kernel)"
+        result.update(compare(entry, prompt, new_tokens, rounds, progress, f"{rtt_ms:g} ms"))
+    except BaseException:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    finally:
+        _say(progress, "stopping the daemons and removing the namespaces")
+        swarm.close()
+        net.down()
+    try:
+        _say(progress, "the same ranges on loopback")
+        local = R.start_split(root / "loopback", model, specs, kv_budget_tokens=1024)
+        try:
+            result["loopback"] = compare(R.entry_of(local), prompt, new_tokens, rounds, progress, "loopback")
+        finally:
+            local.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return result
+
+
+def _even(num_layers: int, parts: int) -> list[str]:
+    cuts = [round(num_layers * k / parts) for k in range(parts + 1)]
+    return [f"{a}:{b}" for a, b in zip(cuts, cuts[1:])]

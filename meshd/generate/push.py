@@ -1,0 +1,373 @@
+"""The entry's side of a pushed route: inputs to the head, tokens from the tail (issue 18).
+
+``PushDriver`` is the route driver (driver.py: same planning, failover,
+cancellation, replay batches, stats) with the push topology:
+
+    entry --inputs--> head --rows--> hop 2 --rows--> ... --> tail --token--> entry
+
+One leg per hop plus the tail's answer: hops + 1 legs per decode token where
+the star takes 2 x hops. The entry still opens one Session stream per hop
+(its "control" stream, shard/forward.py): the SessionOpen says ``push`` and,
+for every non-tail hop, ``push_next`` -- the successor's peer id, endpoint,
+certificate pin (from its signed record, as the entry's own connector pins it)
+and the epoch of the successor's session. A hop pushes only there. On the
+control streams the entry hears the tail's answers, credits from the head,
+and failure reports: a hop that cannot reach (or is refused by) its successor
+names it in ``ShardStatus.failed_peer_id``; a dead hop's own stream breaks.
+Silence is covered by one step deadline for the whole route, learnt from the
+route's measured steps (deadlines.py on the tail's link); when it passes,
+each remote hop is asked for Health and the first that does not answer is the
+failed one (all answer: the tail is blamed, so the driver's slow-peer retry
+applies).
+
+State the entry keeps: the token history (boundary 0), which positions the
+head was sent, which successor (peer, epoch) each hop pushes to. Boundary
+rows between hops are kept by the hops themselves (shard/forward.py).
+
+Recovery: the driver's failover picks the replacement route (the prefix
+before the failed hop kept, the rest fresh at a bumped epoch); then, before
+the next step, every fresh hop is opened, each kept hop whose successor
+changed gets a ``PushRepoint`` (it re-sends every row it holds, in the
+batches it first sent them, to the replacement, which pushes its outputs on),
+and a fresh head is fed the token history in the driver's ``_replay``
+batches. Answers for positions before the one awaited are dropped. Same
+inputs in the same batch shapes on the same recipe: greedy and seeded tokens
+are identical with and without a failure.
+
+When push does not fit (a relayed hop -- workers cannot dial relay circuits,
+the libp2p host lives in the daemon --, a non-head hop that is this node's own
+worker, which peers could only reach on its TLS port, or a hop without a
+certificate pin) the route runs as a star (driver.py), and a route that
+turns unpushable on failover restarts every hop fresh as a star.
+``topology="star"`` forces the star (``meshd bench swarm`` compares both).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import numpy as np
+
+from meshd.errors import HopFailure
+from meshd.generate import driver as star
+from meshd.generate.hop_link import SESSION_METHOD, STREAM_TIMEOUT_S, LinkSpec, StepCounter, TailOut, _read
+from meshd.plan.routing import Hop, Route
+from proto import shard_runtime_pb2 as pb
+from proto import wire
+from proto.chunking import plan_prefill_chunks
+from proto.errors import LocalError, MeshdError
+from proto.frames import SCHEMA_VERSION
+from shard.server import SERVICE_NAME
+from shard.stream import HIDDEN, TOKEN_IDS
+
+TOPOLOGIES = ("push", "star")
+# Health probe of a hop after the route's step deadline passed.
+PROBE_TIMEOUT_S = 2.0
+# A release is a courtesy; never wait long for its acknowledgement.
+RELEASE_WAIT_S = 2.0
+
+
+class PushLink(star._LazyLink):
+    """A hop's control stream of a pushed route: sends inputs (head), a reader thread hears the rest."""
+
+    def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector, *, patience: float,
+                 events: queue.Queue) -> None:
+        super().__init__(index, spec, hop, connector, patience=patience)
+        self._events = events
+        self._opened = False
+        self._closing = False
+        self._cond = threading.Condition()
+        self._credits = 0
+        self._released = threading.Event()
+        self.fed = 0                       # positions sent to this hop (the head)
+        self.target: pb.PushTarget | None = None
+        self.successor: tuple[str, int] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened
+
+    def open(self) -> None:
+        if self.channel is None:
+            try:
+                self.channel = self._connector.channel(self._hop)
+            except MeshdError as exc:
+                detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
+                raise HopFailure(self.index, self.spec.peer_id, detail) from exc
+        s = self.spec
+        call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
+        self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
+        self._send(pb.SessionRequest(open=pb.SessionOpen(
+            schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
+            fingerprint=s.fingerprint,
+            shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+            proposed_flow_control=pb.FlowControl(max_prefill_chunk_tokens=s.chunk_tokens),
+            accepted_compression=[pb.COMPRESSION_NONE], tail=s.tail if s.is_tail else None,
+            max_tokens=s.max_tokens, push=True, push_next=self.target)).SerializeToString(), work=False)
+        resp, _ = self._recv(self.deadlines.open_s())
+        if resp.WhichOneof("kind") != "accepted":
+            raise self._fail("expected SessionAccepted", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+        if resp.accepted.past_len != 0:
+            raise self._fail(f"a new session starts with {resp.accepted.past_len} cached positions",
+                             pb.ERROR_CODE_PROTOCOL_VIOLATION)
+        self._credits = resp.accepted.flow_control.credits_granted
+        self.successor = None if self.target is None else (self.target.peer_id, self.target.route_epoch)
+        self._opened = True
+        threading.Thread(target=self._read_loop, name=f"push-hop-{self.index}", daemon=True).start()
+
+    # ------------------------------------------------------------------ reader thread
+    def _read_loop(self) -> None:
+        events = self._events
+        try:
+            for body in self._call:
+                self.received_bytes += len(body)
+                try:
+                    resp, tensors = _read(body)
+                except MeshdError as exc:
+                    events.put((self, self._fail(f"bad response: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION)))
+                    return
+                kind = resp.WhichOneof("kind")
+                if kind == "flow_control":
+                    with self._cond:
+                        self._credits += resp.flow_control.credits_granted
+                        self._cond.notify_all()
+                elif kind == "status":
+                    st, err = resp.status, resp.status.error
+                    name = pb.ErrorCode.Name(err.code) if err.code in pb.ErrorCode.values() else str(err.code)
+                    if st.failed_peer_id:   # our successor failed, not us
+                        failure = HopFailure(self.index + 1, st.failed_peer_id, f"{name}: {err.detail}", err.code)
+                    else:
+                        failure = self._fail(f"{name}: {err.detail}", err.code)
+                    events.put((self, failure))
+                    if st.terminal:
+                        return
+                elif kind == "ack":
+                    self._released.set()
+                elif kind in ("decode", "chunk"):
+                    events.put((self, (resp, tensors, len(body))))
+            if not self._closing:
+                events.put((self, self._fail("the stream ended", pb.ERROR_CODE_PROTOCOL_VIOLATION)))
+        except grpc.RpcError as exc:
+            if not self._closing:
+                events.put((self, self._fail(f"transport: {exc.code().name}")))
+        finally:
+            self._released.set()
+
+    # ------------------------------------------------------------------ sending
+    def _credit(self, timeout_s: float) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._credits > 0 or self._closing, timeout_s):
+                raise self._fail(f"no flow-control credit for {timeout_s:.1f} s", pb.ERROR_CODE_DEADLINE_EXCEEDED)
+            self._credits -= 1
+
+    def feed(self, inputs: np.ndarray, step: StepCounter, timeout_s: float) -> None:
+        """Send positions ``[fed, fed + n)`` (the head; no answer awaited here)."""
+        first, n = self.fed, int(inputs.shape[0])
+        name = TOKEN_IDS if self.spec.effective_start == 0 else HIDDEN
+        if n == 1 and first > 0:
+            head = pb.DecodeStep(idempotency_step=step.next(), position=first, expected_past_len=first, legs=1)
+            body = wire.request_decode(head, name, inputs)
+            self._credit(timeout_s)
+            self._send(body, work=False)
+            self.fed = first + 1
+            return
+        plan = plan_prefill_chunks(n, self.spec.chunk_tokens)
+        s = self.spec
+        for index, (offset, count) in enumerate(plan):
+            idem = step.next()
+            env = pb.Envelope(
+                schema_version=SCHEMA_VERSION, work_id=f"{s.session_id}:{s.epoch}:{idem}",
+                route_session_id=s.session_id, route_epoch=s.epoch, fingerprint=s.fingerprint,
+                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+                phase=pb.PHASE_PREFILL, position=pb.PositionSpan(first_position=first + offset, token_count=count),
+                idempotency_step=idem,
+                cache_expectation=pb.CacheExpectation(mode=pb.CACHE_MODE_PREFILL, expected_past_len=first + offset),
+                chunk=pb.ChunkInfo(chunk_index=index, chunk_count=len(plan), final_chunk=index == len(plan) - 1))
+            self._credit(timeout_s)
+            self._send(wire.request_chunk(env, {name: inputs[offset:offset + count]}), work=False)
+        self.fed = first + n
+
+    def repoint(self, target: pb.PushTarget) -> None:
+        self._send(pb.SessionRequest(repoint=pb.PushRepoint(next=target)).SerializeToString(), work=False)
+        self.target, self.successor = target, (target.peer_id, target.route_epoch)
+
+    def probe(self) -> bool:
+        """Does the peer answer Health? (True when it cannot be asked: our own worker's socket.)"""
+        if self._hop.peer_id == getattr(self._connector, "self_peer_id", None) or self.channel is None:
+            return True
+        try:
+            self.channel.unary_unary(f"/{SERVICE_NAME}/Health", request_serializer=pb.HealthRequest.SerializeToString,
+                                     response_deserializer=pb.HealthReport.FromString)(
+                pb.HealthRequest(schema_version=SCHEMA_VERSION), timeout=PROBE_TIMEOUT_S)
+            return True
+        except grpc.RpcError as exc:
+            return exc.code() == grpc.StatusCode.UNIMPLEMENTED
+
+    def close(self, *, release: bool) -> None:
+        if self.channel is None:
+            return
+        self._closing = True
+        with self._cond:
+            self._cond.notify_all()
+        try:
+            if release and self._opened:
+                s = self.spec
+                self._send(pb.SessionRequest(release=pb.ReleaseSignal(
+                    route_session_id=s.session_id, route_epoch=s.epoch)).SerializeToString(), work=False)
+                self._released.wait(RELEASE_WAIT_S)
+        finally:
+            self._opened = False
+            self._queue.finish()
+            if self._call is not None:
+                self._call.cancel()
+            self.channel.close()
+
+
+class PushDriver(star.SwarmDriver):
+    """The route driver with the push topology (module docstring); ``topology="star"``: the star."""
+
+    def __init__(self, *args, topology: str = "push", **kwargs) -> None:
+        if topology not in TOPOLOGIES:
+            raise LocalError(f"topology must be one of {TOPOLOGIES}")
+        super().__init__(*args, **kwargs)
+        self.topology = topology
+        self._events: queue.Queue = queue.Queue()
+        self._pushing = False
+
+    # ------------------------------------------------------------------ route shape
+    def _target_of(self, hop: Hop) -> pb.PushTarget | None:
+        c = self.connector
+        if hop.relayed or not hop.endpoint or hop.peer_id == getattr(c, "self_peer_id", None):
+            return None
+        pin = b"" if getattr(c, "insecure_loopback", False) else bytes(getattr(c, "pins", {}).get(hop.peer_id, b""))
+        if not pin and not getattr(c, "insecure_loopback", False):
+            return None
+        return pb.PushTarget(peer_id=hop.peer_id, endpoint=hop.endpoint, tls_cert_sha256=pin,
+                             shard_range=pb.ShardRange(start_layer=hop.start, end_layer=hop.end,
+                                                       effective_start_layer=hop.effective_start),
+                             owner_token=self.owner_token(hop.peer_id, hop.start, hop.end))
+
+    def pushable(self, route: Route) -> bool:
+        return self.topology == "push" and len(route.hops) > 1 and \
+            all(self._target_of(h) is not None for h in route.hops[1:]) and not route.hops[0].relayed
+
+    def _set_route(self, route: Route, keep=None) -> None:
+        pushing = self.pushable(route)
+        if keep and pushing != self._pushing:       # the topology changes: every hop starts afresh
+            for link in keep.values():
+                link.close(release=True)
+            keep = None
+        self._pushing = pushing
+        super()._set_route(route, keep)
+
+    def _new_link(self, index: int, hop: Hop, num_layers: int):
+        link = super()._new_link(index, hop, num_layers)
+        if not self._pushing:
+            return link
+        return PushLink(index, link.spec, hop, self.connector, patience=link.deadlines.patience,
+                        events=self._events)
+
+    def _target(self, link) -> pb.PushTarget:
+        target = self._target_of(link._hop)
+        target.route_epoch = link.spec.epoch
+        return target
+
+    # ------------------------------------------------------------------ stepping
+    def _advance(self, target: int) -> TailOut:
+        if not self._pushing:
+            answer = super()._advance(target)
+            if self.stats.step_hops and len(self.stats.step_legs) < len(self.stats.step_hops):
+                self.stats.step_legs.append(2 * self.stats.step_hops[-1])   # counted: one send, one answer per hop
+            return answer
+        links = self._links
+        for i in range(len(links) - 1, -1, -1):     # successors first: their sessions exist when pushed to
+            link = links[i]
+            if not link.is_open:
+                link.target = self._target(links[i + 1]) if i + 1 < len(links) else None
+                link.open()
+        for i, link in enumerate(links[:-1]):
+            succ = links[i + 1]
+            if link.successor != (succ.spec.peer_id, succ.spec.epoch):
+                link.repoint(self._target(succ))
+        head, tail = links[0], links[-1]
+        rows = self._rows[0]
+        plain = head.fed == target - 1 > 0
+        positions = max(1, target - head.fed)
+        t0 = time.perf_counter_ns()
+        budget = (tail.deadlines.decode_s() if plain else tail.deadlines.chunk_s(positions)) * len(links)
+        for a, b in self._replay(head.fed, target):
+            head.feed(rows.read(a, b), self._steps, budget)
+        resp, tensors, nbytes = self._await(target, budget)
+        elapsed = (time.perf_counter_ns() - t0) / 1e9
+        if plain:
+            tail.deadlines.decode_done(elapsed)
+        else:
+            tail.deadlines.chunk_done(positions, elapsed)
+        holder = resp.decode if resp.WhichOneof("kind") == "decode" else resp.chunk
+        if not holder.HasField("sample"):
+            raise tail._fail("the tail sent no sampled token", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+        if plain:
+            s = self.stats
+            s.step_wall_ns.append(time.perf_counter_ns() - t0)
+            s.step_execution_ns.append(int(resp.decode.execution_nanos))   # every hop's, summed along the way
+            s.step_tail_bytes.append(nbytes)
+            s.step_hops.append(len(links))
+            s.step_legs.append(int(resp.decode.legs))
+        return TailOut(holder.sample, tensors.get("logits"))
+
+    def _await(self, target: int, budget: float):
+        deadline = time.monotonic() + budget
+        current = set(map(id, self._links))
+        tail = self._links[-1]
+        while True:
+            self._check_cancel()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self._silent(budget)
+            try:
+                link, item = self._events.get(timeout=min(left, star.WATCHDOG_TICK_S))
+            except queue.Empty:
+                continue
+            if id(link) not in current:
+                continue                              # a dropped hop's late words
+            if isinstance(item, HopFailure):
+                if item.peer_id != link.spec.peer_id and (link.successor is None or item.peer_id != link.successor[0]):
+                    continue                          # about a successor this hop no longer pushes to
+                raise item
+            resp, tensors, nbytes = item
+            if link is not tail:
+                continue
+            kind = resp.WhichOneof("kind")
+            done = resp.decode.past_len if kind == "decode" else \
+                resp.chunk.envelope.position.first_position + resp.chunk.envelope.position.token_count
+            if done == target:
+                return resp, tensors, nbytes
+            # an answer for an earlier position (a replacement tail re-prefilled): not news
+
+    def _silent(self, budget: float) -> HopFailure:
+        for link in self._links:
+            if not link.probe():
+                return HopFailure(link.index, link.spec.peer_id, f"silent past the route's step deadline "
+                                  f"({budget:.1f} s) and not answering Health", pb.ERROR_CODE_DEADLINE_EXCEEDED)
+        tail = self._links[-1]
+        return HopFailure(tail.index, tail.spec.peer_id, f"no token within the route's step deadline ({budget:.1f} s)",
+                          pb.ERROR_CODE_DEADLINE_EXCEEDED)
+
+    def _failover(self, failure: HopFailure, target: int) -> None:
+        super()._failover(failure, target)
+        while True:                                   # what the old route still says is history
+            try:
+                self._events.get_nowait()
+            except queue.Empty:
+                break
+        if not self._pushing:
+            return
+        fresh_seen = False                            # a kept hop after a fresh one would get rows twice
+        for i, link in enumerate(self._links):
+            if not link.is_open:
+                fresh_seen = True
+            elif fresh_seen:
+                link.close(release=True)
+                self._links[i] = self._new_link(i, link._hop, link.spec.num_layers)

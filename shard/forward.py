@@ -1,0 +1,324 @@
+"""Push topology, worker side: a hop sends its output rows straight to the next hop.
+
+In a pushed session (issue 18) the entry sends only the head its input; each
+hop pushes its boundary rows to the successor the entry named; the tail sends
+the sampled token back to the entry. Legs per decode token: hops + 1.
+
+Streams of one pushed session (route session id + epoch) on this worker:
+
+    control   the entry's Session stream, opened with ``SessionOpen.push``. It
+              opened the session's KV and is where this hop speaks to the
+              entry: the head's inputs arrive on it, the tail's answers leave on
+              it, and so does a failure report when this hop cannot reach or is
+              refused by its successor (``ShardStatus.failed_peer_id``). It also
+              carries ``PushRepoint`` (recovery) and the release.
+    feeder    the upstream hop's Session stream, opened with
+              ``SessionOpen.push_feed`` naming the same id and epoch: it attaches
+              to the session the control stream opened (none: CACHE_MISS) and
+              carries this hop's inputs; it is answered with credits and
+              refusals only.
+    Forwarder this hop's own stream to its successor (``push_next``): dialed
+              lazily on the first output, only to the PushTarget the entry
+              named, through the worker's ``push_dialer`` (the worker CLI pins
+              the target's TLS certificate hash; a target without one is
+              refused). It mirrors the batch shapes it was fed (a decode step
+              stays a decode step, a prefill chunk keeps its ChunkInfo), and it
+              keeps every row it sent, with those shapes, for the session
+              (bounded by the session's max tokens): on ``PushRepoint`` it dials
+              the replacement and re-sends them all in the same batches -- the
+              replacement's prefill -- then continues.
+
+Answers leaving a control stream come from other threads (a feeder's, a
+forwarder's reader), so a pushed control stream sends through a
+``ControlSink``: over gRPC the handler, once the open is accepted, yields from
+the sink's bounded queue while a pump thread feeds the stream's own requests
+through the core (``serve_control``); on the Unix edge the sink writes frames
+under a lock.
+
+Legs: a decode step carries ``legs`` (the entry sends 1); every forward adds
+one, the tail's answer one more, so the entry *counts* the legs a token took.
+
+Bounds: PUSH_MAX_SESSIONS registered sessions per worker, a sink queue of
+SINK_DEPTH answers; the forwarder's own bounds are in shard/forwarder.py.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Callable
+
+import numpy as np
+
+from proto import shard_runtime_pb2 as pb
+from proto import wire
+from proto.errors import LimitExceeded, ProtocolViolation
+from proto.frames import SCHEMA_VERSION
+from shard.errors import CacheMiss, to_shard_error
+from shard.forwarder import Forwarder, PushError
+from shard.sessions import SessionKey
+
+log = logging.getLogger(__name__)
+
+# Pushed sessions one worker tracks at once (the session manager bounds KV anyway).
+PUSH_MAX_SESSIONS = 256
+# Answers queued on one control stream before a producer waits (the entry reads them at once).
+SINK_DEPTH = 64
+SINK_PUT_TIMEOUT_S = 30.0
+HIDDEN = "h"
+_END = object()
+
+Dialer = Callable[[pb.PushTarget], object]   # -> a grpc.Channel to the target
+
+
+def _status(detail: str, *, code: int, session_id: str, failed_peer: str = "", terminal: bool = False) -> bytes:
+    return pb.SessionResponse(status=pb.ShardStatus(
+        route_session_id=session_id, terminal=terminal, failed_peer_id=failed_peer,
+        error=pb.ShardError(code=code, detail=detail[:300]))).SerializeToString()
+
+
+class ControlSink:
+    """Where a pushed control stream's answers go: a bounded queue (gRPC) or a locked writer (Unix)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue(SINK_DEPTH)
+        self._writer: Callable[[bytes], None] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def attached(self) -> bool:
+        return self._writer is not None
+
+    def attach(self, writer: Callable[[bytes], None]) -> None:
+        with self._lock:
+            self._writer = writer
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not _END:
+                    writer(item)
+
+    def emit(self, body: bytes) -> None:
+        with self._lock:
+            writer = self._writer
+            if writer is not None:
+                writer(body)
+                return
+        self._queue.put(body, timeout=SINK_PUT_TIMEOUT_S)
+
+    def end(self) -> None:
+        try:
+            self._queue.put_nowait(_END)
+        except queue.Full:
+            pass
+
+
+def serve_control(stream, request_iterator):
+    """The rest of a pushed control stream over gRPC: the stream's own requests go through the
+    core in a pump thread; the handler yields whatever the sink holds, from any thread."""
+    sink: ControlSink = stream.push_sink
+
+    def pump() -> None:
+        try:
+            for body in request_iterator:
+                for out in stream.receive(body):
+                    sink.emit(out)
+                if stream.closed:
+                    break
+        except Exception:  # noqa: BLE001 - the call ended (cancel, peer gone): nothing to answer
+            pass
+        finally:
+            sink.end()
+
+    thread = threading.Thread(target=pump, name="shard-push-control", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = sink._queue.get()
+            if item is _END:
+                return
+            yield item
+    finally:
+        stream.push_closed()
+
+
+class PushSession:
+    """One pushed session on this worker: its control sink, its forwarder (non-tail hops)."""
+
+    def __init__(self, hub: "PushHub", key: SessionKey, open_msg: pb.SessionOpen, fingerprint: pb.Fingerprint,
+                 is_tail: bool) -> None:
+        self.hub, self.key = hub, key
+        self.sink = ControlSink()
+        self.fingerprint = fingerprint
+        self.max_tokens = int(open_msg.max_tokens)
+        self.chunk_tokens = int(open_msg.proposed_flow_control.max_prefill_chunk_tokens)
+        self.effective_start = int(open_msg.shard_range.effective_start_layer)
+        self.tail, self.sampling = open_msg.tail, None
+        self.is_tail = is_tail
+        self.forwarder = None if is_tail else Forwarder(self, open_msg.push_next)
+
+    def report(self, detail: str, failed_peer: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
+        try:
+            self.sink.emit(_status(detail, code=code, session_id=self.key.session_id, failed_peer=failed_peer))
+        except queue.Full:
+            log.warning("push session %s: failure report dropped (control stream not reading)", self.key)
+
+    def answer(self, body: bytes) -> None:
+        """The tail's answer for the entry."""
+        self.sink.emit(body)
+
+    def push(self, first: int, rows: np.ndarray, **kw) -> None:
+        try:
+            self.forwarder.push(first, rows, **kw)
+        except PushError as exc:
+            self.report(str(exc), self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+        except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
+            self.report(f"cannot push to the successor: {to_shard_error(exc).detail or type(exc).__name__}",
+                        self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+
+    def repoint(self, target: pb.PushTarget) -> None:
+        if self.forwarder is None:
+            raise ProtocolViolation("the tail has no successor to repoint")
+        check_target(target)
+        try:
+            self.forwarder.repoint(target)
+        except Exception as exc:  # noqa: BLE001
+            self.report(f"cannot push to the replacement: {exc}", target.peer_id)
+
+    def release(self) -> None:
+        """The entry released the session: forget it and close the forwarder (the sink still answers)."""
+        self.hub.drop(self.key, self)
+        if self.forwarder is not None:
+            self.forwarder.close()
+
+    def close(self) -> None:
+        self.release()
+        self.sink.end()
+
+
+class PushHub:
+    """The worker's pushed sessions, by (session id, epoch), and how it dials successors."""
+
+    @property
+    def dialer(self) -> Dialer | None:
+        return self.service.push_dialer
+
+    def __init__(self, service) -> None:
+        self.service = service
+        self._sessions: dict[SessionKey, PushSession] = {}
+        self._lock = threading.Lock()
+
+    def register(self, key: SessionKey, open_msg: pb.SessionOpen, fingerprint: pb.Fingerprint,
+                 is_tail: bool) -> PushSession:
+        if not is_tail:
+            if not open_msg.HasField("push_next"):
+                raise ProtocolViolation("a pushed non-tail hop needs push_next")
+            check_target(open_msg.push_next)
+            if self.dialer is None:
+                raise ProtocolViolation("this worker cannot push (no dialer configured)")
+        session = PushSession(self, key, open_msg, fingerprint, is_tail)
+        with self._lock:
+            if len(self._sessions) >= PUSH_MAX_SESSIONS and key not in self._sessions:
+                raise LimitExceeded(f"more than {PUSH_MAX_SESSIONS} pushed sessions")
+            old = self._sessions.get(key)
+            self._sessions[key] = session
+        if old is not None:
+            old.close()
+        return session
+
+    def get(self, key: SessionKey) -> PushSession:
+        with self._lock:
+            session = self._sessions.get(key)
+        if session is None:
+            raise CacheMiss("no pushed session with this id and epoch here", actual_past_len=0)
+        return session
+
+    def drop(self, key: SessionKey, session: PushSession) -> None:
+        with self._lock:
+            if self._sessions.get(key) is session:
+                del self._sessions[key]
+
+
+def check_target(target: pb.PushTarget) -> None:
+    if not target.peer_id or not target.endpoint or len(target.endpoint) > 300:
+        raise ProtocolViolation("a push target needs a peer id and an endpoint (at most 300 bytes)")
+    if target.tls_cert_sha256 and len(target.tls_cert_sha256) != 32:
+        raise ProtocolViolation("a push target's certificate pin is a 32-byte SHA-256")
+
+
+def hub_of(service) -> PushHub:
+    hub = service.push_hub
+    if hub is None:
+        hub = service.push_hub = PushHub(service)
+    return hub
+
+
+# -- hooks the sans-I/O core (shard/stream.py) calls ----------------------------------------
+def open_control(stream, key: SessionKey, o: pb.SessionOpen) -> None:
+    """The entry opened a pushed session on ``stream`` (its KV is open): register it."""
+    service = stream.service
+    try:
+        session = hub_of(service).register(key, o, service.backend.fingerprint, service.backend.layer_range.is_tail)
+    except BaseException:
+        with service.lock:
+            service.manager.release(key, stream.owner)
+        raise
+    session.sampling = stream.sampling
+    session.owner_digest = stream.owner.token_digest   # what a feeder must prove (attach_feeder)
+    stream.push, stream.push_role = session, "control"
+
+
+def attach_feeder(stream, key: SessionKey, o: pb.SessionOpen, owner) -> list[bytes]:
+    """The upstream hop attaches to the session the entry opened here (ranges already checked).
+
+    Only a feeder holding this session's owner token (the entry gave it to the upstream hop in
+    its PushTarget) may attach: anyone else gets PERMISSION_DENIED, whatever it knows."""
+    import hmac
+
+    from proto.flow import CreditLedger, negotiate
+    from shard.errors import PermissionDenied, RangeMismatch
+
+    service = stream.service
+    session = hub_of(service).get(key)
+    expected = getattr(session, "owner_digest", b"")
+    if expected and not hmac.compare_digest(owner.token_digest, expected):
+        raise PermissionDenied("only the hop the entry named may feed this session")
+    if o.shard_range.effective_start_layer != session.effective_start:
+        raise RangeMismatch("the feeder names another effective start than the entry opened")
+    with service.lock:
+        past_len = service.manager.past_len(key) or 0
+    flow = negotiate(o.proposed_flow_control, service.local_flow)
+    stream.ledger = CreditLedger(flow)
+    stream.key, stream.effective_start, stream.tail = key, session.effective_start, session.tail
+    stream.sampling, stream.state = session.sampling, "open"
+    stream.push, stream.push_role = session, "feed"
+    return [pb.SessionResponse(accepted=pb.SessionAccepted(
+        schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
+        flow_control=flow, fingerprint=service.backend.fingerprint, past_len=past_len)).SerializeToString()]
+
+
+def after_chunk(stream, env: pb.Envelope, tensors: dict, sample: pb.TailSample | None) -> None:
+    """A pushed prefill chunk ran: the tail answers the entry (final chunk only), others push on."""
+    session: PushSession = stream.push
+    final = env.chunk.final_chunk if env.HasField("chunk") else True
+    if session.is_tail:
+        if final:
+            session.answer(wire.response_chunk(env, tensors, sample=sample))
+        return
+    c = env.chunk
+    session.push(env.position.first_position, tensors[HIDDEN], index=c.chunk_index,
+                 count=max(1, c.chunk_count), final=final)
+
+
+def after_decode(stream, d: pb.DecodeStep, head: pb.DecodeResult, tensors: dict) -> None:
+    """A pushed decode step ran: the tail answers the entry, others push the row on (one leg more)."""
+    session: PushSession = stream.push
+    if session.is_tail:
+        head.legs = d.legs + 1
+        head.execution_nanos += d.route_execution_nanos     # the route's compute, for the entry's figures
+        session.answer(wire.response_decode(head, tensors))
+        return
+    session.push(int(d.position), tensors[HIDDEN], decode=True, legs=d.legs + 1,
+                 execution=d.route_execution_nanos + head.execution_nanos)

@@ -1,0 +1,186 @@
+"""The push topology over real in-process gRPC shards: exact tokens, counted legs, exact recovery.
+
+A tiny random Llama (6 layers) in four shards: A [0,2), B [2,4), C [4,6) and
+D [2,6) (dearer per layer), so the route is A -> B -> C, pushed: the entry
+feeds A, A pushes to B, B to C, C answers the token. Killing B mid-decode must
+move to A -> D with A re-sending the rows it holds to D (PushRepoint); killing
+C must move to A -> B -> D (effective start 4) with B re-sending its rows.
+Tokens equal the whole model's, greedy and seeded, with and without failure.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshd.generate.driver import GenerationRequest, RouteFailed, collect
+from meshd.generate.push import PushDriver
+from meshd.generate.routes import AdsRouteSource, PeerConnector, fixed_route
+from meshd.reach.tls import loopback_channel
+from meshd.testing.models import build_random_llama
+from proto import shard_runtime_pb2 as pb
+from shard.reference import WholeModel
+from shard.sampling import SamplingSpec
+from shard.server import GRPC_OPTIONS
+from tests._swarm_helpers import start_shard
+
+NUM_LAYERS = 6
+PROMPT = tuple(range(5, 45))  # 40 tokens: three prefill chunks of 16
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    return build_random_llama(seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return WholeModel(model).generate(list(PROMPT), NEW_TOKENS, chunk_tokens=16).tokens
+
+
+def _loopback_dialer(target: pb.PushTarget):
+    return loopback_channel(target.endpoint, GRPC_OPTIONS)
+
+
+@pytest.fixture
+def shards(model):
+    made = [start_shard(model, "peer-a", 0, 2), start_shard(model, "peer-b", 2, 4),
+            start_shard(model, "peer-c", 4, 6), start_shard(model, "peer-d", 2, 6)]
+    for s in made:
+        s.service.push_dialer = _loopback_dialer
+    yield {s.peer_id: s for s in made}
+    for s in made:
+        s.kill()
+
+
+def driver_for(shards, topology="push", **kw) -> PushDriver:
+    costs = {"peer-a": 1.0, "peer-b": 1.0, "peer-c": 1.0, "peer-d": 5.0}
+    fp = next(iter(shards.values())).service.backend.fingerprint
+    source = AdsRouteSource(lambda: [s.ad(NUM_LAYERS, costs[p]) for p, s in shards.items()],
+                            fp.model_artifact_digest, NUM_LAYERS, entry_peer_id="entry",
+                            recipe_digest=fp.runtime_recipe_digest)
+    return PushDriver(source, PeerConnector(insecure_loopback=True), fingerprint=fp, replan_wait_s=0.0,
+                      topology=topology, **kw)
+
+
+def request(**kw) -> GenerationRequest:
+    return GenerationRequest(PROMPT, NEW_TOKENS, chunk_tokens=16, **kw)
+
+
+def test_pushed_tokens_equal_the_whole_model_with_hops_plus_one_legs(shards, reference):
+    driver = driver_for(shards)
+    assert collect(driver, request()) == reference
+    assert driver.stats.routes[0].peers == ("peer-a", "peer-b", "peer-c")
+    assert not driver.stats.failovers
+    assert driver.stats.step_legs and set(driver.stats.step_legs) == {3 + 1}   # counted by the hops
+    assert all(s.active_sessions() == 0 for s in shards.values())             # released everywhere
+    assert all(not s.service.push_hub._sessions for s in shards.values() if s.service.push_hub)
+
+
+def test_star_still_runs_and_counts_two_legs_per_hop(shards, reference):
+    driver = driver_for(shards, topology="star")
+    assert collect(driver, request()) == reference
+    assert set(driver.stats.step_legs) == {2 * 3}
+
+
+def test_killed_middle_hop_mid_decode_recovers_from_rows_held_upstream(shards, reference):
+    driver = driver_for(shards)
+    tokens = []
+    for token in driver.generate(request()):
+        tokens.append(token.id)
+        if len(tokens) == 7:
+            shards["peer-b"].kill()
+    assert tokens == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-b" and event.position == len(PROMPT) + 7
+    hops = driver.stats.routes[-1].hops
+    assert [(h.peer_id, h.effective_start) for h in hops] == [("peer-a", 0), ("peer-d", 2)]
+    assert event.reprefilled == (1,)          # the head kept its KV: only D was re-prefilled (from A's rows)
+    assert set(driver.stats.step_legs[-3:]) == {2 + 1}
+    assert shards["peer-a"].active_sessions() == 0 and shards["peer-d"].active_sessions() == 0
+
+
+def test_killed_tail_mid_decode_recovers_from_the_middle_hops_rows(shards, reference):
+    driver = driver_for(shards)
+    tokens = []
+    for token in driver.generate(request()):
+        tokens.append(token.id)
+        if len(tokens) == 4:
+            shards["peer-c"].kill()
+    assert tokens == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-c"
+    hops = driver.stats.routes[-1].hops
+    assert [(h.peer_id, h.effective_start) for h in hops] == [("peer-a", 0), ("peer-b", 2), ("peer-d", 4)]
+    assert event.reprefilled == (2,)
+
+
+def test_seeded_sampling_is_identical_across_a_pushed_failover(shards):
+    spec = SamplingSpec(temperature=0.8, top_k=20, top_p=0.9, seed=7)
+    first = collect(driver_for(shards), request(sampling=spec))
+    assert first == collect(driver_for(shards, topology="star"), request(sampling=spec))
+    driver = driver_for(shards)
+    second = []
+    for token in driver.generate(request(sampling=spec)):
+        second.append(token.id)
+        if len(second) == 5:
+            shards["peer-b"].kill()
+    assert second == first and driver.stats.failovers
+
+
+def test_logprobs_travel_back_from_a_pushed_tail(shards):
+    star_tokens = list(driver_for(shards, topology="star").generate(request(logprobs=True, top_logprobs=3)))
+    pushed = list(driver_for(shards).generate(request(logprobs=True, top_logprobs=3)))
+    assert [t.id for t in pushed] == [t.id for t in star_tokens]
+    assert all(p.logprob == s.logprob and p.top == s.top for p, s in zip(pushed, star_tokens))
+
+
+def test_killed_head_without_replacement_is_a_clear_error(shards):
+    driver = driver_for(shards)
+    gen = driver.generate(request())
+    next(gen)
+    shards["peer-a"].kill()
+    with pytest.raises(RouteFailed, match="no route"):
+        list(gen)
+
+
+def test_a_worker_without_a_dialer_refuses_to_push(model, reference):
+    made = [start_shard(model, "a", 0, 3), start_shard(model, "b", 3, 6)]
+    try:
+        fp = made[0].service.backend.fingerprint
+        source = fixed_route([(made[0].endpoint, 0, 3), (made[1].endpoint, 3, 6)], NUM_LAYERS)
+        driver = PushDriver(source, PeerConnector(insecure_loopback=True), fingerprint=fp, replan_wait_s=0.0)
+        with pytest.raises(RouteFailed, match="cannot push"):
+            collect(driver, request())
+        assert all(s.active_sessions() == 0 for s in made)
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_a_silent_middle_hop_is_found_by_the_route_deadline_and_replaced(shards, reference):
+    """B stops answering mid-decode (its session lock is held): nothing fails, so the route's step
+    deadline passes; B is the hop that does not answer Health, and D takes over from A's rows."""
+    import threading
+    import time
+
+    from meshd.generate.deadlines import DECODE_FLOOR_S
+
+    driver = driver_for(shards)
+    lock = shards["peer-b"].service.lock
+    tokens, times = [], []
+    try:
+        for token in driver.generate(request()):
+            tokens.append(token.id)
+            times.append(time.monotonic())
+            if len(tokens) == 4:
+                lock.acquire()
+    finally:
+        if lock.locked():
+            lock.release()
+    assert tokens == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-b" and "Health" in event.detail
+    assert times[4] - times[3] >= DECODE_FLOOR_S
+    assert threading.active_count() < 200   # reader threads end with their streams
