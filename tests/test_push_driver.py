@@ -184,3 +184,31 @@ def test_a_silent_middle_hop_is_found_by_the_route_deadline_and_replaced(shards,
     assert event.failed_peer == "peer-b" and "Health" in event.detail
     assert times[4] - times[3] >= DECODE_FLOOR_S
     assert threading.active_count() < 200   # reader threads end with their streams
+
+
+def _feed_attempt(shard, session_id: str, fp, token: bytes) -> pb.SessionResponse:
+    """Open a push_feed stream on ``shard`` for the session, as an upstream hop would."""
+    from proto.frames import parse_response
+    from shard.forwarder import SESSION_METHOD
+
+    body = pb.SessionRequest(open=pb.SessionOpen(
+        schema_version=1, route_session_id=session_id, route_epoch=0, fingerprint=fp,
+        shard_range=pb.ShardRange(start_layer=2, end_layer=4, effective_start_layer=2), push_feed=True,
+        max_tokens=64, owner_token=token)).SerializeToString()
+    with loopback_channel(shard.endpoint, GRPC_OPTIONS) as channel:
+        call = channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
+        for raw in call(iter([body]), timeout=30):
+            return parse_response(raw)
+    raise AssertionError("no answer to the feed attempt")
+
+
+def test_only_the_named_upstream_hop_may_feed_a_pushed_session(shards, reference):
+    """A stranger that knows the session id and epoch cannot attach as B's feeder; the generation goes on."""
+    driver = driver_for(shards)
+    fp = shards["peer-b"].service.backend.fingerprint
+    stream = driver.generate(request())
+    tokens = [next(stream).id]
+    resp = _feed_attempt(shards["peer-b"], driver.session_id, fp, b"s" * 32)
+    assert resp.WhichOneof("kind") == "status" and resp.status.error.code == pb.ERROR_CODE_PERMISSION_DENIED
+    tokens += [t.id for t in stream]
+    assert tokens == reference and not driver.stats.failovers

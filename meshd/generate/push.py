@@ -105,7 +105,8 @@ class PushLink(star._LazyLink):
             shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
             proposed_flow_control=pb.FlowControl(max_prefill_chunk_tokens=s.chunk_tokens),
             accepted_compression=[pb.COMPRESSION_NONE], tail=s.tail if s.is_tail else None,
-            max_tokens=s.max_tokens, push=True, push_next=self.target)).SerializeToString(), work=False)
+            max_tokens=s.max_tokens, owner_token=s.owner_token, push=True,
+            push_next=self.target)).SerializeToString(), work=False)
         resp, _ = self._recv(self.deadlines.open_s())
         if resp.WhichOneof("kind") != "accepted":
             raise self._fail("expected SessionAccepted", pb.ERROR_CODE_PROTOCOL_VIOLATION)

@@ -33,6 +33,7 @@ cores; the ratio is what counts).
 from __future__ import annotations
 
 import hashlib
+import select
 import socket
 import ssl
 import threading
@@ -122,8 +123,15 @@ class _FrameCall:
             if self._cancelled.is_set():
                 raise UnixLinkError("the call was cancelled", grpc.StatusCode.CANCELLED)
             try:
-                data = self._sock.recv(READ_BYTES)
-            except OSError as exc:   # ssl.SSLError is an OSError
+                # A TLS connection must not be read and written at once (a pushed route's reader
+                # thread reads while the driver writes): wait for data outside the lock, then read
+                # under the lock every write holds.
+                pending = getattr(self._sock, "pending", None)
+                if not (pending and pending()):
+                    select.select([self._sock], [], [])
+                with self._send_lock:
+                    data = self._sock.recv(READ_BYTES)
+            except (OSError, ValueError) as exc:   # ssl.SSLError is an OSError; ValueError: closed by cancel
                 if self._cancelled.is_set():
                     raise UnixLinkError("the call was cancelled", grpc.StatusCode.CANCELLED) from exc
                 raise UnixLinkError(f"the peer's socket failed: {exc}") from exc
