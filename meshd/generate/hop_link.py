@@ -258,8 +258,11 @@ class HopLink:
                             response_deserializer=pb.ReleaseResponse.FromString)(
                             pb.ReleaseRequest(schema_version=SCHEMA_VERSION, route_session_id=s.session_id,
                                               route_epoch=s.epoch, owner_token=s.owner_token), timeout=RELEASE_TIMEOUT_S)
-                    except grpc.RpcError:
-                        pass  # a dead hop holds nothing worth releasing; its TTL cleans up
+                    except (grpc.RpcError, MeshdError):
+                        # A dead hop holds nothing worth releasing (its TTL cleans up); a frozen or
+                        # gone one cannot even show its certificate (CertificateMismatch) to the
+                        # gRPC fallback of a frames channel.
+                        pass
         finally:
             guard.cancel()
             self._queue.finish()

@@ -98,7 +98,12 @@ class PushLink(star._LazyLink):
                 raise HopFailure(self.index, self.spec.peer_id, detail) from exc
         s = self.spec
         call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
+        try:   # a frame channel connects here (and may fall back to pinned gRPC): a gone peer fails now
+            self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise self._fail(f"transport: {exc.code().name}: {exc.details()}") from exc
+        except MeshdError as exc:   # CertificateMismatch: unreachable, or not the peer its record names
+            raise self._fail(f"cannot connect: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
         self._send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
             fingerprint=s.fingerprint,
@@ -195,16 +200,30 @@ class PushLink(star._LazyLink):
         self.target, self.successor = target, (target.peer_id, target.route_epoch)
 
     def probe(self) -> bool:
-        """Does the peer answer Health? (True when it cannot be asked: our own worker's socket.)"""
+        """Does the peer answer Health within PROBE_TIMEOUT_S, channel set-up included? (True when it
+        cannot be asked: our own worker's socket.) A frozen peer also stalls the first TLS handshake
+        of a frames channel's gRPC fallback, so the whole probe runs against one clock, in a thread
+        that ends by itself (the call's own timeout, the certificate fetch's)."""
         if self._hop.peer_id == getattr(self._connector, "self_peer_id", None) or self.channel is None:
             return True
-        try:
-            self.channel.unary_unary(f"/{SERVICE_NAME}/Health", request_serializer=pb.HealthRequest.SerializeToString,
-                                     response_deserializer=pb.HealthReport.FromString)(
-                pb.HealthRequest(schema_version=SCHEMA_VERSION), timeout=PROBE_TIMEOUT_S)
-            return True
-        except grpc.RpcError as exc:
-            return exc.code() == grpc.StatusCode.UNIMPLEMENTED
+        answered, verdict = threading.Event(), [False]
+
+        def ask() -> None:
+            try:
+                self.channel.unary_unary(f"/{SERVICE_NAME}/Health",
+                                         request_serializer=pb.HealthRequest.SerializeToString,
+                                         response_deserializer=pb.HealthReport.FromString)(
+                    pb.HealthRequest(schema_version=SCHEMA_VERSION), timeout=PROBE_TIMEOUT_S)
+                verdict[0] = True
+            except grpc.RpcError as exc:
+                verdict[0] = exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            except MeshdError:      # cannot even reach it for a channel (frames' gRPC fallback)
+                verdict[0] = False
+            finally:
+                answered.set()
+
+        threading.Thread(target=ask, name=f"push-probe-{self.index}", daemon=True).start()
+        return answered.wait(PROBE_TIMEOUT_S) and verdict[0]
 
     def close(self, *, release: bool) -> None:
         if self.channel is None:
@@ -297,7 +316,9 @@ class PushDriver(star.SwarmDriver):
         plain = head.fed == target - 1 > 0
         positions = max(1, target - head.fed)
         t0 = time.perf_counter_ns()
-        budget = (tail.deadlines.decode_s() if plain else tail.deadlines.chunk_s(positions)) * len(links)
+        # A decode step's deadline comes from the route's own measured step times (decode_done below
+        # records the whole route's), so it already spans every hop; a chunk's is per hop.
+        budget = tail.deadlines.decode_s() if plain else tail.deadlines.chunk_s(positions) * len(links)
         for a, b in self._replay(head.fed, target):
             head.feed(rows.read(a, b), self._steps, budget)
         resp, tensors, nbytes = self._await(target, budget)
