@@ -41,3 +41,15 @@ def test_bench_refuses_clearly(args, code, message):
     out = subprocess.run([sys.executable, "-m", "meshd", "bench", *args], cwd=REPO_ROOT, env=child_env(1),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == code and message in out.stderr, out.stderr[-2000:]
+
+
+def test_every_benchmark_takes_the_clis_call():
+    """``meshd bench NAME`` calls ``run(quick=, progress=, options=)`` on every registered module."""
+    import importlib
+    import inspect
+
+    from meshd.cli.bench import BENCHMARKS
+
+    for name, module in BENCHMARKS.items():
+        params = inspect.signature(importlib.import_module(module).run).parameters
+        assert {"quick", "progress", "options"} <= set(params), name

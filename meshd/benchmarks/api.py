@@ -77,7 +77,7 @@ def _via_control(daemon, n: int) -> tuple[str, float, float | None, int]:
     return "".join(text), ttft, rate, len(arrivals)
 
 
-def run(quick: bool = False, progress: TextIO | None = None) -> dict:
+def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     import httpx
 
     from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm

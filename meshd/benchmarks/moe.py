@@ -147,7 +147,7 @@ def _decode(path: Path, root: Path, quick: bool, progress) -> dict:
     return out
 
 
-def run(quick: bool = False, progress: TextIO | None = None) -> dict:
+def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     import torch
     from transformers import AutoConfig
 
