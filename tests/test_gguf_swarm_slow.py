@@ -144,6 +144,9 @@ def test_slice_holders_join_serve_and_stay_inside_their_slices(tmp_path):
         assert 18 <= view["layers"][0] < view["layers"][1] <= 30, view["layers"]
         assert "is a slice holding layers 18:30" in a.text()
         b = swarm.add(memory=roomy, model=low)
+        swarm.wait_serving(b, START_TIMEOUT_S)
+        # The tracker can only place the whole-file node in the gap once both slices are in its view.
+        wait_for(lambda: len((a.swarm() or {}).get("ads", ())) >= 2, "both slices advertised", 120, a)
         c = swarm.add(memory=whole_node)  # the whole file: takes the gap between the slices
         spans = {}
         for d, held in ((b, (0, 12)), (c, (0, 30))):
