@@ -45,7 +45,9 @@ def model():
 
 @pytest.fixture(scope="module")
 def swarm(model, tmp_path_factory):
-    s = LocalSwarm(tmp_path_factory.mktemp("swarm"), model, kv_budget_tokens=KV_TOKENS, record_ttl_s=RECORD_TTL_S)
+    # These daemons push (issue 18): each hop sends its rows to the next, the tail the token.
+    s = LocalSwarm(tmp_path_factory.mktemp("swarm"), model, kv_budget_tokens=KV_TOKENS, record_ttl_s=RECORD_TTL_S,
+                   extra=("--topology", "push"))
     try:
         first = s.add(memory=MEMORY)
         s.wait_serving(first, START_TIMEOUT_S)
@@ -127,7 +129,7 @@ def test_32_greedy_tokens_equal_the_whole_model(swarm, whole, model):
     print("route:", done["route"], "tokens:", done["tokens"])
     assert done["tokens"] == expected
     assert len(done["route"]) == 3 and not done["failovers"]
-    # the product default pushes: each hop sends its rows to the next, the tail the token (issue 18)
+    # pushed (the fixture's --topology push): each hop sends its rows to the next, the tail the token
     assert done["topology"] == "push" and done["step_legs"] and set(done["step_legs"]) == {3 + 1}
 
 

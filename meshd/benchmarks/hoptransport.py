@@ -15,6 +15,8 @@ median of (step wall time - the worker's own execution time), in ms:
 """
 from __future__ import annotations
 
+import secrets
+
 import statistics
 import tempfile
 import time
@@ -59,7 +61,8 @@ def measure(steps: int = 200) -> dict:
         for name, channel in channels.items():
             spec = LinkSpec(peer_id=name, start=1, end=2, effective_start=1, num_layers=3,
                             session_id=f"hoptransport-{name}", epoch=1, fingerprint=fingerprint,
-                            chunk_tokens=128, max_tokens=steps + WARMUP_STEPS + 16)
+                            chunk_tokens=128, max_tokens=steps + WARMUP_STEPS + 16,
+                            owner_token=secrets.token_bytes(32))   # the TLS ports want the opener's token
             link = HopLink(0, spec, channel)
             link.open()
             counter = StepCounter()
