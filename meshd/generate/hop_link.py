@@ -143,13 +143,19 @@ class HopLink:
 
     # ------------------------------------------------------------------ protocol
     def open(self) -> None:
+        resp = self._open_session()
+        self.window = CreditWindow(resp.accepted.flow_control)
+
+    def _open_session(self, **extra) -> pb.SessionResponse:
+        """Start the Session call and open this hop's session (``extra``: more SessionOpen fields);
+        the SessionAccepted, or a HopFailure."""
         s = self.spec
         call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
         try:   # a frame channel connects here (gRPC connects lazily): the same one failure type
             self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
         except grpc.RpcError as exc:
             raise self._fail(f"transport: {exc.code().name}: {exc.details()}") from exc
-        except MeshdError as exc:   # CertificateMismatch: the peer is not the one its record names
+        except MeshdError as exc:   # CertificateMismatch: unreachable, or not the peer its record names
             raise self._fail(f"cannot connect: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
         self._send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
@@ -157,7 +163,7 @@ class HopLink:
             shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
             proposed_flow_control=pb.FlowControl(max_prefill_chunk_tokens=s.chunk_tokens),
             accepted_compression=[pb.COMPRESSION_NONE], tail=s.tail if s.is_tail else None,
-            max_tokens=s.max_tokens, owner_token=s.owner_token,
+            max_tokens=s.max_tokens, owner_token=s.owner_token, **extra,
         )).SerializeToString(), work=False)
         resp, _ = self._recv(self.deadlines.open_s())
         if resp.WhichOneof("kind") != "accepted":
@@ -165,7 +171,7 @@ class HopLink:
         if resp.accepted.past_len != 0:
             raise self._fail(f"a new session starts with {resp.accepted.past_len} cached positions",
                              pb.ERROR_CODE_PROTOCOL_VIOLATION)
-        self.window = CreditWindow(resp.accepted.flow_control)
+        return resp
 
     @property
     def is_open(self) -> bool:

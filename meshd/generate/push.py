@@ -52,7 +52,7 @@ import numpy as np
 
 from meshd.errors import HopFailure
 from meshd.generate import driver as star
-from meshd.generate.hop_link import SESSION_METHOD, STREAM_TIMEOUT_S, LinkSpec, StepCounter, TailOut, _read
+from meshd.generate.hop_link import LinkSpec, StepCounter, TailOut, _read
 from meshd.plan.routing import Hop, Route
 from proto import shard_runtime_pb2 as pb
 from proto import wire
@@ -96,28 +96,7 @@ class PushLink(star._LazyLink):
             except MeshdError as exc:
                 detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
                 raise HopFailure(self.index, self.spec.peer_id, detail) from exc
-        s = self.spec
-        call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        try:   # a frame channel connects here (and may fall back to pinned gRPC): a gone peer fails now
-            self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise self._fail(f"transport: {exc.code().name}: {exc.details()}") from exc
-        except MeshdError as exc:   # CertificateMismatch: unreachable, or not the peer its record names
-            raise self._fail(f"cannot connect: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
-        self._send(pb.SessionRequest(open=pb.SessionOpen(
-            schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
-            fingerprint=s.fingerprint,
-            shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
-            proposed_flow_control=pb.FlowControl(max_prefill_chunk_tokens=s.chunk_tokens),
-            accepted_compression=[pb.COMPRESSION_NONE], tail=s.tail if s.is_tail else None,
-            max_tokens=s.max_tokens, owner_token=s.owner_token, push=True,
-            push_next=self.target)).SerializeToString(), work=False)
-        resp, _ = self._recv(self.deadlines.open_s())
-        if resp.WhichOneof("kind") != "accepted":
-            raise self._fail("expected SessionAccepted", pb.ERROR_CODE_PROTOCOL_VIOLATION)
-        if resp.accepted.past_len != 0:
-            raise self._fail(f"a new session starts with {resp.accepted.past_len} cached positions",
-                             pb.ERROR_CODE_PROTOCOL_VIOLATION)
+        resp = self._open_session(push=True, push_next=self.target)
         self._credits = resp.accepted.flow_control.credits_granted
         self.successor = None if self.target is None else (self.target.peer_id, self.target.route_epoch)
         self._opened = True
