@@ -118,3 +118,23 @@ def test_batching_off_calls_the_backend_directly(llama):
     (service,) = services([backend], batching=False)
     generate([service], "x", PROMPTS[0], 2)
     assert service.batcher.batches == 0
+
+
+def test_worker_batching_knob_reaches_the_worker_command(tmp_path):
+    from meshd.config import load_config
+    from meshd.daemon.worker_process import WorkerSpec
+    from meshd.errors import ConfigError
+    from meshd.reach.tls import TlsMaterial
+
+    toml = tmp_path / "meshd.toml"
+    toml.write_text("[worker]\nbatching = false\n")
+    assert load_config(toml).worker.batching is False
+    assert load_config(None).worker.batching is True
+    toml.write_text("[worker]\nbatching = \"no\"\n")
+    with pytest.raises(ConfigError, match="batching"):
+        load_config(toml)
+    tls = TlsMaterial(tmp_path / "c.pem", tmp_path / "k.pem", b"", bytes(32))
+    spec = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls)
+    assert "--no-batching" not in spec.command(tmp_path / "ready")
+    off = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, batching=False)
+    assert "--no-batching" in off.command(tmp_path / "ready")
