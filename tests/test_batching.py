@@ -32,8 +32,7 @@ def _alone(chain, chunk=0):
     return [generate(chain, f"alone{i}", p, N_NEW, chunk) for i, p in enumerate(PROMPTS)]
 
 
-@pytest.mark.parametrize("cuts", [[], [2]], ids=["whole", "split"])
-@pytest.mark.parametrize("chunk", [0, 2], ids=["prefill", "chunked"])
+@pytest.mark.parametrize(("cuts", "chunk"), [([], 0), ([2], 2)], ids=["whole-prefill", "split-chunked"])
 def test_batched_greedy_equals_alone(llama, cuts, chunk):
     bounds = [0, *cuts, None]
     backends = [TorchRangeBackend.load(llama, a, b, progress=None) for a, b in zip(bounds, bounds[1:])]
