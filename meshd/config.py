@@ -32,6 +32,7 @@ TOML layout (every key optional; names match the dataclass fields)::
     restart_backoff_max_s = 300       # ... up to this
     restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
     threads = 4                       # compute threads (torch_threads is the same key); default: all cores
+    batching = true                   # continuous batching: sessions ready together share a forward
 
     [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
     listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs key
@@ -160,8 +161,12 @@ class WorkerConfig:
     restart_backoff_reset_s: float = DEFAULT_RESTART_BACKOFF_RESET_S
     # Compute threads of the worker (torch / llama.cpp): by default every core this process may use.
     torch_threads: int = field(default_factory=lambda: machine_cores())
+    # Continuous batching in the worker (shard/batching.py); false: one forward at a time.
+    batching: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.batching, bool):
+            raise ConfigError(f"worker.batching must be true or false, not {self.batching!r}")
         if self.dtype not in WORKER_DTYPES:
             raise ConfigError(f"worker.dtype must be one of {', '.join(WORKER_DTYPES)}, not {self.dtype!r}")
         if self.backend not in WORKER_BACKENDS:

@@ -58,6 +58,11 @@ class LlamaBackendConfig:
     max_sessions: int = 8
     flash_attn: bool = True
     skip_vocab_projection: bool = True  # see EngineConfig; False only for measurement
+    # One KV pool for all sessions (a session may use the whole budget). False: one stream of
+    # kv_budget_tokens // max_sessions cells per session, which keeps a session's logits bit for
+    # bit those of the same request alone while others run (measured on SmolLM2: the shared pool
+    # differs by up to 1.5 in logits with concurrent sessions, batched or not; tests/test_batching_native.py).
+    kv_unified: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 16 or not 1 <= self.max_sessions <= 256 or self.n_threads < 1:
@@ -130,7 +135,8 @@ class LlamaRangeBackend:
             vocab = self.vocab_size if (part.is_head or part.is_tail) else FAKE_VOCAB
             engine_config = EngineConfig(n_threads=self.config.n_threads, n_ctx=self.config.kv_budget_tokens,
                                          n_seq_max=self.config.max_sessions, flash_attn=self.config.flash_attn,
-                                         skip_vocab_projection=self.config.skip_vocab_projection)
+                                         skip_vocab_projection=self.config.skip_vocab_projection,
+                                         kv_unified=self.config.kv_unified)
             if self._progress is not None:
                 print(f"[meshd llama.cpp] loading {path.name}", file=self._progress, flush=True)
             engine = LlamaEngine(path, engine_config, n_embd=self.hidden_size, n_vocab=vocab,
@@ -145,6 +151,12 @@ class LlamaRangeBackend:
         with self._lock:
             if not self._free_seqs:
                 raise KvBudgetExhausted(f"all {self.config.max_sessions} llama.cpp sequences are in use")
+            per_stream = self.config.kv_budget_tokens // self.config.max_sessions
+            if not self.config.kv_unified and max_tokens > per_stream:
+                refusal = KvBudgetExhausted(f"{max_tokens} KV tokens requested; one session's stream holds "
+                                            f"{per_stream} (kv_budget_tokens / max_sessions)")
+                refusal.retryable = False
+                raise refusal
             if self._reserved_tokens + max_tokens > self.config.kv_budget_tokens:
                 raise KvBudgetExhausted(
                     f"{max_tokens} KV tokens requested, {self.config.kv_budget_tokens - self._reserved_tokens} free")
@@ -181,7 +193,8 @@ class LlamaRangeBackend:
             raise ProtocolViolation("hidden state contains NaN or infinity")
         return hidden
 
-    def forward(self, cache: LlamaSeqCache, inputs: np.ndarray, *, effective_start: int) -> np.ndarray:
+    def _prepare(self, cache: LlamaSeqCache, inputs: np.ndarray, effective_start: int) -> np.ndarray:
+        """The checks of one session's forward; returns the inputs as llama.cpp takes them."""
         if not isinstance(cache, LlamaSeqCache) or cache._owner is not self:
             raise LocalError("cache does not belong to this backend")
         if cache.released or cache.broken:
@@ -199,21 +212,65 @@ class LlamaRangeBackend:
         if cache.past_len + count > cache.max_tokens:
             raise KvBudgetExhausted(
                 f"session would hold {cache.past_len + count} tokens, reserved {cache.max_tokens}")
-        engine = self._engine(effective_start)
-        cache._engine_start = effective_start
-        want_hidden = not self.layer_range.is_tail
-        try:
-            out = engine.decode(cache.seq_id, cache.past_len, data, want_hidden=want_hidden)
-        except (RuntimeUnavailable, ValueError) as exc:
+        return data
+
+    def _failed(self, engine: LlamaEngine, caches: list[LlamaSeqCache], exc: Exception) -> Exception:
+        for cache in caches:
             cache.broken = True
             engine.forget(cache.seq_id)
-            if isinstance(exc, ValueError):
-                raise ProtocolViolation(str(exc)) from exc
-            if isinstance(exc, KvCellsExhausted):      # the shared KV cells are full: no room, retry later
-                raise KvBudgetExhausted(f"{exc}; the session's cells were dropped") from exc
-            raise
-        cache.past_len += count
+        if isinstance(exc, ValueError):
+            return ProtocolViolation(str(exc))
+        if isinstance(exc, KvCellsExhausted):      # the shared KV cells are full: no room, retry later
+            return KvBudgetExhausted(f"{exc}; the session's cells were dropped")
+        return exc
+
+    def forward(self, cache: LlamaSeqCache, inputs: np.ndarray, *, effective_start: int) -> np.ndarray:
+        data = self._prepare(cache, inputs, effective_start)
+        engine = self._engine(effective_start)
+        cache._engine_start = effective_start
+        try:
+            out = engine.decode(cache.seq_id, cache.past_len, data, want_hidden=not self.layer_range.is_tail)
+        except (RuntimeUnavailable, ValueError) as exc:
+            mapped = self._failed(engine, [cache], exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+        cache.past_len += int(data.shape[0])
         return out
+
+    # The scheduler (shard/batching.py) keeps a batch within llama.cpp's n_batch.
+    max_batch_tokens = MAX_BATCH_TOKENS
+
+    def forward_batch(self, caches: list[LlamaSeqCache], inputs: list[np.ndarray], *,
+                      effective_start: int) -> list:
+        """Several sessions' rows in one llama_batch (one seq id each); one result or exception each."""
+        results: list = [None] * len(caches)
+        live, rows = [], []
+        for index, (cache, raw) in enumerate(zip(caches, inputs)):
+            try:
+                data = self._prepare(cache, raw, effective_start)
+            except Exception as exc:  # that session's refusal; the others run
+                results[index] = exc
+                continue
+            live.append(index)
+            rows.append((cache.seq_id, cache.past_len, data))
+        if not live:
+            return results
+        engine = self._engine(effective_start)
+        for i in live:
+            caches[i]._engine_start = effective_start
+        try:
+            outs = engine.decode_many(rows, want_hidden=not self.layer_range.is_tail)
+        except (RuntimeUnavailable, ValueError) as exc:
+            failed = [caches[i] for i in live]
+            mapped = self._failed(engine, failed, exc)
+            for i in live:
+                results[i] = mapped
+            return results
+        for i, (_, _, data), out in zip(live, rows, outs):
+            caches[i].past_len += int(data.shape[0])
+            results[i] = out
+        return results
 
     def close(self) -> None:
         with self._lock:

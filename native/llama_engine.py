@@ -90,6 +90,9 @@ class EngineConfig:
     # Stop the graph after the captured block (non-tail). False only to
     # measure what the skipped output norm + vocabulary projection cost.
     skip_vocab_projection: bool = True
+    # One KV cell pool shared by every sequence (a session may use the whole budget).
+    # False gives each sequence its own stream of n_ctx / n_seq_max cells.
+    kv_unified: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_threads <= 256:
@@ -130,7 +133,7 @@ class LlamaEngine:
         cparams.n_seq_max = config.n_seq_max
         cparams.n_threads = config.n_threads
         cparams.n_threads_batch = config.n_threads
-        cparams.kv_unified = True
+        cparams.kv_unified = config.kv_unified
         cparams.no_perf = True
         cparams.flash_attn_type = (ll.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
                                    else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
@@ -217,6 +220,73 @@ class LlamaEngine:
             if not logits:
                 raise RuntimeUnavailable("llama.cpp returned no logits")
             return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
+
+    def decode_many(self, rows: list[tuple[int, int, np.ndarray]], *, want_hidden: bool) -> list[np.ndarray]:
+        """One ``llama_decode`` over several sequences: ``rows`` = [(seq_id, first_pos, inputs)].
+
+        All inputs are token ids, or all embeddings (one engine serves one effective start).
+        Returns, per row, the residual [T, n_embd] (``want_hidden``) or its last logits [n_vocab].
+        Errors as ``decode``; a failure leaves every row's sequence in an unknown state.
+        """
+        counts = [int(inputs.shape[0]) for _, _, inputs in rows]
+        n = sum(counts)
+        if want_hidden and self._target is None:
+            raise ValueError("this engine was loaded as a tail: it returns logits, not hidden states")
+        if not rows or not 1 <= n <= self.config.n_batch or min(counts) < 1:
+            raise ValueError(f"batch of {n} positions outside 1..{self.config.n_batch}")
+        if len({seq for seq, _, _ in rows}) != len(rows):
+            raise ValueError("one batch holds each sequence at most once")
+        if want_hidden and not self.config.kv_unified and len(rows) > 1:
+            # Per-sequence KV streams make llama.cpp regroup a batch's tokens by stream
+            # (split_equal) before the captured block runs, so the captured rows would not be
+            # in batch order: a non-tail slice then runs its sequences one after another.
+            return [self.decode(seq, pos, inputs, want_hidden=True) for seq, pos, inputs in rows]
+        ll = self._ll
+        with self._lock:
+            if self._closed:
+                raise RuntimeUnavailable("llama.cpp engine is closed")
+            tokens = rows[0][2].ndim == 1
+            batch = self._tok_batch if tokens else self._emb_batch
+            if tokens:
+                ids = np.ascontiguousarray(np.concatenate([r[2] for r in rows]), dtype=np.int32)
+                ctypes.memmove(batch.token, ids.ctypes.data, ids.nbytes)
+            else:
+                emb = np.ascontiguousarray(np.concatenate([r[2] for r in rows]), dtype=np.float32)
+                ctypes.memmove(batch.embd, emb.ctypes.data, emb.nbytes)
+            batch.n_tokens = n
+            last: list[int] = []
+            i = 0
+            for (seq_id, first_pos, _), count in zip(rows, counts):
+                for j in range(count):
+                    batch.pos[i] = first_pos + j
+                    batch.n_seq_id[i] = 1
+                    batch.seq_id[i][0] = seq_id
+                    batch.logits[i] = 1 if (want_hidden or j == count - 1) else 0
+                    i += 1
+                last.append(i - 1)
+            self._want_hidden = want_hidden
+            self._captured = []
+            try:
+                rc = ll.llama_decode(self._ctx, batch)
+            finally:
+                self._want_hidden = False
+            if rc == 1:
+                raise KvCellsExhausted(f"llama_decode found no free KV cells for {n} positions")
+            if rc != 0:
+                raise RuntimeUnavailable(f"llama_decode failed with code {rc}")
+            if want_hidden:
+                hidden = np.concatenate(self._captured) if self._captured else None
+                if hidden is None or hidden.shape != (n, self.n_embd):
+                    raise RuntimeUnavailable("llama.cpp did not expose the last block's output")
+                bounds = np.cumsum([0, *counts])
+                return [hidden[bounds[k]:bounds[k + 1]] for k in range(len(rows))]
+            out = []
+            for index in last:
+                logits = ll.llama_get_logits_ith(self._ctx, index)
+                if not logits:
+                    raise RuntimeUnavailable("llama.cpp returned no logits")
+                out.append(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy())
+            return out
 
     def forget(self, seq_id: int) -> None:
         """Drop every KV cell of ``seq_id`` (release, or a failed forward)."""

@@ -21,7 +21,9 @@ Files and roles (data flows top to bottom):
     errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...), ArtifactError;
                       foreign exceptions mapped (map_failure) and logged (log_failure)
     worklog.py        the worker's stderr log: one line per record, traceback lines marked
-    service.py        ShardService: backend + sessions + lock; capability (validated), health
+    batching.py       continuous batching: streams' ready steps share one forward (leader, outside the lock)
+    torch_batch.py    the torch lane's ragged batched forward (row-wise ops batched, attention per session)
+    service.py        ShardService: backend + sessions + lock + batcher; capability (validated), health
     stream.py         sans-I/O Session stream core: request bytes in, response bytes out
     forward.py        push topology: pushed sessions, feeders, the entry's control stream answered
                       from other threads (ControlSink), the hooks stream.py calls

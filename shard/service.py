@@ -1,9 +1,10 @@
 """ShardService: the state one worker shares across all its streams.
 
 Owns the backend (weights), the SessionManager (per-session KV), one lock that
-serializes every manager call (the manager is sans-I/O and single-threaded;
-CPU forwards gain nothing from running concurrently), and the capability
-report. Unary RPCs (GetCapability, Health, Release, Cancel) are plain methods
+serializes every manager call (the manager is sans-I/O and single-threaded),
+the continuous-batching scheduler every manager forward goes through
+(``shard/batching.py``: it waits on that lock's condition, so streams whose
+steps are ready together share one forward), and the capability report. Unary RPCs (GetCapability, Health, Release, Cancel) are plain methods
 here taking and returning protobuf messages; ``shard/stream.py`` runs the
 Session stream on top; ``shard/server.py`` is the gRPC edge.
 
@@ -28,6 +29,7 @@ from proto.errors import ProtocolError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
 from shard.backend import RangeBackend
+from shard.batching import BatchingBackend
 from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
 from shard.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
 
@@ -59,10 +61,11 @@ def _rss_bytes() -> int:
 
 class ShardService:
     def __init__(self, backend: RangeBackend, policy: SessionPolicy, *, model_id: str = "",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, batching: bool = True) -> None:
         self.backend = backend
-        self.manager = SessionManager(backend, policy, clock)
         self.lock = threading.Lock()
+        self.batcher = BatchingBackend(backend, self.lock, enabled=batching)
+        self.manager = SessionManager(self.batcher, policy, clock)
         self.model_id = model_id
         self.local_flow = pb.FlowControl(max_inflight_chunks=DEFAULT_MAX_INFLIGHT_CHUNKS,
                                          max_chunk_bytes=MAX_FRAME_BYTES,

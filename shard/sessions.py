@@ -359,6 +359,8 @@ class SessionManager:
             doing = f"running {inputs.shape[0]} positions at {actual} (session cache reset to 0)"
             log_failure(log, exc, doing)
             session.cache.release()
+            if self._sessions.get(key) is not session:   # dropped while its forward ran (batching)
+                raise map_failure(exc, doing) from exc
             try:
                 session.cache = self.backend.new_cache(session.max_tokens)
                 session.last_step, session.last_payload = None, None

@@ -246,3 +246,18 @@ class TorchRangeBackend:
             if self.layer_range.is_tail:
                 return self.adapter.logits(modules, hidden)[0, -1].float().numpy()
             return _to_numpy(hidden[0])
+
+    def forward_batch(self, caches: list[TorchCache], inputs: list[np.ndarray], *,
+                      effective_start: int) -> list:
+        """Several sessions' rows in one forward (shard/torch_batch.py); one result or exception each."""
+        from shard.torch_batch import forward_rows, supports_batch
+
+        if not supports_batch(self):
+            results = []
+            for cache, rows in zip(caches, inputs):
+                try:
+                    results.append(self.forward(cache, rows, effective_start=effective_start))
+                except Exception as exc:  # that session's failure only
+                    results.append(exc)
+            return results
+        return forward_rows(self, caches, inputs, effective_start, _to_torch, _to_numpy)

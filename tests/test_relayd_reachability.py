@@ -128,9 +128,10 @@ def test_auto_mode_checks_again_and_follows_a_changed_network(monkeypatch):
                 await wait_for(lambda: part.private)
                 assert changes[-1] is Verdict.PRIVATE and part.status()["verdict"] == "private"
                 await b.get_network().listen(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0"))
-                await wait_for(lambda: not part.private)
+                # the verdict flips first; the relay slots are let go (and on_change called)
+                # once the relaying tasks have wound down, which takes a moment under load
+                await wait_for(lambda: changes[-1] is Verdict.PUBLIC)
                 assert part.verdict is Verdict.PUBLIC and part.relayed_addrs == ()
-                assert changes[-1] is Verdict.PUBLIC
                 nursery.cancel_scope.cancel()
 
     trio.run(main)

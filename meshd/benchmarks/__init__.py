@@ -5,6 +5,7 @@
     daemon_runs.py    what swarm and pipeline share: options, fixed-split daemons, the reference
     relay.py          the same route with its last hop direct and relayed
     api.py            the streaming HTTP API vs the control socket of one entry (decode rate, first token)
+    serve.py          many users at once through the entry's /v1 API (c=1/4/8), both lanes; batching floor
     codec.py          frame codec cost next to a memory copy
     recipes.py        safetensors vs GGUF recipes (recipe_plan/_routes/_runner/_diagnose.py)
     route_plan.py     route-planning micro-benchmark

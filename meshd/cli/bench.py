@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, str] = {
     "relay": "meshd.benchmarks.relay",
     "moe": "meshd.benchmarks.moe",
     "api": "meshd.benchmarks.api",
+    "serve": "meshd.benchmarks.serve",
 }
 # Benchmarks that honour --model / --layers / --backend.
 MODEL_OPTIONS = ("swarm", "pipeline")

@@ -67,6 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames-listen", help="HOST:PORT of the framed fast path (Session frames over TLS, "
                         "the --tls-cert certificate; shard/frame_server.py)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
+    parser.add_argument("--no-batching", action="store_true",
+                        help="run each session's forward alone (continuous batching is on by default)")
     parser.add_argument("--model-id", default="", help="human label reported in the capability")
     from meshd.cli import expert_worker
 
@@ -140,7 +142,8 @@ def _load_and_validate(args: argparse.Namespace):
         return None, None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
     policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
                            min_idle_before_evict_s=args.min_idle_evict)
-    service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name)
+    service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name,
+                           batching=not args.no_batching)
     print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)
     report = service.validate()
     if not report.validated:

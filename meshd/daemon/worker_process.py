@@ -68,6 +68,7 @@ class WorkerSpec:
     expert_peers: Path | None = None
     expert_act: str = "f32"
     offload_experts: bool = False
+    batching: bool = True
 
     def command(self, ready_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(self.model),
@@ -78,6 +79,8 @@ class WorkerSpec:
                "--ready-file", str(ready_file),
                "--threads", str(self.torch_threads)]
         cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
+        if not self.batching:
+            cmd += ["--no-batching"]
         if self.experts is not None or self.offload_experts:
             cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
             cmd += ["--expert-peers", str(self.expert_peers)] if self.expert_peers else []

@@ -1,0 +1,266 @@
+"""``meshd bench serve``: many users at once through the entry's ``/v1`` API, both lanes, one run.
+
+For each lane -- llama.cpp on the packaged SmolLM2 GGUF, torch on the SmolLM2
+safetensors artifact -- three ``meshd join`` daemons on fixed ranges
+(0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
+``--api-listen 127.0.0.1:0``); node0 is the entry. Its config sets
+``[api] max_running = 8``: the default (4) would queue half of the c=8
+requests at the entry and hide what the workers do; ``peak_streaming_c8``
+(the most requests whose tokens were arriving at once, from the client's
+clock) shows whether anything still capped them.
+
+Rounds: the same 8 distinct chat prompts (greedy, ``temperature`` 0, the same
+token budget) are sent one at a time (c=1: every request alone -- these are
+also the reference outputs), then 4 and 8 at once (streaming
+``/v1/chat/completions`` read with httpx, one client per request thread).
+Repeated ``rounds`` times in alternating order (1,4,8 then 8,4,1).
+Per concurrency, from each token chunk's arrival time at the client:
+
+    aggregate_tokens_per_s_cN   decode tokens (after each request's first) / the
+                                span from the first first-token to the last token
+    p50_itl_s_cN, p95_itl_s_cN  inter-token gaps of every request, pooled
+    aggregate_ratio_c8          aggregate c8 / aggregate c1
+    p95_itl_ratio_c8            p95 ITL c8 / p95 ITL c1
+    outputs_equal               every request's token chunks at c=4 and c=8 equal the same
+                                request alone (c=1); requests_equal counts those that do. The
+                                llama.cpp workers share one KV pool (kv_unified): concurrent
+                                sessions drift from the alone run by up to ~1 in logits with or
+                                without batching (tests/test_batching_native.py), so a near tie
+                                can flip a token there
+    floor_batch8_throughput_ratio  in process, on one thread like the workers: the lane's
+                                backend (whole model) decoding 8 sessions' rows in one batched
+                                forward vs one session's row, tokens/s ratio (alternating
+                                rounds) -- what batching can give on this machine at most
+
+``load_average`` is the 1-minute load at the end (other work on the machine
+makes absolute numbers noisy; every ratio is side by side in this run).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TextIO
+
+PROMPTS = (
+    "Tell me about the history of Rome.", "What is a transformer model?", "Write a short poem about the sea.",
+    "How do bees make honey?", "Explain how a bicycle stays upright.", "What is the capital of France?",
+    "Give me three tips for learning to cook.", "Why is the sky blue?",
+)
+CUTS = ("0:10", "10:20", "20:30")
+MAX_RUNNING = 8
+KV_TOKENS = 2048
+REQUEST_TIMEOUT_S = 900.0
+START_TIMEOUT_S = 600.0
+FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
+
+
+def _say(progress: TextIO | None, line: str) -> None:
+    if progress is not None:
+        print(f"serve bench: {line}", file=progress, flush=True)
+
+
+def _stream(url: str, model_id: str, prompt: str, n: int) -> tuple[list[str], list[float]]:
+    import httpx
+
+    body = {"model": model_id, "messages": [{"role": "user", "content": prompt}], "max_tokens": n,
+            "temperature": 0, "stream": True}
+    pieces, arrivals = [], []
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if not chunk.get("choices"):
+                    continue
+                delta = chunk["choices"][0].get("delta", {}).get("content")
+                if delta:
+                    pieces.append(delta)
+                    arrivals.append(time.perf_counter())
+    return pieces, arrivals
+
+
+def _wave(url: str, model_id: str, indices: list[int], n: int) -> list[tuple[int, list[str], list[float]]]:
+    """``indices`` prompts at once, one thread each; every wait bounded."""
+    out: list = [None] * len(indices)
+    errors: list[BaseException] = []
+
+    def one(slot: int, index: int) -> None:
+        try:
+            out[slot] = (index, *_stream(url, model_id, PROMPTS[index], n))
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(s, i), daemon=True) for s, i in enumerate(indices)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + REQUEST_TIMEOUT_S
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError(f"a request did not finish within {REQUEST_TIMEOUT_S:g} s")
+    return out
+
+
+def _peak(runs) -> int:
+    spans = [(a[0], a[-1]) for _, _, a in runs if a]
+    return max(sum(1 for s, e in spans if s <= t <= e) for t, _ in spans) if spans else 0
+
+
+class _Stats:
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self.rates: list[float] = []
+        self.peak = 0
+
+    def add(self, runs, concurrent: bool) -> None:
+        runs = [r for r in runs if len(r[2]) > 1]
+        for _, _, a in runs:
+            self.gaps += [y - x for x, y in zip(a, a[1:])]
+        if concurrent:
+            span = max(a[-1] for _, _, a in runs) - min(a[0] for _, _, a in runs)
+            self.rates.append(sum(len(a) - 1 for _, _, a in runs) / span)
+            self.peak = max(self.peak, _peak(runs))
+        else:
+            self.rates += [(len(a) - 1) / (a[-1] - a[0]) for _, _, a in runs]
+
+    def quantile(self, q: float) -> float:
+        gaps = sorted(self.gaps)
+        return gaps[min(len(gaps) - 1, int(q * len(gaps)))]
+
+
+def _lane(name: str, model: Path, backend: str, quick: bool, progress) -> dict:
+    import httpx
+
+    from meshd.benchmarks.local_swarm import LocalSwarm
+
+    new_tokens = 16 if quick else 48
+    rounds = 1 if quick else 2
+    root = Path(tempfile.mkdtemp(prefix=f"meshd-bench-serve-{backend}-"))
+    config = root / "entry.toml"
+    config.write_text(f"[api]\nmax_running = {MAX_RUNNING}\n")
+    swarm = LocalSwarm(root, model, kv_budget_tokens=KV_TOKENS, backend=backend)
+    try:
+        daemons = [swarm.add(layers=cut, extra=("--config", str(config)) if i == 0 else ())
+                   for i, cut in enumerate(CUTS)]
+        for d in daemons:
+            swarm.wait_serving(d, START_TIMEOUT_S)
+        swarm.wait_covered(START_TIMEOUT_S, peers=len(CUTS))
+        url = daemons[0].api_url()
+        model_id = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
+        _say(progress, f"{name}: swarm covered, entry {url}; {rounds} round(s), {new_tokens} tokens per request")
+        _stream(url, model_id, PROMPTS[0], 4)   # warm the route
+        stats = {c: _Stats() for c in (1, 4, 8)}
+        alone: dict[int, list[str]] = {}
+        equal, compared, together = True, 0, []
+        everyone = list(range(len(PROMPTS)))
+        for r in range(rounds):
+            for c in ((1, 4, 8) if r % 2 == 0 else (8, 4, 1)):
+                if c == 1:
+                    runs = [_wave(url, model_id, [i], new_tokens)[0] for i in everyone]
+                    for index, pieces, _ in runs:
+                        if index in alone and alone[index] != pieces:
+                            equal = False   # the same request alone twice gave two answers
+                        alone.setdefault(index, pieces)
+                else:
+                    waves = [everyone[k:k + c] for k in range(0, len(everyone), c)]
+                    runs = [run for wave in waves for run in _wave(url, model_id, wave, new_tokens)]
+                stats[c].add(runs, concurrent=c > 1)
+                _say(progress, f"{name} round {r + 1} c={c}: {len(runs)} requests done")
+                if c > 1:
+                    together += runs
+        same = 0
+        for index, pieces, _ in together:   # after every round: alone[] is complete
+            compared += 1
+            same += pieces == alone[index]
+        equal = equal and same == compared
+        agg = {c: statistics.median(stats[c].rates) for c in stats}
+        p50 = {c: stats[c].quantile(0.50) for c in stats}
+        p95 = {c: stats[c].quantile(0.95) for c in stats}
+        out = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal, "new_tokens": new_tokens, "rounds": rounds,
+               "peak_streaming_c8": stats[8].peak, "api_max_running": MAX_RUNNING,
+               "aggregate_ratio_c8": round(agg[8] / agg[1], 3), "aggregate_ratio_c4": round(agg[4] / agg[1], 3),
+               "p95_itl_ratio_c8": round(p95[8] / p95[1], 3), "p95_itl_ratio_c4": round(p95[4] / p95[1], 3)}
+        for c in stats:
+            out[f"aggregate_tokens_per_s_c{c}"] = round(agg[c], 3)
+            out[f"p50_itl_s_c{c}"] = round(p50[c], 4)
+            out[f"p95_itl_s_c{c}"] = round(p95[c], 4)
+        return out
+    finally:
+        swarm.close()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _floor(backend, rounds: int) -> float:
+    """Tokens/s of 8 sessions' decode rows in one batched forward over one session's row alone."""
+    import numpy as np
+
+    caches = [backend.new_cache(256) for _ in range(8)]
+    start = backend.layer_range.start
+    try:
+        backend.forward_batch(caches, [np.asarray([1, 2, 3, 4], np.int64)] * 8, effective_start=start)
+        one = eight = 0.0
+        for _ in range(rounds):
+            t = time.perf_counter()
+            for _ in range(4):
+                backend.forward(caches[0], np.asarray([5], np.int64), effective_start=start)
+            one += time.perf_counter() - t
+            t = time.perf_counter()
+            for _ in range(4):
+                backend.forward_batch(caches[1:] + caches[:1], [np.asarray([5], np.int64)] * 8,
+                                      effective_start=start)
+            eight += time.perf_counter() - t
+        return round(8 * one / eight, 3)
+    finally:
+        for cache in caches:
+            cache.release()
+
+
+def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
+    import torch
+
+    from native.gguf_range import model_info, open_reader
+    from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
+    from shard.backend import LayerRange
+    from shard.torch_backend import TorchRangeBackend
+
+    rounds = 2 if quick else 4
+    layers = model_info(open_reader(gguf)).num_layers
+    llama = LlamaRangeBackend(gguf, LayerRange(0, layers, layers),
+                              LlamaBackendConfig(n_threads=FLOOR_THREADS, kv_budget_tokens=4096, max_sessions=16),
+                              progress=None)
+    try:
+        llama_floor = _floor(llama, rounds)
+    finally:
+        llama.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(FLOOR_THREADS)
+    try:
+        torch_floor = _floor(TorchRangeBackend.load(artifact, 0, None, progress=None), rounds)
+    finally:
+        torch.set_num_threads(threads)
+    return {"llama.cpp": llama_floor, "torch": torch_floor}
+
+
+def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
+    from native.packaged import smollm2_artifact, smollm2_gguf_path
+
+    gguf, artifact = smollm2_gguf_path(), smollm2_artifact()
+    _say(progress, "in-process floor: 8 rows in one batched forward vs 1 row")
+    floors = _floors(gguf, artifact, quick)
+    lanes = {}
+    for name, model, backend in (("llama.cpp", gguf, "llama.cpp"), ("torch", artifact, "torch")):
+        lanes[name] = _lane(name, model, backend, quick, progress)
+        lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
+    return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
+            "load_average": round(os.getloadavg()[0], 2),
+            "targets": {"aggregate_ratio_c8": {"llama.cpp": 3.0, "torch": 2.0}, "p95_itl_ratio_c8": 2.5}}

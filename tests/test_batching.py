@@ -1,0 +1,139 @@
+"""Continuous batching on the torch lane (shard/batching.py, shard/torch_batch.py).
+
+Several sessions' steps through one ShardService from several threads share
+forwards; every session's greedy tokens equal the same request run alone,
+whole model and split, with the prefill in one piece and chunked. The logit
+differences are measured (a GEMM over R rows may round differently from one
+row) and printed.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from proto.errors import ProtocolViolation
+from shard.torch_backend import TorchRangeBackend
+from meshd.testing.models import build_random_llama, build_random_gemma3
+from tests._batching_helpers import Gate, concurrent, generate, max_diff, services, step
+from shard.sessions import SessionKey
+
+PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11], [300, 301, 302, 303]]
+N_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return build_random_llama(seed=11)
+
+
+def _alone(chain, chunk=0):
+    return [generate(chain, f"alone{i}", p, N_NEW, chunk) for i, p in enumerate(PROMPTS)]
+
+
+@pytest.mark.parametrize(("cuts", "chunk"), [([], 0), ([2], 2)], ids=["whole-prefill", "split-chunked"])
+def test_batched_greedy_equals_alone(llama, cuts, chunk):
+    bounds = [0, *cuts, None]
+    backends = [TorchRangeBackend.load(llama, a, b, progress=None) for a, b in zip(bounds, bounds[1:])]
+    alone = _alone(services(backends, batching=False), chunk)
+    chain = services(backends)
+    gate = Gate(chain[0], len(PROMPTS) - 1)
+    together = concurrent(chain, PROMPTS, N_NEW, chunk)
+    assert gate.opened and chain[0].batcher.batched_rows >= len(PROMPTS) - 1   # rows really merged
+    diffs = [max_diff(a, b) for a, b in zip(alone, together)]
+    print(f"torch batched vs alone ({cuts=}, {chunk=}): max logit diff {max(diffs):.3g}, "
+          f"batches {chain[0].batcher.batches}, merged rows {chain[0].batcher.batched_rows}")
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert max(diffs) < 1e-3
+
+
+def test_forward_batch_refuses_one_row_and_runs_the_others(llama):
+    backend = TorchRangeBackend.load(llama, 0, None, progress=None)
+    caches = [backend.new_cache(64) for _ in range(3)]
+    bad = np.asarray([backend.vocab_size + 5], np.int64)
+    results = backend.forward_batch(caches, [np.asarray([1, 2], np.int64), bad, np.asarray([3], np.int64)],
+                                    effective_start=0)
+    assert isinstance(results[1], ValueError) and caches[1].past_len == 0
+    alone = backend.new_cache(64)
+    np.testing.assert_allclose(results[0], backend.forward(alone, np.asarray([1, 2], np.int64), effective_start=0),
+                               atol=1e-4)
+    assert caches[0].past_len == 2 and caches[2].past_len == 1
+
+
+def test_gemma_rows_take_the_one_session_path_and_stay_exact():
+    backend = TorchRangeBackend.load(build_random_gemma3(seed=2), 0, None, progress=None)
+    alone = [generate(services([backend], batching=False), f"a{i}", p, 4) for i, p in enumerate(PROMPTS[:3])]
+    together = concurrent(services([backend]), PROMPTS[:3], 4)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+    assert max(max_diff(a, b) for a, b in zip(alone, together)) == 0.0   # same kernels: bit for bit
+
+
+def test_release_during_a_running_forward_waits_for_it(llama):
+    backend = TorchRangeBackend.load(llama, 0, None, progress=None)
+    (service,) = services([backend])
+    key = SessionKey("victim", 0)
+    with service.lock:
+        service.manager.open(key, 64)
+        outer = service.manager._sessions[key].cache
+        inner = outer.inner
+    started, proceed = threading.Event(), threading.Event()
+    compute = service.batcher._compute
+
+    def held(batch):
+        started.set()
+        assert proceed.wait(30)
+        compute(batch)
+
+    service.batcher._compute = held
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(step(service, key, 0, 0, np.asarray([1, 2, 3], np.int64))))
+    worker.start()
+    assert started.wait(30)
+    with service.lock:                     # the lock is free while the batch runs
+        assert service.manager.release(key)
+        assert outer._release_pending      # not released under the running forward
+        second = SessionKey("other", 0)
+        service.manager.open(second, 64)
+    proceed.set()
+    worker.join(30)
+    assert out and out[0].shape == (backend.vocab_size,)
+    assert not outer._release_pending and inner.past_len == 3 and inner.dynamic is None   # released after it
+    with service.lock:
+        assert service.manager.past_len(key) is None
+
+
+def test_a_second_step_of_a_queued_cache_is_refused(llama):
+    backend = TorchRangeBackend.load(llama, 0, None, progress=None)
+    (service,) = services([backend])
+    cache = service.batcher.new_cache(64)
+    service.batcher._busy.add(id(cache))
+    with service.lock, pytest.raises(ProtocolViolation, match="still running"):
+        service.batcher.forward(cache, np.asarray([1], np.int64), effective_start=0)
+
+
+def test_batching_off_calls_the_backend_directly(llama):
+    backend = TorchRangeBackend.load(llama, 0, None, progress=None)
+    (service,) = services([backend], batching=False)
+    generate([service], "x", PROMPTS[0], 2)
+    assert service.batcher.batches == 0
+
+
+def test_worker_batching_knob_reaches_the_worker_command(tmp_path):
+    from meshd.config import load_config
+    from meshd.daemon.worker_process import WorkerSpec
+    from meshd.errors import ConfigError
+    from meshd.reach.tls import TlsMaterial
+
+    toml = tmp_path / "meshd.toml"
+    toml.write_text("[worker]\nbatching = false\n")
+    assert load_config(toml).worker.batching is False
+    assert load_config(None).worker.batching is True
+    toml.write_text("[worker]\nbatching = \"no\"\n")
+    with pytest.raises(ConfigError, match="batching"):
+        load_config(toml)
+    tls = TlsMaterial(tmp_path / "c.pem", tmp_path / "k.pem", b"", bytes(32))
+    spec = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls)
+    assert "--no-batching" not in spec.command(tmp_path / "ready")
+    off = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, batching=False)
+    assert "--no-batching" in off.command(tmp_path / "ready")
