@@ -40,6 +40,7 @@ outside the lock. ``enabled=False`` (``meshd worker --no-batching``) makes
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -99,9 +100,16 @@ class BatchingBackend:
         self._running = False
         self.batches = 0          # forwards run (counters for tests and health)
         self.batched_rows = 0     # items that shared a forward with another item
+        self.last_batch_rows = 0  # items in the last batch (HealthReport.batch_occupancy)
+        self.last_batch_ms = 0.0  # its wall time: the retry hint of a queue-depth refusal
 
     def __getattr__(self, name: str):   # layer_range, vocab_size, boundary_dtype, ...
         return getattr(self.backend, name)
+
+    @property
+    def queue_depth(self) -> int:
+        """Steps waiting for the next forward (not the running batch); admission reads it."""
+        return len(self._queue)
 
     def new_cache(self, max_tokens: int) -> BatchedCache:
         return BatchedCache(self.backend.new_cache(max_tokens), self)
@@ -156,12 +164,14 @@ class BatchingBackend:
         batch = self._take()
         self._running = True
         self._lock.release()
+        t0 = time.perf_counter()
         try:
             self._compute(batch)
         finally:
             self._lock.acquire()
             self._running = False
             self.batches += 1
+            self.last_batch_rows, self.last_batch_ms = len(batch), (time.perf_counter() - t0) * 1e3
             if len(batch) > 1:
                 self.batched_rows += len(batch)
             for item in batch:

@@ -163,6 +163,7 @@ class ShardService:
             active_sessions=stats.active_sessions, kv_pressure=stats.kv_pressure,
             resident_bytes=_rss_bytes(), kv_tokens_used=stats.kv_reserved_tokens,
             kv_budget_tokens=stats.kv_budget_tokens,
+            queued_chunks=self.batcher.queue_depth, batch_occupancy=self.batcher.last_batch_rows,
             detail=f"{stats.kv_cached_tokens} tokens cached")
 
     def _key(self, session_id: str, epoch: int) -> SessionKey:

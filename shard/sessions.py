@@ -31,7 +31,10 @@ PermissionDenied; the session is untouched. Work on a session happens on the
 stream that opened (or re-attached to) it, so it is owned too.
 
 Admission (``open``): reservations are counted in tokens against
-``kv_budget_tokens``; a peer holds at most ``max_sessions_per_peer`` sessions.
+``kv_budget_tokens``; a peer holds at most ``max_sessions_per_peer`` sessions;
+no new session while ``max_queued_steps`` steps wait for the next batched
+forward (queue depth; weights and the forward's scratch are bounded where the
+plan counts them: meshd/plan/footprint.py, shard/batching.py).
 Eviction happens only under pressure (the budget or the table is full), oldest
 (least recently used) first, and only of sessions that are idle: the opener's
 same owner's after ``min_idle_before_evict_s``, anyone else's only after
@@ -95,6 +98,11 @@ MAX_PEER_CHARS = 128
 EPOCH_MEMORY = 4096
 # Smallest retry hint: below this a retry storm costs more than it saves.
 MIN_RETRY_AFTER_MS = 100
+# New sessions are refused while this many steps wait for the worker's next
+# batched forward (shard/batching.py): each waiting step already pays one batch
+# of latency, and a newcomer's prefill chunks would add to every one of them.
+# 32 waiting steps is four full c=8 rounds of decode rows.
+DEFAULT_MAX_QUEUED_STEPS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,10 +144,12 @@ class SessionPolicy:
     max_sessions: int = DEFAULT_MAX_SESSIONS
     foreign_idle_evict_s: float = DEFAULT_FOREIGN_IDLE_EVICT_S
     max_sessions_per_peer: int = DEFAULT_MAX_SESSIONS_PER_PEER
+    max_queued_steps: int = DEFAULT_MAX_QUEUED_STEPS
 
     def __post_init__(self) -> None:
-        if self.kv_budget_tokens <= 0 or self.max_sessions <= 0 or self.max_sessions_per_peer <= 0:
-            raise ValueError("kv_budget_tokens, max_sessions and max_sessions_per_peer must be positive")
+        if min(self.kv_budget_tokens, self.max_sessions, self.max_sessions_per_peer, self.max_queued_steps) <= 0:
+            raise ValueError("kv_budget_tokens, max_sessions, max_sessions_per_peer and max_queued_steps "
+                             "must be positive")
         if self.ttl_s <= 0 or self.min_idle_before_evict_s < 0 or self.foreign_idle_evict_s < 0:
             raise ValueError("ttl_s must be positive and the eviction idle times non-negative")
 
@@ -247,6 +257,16 @@ class SessionManager:
             return idle >= self.policy.min_idle_before_evict_s
         return idle >= self.policy.foreign_idle_evict_s
 
+    def _check_queue(self) -> None:
+        """Refuse a newcomer while the batch queue is deep (the backend is a BatchingBackend)."""
+        depth = getattr(self.backend, "queue_depth", 0)
+        if depth >= self.policy.max_queued_steps:
+            wait_ms = getattr(self.backend, "last_batch_ms", 0.0) * depth
+            raise ResourceExhausted(
+                f"{depth} steps already wait for this worker's next forward (at most "
+                f"{self.policy.max_queued_steps} before new sessions are refused); try another replica",
+                retry_after_ms=max(MIN_RETRY_AFTER_MS, math.ceil(wait_ms)))
+
     def _make_room(self, tokens: int, owner: Owner) -> None:
         policy, now = self.policy, self.clock()
         held = sum(1 for s in self._sessions.values() if s.owner.peer == owner.peer)
@@ -293,6 +313,7 @@ class SessionManager:
                 f"({self.policy.kv_budget_tokens}); use a shard with more memory")
             refusal.retryable = False
             raise refusal
+        self._check_queue()
         older = [s for k, s in self._sessions.items() if k.session_id == key.session_id and k.epoch < key.epoch]
         for session in older:
             self._check_owner(session, owner, "supersede")

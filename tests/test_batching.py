@@ -137,3 +137,54 @@ def test_worker_batching_knob_reaches_the_worker_command(tmp_path):
     assert "--no-batching" not in spec.command(tmp_path / "ready")
     off = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, batching=False)
     assert "--no-batching" in off.command(tmp_path / "ready")
+
+
+def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(llama):
+    """Admission by queue depth: while max_queued_steps steps wait behind a running forward,
+    a new session gets ResourceExhausted (retryable, with a hint); Health shows the depth;
+    once the queue drains the same open succeeds and every queued step got its answer."""
+    from shard.errors import ResourceExhausted
+    from shard.service import ShardService
+    from shard.sessions import SessionPolicy
+
+    backend = TorchRangeBackend.load(llama, 0, None, progress=None)
+    service = ShardService(backend, SessionPolicy(kv_budget_tokens=4096, max_queued_steps=2))
+    keys = [SessionKey(f"s{i}", 0) for i in range(3)]
+    with service.lock:
+        for key in keys:
+            service.manager.open(key, 64)
+    started, proceed = threading.Event(), threading.Event()
+    compute = service.batcher._compute
+
+    def held(batch):
+        started.set()
+        assert proceed.wait(30)
+        compute(batch)
+
+    service.batcher._compute = held
+    outs: list = []
+    threads = [threading.Thread(target=lambda k=k: outs.append(step(service, k, 0, 0, np.asarray([1, 2], np.int64))))
+               for k in keys]
+    threads[0].start()
+    assert started.wait(30)                          # s0's forward runs (held); s1, s2 queue behind it
+    for t in threads[1:]:
+        t.start()
+    for _ in range(3000):
+        if service.batcher.queue_depth == 2:
+            break
+        threading.Event().wait(0.01)
+    assert service.batcher.queue_depth == 2
+    assert service.health().queued_chunks == 2
+    newcomer = SessionKey("late", 0)
+    with service.lock, pytest.raises(ResourceExhausted, match="wait for this worker's next forward") as refused:
+        service.manager.open(newcomer, 64)
+    assert refused.value.retryable and refused.value.retry_after_ms >= 100
+    with service.lock:
+        assert service.manager.open(keys[1], 64) == 0   # re-attaching to one's own session is not refused
+    proceed.set()
+    for t in threads:
+        t.join(30)
+    assert len(outs) == 3 and all(o.shape == (backend.vocab_size,) for o in outs)
+    with service.lock:
+        assert service.manager.open(newcomer, 64) == 0
+    assert service.health().queued_chunks == 0 and service.health().batch_occupancy == 2

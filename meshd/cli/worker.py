@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, machine_cores
+from shard.sessions import DEFAULT_MAX_QUEUED_STEPS
 from proto.errors import MeshdError
 
 log = logging.getLogger("meshd.worker")
@@ -54,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-tokens", type=int, default=DEFAULT_KV_BUDGET_TOKENS,
                         help="KV positions to admit sessions against (the planner sizes ranges with the same number)")
     parser.add_argument("--max-sessions", type=int, default=64)
+    parser.add_argument("--max-queued-steps", type=int, default=DEFAULT_MAX_QUEUED_STEPS,
+                        help="refuse new sessions (RESOURCE_EXHAUSTED, retry hint) while this many steps "
+                             "wait for the next batched forward")
     parser.add_argument("--ttl", type=float, default=300.0, help="seconds an idle session is kept")
     parser.add_argument("--min-idle-evict", type=float, default=2.0,
                         help="seconds a session must be idle before a newcomer may evict it")
@@ -141,7 +145,7 @@ def _load_and_validate(args: argparse.Namespace):
         log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
         return None, None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
     policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
-                           min_idle_before_evict_s=args.min_idle_evict)
+                           min_idle_before_evict_s=args.min_idle_evict, max_queued_steps=args.max_queued_steps)
     service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name,
                            batching=not args.no_batching)
     print(f"[worker] validating layers {backend.layer_range} with a real forward", file=sys.stderr, flush=True)

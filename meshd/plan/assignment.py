@@ -16,7 +16,9 @@ Rules (ADR-0009 in the seeds: fill every gap before adding redundancy):
 2. Inside the target, the longest window whose footprint fits the node's
    declared memory: weights of the range (+ embeddings when it holds layer 0,
    + final norm/lm_head when it holds the last layer) + a KV budget of
-   ``kv_budget_tokens`` positions for every layer of the range. Ties: the
+   ``kv_budget_tokens`` positions for every layer of the range + one batched
+   forward's scratch (``ModelFootprint.scratch_bytes``: the worker never runs
+   more than SCRATCH_POSITIONS positions at once). Ties: the
    leftmost window, so a partly filled gap stays one contiguous gap.
 3. If the window covers the whole target and memory is left, grow it one
    layer at a time towards the less redundant neighbour (right on a tie)
@@ -44,6 +46,7 @@ from meshd.plan.adverts import MAX_LAYERS, MAX_MEMORY_BYTES, CoverageMap, ShardA
 from meshd.plan.errors import NoFitError, PlanInputError
 from meshd.sizes import format_size
 from proto import shard_runtime_pb2 as pb
+from shard.batching import DEFAULT_BATCH_TOKENS as SCRATCH_POSITIONS
 
 # Positions of KV cache a new range reserves per layer by default: the one
 # setting the worker admits against too (meshd.config.DEFAULT_KV_BUDGET_TOKENS).
@@ -68,6 +71,11 @@ class ModelFootprint:
     head_extra_bytes: int = 0          # token embeddings, held with layer 0
     tail_extra_bytes: int = 0          # final norm + lm_head, held with the last layer
     kv_bytes_per_token_layer: int = 0  # K and V of one position in one layer
+    # One batched forward's working memory (scratch), counted once per range: the
+    # worker runs at most SCRATCH_POSITIONS positions per forward (shard/batching.py).
+    scratch_row_bytes: int = 0         # activations of one position inside a layer
+    score_bytes_per_kv_token: int = 0  # attention scores of one position per cached token
+    logit_row_bytes: int = 0           # one position's logits, at the tail only
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_weight_bytes, tuple) or not 1 <= len(self.layer_weight_bytes) <= MAX_LAYERS:
@@ -75,6 +83,9 @@ class ModelFootprint:
         for name, value in (("head_extra_bytes", self.head_extra_bytes),
                             ("tail_extra_bytes", self.tail_extra_bytes),
                             ("kv_bytes_per_token_layer", self.kv_bytes_per_token_layer),
+                            ("scratch_row_bytes", self.scratch_row_bytes),
+                            ("score_bytes_per_kv_token", self.score_bytes_per_kv_token),
+                            ("logit_row_bytes", self.logit_row_bytes),
                             *(("layer_weight_bytes", b) for b in self.layer_weight_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LAYER_BYTES:
                 raise PlanInputError(f"{name}={value!r} must be an int in [0, {MAX_LAYER_BYTES}]")
@@ -88,19 +99,27 @@ class ModelFootprint:
         return len(self.layer_weight_bytes)
 
     def range_bytes(self, start: int, end: int, kv_budget_tokens: int) -> int:
-        """Bytes to hold ``[start, end)`` with a KV budget (weights + extras + KV)."""
+        """Bytes to hold ``[start, end)`` with a KV budget (weights + extras + KV + scratch)."""
         return _Costs(self, kv_budget_tokens).of(start, end)
+
+    def scratch_bytes(self, kv_budget_tokens: int, *, tail: bool) -> int:
+        """One batched forward's working memory: SCRATCH_POSITIONS positions through a layer
+        (activations, attention scores over at most the KV budget), plus their logits at the tail."""
+        row = self.scratch_row_bytes + self.score_bytes_per_kv_token * kv_budget_tokens
+        return SCRATCH_POSITIONS * (row + (self.logit_row_bytes if tail else 0))
 
 
 class _Costs:
     """Prefix sums for O(1) range footprints (internal, built per plan)."""
 
-    __slots__ = ("fp", "prefix", "kv_per_layer")
+    __slots__ = ("fp", "prefix", "kv_per_layer", "scratch", "tail_scratch")
 
     def __init__(self, fp: ModelFootprint, kv_budget_tokens: int) -> None:
         self.fp = fp
         self.prefix = (0, *accumulate(fp.layer_weight_bytes))
         self.kv_per_layer = kv_budget_tokens * fp.kv_bytes_per_token_layer
+        self.scratch = fp.scratch_bytes(kv_budget_tokens, tail=False)
+        self.tail_scratch = fp.scratch_bytes(kv_budget_tokens, tail=True)
 
     def of(self, start: int, end: int) -> int:
         n = self.fp.num_layers
@@ -109,7 +128,8 @@ class _Costs:
         return (self.prefix[end] - self.prefix[start]
                 + (self.fp.head_extra_bytes if start == 0 else 0)
                 + (self.fp.tail_extra_bytes if end == n else 0)
-                + self.kv_per_layer * (end - start))
+                + self.kv_per_layer * (end - start)
+                + (self.tail_scratch if end == n else self.scratch))
 
     def best_window(self, target: Span, memory: int) -> Span | None:
         """Longest (then leftmost) sub-span of ``target`` that fits ``memory``."""
@@ -275,7 +295,10 @@ def simulate_joins(footprint, nodes: int, memory: int, kv_tokens: int):
 
 def even_memory_for(footprint, nodes: int, kv_tokens: int) -> int:
     """The smallest memory (in half-layer steps) with which ``nodes`` joiners cover the model."""
-    step = max(1, footprint.range_bytes(0, 1, kv_tokens) - footprint.head_extra_bytes) // 2
+    n = footprint.num_layers
+    layer = (footprint.range_bytes(0, 2, kv_tokens) - footprint.range_bytes(0, 1, kv_tokens) if n > 2
+             else footprint.range_bytes(0, 1, kv_tokens) - footprint.head_extra_bytes)   # weights + KV, no scratch
+    step = max(1, layer // 2)
     memory = footprint.range_bytes(0, 1, kv_tokens)
     for _ in range(4 * footprint.num_layers):
         try:

@@ -9,6 +9,10 @@ headers (tensor names, shapes -- no weights) and ``config.json``:
     tail extra     ``*norm.weight`` outside the layers + ``lm_head.*``; with
                    tied embeddings the tail holds the embedding matrix too
     KV per token   2 (K and V) x kv heads x head dim, per layer
+    scratch        one batched forward's working memory (``scratch_fields``):
+                   per position ~6 hidden-wide and 3 intermediate-wide
+                   activations, float32 attention scores per head and cached
+                   token, and float32 logits at the tail
 
 Sizes are in the *runtime* dtype the worker will compute in (float32 or
 bfloat16), not the file's: the torch backend converts on load.
@@ -35,6 +39,18 @@ MAX_HEADER_BYTES = 64 << 20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # llama.cpp's KV cache type (type_k / type_v default F16; native/llama_engine.py keeps it).
 LLAMA_CPP_KV_BYTES = 2
+# Compute width of activations, scores and logits: the torch lane computes in
+# its dtype but softmax and logits run in float32; llama.cpp computes in F32.
+SCRATCH_WIDTH = 4
+
+
+def scratch_fields(*, hidden: int, intermediate: int, heads: int, vocab: int) -> dict[str, int]:
+    """The ModelFootprint scratch fields of a model of these widths (see the module docstring)."""
+    return {"scratch_row_bytes": (6 * hidden + 3 * intermediate) * SCRATCH_WIDTH,
+            "score_bytes_per_kv_token": heads * SCRATCH_WIDTH,
+            "logit_row_bytes": vocab * SCRATCH_WIDTH}
+
+
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -83,8 +99,10 @@ def artifact_footprint(path: Path, model_digest: str, dtype: str = "float32") ->
         tail += embed
     heads = int(text.get("num_key_value_heads") or text["num_attention_heads"])
     head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+    scratch = scratch_fields(hidden=int(text["hidden_size"]), intermediate=int(text.get("intermediate_size") or 0),
+                             heads=int(text["num_attention_heads"]), vocab=int(text.get("vocab_size") or 0))
     return ModelFootprint(model_digest, tuple(layers), head_extra_bytes=head, tail_extra_bytes=tail,
-                          kv_bytes_per_token_layer=2 * heads * head_dim * width)
+                          kv_bytes_per_token_layer=2 * heads * head_dim * width, **scratch)
 
 
 def gguf_footprint(path: Path, model_digest: str, backend: str = "llama.cpp", dtype: str = "float32") -> ModelFootprint:
@@ -110,7 +128,9 @@ def gguf_footprint(path: Path, model_digest: str, backend: str = "llama.cpp", dt
                                            else single["token_embd.weight"])
     return ModelFootprint(model_digest, tuple(int(b) for b in layers),
                           head_extra_bytes=int(single["token_embd.weight"]), tail_extra_bytes=int(tail),
-                          kv_bytes_per_token_layer=info.kv_elements_per_token_layer() * kv_width)
+                          kv_bytes_per_token_layer=info.kv_elements_per_token_layer() * kv_width,
+                          **scratch_fields(hidden=info.hidden_size, intermediate=info.intermediate_size,
+                                           heads=info.num_heads, vocab=info.vocab_size))
 
 
 def model_footprint(path: Path, model_digest: str, backend: str = "torch", dtype: str = "float32") -> ModelFootprint:
