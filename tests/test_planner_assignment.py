@@ -183,7 +183,7 @@ def test_held_span_beyond_the_model_is_refused():
 
 
 def test_one_batched_forwards_scratch_counts_once_per_range_and_logits_at_the_tail():
-    from meshd.plan.assignment import SCRATCH_POSITIONS
+    from meshd.plan.assignment import SCRATCH_LOGIT_ROWS, SCRATCH_POSITIONS
 
     fp = ModelFootprint.uniform(MODEL, 4, 1000, kv_bytes_per_token_layer=10, scratch_row_bytes=7,
                                 score_bytes_per_kv_token=3, logit_row_bytes=50)
@@ -192,7 +192,7 @@ def test_one_batched_forwards_scratch_counts_once_per_range_and_logits_at_the_ta
     assert fp.scratch_bytes(kv, tail=False) == scratch
     assert fp.range_bytes(0, 1, kv) == 1000 + 10 * kv + scratch
     assert fp.range_bytes(0, 2, kv) - fp.range_bytes(0, 1, kv) == 1000 + 10 * kv    # not per layer
-    assert fp.range_bytes(2, 4, kv) == 2 * (1000 + 10 * kv) + scratch + SCRATCH_POSITIONS * 50
+    assert fp.range_bytes(2, 4, kv) == 2 * (1000 + 10 * kv) + scratch + SCRATCH_LOGIT_ROWS * 50
     with pytest.raises(PlanInputError):
         ModelFootprint.uniform(MODEL, 2, 10, scratch_row_bytes=-1)
 

@@ -28,8 +28,17 @@ from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 
-MEMORY = 1_100_000
 KV_TOKENS = 1024
+# Two layers' weights and KV with the embeddings or the head, plus one batched forward's
+# scratch (the planner counts it: 512 positions of this model need ~10 MB, far more than
+# its weights; meshd/plan/assignment.py ModelFootprint.scratch_bytes).
+LAYERS_MEMORY = 1_100_000
+
+
+def memory_for(model) -> int:
+    from meshd.plan.footprint import artifact_footprint
+
+    return LAYERS_MEMORY + artifact_footprint(model, "e2e").scratch_bytes(KV_TOKENS, tail=True)
 # Records expire this long after a node stops republishing (a killed node leaves the map).
 RECORD_TTL_S = 12.0
 START_TIMEOUT_S = 300
@@ -49,10 +58,10 @@ def swarm(model, tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), model, kv_budget_tokens=KV_TOKENS, record_ttl_s=RECORD_TTL_S,
                    extra=("--topology", "push"))
     try:
-        first = s.add(memory=MEMORY)
+        first = s.add(memory=memory_for(model))
         s.wait_serving(first, START_TIMEOUT_S)
         for _ in range(4):
-            s.add(memory=MEMORY)
+            s.add(memory=memory_for(model))
         for d in s.daemons[1:]:
             s.wait_serving(d, START_TIMEOUT_S)
         yield s
@@ -244,7 +253,7 @@ def test_a_node_joining_during_a_generation_does_not_break_it(swarm, whole, mode
 
     def join_at(count: int) -> None:
         if count == 2 and not joined:
-            joined.append(swarm.add(memory=MEMORY))
+            joined.append(swarm.add(memory=memory_for(model)))
 
     done = generate(entry, PROMPT, n, on_token=join_at)
     assert done["tokens"] == expected

@@ -46,6 +46,7 @@ from meshd.plan.adverts import MAX_LAYERS, MAX_MEMORY_BYTES, CoverageMap, ShardA
 from meshd.plan.errors import NoFitError, PlanInputError
 from meshd.sizes import format_size
 from proto import shard_runtime_pb2 as pb
+from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS as SCRATCH_LOGIT_ROWS
 from shard.batching import DEFAULT_BATCH_TOKENS as SCRATCH_POSITIONS
 
 # Positions of KV cache a new range reserves per layer by default: the one
@@ -104,9 +105,11 @@ class ModelFootprint:
 
     def scratch_bytes(self, kv_budget_tokens: int, *, tail: bool) -> int:
         """One batched forward's working memory: SCRATCH_POSITIONS positions through a layer
-        (activations, attention scores over at most the KV budget), plus their logits at the tail."""
+        (activations, attention scores over at most the KV budget), plus at the tail the logits of
+        SCRATCH_LOGIT_ROWS positions (a prefill chunk on the torch lane's one-session path; one row
+        per session of a batch, and a batch holds fewer sessions than that by default)."""
         row = self.scratch_row_bytes + self.score_bytes_per_kv_token * kv_budget_tokens
-        return SCRATCH_POSITIONS * (row + (self.logit_row_bytes if tail else 0))
+        return SCRATCH_POSITIONS * row + (SCRATCH_LOGIT_ROWS * self.logit_row_bytes if tail else 0)
 
 
 class _Costs:
