@@ -33,6 +33,7 @@ TOML layout (every key optional; names match the dataclass fields)::
     restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
     threads = 4                       # compute threads (torch_threads is the same key); default: all cores
     batching = true                   # continuous batching: sessions ready together share a forward
+    llama_kv_streams = 0              # llama.cpp: 0 = one shared KV pool; N = N per-session streams (exact)
 
     [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
     listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs key
@@ -84,6 +85,8 @@ WORKER_DTYPES = ("float32", "bfloat16")
 # oversubscribe any machine badly; 256 covers the biggest servers).
 MAX_WORKER_THREADS = 256
 WORKER_BACKENDS = ("torch", "llama.cpp")
+# llama.cpp's LLAMA_MAX_SEQ: per-session KV streams one context can hold.
+MAX_LLAMA_KV_STREAMS = 256
 # auto: ask connected peers to dial us back (relay/reachability.py) and use relays
 # only when they cannot; public/private skip the probe (private forces relaying).
 REACHABILITY_MODES = ("auto", "public", "private")
@@ -163,10 +166,19 @@ class WorkerConfig:
     torch_threads: int = field(default_factory=lambda: machine_cores())
     # Continuous batching in the worker (shard/batching.py); false: one forward at a time.
     batching: bool = True
+    # llama.cpp KV layout. 0: one pool shared by every session (any session may use the whole
+    # budget; concurrent sessions' cells interleave, and llama.cpp's attention then rounds
+    # differently from a session run alone -- greedy tokens can drift). N: N streams of
+    # kv_budget_tokens / N cells, one per session: bit-exact under concurrency, but at most N
+    # sessions of at most that many tokens each.
+    llama_kv_streams: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.batching, bool):
             raise ConfigError(f"worker.batching must be true or false, not {self.batching!r}")
+        streams = self.llama_kv_streams
+        if isinstance(streams, bool) or not isinstance(streams, int) or not 0 <= streams <= MAX_LLAMA_KV_STREAMS:
+            raise ConfigError(f"worker.llama_kv_streams must be an int in 0..{MAX_LLAMA_KV_STREAMS}, not {streams!r}")
         if self.dtype not in WORKER_DTYPES:
             raise ConfigError(f"worker.dtype must be one of {', '.join(WORKER_DTYPES)}, not {self.dtype!r}")
         if self.backend not in WORKER_BACKENDS:

@@ -30,8 +30,11 @@ def is_gguf(path: str | Path) -> bool:
 
 def load_gguf_backend(path: str | Path, start: int, end: int | None, *, backend: str = "llama.cpp",
                       dtype: str = "float32", n_threads: int = 2, kv_budget_tokens: int = 16384,
-                      max_sessions: int = 64, progress: TextIO | None = sys.stderr):
-    """Load layers [start, end) (``end`` None = to the last layer) of a GGUF file."""
+                      max_sessions: int = 64, kv_streams: int = 0, progress: TextIO | None = sys.stderr):
+    """Load layers [start, end) (``end`` None = to the last layer) of a GGUF file.
+
+    ``kv_streams`` (llama.cpp): 0 = one KV pool shared by up to ``max_sessions`` sessions;
+    N = N per-session streams of ``kv_budget_tokens // N`` cells (kv_unified off)."""
     if backend not in GGUF_BACKENDS:
         raise ValueError(f"backend must be one of {GGUF_BACKENDS}, got {backend!r}")
     info = model_info(open_reader(path))
@@ -50,6 +53,9 @@ def load_gguf_backend(path: str | Path, start: int, end: int | None, *, backend:
         raise ValueError("llama.cpp computes in float32; its boundary dtype is float32 (omit --dtype)")
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
 
+    if not 0 <= kv_streams <= MAX_LLAMA_SEQUENCES:
+        raise ValueError(f"kv_streams must be in 0..{MAX_LLAMA_SEQUENCES}, got {kv_streams}")
+    sessions = kv_streams or min(max_sessions, MAX_LLAMA_SEQUENCES)
     config = LlamaBackendConfig(n_threads=n_threads, kv_budget_tokens=kv_budget_tokens,
-                                max_sessions=min(max_sessions, MAX_LLAMA_SEQUENCES))
+                                max_sessions=sessions, kv_unified=not kv_streams)
     return LlamaRangeBackend(path, layer_range, config, progress=progress)

@@ -139,6 +139,28 @@ def test_worker_batching_knob_reaches_the_worker_command(tmp_path):
     assert "--no-batching" in off.command(tmp_path / "ready")
 
 
+def test_llama_kv_streams_knob_reaches_the_worker_command(tmp_path):
+    from meshd.config import load_config
+    from meshd.daemon.worker_process import WorkerSpec
+    from meshd.errors import ConfigError
+    from meshd.reach.tls import TlsMaterial
+
+    toml = tmp_path / "meshd.toml"
+    assert load_config(None).worker.llama_kv_streams == 0
+    toml.write_text("[worker]\nllama_kv_streams = 4\n")
+    assert load_config(toml).worker.llama_kv_streams == 4
+    for bad in ("-1", "true", "\"4\"", "100000"):
+        toml.write_text(f"[worker]\nllama_kv_streams = {bad}\n")
+        with pytest.raises(ConfigError, match="llama_kv_streams"):
+            load_config(toml)
+    tls = TlsMaterial(tmp_path / "c.pem", tmp_path / "k.pem", b"", bytes(32))
+    shared = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls).command(tmp_path / "ready")
+    assert "--llama-kv-streams" not in shared
+    cmd = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, llama_kv_streams=4).command(
+        tmp_path / "ready")
+    assert cmd[cmd.index("--llama-kv-streams") + 1] == "4"
+
+
 def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(llama):
     """Admission by queue depth: while max_queued_steps steps wait behind a running forward,
     a new session gets ResourceExhausted (retryable, with a hint); Health shows the depth;

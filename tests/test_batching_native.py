@@ -95,3 +95,20 @@ def test_llama_forward_batch_refuses_one_row_and_runs_the_others():
         assert np.array_equal(results[2], backend.forward(alone, np.asarray([3], np.int64), effective_start=0))
     finally:
         backend.close()
+
+
+def test_the_factorys_kv_streams_give_per_session_streams():
+    """``meshd worker --llama-kv-streams N`` (``[worker] llama_kv_streams``) reaches llama.cpp:
+    N sequences, kv_unified off, a session over budget / N refused for good."""
+    from native.factory import load_gguf_backend
+    from shard.errors import ResourceExhausted
+
+    backend = load_gguf_backend(smollm2_gguf_path(), 0, None, kv_budget_tokens=2048, kv_streams=4, progress=None)
+    try:
+        assert backend.config.kv_unified is False and backend.config.max_sessions == 4
+        backend.new_cache(512).release()
+        with pytest.raises(ResourceExhausted) as refused:
+            backend.new_cache(513)
+        assert not refused.value.retryable
+    finally:
+        backend.close()

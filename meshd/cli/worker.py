@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames-listen", help="HOST:PORT of the framed fast path (Session frames over TLS, "
                         "the --tls-cert certificate; shard/frame_server.py)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
+    parser.add_argument("--llama-kv-streams", type=int, default=0, metavar="N",
+                        help="llama.cpp: 0 = one KV pool shared by all sessions (default); N = one stream "
+                             "of kv-budget/N tokens per session, at most N sessions (bit-exact under concurrency)")
     parser.add_argument("--no-batching", action="store_true",
                         help="run each session's forward alone (continuous batching is on by default)")
     parser.add_argument("--model-id", default="", help="human label reported in the capability")
@@ -104,7 +107,8 @@ def load_backend(args: argparse.Namespace, experts=None, exchange=None):
 
         return load_gguf_backend(args.model, start, end, backend=args.backend, dtype=args.dtype,
                                  n_threads=args.threads, kv_budget_tokens=args.kv_budget_tokens,
-                                 max_sessions=args.max_sessions, progress=sys.stderr)
+                                 max_sessions=args.max_sessions, kv_streams=args.llama_kv_streams,
+                                 progress=sys.stderr)
     if args.backend != "torch":
         raise ValueError("the llama.cpp backend serves .gguf files; use --backend torch for artifact directories")
     from shard.torch_backend import TorchRangeBackend

@@ -309,7 +309,8 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                     spec = WorkerSpec(model=config.model, layers=config.layers, run_dir=config.data_dir,
                                       tls=tls, tls_host=node.tls_bind_host, dtype=w.dtype, backend=w.backend,
                                       kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads,
-                                      batching=w.batching, ready_timeout_s=w.ready_timeout_s,
+                                      batching=w.batching, llama_kv_streams=w.llama_kv_streams,
+                                      ready_timeout_s=w.ready_timeout_s,
                                       experts=config.experts if moe else None,
                                       expert_peers=moe.peers_file if moe else None,
                                       expert_act=config.expert_act, offload_experts=config.offload_experts)

@@ -69,6 +69,7 @@ class WorkerSpec:
     expert_act: str = "f32"
     offload_experts: bool = False
     batching: bool = True
+    llama_kv_streams: int = 0      # WorkerConfig.llama_kv_streams
 
     def command(self, ready_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(self.model),
@@ -81,6 +82,8 @@ class WorkerSpec:
         cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
         if not self.batching:
             cmd += ["--no-batching"]
+        if self.llama_kv_streams:
+            cmd += ["--llama-kv-streams", str(self.llama_kv_streams)]
         if self.experts is not None or self.offload_experts:
             cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
             cmd += ["--expert-peers", str(self.expert_peers)] if self.expert_peers else []

@@ -49,7 +49,7 @@ class WorkerSlot:
         return WorkerSpec(model=config.model, layers=layers, run_dir=config.data_dir, tls=self.node.tls,
                           tls_host=self.node.tls_bind_host, dtype=w.dtype, backend=w.backend,
                           kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads, batching=w.batching,
-                          ready_timeout_s=w.ready_timeout_s)
+                          llama_kv_streams=w.llama_kv_streams, ready_timeout_s=w.ready_timeout_s)
 
     async def drop(self) -> None:
         if self._scope is not None:
