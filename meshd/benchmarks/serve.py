@@ -1,7 +1,7 @@
 """``meshd bench serve``: many users at once through the entry's ``/v1`` API, both lanes, one run.
 
-For each lane -- llama.cpp on the packaged SmolLM2 GGUF, torch on the SmolLM2
-safetensors artifact -- three ``meshd join`` daemons on fixed ranges
+For each lane -- llama.cpp on the packaged SmolLM2 GGUF (shared KV pool, and
+one KV stream per session), torch on the SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
 (0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
 ``--api-listen 127.0.0.1:0``); node0 is the entry. Its config sets
 ``[api] max_running = 8``: the default (4) would queue half of the c=8
@@ -26,7 +26,9 @@ Per concurrency, from each token chunk's arrival time at the client:
                                 llama.cpp workers share one KV pool (kv_unified): concurrent
                                 sessions drift from the alone run by up to ~1 in logits with or
                                 without batching (tests/test_batching_native.py), so a near tie
-                                can flip a token there
+                                can flip a token there. The third lane, ``llama.cpp-streams``, runs
+                                the same workers with ``[worker] llama_kv_streams = 8`` (one KV
+                                stream per session): bit-exact, so its outputs_equal must hold
     floor_batch8_throughput_ratio  in process, on one thread like the workers: the lane's
                                 backend (whole model) decoding 8 sessions' rows in one batched
                                 forward vs one session's row, tokens/s ratio (alternating
@@ -57,6 +59,9 @@ MAX_RUNNING = 8
 KV_TOKENS = 2048
 REQUEST_TIMEOUT_S = 900.0
 START_TIMEOUT_S = 600.0
+# The third lane: llama.cpp with one KV stream per session ([worker] llama_kv_streams):
+# 8 streams of KV_TOKENS / 8 = 256 cells, room for every prompt here plus its tokens.
+STREAMS = 8
 FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
 
 
@@ -138,7 +143,7 @@ class _Stats:
         return gaps[min(len(gaps) - 1, int(q * len(gaps)))]
 
 
-def _lane(name: str, model: Path, backend: str, quick: bool, progress) -> dict:
+def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_toml: str = "") -> dict:
     import httpx
 
     from meshd.benchmarks.local_swarm import LocalSwarm
@@ -146,11 +151,12 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress) -> dict:
     new_tokens = 16 if quick else 48
     rounds = 1 if quick else 2
     root = Path(tempfile.mkdtemp(prefix=f"meshd-bench-serve-{backend}-"))
-    config = root / "entry.toml"
-    config.write_text(f"[api]\nmax_running = {MAX_RUNNING}\n")
+    config, workers = root / "entry.toml", root / "worker.toml"
+    config.write_text(f"[api]\nmax_running = {MAX_RUNNING}\n" + (f"[worker]\n{worker_toml}\n" if worker_toml else ""))
+    workers.write_text(f"[worker]\n{worker_toml}\n")
     swarm = LocalSwarm(root, model, kv_budget_tokens=KV_TOKENS, backend=backend)
     try:
-        daemons = [swarm.add(layers=cut, extra=("--config", str(config)) if i == 0 else ())
+        daemons = [swarm.add(layers=cut, extra=("--config", str(config if i == 0 else workers)))
                    for i, cut in enumerate(CUTS)]
         for d in daemons:
             swarm.wait_serving(d, START_TIMEOUT_S)
@@ -258,9 +264,12 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     _say(progress, "in-process floor: 8 rows in one batched forward vs 1 row")
     floors = _floors(gguf, artifact, quick)
     lanes = {}
-    for name, model, backend in (("llama.cpp", gguf, "llama.cpp"), ("torch", artifact, "torch")):
-        lanes[name] = _lane(name, model, backend, quick, progress)
-        lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
+    for name, model, backend, worker_toml in (
+            ("llama.cpp", gguf, "llama.cpp", ""), ("torch", artifact, "torch", ""),
+            ("llama.cpp-streams", gguf, "llama.cpp", f"llama_kv_streams = {STREAMS}")):
+        lanes[name] = _lane(name, model, backend, quick, progress, worker_toml)
+        lanes[name]["floor_batch8_throughput_ratio"] = floors[name.split("-")[0]]
+    lanes["llama.cpp-streams"]["llama_kv_streams"] = STREAMS
     return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
             "load_average": round(os.getloadavg()[0], 2),
             "targets": {"aggregate_ratio_c8": {"llama.cpp": 3.0, "torch": 2.0}, "p95_itl_ratio_c8": 2.5}}

@@ -306,14 +306,10 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                 if config.model is not None and config.layers is not None:
                     w = config.worker
                     moe = node.experts if node.experts is not None and node.experts.holder else None
-                    spec = WorkerSpec(model=config.model, layers=config.layers, run_dir=config.data_dir,
-                                      tls=tls, tls_host=node.tls_bind_host, dtype=w.dtype, backend=w.backend,
-                                      kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads,
-                                      batching=w.batching, llama_kv_streams=w.llama_kv_streams,
-                                      ready_timeout_s=w.ready_timeout_s,
-                                      experts=config.experts if moe else None,
-                                      expert_peers=moe.peers_file if moe else None,
-                                      expert_act=config.expert_act, offload_experts=config.offload_experts)
+                    spec = WorkerSpec.of_node(config, config.layers, tls=tls, tls_host=node.tls_bind_host,
+                                              experts=config.experts if moe else None,
+                                              expert_peers=moe.peers_file if moe else None,
+                                              expert_act=config.expert_act, offload_experts=config.offload_experts)
                     worker = WorkerProcess(spec, progress=lambda line: progress(f"worker: {line}"))
                     node.supervisor = Supervisor(worker.life, on_ready=node.on_worker_ready,
                                                  on_down=node.on_worker_down,

@@ -71,6 +71,16 @@ class WorkerSpec:
     batching: bool = True
     llama_kv_streams: int = 0      # WorkerConfig.llama_kv_streams
 
+    @classmethod
+    def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> "WorkerSpec":
+        """The spec a daemon with ``config`` (meshd.config.Config) starts for ``layers``: the
+        ``[worker]`` settings, one place for the fixed-range worker and the assigned slot."""
+        w = config.worker
+        return cls(model=config.model, layers=layers, run_dir=config.data_dir, tls=tls, tls_host=tls_host,
+                   dtype=w.dtype, backend=w.backend, kv_budget_tokens=w.kv_budget_tokens,
+                   torch_threads=w.torch_threads, batching=w.batching, llama_kv_streams=w.llama_kv_streams,
+                   ready_timeout_s=w.ready_timeout_s, **moe)
+
     def command(self, ready_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(self.model),
                "--layers", f"{self.layers[0]}:{self.layers[1]}", "--listen", "127.0.0.1:0",

@@ -45,11 +45,7 @@ class WorkerSlot:
             await trio.sleep_forever()
 
     def spec(self, layers: tuple[int, int]) -> WorkerSpec:
-        config, w = self.node.config, self.node.config.worker
-        return WorkerSpec(model=config.model, layers=layers, run_dir=config.data_dir, tls=self.node.tls,
-                          tls_host=self.node.tls_bind_host, dtype=w.dtype, backend=w.backend,
-                          kv_budget_tokens=w.kv_budget_tokens, torch_threads=w.torch_threads, batching=w.batching,
-                          llama_kv_streams=w.llama_kv_streams, ready_timeout_s=w.ready_timeout_s)
+        return WorkerSpec.of_node(self.node.config, layers, tls=self.node.tls, tls_host=self.node.tls_bind_host)
 
     async def drop(self) -> None:
         if self._scope is not None:
