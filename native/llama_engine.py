@@ -178,48 +178,7 @@ class LlamaEngine:
         Raises KvCellsExhausted when llama.cpp has no KV cells left for the batch,
         RuntimeUnavailable when it refuses the batch otherwise.
         """
-        n = int(inputs.shape[0])
-        if want_hidden and self._target is None:
-            raise ValueError("this engine was loaded as a tail: it returns logits, not hidden states")
-        if not 1 <= n <= self.config.n_batch:
-            raise ValueError(f"batch of {n} positions outside 1..{self.config.n_batch}")
-        ll = self._ll
-        with self._lock:
-            if self._closed:
-                raise RuntimeUnavailable("llama.cpp engine is closed")
-            if inputs.ndim == 1:
-                batch = self._tok_batch
-                ids = np.ascontiguousarray(inputs, dtype=np.int32)
-                ctypes.memmove(batch.token, ids.ctypes.data, ids.nbytes)
-            else:
-                batch = self._emb_batch
-                emb = np.ascontiguousarray(inputs, dtype=np.float32)
-                ctypes.memmove(batch.embd, emb.ctypes.data, emb.nbytes)
-            batch.n_tokens = n
-            for i in range(n):
-                batch.pos[i] = first_pos + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = seq_id
-                batch.logits[i] = 1 if (want_hidden or i == n - 1) else 0
-            self._want_hidden = want_hidden
-            self._captured = []
-            try:
-                rc = ll.llama_decode(self._ctx, batch)
-            finally:
-                self._want_hidden = False
-            if rc == 1:
-                raise KvCellsExhausted(f"llama_decode found no free KV cells for {n} positions")
-            if rc != 0:
-                raise RuntimeUnavailable(f"llama_decode failed with code {rc}")
-            if want_hidden:
-                hidden = np.concatenate(self._captured) if self._captured else None
-                if hidden is None or hidden.shape != (n, self.n_embd):
-                    raise RuntimeUnavailable("llama.cpp did not expose the last block's output")
-                return hidden
-            logits = ll.llama_get_logits_ith(self._ctx, n - 1)
-            if not logits:
-                raise RuntimeUnavailable("llama.cpp returned no logits")
-            return np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy()
+        return self.decode_many([(seq_id, first_pos, inputs)], want_hidden=want_hidden)[0]
 
     def decode_many(self, rows: list[tuple[int, int, np.ndarray]], *, want_hidden: bool) -> list[np.ndarray]:
         """One ``llama_decode`` over several sequences: ``rows`` = [(seq_id, first_pos, inputs)].

@@ -82,6 +82,21 @@ def max_diff(a: Run, b: Run) -> float:
     return max(float(np.abs(x - y).max()) for x, y in zip(a.logits, b.logits))
 
 
+def hold_batches(service: ShardService) -> tuple[threading.Event, threading.Event]:
+    """Every batch of ``service`` waits, once started, until ``proceed`` is set (real forwards
+    after that): ``started`` tells that a batch is running, so the lock is free and others queue."""
+    started, proceed = threading.Event(), threading.Event()
+    compute = service.batcher._compute
+
+    def held(batch) -> None:
+        started.set()
+        assert proceed.wait(WAIT_S)
+        compute(batch)
+
+    service.batcher._compute = held
+    return started, proceed
+
+
 class Gate:
     """Holds the first batch of a service until ``count`` more items are queued behind it, so the
     next batch certainly merges them (real forwards; only their start is delayed)."""

@@ -16,7 +16,7 @@ import pytest
 from proto.errors import ProtocolViolation
 from shard.torch_backend import TorchRangeBackend
 from meshd.testing.models import build_random_llama, build_random_gemma3
-from tests._batching_helpers import Gate, concurrent, generate, max_diff, services, step
+from tests._batching_helpers import Gate, concurrent, generate, hold_batches, max_diff, services, step
 from shard.sessions import SessionKey
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11], [300, 301, 302, 303]]
@@ -77,15 +77,7 @@ def test_release_during_a_running_forward_waits_for_it(llama):
         service.manager.open(key, 64)
         outer = service.manager._sessions[key].cache
         inner = outer.inner
-    started, proceed = threading.Event(), threading.Event()
-    compute = service.batcher._compute
-
-    def held(batch):
-        started.set()
-        assert proceed.wait(30)
-        compute(batch)
-
-    service.batcher._compute = held
+    started, proceed = hold_batches(service)
     out: list = []
     worker = threading.Thread(target=lambda: out.append(step(service, key, 0, 0, np.asarray([1, 2, 3], np.int64))))
     worker.start()
@@ -175,15 +167,7 @@ def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(l
     with service.lock:
         for key in keys:
             service.manager.open(key, 64)
-    started, proceed = threading.Event(), threading.Event()
-    compute = service.batcher._compute
-
-    def held(batch):
-        started.set()
-        assert proceed.wait(30)
-        compute(batch)
-
-    service.batcher._compute = held
+    started, proceed = hold_batches(service)
     outs: list = []
     threads = [threading.Thread(target=lambda k=k: outs.append(step(service, k, 0, 0, np.asarray([1, 2], np.int64))))
                for k in keys]

@@ -6,6 +6,7 @@
     relay.py          the same route with its last hop direct and relayed
     api.py            the streaming HTTP API vs the control socket of one entry (decode rate, first token)
     serve.py          many users at once through the entry's /v1 API (c=1/4/8), both lanes; batching floor
+    sse.py            the client side of the /v1 SSE stream (api.py, serve.py)
     codec.py          frame codec cost next to a memory copy
     recipes.py        safetensors vs GGUF recipes (recipe_plan/_routes/_runner/_diagnose.py)
     route_plan.py     route-planning micro-benchmark

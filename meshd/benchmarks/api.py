@@ -22,7 +22,6 @@ work on the machine makes absolute numbers noisy; the ratios are side by side).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -30,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import TextIO
+
+from meshd.benchmarks.sse import choices
 
 PROMPT = "The history of the Roman Empire begins"
 
@@ -51,14 +52,7 @@ def _via_api(client, url: str, model_id: str, n: int) -> tuple[str, float, float
     arrivals, text = [], []
     sent = time.perf_counter()
     with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            choice = chunk["choices"][0] if chunk["choices"] else None
-            if choice is None:
-                continue
+        for choice in choices(r):
             text.append(choice["text"])
             if choice["finish_reason"] is None:
                 arrivals.append(time.perf_counter())

@@ -39,7 +39,6 @@ makes absolute numbers noisy; every ratio is side by side in this run).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -48,6 +47,8 @@ import threading
 import time
 from pathlib import Path
 from typing import TextIO
+
+from meshd.benchmarks.sse import choices
 
 PROMPTS = (
     "Tell me about the history of Rome.", "What is a transformer model?", "Write a short poem about the sea.",
@@ -78,14 +79,8 @@ def _stream(url: str, model_id: str, prompt: str, n: int) -> tuple[list[str], li
     pieces, arrivals = [], []
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
         with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
-            r.raise_for_status()
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not chunk.get("choices"):
-                    continue
-                delta = chunk["choices"][0].get("delta", {}).get("content")
+            for choice in choices(r):
+                delta = choice.get("delta", {}).get("content")
                 if delta:
                     pieces.append(delta)
                     arrivals.append(time.perf_counter())
