@@ -36,3 +36,10 @@ def test_bench_swarm_llama_cpp_prints_the_keys_and_equal_tokens():
         # a step is its hops' execution plus the rest; the floor's is a real (positive) time
         assert result[f"execution_ms_{n}"] <= result[f"step_ms_{n}"]
         assert isinstance(result[f"transport_ms_{n}"], (int, float))
+        # CPU breakdown: every process group burned CPU per decode token; one engine time per slice
+        cpu = result[f"cpu_ms_per_token_{n}"]
+        assert set(cpu) == {"entry_daemon", "entry_worker", "other_daemons", "other_workers"}
+        assert cpu["entry_worker"] > 0 and cpu["other_workers"] > 0 and cpu["entry_daemon"] > 0
+        assert len(result[f"per_slice_cpu_ms_{n}"]) == n and result[f"whole_cpu_ms_{n}"] > 0
+        assert abs(sum(result[f"per_slice_cpu_ms_{n}"].values()) - result[f"slices_cpu_ms_{n}"]) < 0.01
+        assert isinstance(result[f"python_capture_extra_cpu_ms_{n}"], (int, float))

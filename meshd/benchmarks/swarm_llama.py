@@ -35,7 +35,13 @@ equals the whole model's greedy tokens), ``route_2`` / ``route_3``,
 (best swarm / best floor), ``floor_tokens_equal``. Where a step goes (medians,
 ms): ``whole_step_ms``, ``floor_step_ms_N``, ``step_ms_N`` (the swarm's decode
 step at the entry), ``execution_ms_N`` (the hops' own forward + sampling,
-summed), ``transport_ms_N`` (the rest: hop links, gRPC, session layers). The
+summed), ``transport_ms_N`` (the rest: hop links, gRPC, session layers);
+in CPU time, which a busy machine disturbs less (meshd/benchmarks/llama_cpu.py):
+``cpu_ms_per_token_N`` (entry daemon, entry worker, other daemons, other
+workers, per decode token), ``whole_cpu_ms_N`` / ``slices_cpu_ms_N`` /
+``slices_vs_whole_cpu_N`` / ``per_slice_cpu_ms_N`` (the engines alone, one
+decode step) and ``python_capture_extra_cpu_ms_N`` (what capture.c saves per
+non-tail hop and step). The
 capture cut (not ``--quick``): ``python_capture_decode_ratio_N`` and
 ``capture_speedup_N`` (median swarm tok/s, C capture / Python capture).
 """
@@ -111,19 +117,25 @@ def _median(values) -> float:
     return round(statistics.median(values), 3)
 
 
-def _measure(entries: dict, reference: LlamaReference, prompt: str, new_tokens: int, rounds: int, progress,
+def _measure(swarms: dict, reference: LlamaReference, prompt: str, new_tokens: int, rounds: int, progress,
              label: str, specs: list[str]):
-    """Alternating rounds of every swarm in ``entries`` ("swarm" and maybe "python"), whole and floor."""
+    """Alternating rounds of every swarm in ``swarms`` ("swarm" and maybe "python"), whole and floor."""
     from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks.llama_cpu import ProcessCpu
 
+    entries = {name: R.entry_of(swarm) for name, swarm in swarms.items()}
     for entry in entries.values():
         R.generate(entry, prompt, 4)
     reference.generate(prompt, 4)
+    cpu = ProcessCpu(swarms["swarm"], entries["swarm"])
     runs: dict[str, list] = {name: [] for name in entries}
     wholes, floors = [], []
     for r in range(rounds):
         for name, entry in entries.items():
-            runs[name].append(R.RunFigures.of(R.generate(entry, prompt, new_tokens)))
+            done = R.generate(entry, prompt, new_tokens, on_token=cpu.on_token if name == "swarm" else None)
+            if name == "swarm":
+                cpu.done(len(done["tokens"]))
+            runs[name].append(R.RunFigures.of(done))
         wholes.append(reference.generate(prompt, new_tokens))
         floors.append(_floor(reference.model, reference, prompt, new_tokens, specs))
         _say(progress, f"{label} round {r + 1}/{rounds}: swarm {runs['swarm'][-1].decode_tok_s:.2f} tok/s, "
@@ -154,6 +166,7 @@ def _measure(entries: dict, reference: LlamaReference, prompt: str, new_tokens: 
         "floor_step_ms": round(1e3 / statistics.median(floor_rates), 3),
         "step_ms": _median(steps), "execution_ms": _median(executed),
         "transport_ms": _median(w - e for w, e in zip(steps, executed)),
+        "cpu_ms_per_token": cpu.per_token_ms(),
     }
     if "python" in runs:
         python_rates = [x.decode_tok_s for x in runs["python"]]
@@ -180,6 +193,7 @@ def _python_capture():
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks.llama_cpu import engine_cpu
     from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, THREADS
     from meshd.benchmarks.swarm import _failover
     from meshd.plan.modelinfo import model_num_layers
@@ -211,19 +225,20 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
                                   kv_budget_tokens=DEMO_KV_TOKENS)
             before = None
             try:
-                entries = {"swarm": R.entry_of(swarm)}
+                swarms = {"swarm": swarm}
                 if not quick:
                     _say(progress, f"starting {n} more daemons capturing in Python (the before of capture.c)")
                     with _python_capture():
                         before = R.start_split(root / f"split{n}-python", model, specs, backend="llama.cpp",
                                                kv_budget_tokens=DEMO_KV_TOKENS)
-                    entries["python"] = R.entry_of(before)
-                figures = _measure(entries, reference, prompt, new_tokens, rounds, progress, f"{n} daemons", specs)
+                    swarms["python"] = before
+                figures = _measure(swarms, reference, prompt, new_tokens, rounds, progress, f"{n} daemons", specs)
                 if before is not None:
                     before.close()
                     before = None
                 equal = equal and figures.pop("tokens_equal")
                 floor_equal = floor_equal and figures.pop("floor_tokens_equal")
+                figures.update(engine_cpu(model, specs, steps=32 if quick else 64))
                 for key, value in figures.items():
                     result[f"{key}_{n}"] = value
                 if n == SPLITS[-1] and not quick:
