@@ -10,6 +10,11 @@ Files and roles:
   slice.py          per-range GGUF slices for llama.cpp (renumbered blocks, no_vocab, fake vocab
                     off the ends) and self-describing user slices (``meshd slice``)
   llama_engine.py   one llama.cpp model + context; token/embedding batches; residual capture via cb_eval
+                    (the C callback of csrc/capture.c; the Python one without a compiler)
+  cbuild.py         compiles and caches meshd's C against the installed llama.cpp (csrc/)
+  csrc/capture.c    the eval callback that copies a non-tail slice's residual and stops the graph
+  csrc/llama_floor.c  bare llama.cpp split floor: one slice per process, raw rows over pipes
+  llama_floor.py    runs that floor as a ring of processes; tokens + prefill/decode timings
   llama_backend.py  LlamaRangeBackend: shard's RangeBackend over llama.cpp sequences (sessions = seq_ids)
   torch_gguf.py     the exactness reference: dequantized GGUF range -> shard's TorchRangeBackend
   convert.py        safetensors artifact -> GGUF (F32, F16, BF16, Q8_0; Q4_K_M via llama.cpp's quantizer)

@@ -15,6 +15,13 @@ Every position is marked as an output so the last block keeps all rows
 (llama.cpp drops non-output rows inside the last block). The logits buffer
 llama.cpp then fills is garbage and is never read.
 
+The scheduler asks the callback about every node before the target (~470
+per decode step of a 15-block SmolLM2 slice), so the callback is C
+(native/csrc/capture.c, built by native/cbuild.py) writing into a buffer
+this engine owns; through ctypes into Python it cost ~1 ms per step and hop.
+Without a C compiler the Python callback below does the same (``capture``
+says which; ``MESHD_LLAMA_CAPTURE=python`` forces it, for measuring).
+
 State: the model, one context whose KV cells are shared by up to
 ``n_seq_max`` sequences (``kv_unified``), one reusable batch. One lock
 serialises every call: a llama_context is not thread-safe. Sequence ids are
@@ -23,6 +30,7 @@ handed out by the caller (llama_backend), which owns the session semantics.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +124,7 @@ class LlamaEngine:
         self.n_embd = n_embd
         self.n_vocab = n_vocab
         self._target = f"l_out-{capture_layer}".encode() if capture_layer is not None else None
+        self.capture = "none" if capture_layer is None else "python"
         self._lock = threading.Lock()
         self._want_hidden = False
         self._captured: list[np.ndarray] = []
@@ -139,10 +148,9 @@ class LlamaEngine:
                                    else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         # Keep a reference: ctypes callbacks die with their Python object.
         self._callback = None
+        self._cstate = None
         if capture_layer is not None:
-            self._callback = ll.ggml_backend_sched_eval_callback(self._on_eval)
-            cparams.cb_eval = self._callback
-            cparams.cb_eval_user_data = None
+            self._setup_capture(cparams)
         self._ctx = ll.llama_init_from_model(self._model, cparams)
         if not self._ctx:
             ll.llama_model_free(self._model)
@@ -151,6 +159,26 @@ class LlamaEngine:
         self._tok_batch = ll.llama_batch_init(config.n_batch, 0, 1)
         self._emb_batch = ll.llama_batch_init(config.n_batch, n_embd, 1)
         self._closed = False
+
+    def _setup_capture(self, cparams) -> None:
+        ll = self._ll
+        from native.cbuild import CaptureState, capture_library
+
+        lib = capture_library() if os.environ.get("MESHD_LLAMA_CAPTURE", "c") != "python" else None
+        if lib is None:
+            self._callback = ll.ggml_backend_sched_eval_callback(self._on_eval)
+            cparams.cb_eval = self._callback
+            cparams.cb_eval_user_data = None
+            return
+        self._rows = np.empty(self.config.n_batch * self.n_embd, np.float32)
+        state = CaptureState(target=self._target, want=0, stop=int(self.config.skip_vocab_projection),
+                             out=self._rows.ctypes.data, cap=self._rows.size, got=0)
+        self._cstate = state
+        self._callback = ll.ggml_backend_sched_eval_callback(
+            ctypes.cast(lib.meshd_capture_eval, ctypes.c_void_p).value)
+        cparams.cb_eval = self._callback
+        cparams.cb_eval_user_data = ctypes.addressof(state)
+        self.capture = "c"
 
     # -- eval callback (runs on llama.cpp's thread, inside llama_decode) ----------------
     def _on_eval(self, tensor: int, ask: bool, _user: int) -> bool:
@@ -223,18 +251,27 @@ class LlamaEngine:
                     batch.logits[i] = 1 if (want_hidden or j == count - 1) else 0
                     i += 1
                 last.append(i - 1)
+            state = self._cstate
+            if state is not None:
+                state.want, state.got = int(want_hidden), 0
             self._want_hidden = want_hidden
             self._captured = []
             try:
                 rc = ll.llama_decode(self._ctx, batch)
             finally:
                 self._want_hidden = False
+                if state is not None:
+                    state.want = 0
             if rc == 1:
                 raise KvCellsExhausted(f"llama_decode found no free KV cells for {n} positions")
             if rc != 0:
                 raise RuntimeUnavailable(f"llama_decode failed with code {rc}")
             if want_hidden:
-                hidden = np.concatenate(self._captured) if self._captured else None
+                if state is not None:   # the C capture wrote into this engine's buffer: copy out
+                    hidden = (self._rows[:state.got].reshape(n, self.n_embd).copy()
+                              if state.got == n * self.n_embd else None)
+                else:
+                    hidden = np.concatenate(self._captured) if self._captured else None
                 if hidden is None or hidden.shape != (n, self.n_embd):
                     raise RuntimeUnavailable("llama.cpp did not expose the last block's output")
                 bounds = np.cumsum([0, *counts])

