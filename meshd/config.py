@@ -16,8 +16,8 @@ TOML layout (every key optional; names match the dataclass fields)::
     advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
     record_ttl_s = 120
     reachability = "auto"             # auto | public | private (private: always use relays)
-    route_topology = "star"           # star: the entry carries every boundary (2 x hops legs per
-                                      # token); push: hops send rows to the next hop (hops + 1)
+    route_topology = "push"           # push: hops send rows to the next hop (hops + 1 legs per
+                                      # token); star: the entry carries every boundary (2 x hops)
     experts = "0-3:E4-E7"             # MoE: with layers, hold only these experts of them (peers run
                                       # the rest); without layers, serve them as an expert peer;
                                       # "auto" (with memory_bytes): an expert peer sized to the memory
@@ -213,9 +213,9 @@ class DaemonConfig:
     auto_layers: bool = False
     memory_bytes: int | None = None
     reachability: str = "auto"
-    # Star by default for now: under push, an MoE hop whose expert peer dies does not fail over
-    # to the other expert peer (tests/test_moe_swarm_slow.py fails with push, passes with star).
-    route_topology: str = "star"
+    # push (hops + 1 legs per token); "star" keeps the entry carrying every boundary. Routes push
+    # cannot serve (a relayed hop, no certificate pin) run as a star either way (generate/push.py).
+    route_topology: str = "push"
     # MoE (meshd/daemon/experts_part.py): the experts held ("L:E0-E7,..." or "auto"), the holder's row format.
     experts: str | None = None
     expert_act: str = "f32"

@@ -8,7 +8,9 @@ The generation enters at the head through the control API (the product
 path), crosses both holders, and every sparse layer sends its rows for
 experts 4..7 to an expert peer. Then the expert peer the holders use is
 SIGKILLed mid-generation: the holders fail over to the other one and the
-greedy tokens are those of the whole model.
+greedy tokens are those of the whole model. Run pushed (the default: the head's
+worker sends its rows to the tail, the tail its token to the entry) and as a
+star (the entry carries the boundary).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.worker_process import HEALTH_INTERVAL_S
 from meshd.testing.models import build_random_qwen3_moe
 
 pytestmark = pytest.mark.slow
@@ -26,6 +29,7 @@ PROMPT = "The quick brown fox"
 NEW_TOKENS = 24
 KILL_AFTER = 6
 START_TIMEOUT_S = 600
+HEALTH_SNAPSHOTS = 6      # health snapshots to wait for one taken after the kill
 
 
 def _reference_tokens(path, prompt_ids, new_tokens):
@@ -40,26 +44,33 @@ def _reference_tokens(path, prompt_ids, new_tokens):
         torch.set_num_threads(threads)
 
 
-def test_moe_swarm_with_delegated_experts_survives_an_expert_peer_death(tmp_path):
+@pytest.mark.parametrize("topology", ["push", "star"])
+def test_moe_swarm_with_delegated_experts_survives_an_expert_peer_death(tmp_path, topology):
     path = build_random_qwen3_moe()
-    with LocalSwarm(tmp_path, path, record_ttl_s=8.0) as swarm:
+    # push is the default topology: its run passes no flag, so it also checks the default
+    flags = () if topology == "push" else ("--topology", topology)
+    with LocalSwarm(tmp_path, path, record_ttl_s=8.0, extra=flags) as swarm:
         experts_a = swarm.add(layers=None, name="experts-a", extra=("--experts", "0-5:E4-E7"))
         experts_b = swarm.add(layers=None, name="experts-b", extra=("--experts", "0-5:E4-E7"))
         head = swarm.add(layers="0:3", name="head", extra=("--experts", "0-2:E0-E3"))
-        swarm.add(layers="3:6", name="tail", extra=("--experts", "3-5:E0-E3"))
+        tail = swarm.add(layers="3:6", name="tail", extra=("--experts", "3-5:E0-E3"))
         swarm.wait_covered(START_TIMEOUT_S, peers=2, via=head)
 
-        def both_peers_known():
-            status = head.query("status") or {}
+        def both_peers_known(holder):
+            status = holder.query("status") or {}
             peers = (status.get("experts") or {}).get("peers") or []
             return peers if len(peers) == 2 else None
-        peers = wait_for(both_peers_known, "both expert peers in the head's directory", START_TIMEOUT_S, head)
+        # both holders must know both peers, or the one that knew only the victim has nowhere to fail over to
+        peers = wait_for(lambda: both_peers_known(head), "both expert peers in the head's directory",
+                         START_TIMEOUT_S, head)
+        wait_for(lambda: both_peers_known(tail), "both expert peers in the tail's directory", START_TIMEOUT_S, tail)
         used = min(p["peer_id"] for p in peers)     # holders prefer the lowest peer id
         victim = experts_a if (experts_a.query("status") or {}).get("peer_id") == used else experts_b
 
         first = list(head.generate(PROMPT, max_tokens=NEW_TOKENS, temperature=0, raw=True))
         done = first[-1]
         assert done.get("ok"), done
+        assert done["topology"] == topology, done
         tokens = done["tokens"]
 
         events, killed = [], False
@@ -70,13 +81,21 @@ def test_moe_swarm_with_delegated_experts_survives_an_expert_peer_death(tmp_path
                 killed = True
         assert killed and events[-1].get("ok"), events[-1]
         assert events[-1]["tokens"] == tokens
+        assert events[-1]["topology"] == topology, events[-1]
+        print(f"\n[moe swarm {topology}] after the kill: {events[-1]}")
 
         from meshd.generate.tokenizer import EntryTokenizer
 
         prompt_ids = EntryTokenizer(path).encode_prompt(PROMPT, True)
         assert tokens == _reference_tokens(path, prompt_ids, NEW_TOKENS)[:len(tokens)]
-        status = wait_for(lambda: (lambda s: s if (s.get("worker") or {}).get("health", {}).get("experts")
-                                   else None)(head.query("status") or {}), "the head's expert health", 30, head)
-        moe = status["worker"]["health"]["experts"]
-        print(f"\n[moe swarm] tokens {tokens}; head's exchange: {moe}")
-        assert moe["failovers"] >= 1 and moe["bytes_sent_per_position"] > 0
+        # Both holders used the victim and fail over to the other peer. The daemon polls its worker's
+        # health every HEALTH_INTERVAL_S, so the first snapshot may predate the kill (a generation takes
+        # about a second): wait, bounded, for one that counts the failover.
+        for holder in (head, tail):
+            def failed_over(holder=holder):
+                moe = (((holder.query("status") or {}).get("worker") or {}).get("health") or {}).get("experts")
+                return moe if moe and moe["failovers"] >= 1 else None
+            moe = wait_for(failed_over, f"a failover in the {holder.name}'s expert health",
+                           HEALTH_SNAPSHOTS * HEALTH_INTERVAL_S, holder)
+            print(f"\n[moe swarm {topology}] tokens {tokens}; {holder.name}'s exchange: {moe}")
+            assert moe["bytes_sent_per_position"] > 0 and moe["bytes_received_per_position"] > 0

@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): probe whether peers can dial us and use relays if not; "
                              "private: always reserve on relays; public: never")
     parser.add_argument("--topology", choices=("push", "star"), dest="route_topology",
-                        help="star (default): the entry carries every boundary; push: each hop sends its rows "
-                             "to the next (hops + 1 legs per token)")
+                        help="push (default): each hop sends its rows to the next (hops + 1 legs per token); "
+                             "star: the entry carries every boundary (2 x hops)")
     parser.add_argument("--api-listen", metavar="HOST:PORT|off",
                         help="the HTTP API, metrics and dashboard (default 127.0.0.1:8080; port 0: any free port); "
                              "beyond loopback it needs --api-key")
