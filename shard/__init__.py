@@ -17,6 +17,7 @@ Files and roles (data flows top to bottom):
     reference.py      the whole-model reference (transformers CausalLM in one process)
     sessions.py       sans-I/O SessionManager: epochs, idempotency, cache miss, TTL, budget,
                       owners (token + peer), per-peer quota, eviction only under pressure
+    session_ids.py    SessionKey (route session id + epoch) and Owner (peer + owner-token digest)
     sampling.py       greedy / temperature / top-k / top-p, a pure function of (seed, position); logprobs
     errors.py         typed refusals (CACHE_MISS, EPOCH_STALE, RESOURCE_EXHAUSTED, ...), ArtifactError;
                       foreign exceptions mapped (map_failure) and logged (log_failure)

@@ -53,7 +53,6 @@ side effect is the worker log line of a failure that is ours.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -65,6 +64,8 @@ import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
 from shard.backend import RangeBackend
+from shard.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
+                               MAX_SESSION_ID_CHARS, MIN_OWNER_TOKEN_BYTES, Owner, SessionKey)
 from shard.errors import (CacheMiss, Cancelled, EpochStale, PermissionDenied, ResourceExhausted, log_failure,
                           map_failure)
 
@@ -72,9 +73,6 @@ log = logging.getLogger(__name__)
 
 # SessionOpen.max_tokens == 0 means "unspecified": reserve this many.
 DEFAULT_SESSION_TOKENS = 2048
-# A route session id is an opaque token from the initiator; bound it so a peer
-# cannot make us keep large keys.
-MAX_SESSION_ID_CHARS = 128
 # Sessions live this long without any use (a crashed driver never releases).
 DEFAULT_TTL_S = 300.0
 # A session used this recently is never evicted for a newcomer of the same
@@ -89,11 +87,6 @@ DEFAULT_MAX_SESSIONS = 256
 # Sessions one peer may hold: a quarter of the table, so no single peer can
 # take every slot (an entry runs one session per generation per hop).
 DEFAULT_MAX_SESSIONS_PER_PEER = 64
-# SessionOpen.owner_token: 128 bits at least (unguessable), 64 bytes at most.
-MIN_OWNER_TOKEN_BYTES = 16
-MAX_OWNER_TOKEN_BYTES = 64
-# Peer identities are peer ids or addresses; bound what we keep per session.
-MAX_PEER_CHARS = 128
 # Remembered ids for stale-epoch and cancel checks; oldest forgotten first.
 EPOCH_MEMORY = 4096
 # Smallest retry hint: below this a retry storm costs more than it saves.
@@ -103,37 +96,6 @@ MIN_RETRY_AFTER_MS = 100
 # of latency, and a newcomer's prefill chunks would add to every one of them.
 # 32 waiting steps is four full c=8 rounds of decode rows.
 DEFAULT_MAX_QUEUED_STEPS = 32
-
-
-@dataclass(frozen=True, slots=True)
-class SessionKey:
-    session_id: str
-    epoch: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.session_id, str) or not 0 < len(self.session_id) <= MAX_SESSION_ID_CHARS:
-            raise ProtocolViolation(f"route_session_id must be 1..{MAX_SESSION_ID_CHARS} characters")
-        if not isinstance(self.epoch, int) or self.epoch < 0:
-            raise ProtocolViolation("route_epoch must be a non-negative integer")
-
-
-@dataclass(frozen=True, slots=True)
-class Owner:
-    """Who opened a session: the authenticated peer the edge saw and the digest of its owner token."""
-
-    peer: str
-    token_digest: bytes = b""
-
-    @classmethod
-    def of(cls, peer: str, token: bytes = b"") -> "Owner":
-        """The owner of a request carrying ``token`` (ProtocolViolation for a token of a bad size)."""
-        if token and not MIN_OWNER_TOKEN_BYTES <= len(token) <= MAX_OWNER_TOKEN_BYTES:
-            raise ProtocolViolation(f"owner_token must be {MIN_OWNER_TOKEN_BYTES}..{MAX_OWNER_TOKEN_BYTES} bytes")
-        return cls(peer[:MAX_PEER_CHARS], hashlib.sha256(token).digest() if token else b"")
-
-
-# The worker's private edges without a token (its own daemon, tests in process).
-LOCAL_OWNER = Owner("local")
 
 
 @dataclass(frozen=True, slots=True)
