@@ -411,20 +411,22 @@ class SessionOpen(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., tail: _Optional[_Union[TailOptions, _Mapping]] = ..., max_tokens: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., relayed_peer_id: _Optional[str] = ..., push_next: _Optional[_Union[PushTarget, _Mapping]] = ..., push: bool = ..., push_feed: bool = ...) -> None: ...
 
 class PushTarget(_message.Message):
-    __slots__ = ("peer_id", "endpoint", "tls_cert_sha256", "shard_range", "route_epoch", "owner_token")
+    __slots__ = ("peer_id", "endpoint", "tls_cert_sha256", "shard_range", "route_epoch", "owner_token", "frames_endpoint")
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TLS_CERT_SHA256_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     OWNER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     peer_id: str
     endpoint: str
     tls_cert_sha256: bytes
     shard_range: ShardRange
     route_epoch: int
     owner_token: bytes
-    def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., route_epoch: _Optional[int] = ..., owner_token: _Optional[bytes] = ...) -> None: ...
+    frames_endpoint: str
+    def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., route_epoch: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., frames_endpoint: _Optional[str] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch", "flow_control", "accepted_compression", "fingerprint", "past_len")
@@ -643,7 +645,7 @@ class HealthRequest(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ...) -> None: ...
 
 class HealthReport(_message.Message):
-    __slots__ = ("schema_version", "state", "active_sessions", "queued_chunks", "batch_occupancy", "kv_pressure", "resident_bytes", "detail", "kv_tokens_used", "kv_budget_tokens", "expert_bytes_sent", "expert_bytes_received", "expert_positions", "expert_failovers")
+    __slots__ = ("schema_version", "state", "active_sessions", "queued_chunks", "batch_occupancy", "kv_pressure", "resident_bytes", "detail", "kv_tokens_used", "kv_budget_tokens", "expert_bytes_sent", "expert_bytes_received", "expert_positions", "expert_failovers", "push_streams_frames", "push_streams_grpc")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -658,6 +660,8 @@ class HealthReport(_message.Message):
     EXPERT_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     EXPERT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     EXPERT_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    PUSH_STREAMS_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_STREAMS_GRPC_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     state: ServingState
     active_sessions: int
@@ -672,7 +676,9 @@ class HealthReport(_message.Message):
     expert_bytes_received: int
     expert_positions: int
     expert_failovers: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., state: _Optional[_Union[ServingState, str]] = ..., active_sessions: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., batch_occupancy: _Optional[int] = ..., kv_pressure: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., detail: _Optional[str] = ..., kv_tokens_used: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., expert_bytes_sent: _Optional[int] = ..., expert_bytes_received: _Optional[int] = ..., expert_positions: _Optional[int] = ..., expert_failovers: _Optional[int] = ...) -> None: ...
+    push_streams_frames: int
+    push_streams_grpc: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., state: _Optional[_Union[ServingState, str]] = ..., active_sessions: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., batch_occupancy: _Optional[int] = ..., kv_pressure: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., detail: _Optional[str] = ..., kv_tokens_used: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., expert_bytes_sent: _Optional[int] = ..., expert_bytes_received: _Optional[int] = ..., expert_positions: _Optional[int] = ..., expert_failovers: _Optional[int] = ..., push_streams_frames: _Optional[int] = ..., push_streams_grpc: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch", "owner_token")

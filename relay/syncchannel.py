@@ -132,7 +132,7 @@ class _RelayedCall:
         self._done = False
         self._sent_all = False      # we half-closed: an end of stream is now the normal end
         self._inbox: Inbox = Inbox(CALL_QUEUE_FRAMES)
-        # A RequestQueue (meshd/generate/request_queue.py) lets the driver's thread hand frames to
+        # A RequestQueue (shard/request_queue.py) lets the driver's thread hand frames to
         # trio itself, with the queue's own depth as the credit; any other iterator is
         # drained by a pump thread (one more hand-off per frame).
         attach = getattr(requests, "attach", None)

@@ -28,7 +28,9 @@ Files and roles (data flows top to bottom):
     stream.py         sans-I/O Session stream core: request bytes in, response bytes out
     forward.py        push topology: pushed sessions, feeders, the entry's control stream answered
                       from other threads (ControlSink), the hooks stream.py calls
-    forwarder.py      a pushed hop's stream to its successor; the rows it keeps for a replacement
+    forwarder.py      a pushed hop's stream to its successor (framed TLS fast path or gRPC); the rows it
+                      keeps for a replacement
+    request_queue.py  request bodies of one Session call, from the caller's thread to the transport
     server.py         the grpcio edge (identity-serialized Session stream, unary RPCs)
     frame_server.py   the framed fast path for peers: Session frames over TLS/TCP (same stream core,
                       same certificate as the TLS gRPC port); serve_frames is shared with unix_server

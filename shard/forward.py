@@ -209,6 +209,11 @@ class PushHub:
         self.service = service
         self._sessions: dict[SessionKey, PushSession] = {}
         self._lock = threading.Lock()
+        self.streams = {"frames": 0, "grpc": 0}   # successor streams opened, by transport (Health)
+
+    def note_stream(self, transport: str) -> None:
+        with self._lock:
+            self.streams[transport] = self.streams.get(transport, 0) + 1
 
     def register(self, key: SessionKey, open_msg: pb.SessionOpen, fingerprint: pb.Fingerprint,
                  is_tail: bool) -> PushSession:
@@ -244,6 +249,10 @@ class PushHub:
 def check_target(target: pb.PushTarget) -> None:
     if not target.peer_id or not target.endpoint or len(target.endpoint) > 300:
         raise ProtocolViolation("a push target needs a peer id and an endpoint (at most 300 bytes)")
+    if len(target.frames_endpoint) > 300:
+        raise ProtocolViolation("a push target's frames endpoint is at most 300 bytes")
+    if target.frames_endpoint and len(target.tls_cert_sha256) != 32:
+        raise ProtocolViolation("a push target's frames endpoint needs its certificate pin")
     if target.tls_cert_sha256 and len(target.tls_cert_sha256) != 32:
         raise ProtocolViolation("a push target's certificate pin is a 32-byte SHA-256")
 

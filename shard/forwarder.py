@@ -28,6 +28,7 @@ from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
+from shard.request_queue import RequestQueue
 
 if TYPE_CHECKING:
     from shard.forward import PushSession
@@ -41,7 +42,6 @@ STREAM_TIMEOUT_S = 6 * 3600.0
 SEND_DEPTH = 32
 SESSION_METHOD = "/meshd.shard.v1.ShardRuntime/Session"
 HIDDEN = "h"
-_END = object()
 
 
 class PushError(Exception):
@@ -59,13 +59,14 @@ class Forwarder:
         self._batches: list[tuple[int, int, int, int, bool, bool]] = []  # first, n, index, count, final, decode
         self._channel = None
         self._call = None
-        self._queue: queue.Queue | None = None
+        self._queue: RequestQueue | None = None
         self._credits = 0
         self._cond = threading.Condition()
         self._failed: str | None = None
         self._generation = 0
         self._step = 0
         self.sent_frames = 0
+        self.transport = ""                     # "frames" or "grpc": what carries the stream now
 
     # -- rows kept for a replacement ---------------------------------------------------
     def _keep(self, first: int, rows: np.ndarray) -> None:
@@ -94,10 +95,11 @@ class Forwarder:
         self._generation += 1
         generation = self._generation
         self._channel = dial(t)
-        self._queue = queue.Queue(SEND_DEPTH)
-        requests = iter(self._queue.get, _END)
+        self._queue = RequestQueue(SEND_DEPTH)
         call = self._channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        self._call = call(requests, timeout=STREAM_TIMEOUT_S)
+        self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
+        self.transport = getattr(self._channel, "used", "") or "grpc"
+        s.hub.note_stream(self.transport)
         self._queue.put(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.key.session_id, route_epoch=t.route_epoch,
             fingerprint=s.fingerprint, shard_range=t.shard_range, push_feed=True, max_tokens=s.max_tokens,
@@ -153,7 +155,10 @@ class Forwarder:
             if self._failed is not None:
                 raise PushError(self._failed)
             self._credits -= 1
-        self._queue.put(body, timeout=CREDIT_WAIT_S)
+        try:   # credits bound what waits first: gRPC's queue, or a framed socket's buffer
+            self._queue.put(body, timeout=CREDIT_WAIT_S)
+        except queue.Full:
+            raise PushError(f"the stream to the successor took no frame for {CREDIT_WAIT_S:.0f} s") from None
         self.sent_frames += 1
 
     def _body(self, first: int, rows: np.ndarray, index: int, count: int, final: bool, decode: bool,
@@ -198,10 +203,7 @@ class Forwarder:
         with self._cond:
             self._generation += 1       # whatever the old stream says now is not a failure to report
         if self._queue is not None:
-            try:
-                self._queue.put_nowait(_END)
-            except queue.Full:
-                pass
+            self._queue.finish()
         if self._call is not None:
             self._call.cancel()
         if self._channel is not None:

@@ -109,7 +109,7 @@ def test_unreachable_frames_port_falls_back_to_grpc(model, workers, tls):
 def test_wrong_pin_is_refused_and_never_falls_back(workers, tls):
     fell_back = []
     ch = TlsFrameChannel(workers[0].frames_endpoint, bytes(32), lambda: fell_back.append(1))
-    from meshd.generate.request_queue import RequestQueue
+    from shard.request_queue import RequestQueue
 
     with pytest.raises(CertificateMismatch):
         ch.stream_stream("/x/Session")(RequestQueue(4))
@@ -229,3 +229,42 @@ def test_the_frames_port_is_not_a_private_edge(workers):
         resp = parse_response(_read_one(s))
         assert resp.WhichOneof("kind") == "status", resp
         assert "owner_token" in resp.status.error.detail
+
+
+def _health(worker, tls) -> pb.HealthReport:
+    from proto.frames import SCHEMA_VERSION
+    from shard.server import SERVICE_NAME
+
+    channel = pinned_channel(worker.tls_endpoint, tls.pin, GRPC_OPTIONS)
+    try:
+        return channel.unary_unary(f"/{SERVICE_NAME}/Health", request_serializer=pb.HealthRequest.SerializeToString,
+                                   response_deserializer=pb.HealthReport.FromString)(
+            pb.HealthRequest(schema_version=SCHEMA_VERSION), timeout=10)
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("frames_to_successor", [True, False])
+def test_a_pushed_hop_reaches_its_successor_over_frames(model, workers, tls, frames_to_successor):
+    """Push topology between real workers: the head's forwarder dials the successor's framed port
+    (the real ``meshd worker`` push dialer, pinned TLS) when the entry names it, gRPC when not;
+    same tokens and logits as the whole model either way."""
+    from meshd.generate.driver import GenerationRequest
+    from meshd.generate.push import PushDriver
+    from meshd.generate.routes import PeerConnector, discover_fingerprint, fixed_route
+
+    head, tail = workers
+    source = fixed_route([(w.tls_endpoint, a, b) for w, (a, b) in zip(workers, [(0, 3), (3, 6)])], 6)
+    frames = {w.tls_endpoint: w.frames_endpoint for w in workers} if frames_to_successor else {}
+    connector = PeerConnector(pins={w.tls_endpoint: tls.pin for w in workers}, frames=frames)
+    before = _health(head, tls)
+    driver = PushDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))
+    tokens = [t.id for t in driver.generate(GenerationRequest(tuple(PROMPT), 12, chunk_tokens=16,
+                                                              return_logits=True))]
+    ref = WholeModel(model).generate(PROMPT, 12, chunk_tokens=16)
+    assert tokens == ref.tokens
+    assert max(float(abs(a - b).max()) for a, b in zip(driver.stats.logits, ref.logits)) == 0.0
+    after = _health(head, tls)
+    frames_opened = after.push_streams_frames - before.push_streams_frames
+    grpc_opened = after.push_streams_grpc - before.push_streams_grpc
+    assert (frames_opened, grpc_opened) == ((1, 0) if frames_to_successor else (0, 1))

@@ -166,14 +166,22 @@ def push_dialer(target):
     through the daemon would add a process hop and a thread hand-off to every step. Only TLS
     pinned to the certificate hash the entry took from the target's signed record; a target
     without a pin is refused (relayed targets never get here: the entry drives those as a star).
+    When the target names its framed fast path (``frames_endpoint``, same certificate), the
+    stream goes there -- no gRPC threads between this hop's forward and the successor's --
+    with the pinned gRPC port as the fallback (meshd/generate/unix_channel.TlsFrameChannel).
     """
     from meshd.errors import ConfigError
+    from meshd.generate.unix_channel import TlsFrameChannel
     from meshd.reach.tls import pinned_channel
     from shard.server import GRPC_OPTIONS
 
-    if len(target.tls_cert_sha256) != 32:
+    pin = bytes(target.tls_cert_sha256)
+    if len(pin) != 32:
         raise ConfigError(f"push target {target.peer_id[-12:]} carries no certificate pin; refusing to dial")
-    return pinned_channel(target.endpoint, bytes(target.tls_cert_sha256), GRPC_OPTIONS)
+    endpoint = target.endpoint
+    if target.frames_endpoint:
+        return TlsFrameChannel(target.frames_endpoint, pin, lambda: pinned_channel(endpoint, pin, GRPC_OPTIONS))
+    return pinned_channel(endpoint, pin, GRPC_OPTIONS)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,6 @@
     push.py           PushDriver: the driver with the push topology (hops + 1 legs per token), star kept
     hop_link.py       one hop's Session stream (blocking gRPC call, credits, past length)
     deadlines.py      each hop's step deadlines from its own measured step times (silent hops)
-    request_queue.py  request bodies from the driver's thread to the transport
     unix_channel.py   frame channels read and written by the driver's thread: the own worker's Unix
                       socket, and a peer's framed TLS fast path (TlsFrameChannel, gRPC as fallback)
     routes.py         route sources (DHT ads, a fixed route) and the peer connector

@@ -31,7 +31,7 @@ import numpy as np
 
 from meshd.errors import HopFailure
 from meshd.generate.deadlines import StepDeadlines
-from meshd.generate.request_queue import RequestQueue
+from shard.request_queue import RequestQueue
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks

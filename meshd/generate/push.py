@@ -243,7 +243,9 @@ class PushDriver(star.SwarmDriver):
         pin = b"" if getattr(c, "insecure_loopback", False) else bytes(getattr(c, "pins", {}).get(hop.peer_id, b""))
         if not pin and not getattr(c, "insecure_loopback", False):
             return None
+        frames = "" if not pin else getattr(c, "frames", {}).get(hop.peer_id, "")
         return pb.PushTarget(peer_id=hop.peer_id, endpoint=hop.endpoint, tls_cert_sha256=pin,
+                             frames_endpoint=frames,
                              shard_range=pb.ShardRange(start_layer=hop.start, end_layer=hop.end,
                                                        effective_start_layer=hop.effective_start),
                              owner_token=self.owner_token(hop.peer_id, hop.start, hop.end))

@@ -1,4 +1,6 @@
-"""Request bodies of one hop's Session call, from the driver's thread to whatever sends them.
+"""Request bodies of one Session call, from the caller's thread to whatever sends them.
+
+Used by the entry's hop links (meshd/generate) and by a pushed hop's forwarder (shard/forwarder.py).
 
 gRPC's synchronous stream takes an iterator and drains it on a thread of its
 own: ``RequestQueue`` is that iterator (a bounded ``queue.Queue``, ended by
@@ -32,13 +34,14 @@ class RequestQueue:
         self._push: Callable[[bytes], None] | None = None
         self._finish: Callable[[], None] | None = None
 
-    def put(self, body: bytes) -> None:
-        """Queue (blocking while ``depth`` bodies wait) or push to the attached consumer."""
+    def put(self, body: bytes, timeout: float | None = None) -> None:
+        """Queue (blocking while ``depth`` bodies wait, at most ``timeout`` s: ``queue.Full``) or push
+        to the attached consumer."""
         push = self._push
         if push is not None:
             push(body)
         else:
-            self._queue.put(body)
+            self._queue.put(body, timeout=timeout)
 
     def finish(self) -> None:
         """No more bodies; never blocks (a full queue means the call is being torn down anyway)."""
