@@ -108,6 +108,8 @@ def render_status(s: dict) -> str:
         desc += f", {worker.get('restarts', 0)} restarts"
         if health.get("state"):
             desc += f", {health['state']}, {health.get('active_sessions', 0)} sessions"
+            if health.get("checked_unix_s"):
+                desc += f" (checked {max(0.0, time.time() - health['checked_unix_s']):.0f} s ago)"
         elif health.get("error"):
             desc += f", health: {health['error']}"
         if worker.get("tls_endpoint"):
@@ -118,6 +120,9 @@ def render_status(s: dict) -> str:
         lines.append(f"worker     {desc}")
         if failure:
             lines += failure_lines(failure, worker.get("log", ""))
+        pushed = health.get("push_streams")
+        if pushed:
+            lines.append(f"push       streams to successors: {pushed['frames']} over frames, {pushed['grpc']} over gRPC")
         moe = health.get("experts")
         if moe:
             lines.append(f"experts    exchange {moe['bytes_sent_per_position']:.0f} B/position sent, "

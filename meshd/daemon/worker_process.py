@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -244,7 +245,11 @@ class WorkerProcess:
             state.health = {"state": pb.ServingState.Name(report.state).removeprefix("SERVING_STATE_").lower(),
                             "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3),
                             "kv_tokens_used": report.kv_tokens_used, "kv_budget_tokens": report.kv_budget_tokens,
-                            "resident_bytes": report.resident_bytes}
+                            "resident_bytes": report.resident_bytes,
+                            "checked_unix_s": round(time.time(), 1)}   # how old this view is
+            if report.push_streams_frames or report.push_streams_grpc:   # successor streams, by transport
+                state.health["push_streams"] = {"frames": report.push_streams_frames,
+                                                "grpc": report.push_streams_grpc}
             if report.expert_positions:   # MoE holder: the expert exchange's bytes per position
                 state.health["experts"] = {
                     "bytes_sent_per_position": round(report.expert_bytes_sent / report.expert_positions, 1),
