@@ -244,3 +244,20 @@ def test_a_daemon_whose_worker_cannot_load_the_model_says_why_in_status_not_with
     assert code == 0 and why in shown
     assert "Traceback" not in shown and TRACE_MARK not in shown and '  File "' not in shown, shown[-3000:]
     assert TRACE_MARK + "KeyError: 'no_such_act'" in (data / "worker.log").read_text()
+
+
+def test_status_shows_how_old_the_worker_health_is_and_its_push_streams():
+    import time
+
+    from meshd.daemon.supervisor import WorkerState
+
+    state = WorkerState()
+    state.state, state.pid = "serving", 42
+    state.health = {"state": "serving", "active_sessions": 2, "checked_monotonic_s": time.monotonic() - 3.0,
+                    "push_streams": {"frames": 5, "grpc": 1}}
+    seen = state.as_dict(now=0.0)
+    assert "checked_monotonic_s" not in seen["health"] and 2.9 <= seen["health"]["age_s"] <= 60
+    text = render_status({"peer_id": "p", "addresses": [], "peers": [], "routing_table": 0, "coverage": {},
+                          "own": {"layers": None}, "worker": seen})
+    assert "serving, 2 sessions (health 3 s old)" in text
+    assert "streams to successors: 5 over frames, 1 over gRPC" in text

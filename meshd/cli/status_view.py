@@ -108,8 +108,8 @@ def render_status(s: dict) -> str:
         desc += f", {worker.get('restarts', 0)} restarts"
         if health.get("state"):
             desc += f", {health['state']}, {health.get('active_sessions', 0)} sessions"
-            if health.get("checked_unix_s"):
-                desc += f" (checked {max(0.0, time.time() - health['checked_unix_s']):.0f} s ago)"
+            if health.get("age_s") is not None:
+                desc += f" (health {health['age_s']:.0f} s old)"
         elif health.get("error"):
             desc += f", health: {health['error']}"
         if worker.get("tls_endpoint"):

@@ -106,8 +106,12 @@ class WorkerState:
 
     def as_dict(self, now: float | None = None) -> dict:
         now = _trio_now() if now is None else now
+        health = dict(self.health)
+        checked = health.pop("checked_monotonic_s", None)
+        if checked is not None:   # health is polled: say how old this view of it is
+            health["age_s"] = round(max(0.0, time.monotonic() - checked), 1)
         return {"state": self.state, "pid": self.pid, "restarts": self.restarts, "endpoint": self.endpoint,
-                "tls_endpoint": self.tls_endpoint, "last_exit": self.last_exit, "health": self.health,
+                "tls_endpoint": self.tls_endpoint, "last_exit": self.last_exit, "health": health,
                 "last_message": self.stderr_tail[-1] if self.stderr_tail else "", "log": self.log_path,
                 "last_failure": self.last_failure.as_dict(now) if self.last_failure else None}
 

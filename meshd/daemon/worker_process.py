@@ -246,7 +246,7 @@ class WorkerProcess:
                             "active_sessions": report.active_sessions, "kv_pressure": round(report.kv_pressure, 3),
                             "kv_tokens_used": report.kv_tokens_used, "kv_budget_tokens": report.kv_budget_tokens,
                             "resident_bytes": report.resident_bytes,
-                            "checked_unix_s": round(time.time(), 1)}   # how old this view is
+                            "checked_monotonic_s": time.monotonic()}   # as_dict turns it into an age
             if report.push_streams_frames or report.push_streams_grpc:   # successor streams, by transport
                 state.health["push_streams"] = {"frames": report.push_streams_frames,
                                                 "grpc": report.push_streams_grpc}
