@@ -11,7 +11,17 @@ off and names every instruction set explicitly:
   VNNI / BF16 from the cpuid flags the kernel shows in /proc/cpuinfo (the
   kernel clears a flag whose register state it does not support, e.g. AVX512
   without XSAVE of the ZMM state);
-* AMX only when the CPU reports it AND ``ARCH_GET_XCOMP_SUPP`` has bit 18.
+* AMX only when the CPU reports it AND ``ARCH_GET_XCOMP_SUPP`` has bit 18
+  AND ``MESHD_NATIVE_AMX`` is not ``off``. Even that is not enough everywhere:
+  on a Firecracker VM (kernel 6.18.44-fc, Xeon with amx_tile/int8/bf16,
+  XCOMP_SUPP 0x600e7) bare AMX probes run -- permission granted, tiles loaded
+  on several threads, across context switches and OpenMP regions -- yet
+  llama.cpp's ``ggml_backend_amx_mul_mat`` dies with SIGILL on ``tileloadd``
+  in an OpenMP thread. So scripts/install-native.sh runs a real forward of
+  the build it installed; when that dies with SIGILL and AMX was on, it
+  records the machine (``amx-faults`` in the wheel cache), sets
+  ``MESHD_NATIVE_AMX=off`` and builds again: a different key, a wheel
+  without AMX.
 
 ``python -m native.cpu_build`` prints the CMake arguments (used by
 scripts/install-native.sh) and ``--key`` a short digest of them, part of the
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import os
 import platform
 import sys
 from pathlib import Path
@@ -44,6 +55,8 @@ AMX_OPTIONS = (("GGML_AMX_TILE", "amx_tile"), ("GGML_AMX_INT8", "amx_int8"), ("G
 ARCH_GET_XCOMP_SUPP = 0x1021
 XFEATURE_XTILEDATA = 18
 SYS_ARCH_PRCTL = 158  # x86-64
+# "off": never build AMX kernels (install-native.sh sets it after an AMX build faulted here).
+AMX_ENV = "MESHD_NATIVE_AMX"
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
@@ -69,13 +82,21 @@ def amx_usable(flags: frozenset[str], xcomp: int | None) -> bool:
     return "amx_tile" in flags and xcomp is not None and bool(xcomp >> XFEATURE_XTILEDATA & 1)
 
 
-def cmake_args(flags: frozenset[str] | None = None, xcomp: int | None | str = "probe") -> tuple[str, ...]:
+def amx_mode(env: dict | None = None) -> str:
+    mode = (os.environ if env is None else env).get(AMX_ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "off"):
+        raise SystemExit(f"{AMX_ENV} must be auto or off, not {mode!r}")
+    return mode
+
+
+def cmake_args(flags: frozenset[str] | None = None, xcomp: int | None | str = "probe",
+               amx: str | None = None) -> tuple[str, ...]:
     flags = cpu_flags() if flags is None else flags
     xcomp = xcomp_supported() if xcomp == "probe" else xcomp
     args = list(BASE_ARGS)
     for option, needs in FEATURE_OPTIONS:
         args.append(f"-D{option}={'ON' if all(n in flags for n in needs) else 'OFF'}")
-    amx = amx_usable(flags, xcomp)
+    amx = amx_usable(flags, xcomp) and (amx_mode() if amx is None else amx) != "off"
     for option, flag in AMX_OPTIONS:
         args.append(f"-D{option}={'ON' if amx and flag in flags else 'OFF'}")
     return tuple(args)
@@ -92,8 +113,10 @@ def main(argv: list[str]) -> int:
     elif "--explain" in argv:
         xcomp = xcomp_supported()
         print(f"xcomp_supp={hex(xcomp) if xcomp is not None else 'unknown'} "
-              f"amx_usable={amx_usable(cpu_flags(), xcomp)}")
+              f"amx_usable={amx_usable(cpu_flags(), xcomp)} {AMX_ENV}={amx_mode()}")
         print(" ".join(args))
+    elif "--amx" in argv:      # does this build carry AMX kernels? (exit 0: yes)
+        return 0 if "-DGGML_AMX_TILE=ON" in args else 1
     else:
         print(" ".join(args))
     return 0

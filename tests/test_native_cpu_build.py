@@ -86,3 +86,16 @@ def test_build_key_changes_with_every_flag():
 def test_this_machine_reports_an_xcomp_mask():
     mask = xcomp_supported()
     assert mask is not None and mask & 0x3 == 0x3  # x87 and SSE state are always enabled
+
+
+def test_amx_can_be_turned_off_where_an_amx_build_faulted():
+    from native.cpu_build import AMX_ENV, amx_mode
+
+    off = _options(cmake_args(cpu_flags(SPR), XCOMP_WITH_TILEDATA, amx="off"))
+    assert (off["GGML_AMX_TILE"], off["GGML_AMX_INT8"], off["GGML_AMX_BF16"]) == ("OFF", "OFF", "OFF")
+    assert off["GGML_AVX512_BF16"] == "ON"                     # only AMX goes
+    assert build_key(cmake_args(cpu_flags(SPR), XCOMP_WITH_TILEDATA, amx="off")) != \
+        build_key(cmake_args(cpu_flags(SPR), XCOMP_WITH_TILEDATA, amx="auto"))   # another wheel
+    assert amx_mode({}) == "auto" and amx_mode({AMX_ENV: " OFF "}) == "off"
+    with pytest.raises(SystemExit):
+        amx_mode({AMX_ENV: "maybe"})
