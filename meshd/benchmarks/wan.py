@@ -5,35 +5,53 @@
 Topology (root; iproute2): a hub namespace that forwards, and one namespace
 per daemon joined to it by a veth pair. The delay: this machine's kernel has
 no ``sch_netem`` (``tc qdisc add ... netem`` -> "Specified qdisc kind is
-unknown", no modules to load), so each daemon advertises its TLS endpoint at
-the hub's address on its link (``--advertise-host 10.214.i.1``) and a
-delaying forwarder in the hub (delay_proxy.py: RTT/2 per direction,
-pipelined) carries every hop-to-hop and entry-to-hop connection to the
-daemon's worker: every daemon-to-daemon round trip takes RTT, while each
-daemon reaches its own worker over its Unix socket. No NAT: the daemons are
-public to each other (``--reachability public``).
+unknown", no modules to load), so each daemon advertises its TLS endpoints
+(gRPC and the framed fast path) at the hub's address on its link
+(``--advertise-host 10.214.i.1``) and a delaying forwarder in the hub
+(delay_proxy.py: RTT/2 per direction, pipelined) carries every hop-to-hop and
+entry-to-hop connection to the daemon's worker: every round trip between two
+namespaces takes RTT. No NAT: the daemons are public to each other
+(``--reachability public``).
 
     ns n0 (10.214.1.2) --veth-- hub (10.214.i.1: forwarding + delay proxy) --veth-- ns n1 (10.214.2.2) ...
+                                                                           --veth-- ns n3: the entry
 
 One ``meshd join --layers A:B`` per range (default: three even ranges), each
-in its namespace, bootstrapped from the first; the entry is the layer-0
-daemon. In the same run, alternating rounds after a warm-up of each: a
-generation with ``topology: star`` and one with ``topology: push`` through the
-entry's control socket (the generate op a user runs). Then the same daemons'
-figures on loopback (a LocalSwarm of the same ranges, same rounds).
+in its namespace, bootstrapped from the first, and the entry: a client-only
+``meshd join --layers none`` in one more namespace, the same RTT from every
+daemon. It holds no layers, so every hop of its route is remote, as for a
+user whose machine serves nothing. In the same run, alternating rounds after
+a warm-up of each: a generation with ``topology: star`` and one with
+``topology: push`` through the entry's control socket (the generate op a
+user runs). Then the whole model in this process (shard/reference.py, one
+thread like each worker) for the compute per token, and the same daemons'
+figures on loopback (a LocalSwarm of the same ranges plus a client-only
+entry, same rounds).
 
 Keys: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
 ``legs_per_token`` (push: the median of the legs the hops counted in each
-decode step's frames, not computed from the route), ``star_legs_per_token``,
-``hops``, ``rtt_ms``, ``tokens_equal`` (star == push, every round),
-``loopback`` (the same keys on loopback). Every namespace and daemon is
-removed at the end.
+decode step's frames, not computed from the route), ``star_legs_per_token``
+(the star driver's count: one send and one answer per hop), ``hops``,
+``rtt_ms``, ``tokens_equal`` (star == push, every round),
+``entry_serves_layers`` (false: the entry is on no hop), ``compute_ms_per_token``
+(the whole model's best decode step, same run), ``legs_ceiling_ratio`` (star
+legs / push legs: the ratio if legs were all that cost), ``arithmetic`` (the
+measured decomposition below), ``loopback`` (the same keys on loopback).
+Every namespace and daemon is removed at the end.
 
-Arithmetic worth knowing when reading the ratio: the entry serves the head,
-so its first leg is local. Per decode token the star crosses the network
-2 x (hops - 1) times, push hops times (one-way legs, RTT/2 each): with three
-hops the delay alone is 4 x RTT/2 against 3 x RTT/2 (1.33x); the per-leg
-software cost counts all legs, 6 against 4 (1.5x); compute is the same.
+Arithmetic. Per decode token the star crosses the network 2 x hops times,
+push hops + 1 times (one-way legs, RTT/2 each); the compute c is the same;
+each leg also costs some software time s (serialization, the proxy's pumps,
+gRPC). With three hops::
+
+    ratio = (6 x RTT/2 + c + 6 s) / (4 x RTT/2 + c + 4 s)   -> 1.5 as c -> 0
+
+At 20 ms: (60 + c) / (40 + c) >= 1.4 needs c <= 10 ms (with s = 0).
+``arithmetic`` prints the measured star and push ms per token, their delay
+(legs x RTT/2), the whole model's c, what is left per leg, and the ratio
+delay and compute alone predict. (With the entry serving the head, as this
+bench ran before, its first leg is local: 4 network legs against 3, a
+ceiling of 1.33 even at c = 0.)
 """
 from __future__ import annotations
 
@@ -74,11 +92,11 @@ class DelayedNet:
     def hub_ip(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}.1"
 
-    def delay(self, ports: dict[int, int]) -> None:
-        """Forward hub_ip(i):port -> ip(i):port for each node i, RTT/2 each way."""
+    def delay(self, ports: dict[int, list[int]]) -> None:
+        """Forward hub_ip(i):port -> ip(i):port for each node i and each of its ports, RTT/2 each way."""
         from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
 
-        pairs = [f"{self.hub_ip(i)}:{p}={self.ip(i)}:{p}" for i, p in ports.items()]
+        pairs = [f"{self.hub_ip(i)}:{p}={self.ip(i)}:{p}" for i, ps in ports.items() for p in ps]
         self.proxy = subprocess.Popen(["ip", "netns", "exec", self.hub, sys.executable, "-m",
                                        "meshd.benchmarks.delay_proxy", f"{self.rtt_ms / 2:g}", *pairs],
                                       cwd=REPO_ROOT, env=child_env(1), stdout=subprocess.PIPE,
@@ -134,6 +152,7 @@ class DelayedNet:
 
 def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str, advertise: str, layers: str,
                bootstrap: str | None, threads: int, record_ttl_s: float, kv_budget_tokens: int):
+    """``meshd join`` in a namespace (``layers`` "none": the client-only entry)."""
     from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env
 
     d = LocalDaemon.__new__(LocalDaemon)
@@ -164,6 +183,7 @@ def _generate(daemon, prompt: str, n: int, topology: str) -> dict:
 
 def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: str) -> dict:
     """Alternating star / push rounds after a warm-up of each; the figures (module doc)."""
+    me = (entry.query("ping") or {}).get("peer_id", "")
     for topology in ("star", "push"):
         _generate(entry, prompt, 4, topology)
     runs: dict[str, list[dict]] = {"star": [], "push": []}
@@ -181,11 +201,31 @@ def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: s
         "legs_per_token": statistics.median(legs["push"]) if legs["push"] else None,
         "star_legs_per_token": statistics.median(legs["star"]) if legs["star"] else None,
         "hops": len(runs["push"][-1]["route"]),
+        "entry_serves_layers": any(h.split(":")[0] == me for d in runs["push"] + runs["star"] for h in d["route"]),
         "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}),
         "tokens_equal": all(t == tokens[0] for t in tokens),
         "star_prefill_s": round(min(d["prefill_s"] for d in runs["star"]), 4),
         "push_prefill_s": round(min(d["prefill_s"] for d in runs["push"]), 4),
     }
+
+
+def arithmetic(figures: dict, rtt_ms: float, compute_ms: float) -> dict:
+    """The measured decomposition of a decode token (module doc): delay, compute, the rest per leg."""
+    out: dict = {"rtt_ms": rtt_ms, "compute_ms_per_token": round(compute_ms, 3)}
+    for topology, legs_key in (("star", "star_legs_per_token"), ("push", "legs_per_token")):
+        rate, legs = figures[f"{topology}_decode_tok_s"], figures[legs_key]
+        if not rate or not legs:
+            return out
+        ms = 1000.0 / rate
+        delay = legs * rtt_ms / 2
+        out[topology] = {"ms_per_token": round(ms, 3), "legs": legs, "delay_ms": round(delay, 3),
+                         "other_ms": round(ms - delay - compute_ms, 3),
+                         "other_ms_per_leg": round((ms - delay - compute_ms) / legs, 3)}
+    star, push = out["star"], out["push"]
+    out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + compute_ms) / (push["delay_ms"] + compute_ms), 3)
+    out["ratio_measured"] = round(star["ms_per_token"] / push["ms_per_token"], 3)
+    out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)
+    return out
 
 
 def _say(progress: TextIO | None, line: str) -> None:
@@ -211,7 +251,7 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
     result: dict = {"path": "daemon", "model": str(model), "rtt_ms": rtt_ms, "layers": specs,
                     "new_tokens": new_tokens, "rounds": rounds, "threads": THREADS}
     root = Path(tempfile.mkdtemp(prefix="meshd-bench-wan-"))
-    net = DelayedNet(len(specs), rtt_ms)
+    net = DelayedNet(len(specs) + 1, rtt_ms)   # the last namespace holds the client-only entry
     swarm = LocalSwarm(root, model)
     try:
         net.up()
@@ -224,16 +264,21 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
             swarm.daemons.append(d)
             if swarm.bootstrap is None:
                 swarm.bootstrap = d.address()
-        for d in swarm.daemons:
+        c = len(specs)
+        entry = _ns_daemon(root, "entry", model, prefix=net.prefix(c), ip=net.ip(c), advertise=net.hub_ip(c),
+                           layers="none", bootstrap=swarm.bootstrap, threads=THREADS,
+                           record_ttl_s=R.BENCH_RECORD_TTL_S, kv_budget_tokens=1024)
+        swarm.daemons.append(entry)
+        for d in swarm.daemons[:-1]:
             swarm.wait_serving(d, R.START_TIMEOUT_S)
-        entry = R.entry_of(swarm)
-        wait_for(lambda: (v := entry.swarm()) and v.get("coverage", {}).get("fully_covered")
-                 and len(v["ads"]) >= len(specs) and v, "full coverage", R.START_TIMEOUT_S, entry)
+        _wait_covered(entry, len(specs), wait_for, R.START_TIMEOUT_S)
         (entries,) = (entry.query("status") or {})["coverage"].values()
-        ports = {}
+        ports: dict[int, list[int]] = {}
         for e in entries:
-            host, _, port = e["grpc_endpoint"].rpartition(":")
-            ports[next(i for i in range(len(specs)) if net.hub_ip(i) == host)] = int(port)
+            for endpoint in (e["grpc_endpoint"], e.get("frames_endpoint") or ""):
+                host, _, port = endpoint.rpartition(":")
+                if port:
+                    ports.setdefault(next(i for i in range(len(specs)) if net.hub_ip(i) == host), []).append(int(port))
         net.delay(ports)
         result["delay"] = "userspace proxy in the hub namespace (no sch_netem in this kernel)"
         result.update(compare(entry, prompt, new_tokens, rounds, progress, f"{rtt_ms:g} ms"))
@@ -245,15 +290,60 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
         swarm.close()
         net.down()
     try:
-        _say(progress, "the same ranges on loopback")
+        _say(progress, "the whole model in this process (compute per token)")
+        compute_ms = _compute_ms(model, prompt, new_tokens, rounds)
+        result["compute_ms_per_token"] = round(compute_ms, 3)
+        result["legs_ceiling_ratio"] = _legs_ratio(result)
+        result["arithmetic"] = arithmetic(result, rtt_ms, compute_ms)
+        _say(progress, _explain(result["arithmetic"]))
+        _say(progress, "the same ranges on loopback, a client-only entry beside them")
         local = R.start_split(root / "loopback", model, specs, kv_budget_tokens=1024)
         try:
-            result["loopback"] = compare(R.entry_of(local), prompt, new_tokens, rounds, progress, "loopback")
+            client = local.add(layers="none", name="entry")
+            _wait_covered(client, len(specs), wait_for, R.START_TIMEOUT_S)
+            loop = compare(client, prompt, new_tokens, rounds, progress, "loopback")
+            loop["legs_ceiling_ratio"] = _legs_ratio(loop)
+            loop["arithmetic"] = arithmetic(loop, 0.0, compute_ms)
+            result["loopback"] = loop
         finally:
             local.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _wait_covered(entry, hops: int, wait_for, timeout_s: float) -> dict:
+    """Until the (client-only) entry sees every layer covered by ``hops`` daemons."""
+    return wait_for(lambda: (v := entry.swarm()) and (v.get("coverage") or {}).get("fully_covered")
+                    and len(v["ads"]) >= hops and v, f"{entry.name} seeing full coverage", timeout_s, entry)
+
+
+def _compute_ms(model: Path, prompt: str, new_tokens: int, rounds: int) -> float:
+    """The whole model's best decode ms per token here (one thread, as each worker has)."""
+    from meshd.benchmarks import daemon_runs as R
+    from meshd.benchmarks.local_swarm import THREADS
+
+    ref = R.Reference(model, THREADS)
+    ref.generate(prompt, 4)   # warm-up
+    best = max(ref.generate(prompt, new_tokens)[1] for _ in range(rounds))
+    return 1000.0 / best if best else 0.0
+
+
+def _legs_ratio(figures: dict) -> float | None:
+    star, push = figures.get("star_legs_per_token"), figures.get("legs_per_token")
+    return round(star / push, 3) if star and push else None
+
+
+def _explain(a: dict) -> str:
+    if "star" not in a:
+        return "no decode steps measured"
+    s, p = a["star"], a["push"]
+    return (f"star {s['ms_per_token']} ms/token = {s['legs']} legs x {a['rtt_ms'] / 2:g} ms ({s['delay_ms']}) + "
+            f"compute {a['compute_ms_per_token']} + other {s['other_ms']} ({s['other_ms_per_leg']}/leg); push "
+            f"{p['ms_per_token']} = {p['legs']} x {a['rtt_ms'] / 2:g} ({p['delay_ms']}) + {a['compute_ms_per_token']}"
+            f" + {p['other_ms']} ({p['other_ms_per_leg']}/leg); ratio {a['ratio_measured']}, delay and compute "
+            f"alone predict {a['ratio_from_delay_and_compute']}; 1.4 needs compute <= {a['compute_ms_for_1_4']} ms "
+            "with nothing else")
 
 
 def _even(num_layers: int, parts: int) -> list[str]:
