@@ -204,9 +204,21 @@ def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: s
         "entry_serves_layers": any(h.split(":")[0] == me for d in runs["push"] + runs["star"] for h in d["route"]),
         "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}),
         "tokens_equal": all(t == tokens[0] for t in tokens),
+        **{f"{t}_step_ms": _steps(runs[t]) for t in runs},
         "star_prefill_s": round(min(d["prefill_s"] for d in runs["star"]), 4),
         "push_prefill_s": round(min(d["prefill_s"] for d in runs["push"]), 4),
     }
+
+
+def _steps(runs: list[dict]) -> dict:
+    """Medians over every round's plain decode steps: wall time and the hops' own compute (their
+    execution times, summed along the route), the rest being legs and software."""
+    wall = [w for d in runs for w in d.get("step_wall_ms", [])]
+    execution = [e for d in runs for e in d.get("step_execution_ms", [])]
+    if not wall:
+        return {}
+    return {"wall_median": round(statistics.median(wall), 3), "hops_compute_median": round(statistics.median(execution), 3),
+            "rest_median": round(statistics.median(w - e for w, e in zip(wall, execution)), 3)}
 
 
 def arithmetic(figures: dict, rtt_ms: float, compute_ms: float) -> dict:
@@ -221,6 +233,9 @@ def arithmetic(figures: dict, rtt_ms: float, compute_ms: float) -> dict:
         out[topology] = {"ms_per_token": round(ms, 3), "legs": legs, "delay_ms": round(delay, 3),
                          "other_ms": round(ms - delay - compute_ms, 3),
                          "other_ms_per_leg": round((ms - delay - compute_ms) / legs, 3)}
+        steps = figures.get(f"{topology}_step_ms") or {}
+        if steps:   # the same from the steps themselves: the hops' measured compute instead of the whole model's
+            out[topology]["step_rest_minus_delay_per_leg"] = round((steps["rest_median"] - delay) / legs, 3)
     star, push = out["star"], out["push"]
     out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + compute_ms) / (push["delay_ms"] + compute_ms), 3)
     out["ratio_measured"] = round(star["ms_per_token"] / push["ms_per_token"], 3)
