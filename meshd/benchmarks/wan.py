@@ -21,12 +21,12 @@ in its namespace, bootstrapped from the first, and the entry: a client-only
 ``meshd join --layers none`` in one more namespace, the same RTT from every
 daemon. It holds no layers, so every hop of its route is remote, as for a
 user whose machine serves nothing. In the same run, alternating rounds after
-a warm-up of each: a generation with ``topology: star`` and one with
-``topology: push`` through the entry's control socket (the generate op a
-user runs). Then the whole model in this process (shard/reference.py, one
-thread like each worker) for the compute per token, and the same daemons'
-figures on loopback (a LocalSwarm of the same ranges plus a client-only
-entry, same rounds).
+a warm-up of each: a generation with ``topology: star``, the whole model in
+this process (shard/reference.py, one thread like each worker: the compute
+per token) and a generation with ``topology: push`` through the entry's
+control socket (the generate op a user runs). Then the same daemons' figures
+on loopback (a LocalSwarm of the same ranges plus a client-only entry, same
+rounds).
 
 Keys: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
 ``legs_per_token`` (push: the median of the legs the hops counted in each
@@ -34,9 +34,11 @@ decode step's frames, not computed from the route), ``star_legs_per_token``
 (the star driver's count: one send and one answer per hop), ``hops``,
 ``rtt_ms``, ``tokens_equal`` (star == push, every round),
 ``entry_serves_layers`` (false: the entry is on no hop), ``compute_ms_per_token``
-(the whole model's best decode step, same run), ``legs_ceiling_ratio`` (star
-legs / push legs: the ratio if legs were all that cost), ``arithmetic`` (the
-measured decomposition below), ``loopback`` (the same keys on loopback).
+(the whole model's best decode step, same rounds), ``legs_ceiling_ratio`` (star
+legs / push legs: the ratio if legs were all that cost), ``star_step_ms`` /
+``push_step_ms`` (medians of the decode steps: wall, the hops' own compute,
+the rest), ``arithmetic`` (the measured decomposition below), ``loopback``
+(the same keys on loopback).
 Every namespace and daemon is removed at the end.
 
 Arithmetic. Per decode token the star crosses the network 2 x hops times,
@@ -47,9 +49,10 @@ gRPC). With three hops::
     ratio = (6 x RTT/2 + c + 6 s) / (4 x RTT/2 + c + 4 s)   -> 1.5 as c -> 0
 
 At 20 ms: (60 + c) / (40 + c) >= 1.4 needs c <= 10 ms (with s = 0).
-``arithmetic`` prints the measured star and push ms per token, their delay
-(legs x RTT/2), the whole model's c, what is left per leg, and the ratio
-delay and compute alone predict. (With the entry serving the head, as this
+``arithmetic`` splits the median decode step of each topology into its delay
+(legs x RTT/2), the hops' own compute c in those steps and the software per
+leg (what is left), and gives the ratio delay and compute alone predict,
+with c and with the whole model's compute. (With the entry serving the head, as this
 bench ran before, its first leg is local: 4 network legs against 3, a
 ceiling of 1.33 even at c = 0.)
 """
@@ -181,21 +184,28 @@ def _generate(daemon, prompt: str, n: int, topology: str) -> dict:
     return done
 
 
-def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: str) -> dict:
-    """Alternating star / push rounds after a warm-up of each; the figures (module doc)."""
+def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: str, reference=None) -> dict:
+    """Alternating star / push rounds after a warm-up of each, and a whole-model round in between when
+    ``reference`` is given (daemon_runs.Reference, same thread count); the figures (module doc)."""
     me = (entry.query("ping") or {}).get("peer_id", "")
     for topology in ("star", "push"):
         _generate(entry, prompt, 4, topology)
+    if reference is not None:
+        reference.generate(prompt, 4)
     runs: dict[str, list[dict]] = {"star": [], "push": []}
+    whole: list[float] = []
     for r in range(rounds):
         for topology in ("star", "push"):
             runs[topology].append(_generate(entry, prompt, new_tokens, topology))
+            if reference is not None and topology == "star":
+                whole.append(reference.generate(prompt, new_tokens)[1])
         _say(progress, f"{label} round {r + 1}/{rounds}: star {runs['star'][-1]['decode_tokens_per_s']} tok/s, "
-                       f"push {runs['push'][-1]['decode_tokens_per_s']} tok/s")
+                       f"push {runs['push'][-1]['decode_tokens_per_s']} tok/s"
+                       + (f", whole model {whole[-1]:.2f} tok/s" if whole else ""))
     best = {t: max(d["decode_tokens_per_s"] or 0.0 for d in runs[t]) for t in runs}
     legs = {t: [x for d in runs[t] for x in d.get("step_legs", [])] for t in runs}
     tokens = [d["tokens"] for t in runs for d in runs[t]]
-    return {
+    out = {
         "star_decode_tok_s": round(best["star"], 3), "push_decode_tok_s": round(best["push"], 3),
         "push_vs_star_decode_ratio": round(best["push"] / best["star"], 3) if best["star"] else None,
         "legs_per_token": statistics.median(legs["push"]) if legs["push"] else None,
@@ -208,6 +218,11 @@ def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: s
         "star_prefill_s": round(min(d["prefill_s"] for d in runs["star"]), 4),
         "push_prefill_s": round(min(d["prefill_s"] for d in runs["push"]), 4),
     }
+    if whole:
+        out["compute_ms_per_token"] = round(1000.0 / max(whole), 3) if max(whole) else None
+    out["legs_ceiling_ratio"] = round(out["star_legs_per_token"] / out["legs_per_token"], 3) \
+        if out["star_legs_per_token"] and out["legs_per_token"] else None
+    return out
 
 
 def _steps(runs: list[dict]) -> dict:
@@ -217,29 +232,35 @@ def _steps(runs: list[dict]) -> dict:
     execution = [e for d in runs for e in d.get("step_execution_ms", [])]
     if not wall:
         return {}
-    return {"wall_median": round(statistics.median(wall), 3), "hops_compute_median": round(statistics.median(execution), 3),
+    return {"wall_median": round(statistics.median(wall), 3),
+            "hops_compute_median": round(statistics.median(execution), 3),
             "rest_median": round(statistics.median(w - e for w, e in zip(wall, execution)), 3)}
 
 
-def arithmetic(figures: dict, rtt_ms: float, compute_ms: float) -> dict:
-    """The measured decomposition of a decode token (module doc): delay, compute, the rest per leg."""
-    out: dict = {"rtt_ms": rtt_ms, "compute_ms_per_token": round(compute_ms, 3)}
+def arithmetic(figures: dict, rtt_ms: float) -> dict:
+    """The measured decomposition of a decode step (module doc): legs x RTT/2, compute, software per leg.
+
+    ``c`` is the hops' own compute in the same steps (the medians of their execution times: the
+    machine's load at that moment, which the whole model's rounds only sample nearby); the whole
+    model's ``compute_ms_per_token`` is beside it."""
+    out: dict = {"rtt_ms": rtt_ms, "whole_model_compute_ms": figures.get("compute_ms_per_token")}
     for topology, legs_key in (("star", "star_legs_per_token"), ("push", "legs_per_token")):
-        rate, legs = figures[f"{topology}_decode_tok_s"], figures[legs_key]
-        if not rate or not legs:
+        steps, legs = figures.get(f"{topology}_step_ms") or {}, figures.get(legs_key)
+        if not steps or not legs:
             return out
-        ms = 1000.0 / rate
         delay = legs * rtt_ms / 2
-        out[topology] = {"ms_per_token": round(ms, 3), "legs": legs, "delay_ms": round(delay, 3),
-                         "other_ms": round(ms - delay - compute_ms, 3),
-                         "other_ms_per_leg": round((ms - delay - compute_ms) / legs, 3)}
-        steps = figures.get(f"{topology}_step_ms") or {}
-        if steps:   # the same from the steps themselves: the hops' measured compute instead of the whole model's
-            out[topology]["step_rest_minus_delay_per_leg"] = round((steps["rest_median"] - delay) / legs, 3)
+        out[topology] = {"legs": legs, "delay_ms": round(delay, 3), "wall_ms": steps["wall_median"],
+                         "compute_ms": steps["hops_compute_median"],
+                         "software_ms_per_leg": round((steps["rest_median"] - delay) / legs, 3)}
     star, push = out["star"], out["push"]
-    out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + compute_ms) / (push["delay_ms"] + compute_ms), 3)
-    out["ratio_measured"] = round(star["ms_per_token"] / push["ms_per_token"], 3)
-    out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)
+    c = (star["compute_ms"] + push["compute_ms"]) / 2
+    out["compute_ms"] = round(c, 3)
+    out["ratio_from_step_medians"] = round(star["wall_ms"] / push["wall_ms"], 3)
+    out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + c) / (push["delay_ms"] + c), 3)
+    whole = figures.get("compute_ms_per_token")
+    if whole:
+        out["ratio_from_delay_and_whole_model_compute"] = round((star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
+    out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)  # software 0
     return out
 
 
@@ -296,7 +317,11 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
                     ports.setdefault(next(i for i in range(len(specs)) if net.hub_ip(i) == host), []).append(int(port))
         net.delay(ports)
         result["delay"] = "userspace proxy in the hub namespace (no sch_netem in this kernel)"
-        result.update(compare(entry, prompt, new_tokens, rounds, progress, f"{rtt_ms:g} ms"))
+        _say(progress, "loading the whole model in this process (compute per token, same rounds)")
+        reference = R.Reference(model, THREADS)
+        result.update(compare(entry, prompt, new_tokens, rounds, progress, f"{rtt_ms:g} ms", reference))
+        result["arithmetic"] = arithmetic(result, rtt_ms)
+        _say(progress, _explain(result["arithmetic"]))
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -305,20 +330,13 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
         swarm.close()
         net.down()
     try:
-        _say(progress, "the whole model in this process (compute per token)")
-        compute_ms = _compute_ms(model, prompt, new_tokens, rounds)
-        result["compute_ms_per_token"] = round(compute_ms, 3)
-        result["legs_ceiling_ratio"] = _legs_ratio(result)
-        result["arithmetic"] = arithmetic(result, rtt_ms, compute_ms)
-        _say(progress, _explain(result["arithmetic"]))
         _say(progress, "the same ranges on loopback, a client-only entry beside them")
         local = R.start_split(root / "loopback", model, specs, kv_budget_tokens=1024)
         try:
             client = local.add(layers="none", name="entry")
             _wait_covered(client, len(specs), wait_for, R.START_TIMEOUT_S)
-            loop = compare(client, prompt, new_tokens, rounds, progress, "loopback")
-            loop["legs_ceiling_ratio"] = _legs_ratio(loop)
-            loop["arithmetic"] = arithmetic(loop, 0.0, compute_ms)
+            loop = compare(client, prompt, new_tokens, rounds, progress, "loopback", reference)
+            loop["arithmetic"] = arithmetic(loop, 0.0)
             result["loopback"] = loop
         finally:
             local.close()
@@ -333,32 +351,15 @@ def _wait_covered(entry, hops: int, wait_for, timeout_s: float) -> dict:
                     and len(v["ads"]) >= hops and v, f"{entry.name} seeing full coverage", timeout_s, entry)
 
 
-def _compute_ms(model: Path, prompt: str, new_tokens: int, rounds: int) -> float:
-    """The whole model's best decode ms per token here (one thread, as each worker has)."""
-    from meshd.benchmarks import daemon_runs as R
-    from meshd.benchmarks.local_swarm import THREADS
-
-    ref = R.Reference(model, THREADS)
-    ref.generate(prompt, 4)   # warm-up
-    best = max(ref.generate(prompt, new_tokens)[1] for _ in range(rounds))
-    return 1000.0 / best if best else 0.0
-
-
-def _legs_ratio(figures: dict) -> float | None:
-    star, push = figures.get("star_legs_per_token"), figures.get("legs_per_token")
-    return round(star / push, 3) if star and push else None
-
-
 def _explain(a: dict) -> str:
-    if "star" not in a:
+    if "push" not in a:
         return "no decode steps measured"
-    s, p = a["star"], a["push"]
-    return (f"star {s['ms_per_token']} ms/token = {s['legs']} legs x {a['rtt_ms'] / 2:g} ms ({s['delay_ms']}) + "
-            f"compute {a['compute_ms_per_token']} + other {s['other_ms']} ({s['other_ms_per_leg']}/leg); push "
-            f"{p['ms_per_token']} = {p['legs']} x {a['rtt_ms'] / 2:g} ({p['delay_ms']}) + {a['compute_ms_per_token']}"
-            f" + {p['other_ms']} ({p['other_ms_per_leg']}/leg); ratio {a['ratio_measured']}, delay and compute "
-            f"alone predict {a['ratio_from_delay_and_compute']}; 1.4 needs compute <= {a['compute_ms_for_1_4']} ms "
-            "with nothing else")
+    s, p, half = a["star"], a["push"], a["rtt_ms"] / 2
+    return (f"per decode step: star {s['wall_ms']} ms = {s['legs']} legs x {half:g} ms + compute {s['compute_ms']} + "
+            f"{s['software_ms_per_leg']} ms software per leg; push {p['wall_ms']} ms = {p['legs']} x {half:g} + "
+            f"{p['compute_ms']} + {p['software_ms_per_leg']}/leg; star/push {a['ratio_from_step_medians']}, delay "
+            f"and compute alone predict {a['ratio_from_delay_and_compute']} (whole model's compute "
+            f"{a['whole_model_compute_ms']} ms); 1.4 needs compute <= {a['compute_ms_for_1_4']} ms per token")
 
 
 def _even(num_layers: int, parts: int) -> list[str]:
