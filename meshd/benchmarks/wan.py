@@ -48,7 +48,8 @@ gRPC). With three hops::
 
     ratio = (6 x RTT/2 + c + 6 s) / (4 x RTT/2 + c + 4 s)   -> 1.5 as c -> 0
 
-At 20 ms: (60 + c) / (40 + c) >= 1.4 needs c <= 10 ms (with s = 0).
+At 20 ms: (60 + c) / (40 + c) >= 1.4 needs c <= 10 ms (with s = 0); at a
+compute c it needs RTT >= 2 c (``rtt_ms_for_1_4``).
 ``arithmetic`` splits the median decode step of each topology into its delay
 (legs x RTT/2), the hops' own compute c in those steps and the software per
 leg (what is left), and gives the ratio delay and compute alone predict,
@@ -261,6 +262,8 @@ def arithmetic(figures: dict, rtt_ms: float) -> dict:
     if whole:
         out["ratio_from_delay_and_whole_model_compute"] = round((star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
     out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)  # software 0
+    gap = star["legs"] - 1.4 * push["legs"]   # (ls R/2 + c) / (lp R/2 + c) = 1.4  <=>  R = 0.8 c / (ls - 1.4 lp)
+    out["rtt_ms_for_1_4"] = round(0.8 * c / gap, 3) if gap > 0 else None
     return out
 
 
@@ -359,7 +362,8 @@ def _explain(a: dict) -> str:
             f"{s['software_ms_per_leg']} ms software per leg; push {p['wall_ms']} ms = {p['legs']} x {half:g} + "
             f"{p['compute_ms']} + {p['software_ms_per_leg']}/leg; star/push {a['ratio_from_step_medians']}, delay "
             f"and compute alone predict {a['ratio_from_delay_and_compute']} (whole model's compute "
-            f"{a['whole_model_compute_ms']} ms); 1.4 needs compute <= {a['compute_ms_for_1_4']} ms per token")
+            f"{a['whole_model_compute_ms']} ms); 1.4 needs compute <= {a['compute_ms_for_1_4']} ms per token at "
+            f"this RTT, or an RTT >= {a['rtt_ms_for_1_4']} ms at this compute")
 
 
 def _even(num_layers: int, parts: int) -> list[str]:
