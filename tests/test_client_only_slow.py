@@ -6,7 +6,9 @@ never the tracker. It serves generate on every edge -- the control socket
 (star and push), `meshd generate` and the HTTP API -- and every hop of its
 route is a remote peer: the push route counts hops + 1 legs per token and
 the star 2 x hops, and the greedy tokens equal the whole model's. A
-directive sent to it over the real /meshd/directive/1 path is refused.
+directive sent to it over the real /meshd/directive/1 path is refused. Last,
+with a spare 2:4 daemon, the pushed route's middle hop is SIGKILLed mid-decode:
+the same tokens, one failover, the spare in its place.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ import pytest
 import trio
 
 from meshd.benchmarks.local_swarm import REPO_ROOT, LocalSwarm, child_env, wait_for
+
+# Long enough that a kill right after the first token reaches us lands mid-decode.
+FAILOVER_TOKENS = 300
 
 pytestmark = pytest.mark.slow
 
@@ -166,3 +171,37 @@ def test_a_directive_to_a_client_only_node_is_refused(client):
     trio.run(main)
     assert not got[0].accepted and got[0].reason == "client_only", got[0]
     assert client.worker_pids() == [] and client.query("status")["own"]["layers"] is None
+
+
+def test_killing_the_middle_hop_mid_decode_keeps_the_tokens(swarm, client, model):
+    import torch
+
+    from meshd.generate.tokenizer import EntryTokenizer
+    from shard.reference import WholeModel
+
+    spare = swarm.add(layers="2:4", name="spare")
+    swarm.wait_serving(spare, START_TIMEOUT_S)
+    wait_for(lambda: len((client.swarm() or {}).get("ads", [])) == len(SPANS) + 1, "the spare in the client's view",
+             120, client)
+    torch.set_num_threads(1)
+    tok = EntryTokenizer(model)
+    expected = WholeModel(model).generate(tok.encode_prompt(PROMPT, raw=True), FAILOVER_TOKENS).tokens
+    cut = next((i for i, t in enumerate(expected) if t in tok.stop_ids), None)
+    expected = expected if cut is None else expected[:cut + 1]
+    assert len(expected) > 10, "the reference stopped too early to test a failure mid-decode"
+    first = _done(client, topology="push")
+    middle = first["route"][1].split(":")[0]
+    victim = next(d for d in swarm.daemons[:-1] if (d.query("ping") or {}).get("peer_id") == middle)
+    events, prompt_tokens = [], None
+    for event in client.generate(PROMPT, max_tokens=FAILOVER_TOKENS, raw=True, topology="push"):
+        if event.get("event") == "start":
+            prompt_tokens = event["prompt_tokens"]
+        if "token" in event and not any("token" in e for e in events):
+            victim.kill_node()
+        events.append(event)
+    done = events[-1]
+    print("failovers:", done["failovers"], "route:", done["route"])
+    assert done["tokens"] == expected and done["topology"] == "push"
+    assert len(done["failovers"]) == 1 and done["failovers"][0]["failed_peer"] == middle
+    assert done["failovers"][0]["position"] > prompt_tokens          # after the prefill: during decode
+    assert middle not in " ".join(done["route"]) and len(done["route"]) == 3
