@@ -12,7 +12,8 @@ TOML layout (every key optional; names match the dataclass fields)::
     listen = ["/ip4/0.0.0.0/tcp/4001"]
     bootstrap = ["/ip4/203.0.113.7/tcp/4001/p2p/12D3Koo..."]
     model = "/models/llama"
-    layers = "0:16"
+    layers = "0:16"                   # or "auto" (with memory_bytes), or "none": a client-only node
+                                      # (joins the DHT, holds no layers, generates through the swarm)
     advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
     record_ttl_s = 120
     reachability = "auto"             # auto | public | private (private: always use relays)
@@ -212,6 +213,10 @@ class DaemonConfig:
     # `--layers auto --memory 4GiB`: the tracker assigns the range (meshd/daemon/swarm_part.py).
     auto_layers: bool = False
     memory_bytes: int | None = None
+    # `--layers none` (``layers = "none"`` or ``client_only = true``): a client-only node -- no worker,
+    # no capability record, never on tracker duty nor assigned a range; it serves generate (control
+    # socket, HTTP API) through routes whose every hop is remote (meshd/daemon/swarm_part.py).
+    client_only: bool = False
     reachability: str = "auto"
     # push (hops + 1 legs per token); "star" keeps the entry carrying every boundary. Routes push
     # cannot serve (a relayed hop, no certificate pin) run as a star either way (generate/push.py).
@@ -245,9 +250,11 @@ class DaemonConfig:
                 raise ConfigError(f"layers {start}:{end} must satisfy 0 <= A < B")
         if self.auto_layers and self.layers is not None:
             raise ConfigError("give --layers A:B or --layers auto, not both")
+        self._check_client_only()
         self._check_experts()
         expert_peer = self.experts is not None and self.layers is None and not self.auto_layers
-        if (self.model is None) != (self.layers is None and not self.auto_layers) and not expert_peer:
+        if (self.model is None) != (self.layers is None and not self.auto_layers and not self.client_only) \
+                and not expert_peer:
             raise ConfigError("--model and --layers go together")
         if self.auto_layers and not (self.memory_bytes and self.memory_bytes > 0):
             raise ConfigError("--layers auto needs --memory SIZE (e.g. --memory 4GiB): the range is sized to it")
@@ -255,6 +262,20 @@ class DaemonConfig:
             raise ConfigError(f"record_ttl_s must be within [{MIN_RECORD_TTL_S}, {MAX_RECORD_TTL_S}]")
         if self.bootstrap_timeout_s <= 0:
             raise ConfigError("bootstrap_timeout_s must be positive")
+
+    def _check_client_only(self) -> None:
+        if not isinstance(self.client_only, bool):
+            raise ConfigError(f"client_only must be true or false, not {self.client_only!r}")
+        if not self.client_only:
+            return
+        if self.model is None:
+            raise ConfigError("--layers none needs --model (its tokenizer and digest; no weights are loaded)")
+        if self.layers is not None or self.auto_layers:
+            raise ConfigError("--layers none holds no layers: give it instead of --layers A:B or auto")
+        if self.memory_bytes is not None:
+            raise ConfigError("--layers none holds no layers: --memory does not apply")
+        if self.experts is not None or self.offload_experts:
+            raise ConfigError("--layers none holds nothing: --experts / offload_experts do not apply")
 
     def _check_experts(self) -> None:
         if self.expert_act not in EXPERT_ACTS:
@@ -285,6 +306,17 @@ class DaemonConfig:
     def expert_peer(self) -> bool:
         """This node serves experts without their layers (no --layers)."""
         return self.experts is not None and self.layers is None and not self.auto_layers
+
+    @property
+    def role(self) -> str:
+        """What this node is in the swarm (``meshd status``): client, shard, auto, expert-peer or dht."""
+        if self.client_only:
+            return "client"
+        if self.auto_layers:
+            return "auto"
+        if self.layers is not None:
+            return "shard"
+        return "expert-peer" if self.expert_peer else "dht"
 
     @property
     def control_socket(self) -> Path:
@@ -368,6 +400,10 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
             raw[key] = value
     if raw.get("layers") == "auto":
         raw["layers"], raw["auto_layers"] = None, True
+    elif raw.get("layers") == "none":
+        if raw.get("client_only") is False:
+            raise ConfigError('layers = "none" is a client-only node; client_only = false contradicts it')
+        raw["layers"], raw["client_only"] = None, True
     if isinstance(raw.get("memory_bytes"), str):
         from meshd.sizes import parse_size
 

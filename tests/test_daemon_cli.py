@@ -100,3 +100,12 @@ def test_api_port_in_use_when_given_explicitly(tmp_path, model_dir):
         r = meshd("join", "--model", str(model_dir), "--layers", "0:2", "--data-dir", str(tmp_path / "d"),
                   "--listen", "/ip4/127.0.0.1/tcp/0", "--api-listen", f"127.0.0.1:{port}")
     _one_error_line(r, f"the API cannot listen on 127.0.0.1:{port}")
+
+
+def test_join_layers_none_checks(tmp_path, model_dir):
+    """``--layers none`` (a client-only node) needs the model and refuses what only a holder uses."""
+    d = ("--data-dir", str(tmp_path / "d"))
+    _one_error_line(meshd("join", "--layers", "none", *d), "needs --model")
+    _one_error_line(meshd("join", "--model", str(model_dir), "--layers", "none", "--memory", "1GiB", *d),
+                    "--memory does not apply")
+    _one_error_line(meshd("join", "--model", str(tmp_path / "nope"), "--layers", "none", *d), "does not exist")

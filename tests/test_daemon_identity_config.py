@@ -137,3 +137,33 @@ def test_peer_id_matches_libp2p():
         expected = ID.from_pubkey(Ed25519PublicKey.from_bytes(ident.public_key)).to_base58()
         assert peer_id_from_public_key(ident.public_key) == expected == ident.peer_id
         assert ID.from_base58(ident.peer_id).to_bytes()[:2] == b"\x00\x24"
+
+
+def test_client_only_config_from_toml_and_flags(tmp_path):
+    """``layers = "none"`` (or ``client_only = true``, or ``--layers none``): a client-only node."""
+    path = tmp_path / "c.toml"
+    path.write_text('model = "/models/x"\nlayers = "none"\n')
+    cfg = load_config(path)
+    assert cfg.client_only and cfg.layers is None and not cfg.auto_layers and cfg.role == "client"
+    path.write_text('model = "/models/x"\nclient_only = true\n')
+    assert load_config(path).role == "client"
+    assert load_config(None, {"model": "/m", "client_only": True}).role == "client"
+    assert load_config(None, {"model": "/m", "layers": (0, 2)}).role == "shard"
+    assert load_config(None, {"model": "/m", "layers": "auto", "memory_bytes": 1 << 30}).role == "auto"
+    assert load_config(None, {}).role == "dht"
+
+
+@pytest.mark.parametrize("text, match", [
+    ('layers = "none"', "needs --model"),
+    ('model = "/m"\nlayers = "none"\nclient_only = false', "contradicts"),
+    ('model = "/m"\nclient_only = true\nlayers = "0:2"', "instead of --layers A:B or auto"),
+    ('model = "/m"\nclient_only = true\nlayers = "auto"\nmemory_bytes = "1GiB"', "instead of --layers A:B or auto"),
+    ('model = "/m"\nlayers = "none"\nmemory_bytes = "1GiB"', "--memory does not apply"),
+    ('model = "/m"\nlayers = "none"\nexperts = "0-1:E0-E1"', "--experts / offload_experts do not apply"),
+    ('model = "/m"\nclient_only = "yes"', "client_only must be true or false"),
+])
+def test_client_only_config_errors(tmp_path, text, match):
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_config(path)

@@ -266,3 +266,24 @@ def test_route_plan_benchmark_returns_its_numbers():
     result = route_plan.run(quick=True, progress=None, peers=40, layers=12)
     assert {"route_plan_ms", "replacement_plan_ms", "hops", "peers", "layers"} <= set(result)
     assert result["peers"] == 40 and result["hops"] >= 1 and result["route_plan_ms"] > 0
+
+
+def test_client_only_entry_pins_the_cheapest_single_recipe_route():
+    """A client-only entry (meshd/generate/service.py swarm_recipe) is on no ad: the route starts at a
+    remote head and pays entry -> head and tail -> entry; the recipe is that of the cheapest route the
+    ads offer, and NotReady when no single recipe covers the model."""
+    from types import SimpleNamespace
+
+    from meshd.generate.service import NotReady, swarm_recipe
+
+    live = dict(expires_at_ms=2**62)   # swarm_recipe plans at the wall clock
+    ads = [make_ad("a", 0, 4, recipe_digest="r1", **live), make_ad("b", 4, 8, recipe_digest="r1", **live),
+           make_ad("c", 0, 8, recipe_digest="r2", decode_ms_per_layer=10.0, **live),
+           make_ad("d", 4, 8, recipe_digest="r3", **live)]
+    r = route(ads, rtt={(ENTRY, "a"): 20.0, ("a", "b"): 20.0, ("b", ENTRY): 20.0})
+    assert shape(r) == [("a", 0, 4), ("b", 4, 8)] and r.recipe_digest == "r1"
+    assert r.cost_ms == 8 * 1.0 + 3 * 20.0       # compute plus every leg: the entry holds no layer
+    swarm = SimpleNamespace(digest=MODEL, num_layers=8)
+    assert swarm_recipe(swarm, ads, ENTRY) == "r1"
+    with pytest.raises(NotReady, match="no single runtime recipe"):
+        swarm_recipe(swarm, [ads[0], ads[3]], ENTRY)   # 0:4 on r1, 4:8 on r3: covered, but not by one recipe

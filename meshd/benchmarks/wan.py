@@ -5,35 +5,57 @@
 Topology (root; iproute2): a hub namespace that forwards, and one namespace
 per daemon joined to it by a veth pair. The delay: this machine's kernel has
 no ``sch_netem`` (``tc qdisc add ... netem`` -> "Specified qdisc kind is
-unknown", no modules to load), so each daemon advertises its TLS endpoint at
-the hub's address on its link (``--advertise-host 10.214.i.1``) and a
-delaying forwarder in the hub (delay_proxy.py: RTT/2 per direction,
-pipelined) carries every hop-to-hop and entry-to-hop connection to the
-daemon's worker: every daemon-to-daemon round trip takes RTT, while each
-daemon reaches its own worker over its Unix socket. No NAT: the daemons are
-public to each other (``--reachability public``).
+unknown", no modules to load), so each daemon advertises its TLS endpoints
+(gRPC and the framed fast path) at the hub's address on its link
+(``--advertise-host 10.214.i.1``) and a delaying forwarder in the hub
+(delay_proxy.py: RTT/2 per direction, pipelined) carries every hop-to-hop and
+entry-to-hop connection to the daemon's worker: every round trip between two
+namespaces takes RTT. No NAT: the daemons are public to each other
+(``--reachability public``).
 
     ns n0 (10.214.1.2) --veth-- hub (10.214.i.1: forwarding + delay proxy) --veth-- ns n1 (10.214.2.2) ...
+                                                                           --veth-- ns n3: the entry
 
 One ``meshd join --layers A:B`` per range (default: three even ranges), each
-in its namespace, bootstrapped from the first; the entry is the layer-0
-daemon. In the same run, alternating rounds after a warm-up of each: a
-generation with ``topology: star`` and one with ``topology: push`` through the
-entry's control socket (the generate op a user runs). Then the same daemons'
-figures on loopback (a LocalSwarm of the same ranges, same rounds).
+in its namespace, bootstrapped from the first, and the entry: a client-only
+``meshd join --layers none`` in one more namespace, the same RTT from every
+daemon. It holds no layers, so every hop of its route is remote, as for a
+user whose machine serves nothing. In the same run, alternating rounds after
+a warm-up of each: a generation with ``topology: star``, the whole model in
+this process (shard/reference.py, one thread like each worker: the compute
+per token) and a generation with ``topology: push`` through the entry's
+control socket (the generate op a user runs). Then the same daemons' figures
+on loopback (a LocalSwarm of the same ranges plus a client-only entry, same
+rounds).
 
 Keys: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
 ``legs_per_token`` (push: the median of the legs the hops counted in each
-decode step's frames, not computed from the route), ``star_legs_per_token``,
-``hops``, ``rtt_ms``, ``tokens_equal`` (star == push, every round),
-``loopback`` (the same keys on loopback). Every namespace and daemon is
-removed at the end.
+decode step's frames, not computed from the route), ``star_legs_per_token``
+(the star driver's count: one send and one answer per hop), ``hops``,
+``rtt_ms``, ``tokens_equal`` (star == push, every round),
+``entry_serves_layers`` (false: the entry is on no hop), ``compute_ms_per_token``
+(the whole model's best decode step, same rounds), ``legs_ceiling_ratio`` (star
+legs / push legs: the ratio if legs were all that cost), ``star_step_ms`` /
+``push_step_ms`` (medians of the decode steps: wall, the hops' own compute,
+the rest), ``arithmetic`` (the measured decomposition below), ``loopback``
+(the same keys on loopback).
+Every namespace and daemon is removed at the end.
 
-Arithmetic worth knowing when reading the ratio: the entry serves the head,
-so its first leg is local. Per decode token the star crosses the network
-2 x (hops - 1) times, push hops times (one-way legs, RTT/2 each): with three
-hops the delay alone is 4 x RTT/2 against 3 x RTT/2 (1.33x); the per-leg
-software cost counts all legs, 6 against 4 (1.5x); compute is the same.
+Arithmetic. Per decode token the star crosses the network 2 x hops times,
+push hops + 1 times (one-way legs, RTT/2 each); the compute c is the same;
+each leg also costs some software time s (serialization, the proxy's pumps,
+gRPC). With three hops::
+
+    ratio = (6 x RTT/2 + c + 6 s) / (4 x RTT/2 + c + 4 s)   -> 1.5 as c -> 0
+
+At 20 ms: (60 + c) / (40 + c) >= 1.4 needs c <= 10 ms (with s = 0); at a
+compute c it needs RTT >= 2 c (``rtt_ms_for_1_4``).
+``arithmetic`` splits the median decode step of each topology into its delay
+(legs x RTT/2), the hops' own compute c in those steps and the software per
+leg (what is left), and gives the ratio delay and compute alone predict,
+with c and with the whole model's compute. (With the entry serving the head, as this
+bench ran before, its first leg is local: 4 network legs against 3, a
+ceiling of 1.33 even at c = 0.)
 """
 from __future__ import annotations
 
@@ -74,11 +96,11 @@ class DelayedNet:
     def hub_ip(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}.1"
 
-    def delay(self, ports: dict[int, int]) -> None:
-        """Forward hub_ip(i):port -> ip(i):port for each node i, RTT/2 each way."""
+    def delay(self, ports: dict[int, list[int]]) -> None:
+        """Forward hub_ip(i):port -> ip(i):port for each node i and each of its ports, RTT/2 each way."""
         from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
 
-        pairs = [f"{self.hub_ip(i)}:{p}={self.ip(i)}:{p}" for i, p in ports.items()]
+        pairs = [f"{self.hub_ip(i)}:{p}={self.ip(i)}:{p}" for i, ps in ports.items() for p in ps]
         self.proxy = subprocess.Popen(["ip", "netns", "exec", self.hub, sys.executable, "-m",
                                        "meshd.benchmarks.delay_proxy", f"{self.rtt_ms / 2:g}", *pairs],
                                       cwd=REPO_ROOT, env=child_env(1), stdout=subprocess.PIPE,
@@ -134,6 +156,7 @@ class DelayedNet:
 
 def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str, advertise: str, layers: str,
                bootstrap: str | None, threads: int, record_ttl_s: float, kv_budget_tokens: int):
+    """``meshd join`` in a namespace (``layers`` "none": the client-only entry)."""
     from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env
 
     d = LocalDaemon.__new__(LocalDaemon)
@@ -162,30 +185,86 @@ def _generate(daemon, prompt: str, n: int, topology: str) -> dict:
     return done
 
 
-def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: str) -> dict:
-    """Alternating star / push rounds after a warm-up of each; the figures (module doc)."""
+def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: str, reference=None) -> dict:
+    """Alternating star / push rounds after a warm-up of each, and a whole-model round in between when
+    ``reference`` is given (daemon_runs.Reference, same thread count); the figures (module doc)."""
+    me = (entry.query("ping") or {}).get("peer_id", "")
     for topology in ("star", "push"):
         _generate(entry, prompt, 4, topology)
+    if reference is not None:
+        reference.generate(prompt, 4)
     runs: dict[str, list[dict]] = {"star": [], "push": []}
+    whole: list[float] = []
     for r in range(rounds):
         for topology in ("star", "push"):
             runs[topology].append(_generate(entry, prompt, new_tokens, topology))
+            if reference is not None and topology == "star":
+                whole.append(reference.generate(prompt, new_tokens)[1])
         _say(progress, f"{label} round {r + 1}/{rounds}: star {runs['star'][-1]['decode_tokens_per_s']} tok/s, "
-                       f"push {runs['push'][-1]['decode_tokens_per_s']} tok/s")
+                       f"push {runs['push'][-1]['decode_tokens_per_s']} tok/s"
+                       + (f", whole model {whole[-1]:.2f} tok/s" if whole else ""))
     best = {t: max(d["decode_tokens_per_s"] or 0.0 for d in runs[t]) for t in runs}
     legs = {t: [x for d in runs[t] for x in d.get("step_legs", [])] for t in runs}
     tokens = [d["tokens"] for t in runs for d in runs[t]]
-    return {
+    out = {
         "star_decode_tok_s": round(best["star"], 3), "push_decode_tok_s": round(best["push"], 3),
         "push_vs_star_decode_ratio": round(best["push"] / best["star"], 3) if best["star"] else None,
         "legs_per_token": statistics.median(legs["push"]) if legs["push"] else None,
         "star_legs_per_token": statistics.median(legs["star"]) if legs["star"] else None,
         "hops": len(runs["push"][-1]["route"]),
+        "entry_serves_layers": any(h.split(":")[0] == me for d in runs["push"] + runs["star"] for h in d["route"]),
         "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}),
         "tokens_equal": all(t == tokens[0] for t in tokens),
+        **{f"{t}_step_ms": _steps(runs[t]) for t in runs},
         "star_prefill_s": round(min(d["prefill_s"] for d in runs["star"]), 4),
         "push_prefill_s": round(min(d["prefill_s"] for d in runs["push"]), 4),
     }
+    if whole:
+        out["compute_ms_per_token"] = round(1000.0 / max(whole), 3) if max(whole) else None
+    out["legs_ceiling_ratio"] = round(out["star_legs_per_token"] / out["legs_per_token"], 3) \
+        if out["star_legs_per_token"] and out["legs_per_token"] else None
+    return out
+
+
+def _steps(runs: list[dict]) -> dict:
+    """Medians over every round's plain decode steps: wall time and the hops' own compute (their
+    execution times, summed along the route), the rest being legs and software."""
+    wall = [w for d in runs for w in d.get("step_wall_ms", [])]
+    execution = [e for d in runs for e in d.get("step_execution_ms", [])]
+    if not wall:
+        return {}
+    return {"wall_median": round(statistics.median(wall), 3),
+            "hops_compute_median": round(statistics.median(execution), 3),
+            "rest_median": round(statistics.median(w - e for w, e in zip(wall, execution)), 3)}
+
+
+def arithmetic(figures: dict, rtt_ms: float) -> dict:
+    """The measured decomposition of a decode step (module doc): legs x RTT/2, compute, software per leg.
+
+    ``c`` is the hops' own compute in the same steps (the medians of their execution times: the
+    machine's load at that moment, which the whole model's rounds only sample nearby); the whole
+    model's ``compute_ms_per_token`` is beside it."""
+    out: dict = {"rtt_ms": rtt_ms, "whole_model_compute_ms": figures.get("compute_ms_per_token")}
+    for topology, legs_key in (("star", "star_legs_per_token"), ("push", "legs_per_token")):
+        steps, legs = figures.get(f"{topology}_step_ms") or {}, figures.get(legs_key)
+        if not steps or not legs:
+            return out
+        delay = legs * rtt_ms / 2
+        out[topology] = {"legs": legs, "delay_ms": round(delay, 3), "wall_ms": steps["wall_median"],
+                         "compute_ms": steps["hops_compute_median"],
+                         "software_ms_per_leg": round((steps["rest_median"] - delay) / legs, 3)}
+    star, push = out["star"], out["push"]
+    c = (star["compute_ms"] + push["compute_ms"]) / 2
+    out["compute_ms"] = round(c, 3)
+    out["ratio_from_step_medians"] = round(star["wall_ms"] / push["wall_ms"], 3)
+    out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + c) / (push["delay_ms"] + c), 3)
+    whole = figures.get("compute_ms_per_token")
+    if whole:
+        out["ratio_from_delay_and_whole_model_compute"] = round((star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
+    out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)  # software 0
+    gap = star["legs"] - 1.4 * push["legs"]   # (ls R/2 + c) / (lp R/2 + c) = 1.4  <=>  R = 0.8 c / (ls - 1.4 lp)
+    out["rtt_ms_for_1_4"] = round(0.8 * c / gap, 3) if gap > 0 else None
+    return out
 
 
 def _say(progress: TextIO | None, line: str) -> None:
@@ -211,7 +290,7 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
     result: dict = {"path": "daemon", "model": str(model), "rtt_ms": rtt_ms, "layers": specs,
                     "new_tokens": new_tokens, "rounds": rounds, "threads": THREADS}
     root = Path(tempfile.mkdtemp(prefix="meshd-bench-wan-"))
-    net = DelayedNet(len(specs), rtt_ms)
+    net = DelayedNet(len(specs) + 1, rtt_ms)   # the last namespace holds the client-only entry
     swarm = LocalSwarm(root, model)
     try:
         net.up()
@@ -224,19 +303,28 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
             swarm.daemons.append(d)
             if swarm.bootstrap is None:
                 swarm.bootstrap = d.address()
-        for d in swarm.daemons:
+        c = len(specs)
+        entry = _ns_daemon(root, "entry", model, prefix=net.prefix(c), ip=net.ip(c), advertise=net.hub_ip(c),
+                           layers="none", bootstrap=swarm.bootstrap, threads=THREADS,
+                           record_ttl_s=R.BENCH_RECORD_TTL_S, kv_budget_tokens=1024)
+        swarm.daemons.append(entry)
+        for d in swarm.daemons[:-1]:
             swarm.wait_serving(d, R.START_TIMEOUT_S)
-        entry = R.entry_of(swarm)
-        wait_for(lambda: (v := entry.swarm()) and v.get("coverage", {}).get("fully_covered")
-                 and len(v["ads"]) >= len(specs) and v, "full coverage", R.START_TIMEOUT_S, entry)
+        _wait_covered(entry, len(specs), wait_for, R.START_TIMEOUT_S)
         (entries,) = (entry.query("status") or {})["coverage"].values()
-        ports = {}
+        ports: dict[int, list[int]] = {}
         for e in entries:
-            host, _, port = e["grpc_endpoint"].rpartition(":")
-            ports[next(i for i in range(len(specs)) if net.hub_ip(i) == host)] = int(port)
+            for endpoint in (e["grpc_endpoint"], e.get("frames_endpoint") or ""):
+                host, _, port = endpoint.rpartition(":")
+                if port:
+                    ports.setdefault(next(i for i in range(len(specs)) if net.hub_ip(i) == host), []).append(int(port))
         net.delay(ports)
         result["delay"] = "userspace proxy in the hub namespace (no sch_netem in this kernel)"
-        result.update(compare(entry, prompt, new_tokens, rounds, progress, f"{rtt_ms:g} ms"))
+        _say(progress, "loading the whole model in this process (compute per token, same rounds)")
+        reference = R.Reference(model, THREADS)
+        result.update(compare(entry, prompt, new_tokens, rounds, progress, f"{rtt_ms:g} ms", reference))
+        result["arithmetic"] = arithmetic(result, rtt_ms)
+        _say(progress, _explain(result["arithmetic"]))
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)
         raise
@@ -245,15 +333,37 @@ def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, opti
         swarm.close()
         net.down()
     try:
-        _say(progress, "the same ranges on loopback")
+        _say(progress, "the same ranges on loopback, a client-only entry beside them")
         local = R.start_split(root / "loopback", model, specs, kv_budget_tokens=1024)
         try:
-            result["loopback"] = compare(R.entry_of(local), prompt, new_tokens, rounds, progress, "loopback")
+            client = local.add(layers="none", name="entry")
+            _wait_covered(client, len(specs), wait_for, R.START_TIMEOUT_S)
+            loop = compare(client, prompt, new_tokens, rounds, progress, "loopback", reference)
+            loop["arithmetic"] = arithmetic(loop, 0.0)
+            result["loopback"] = loop
         finally:
             local.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def _wait_covered(entry, hops: int, wait_for, timeout_s: float) -> dict:
+    """Until the (client-only) entry sees every layer covered by ``hops`` daemons."""
+    return wait_for(lambda: (v := entry.swarm()) and (v.get("coverage") or {}).get("fully_covered")
+                    and len(v["ads"]) >= hops and v, f"{entry.name} seeing full coverage", timeout_s, entry)
+
+
+def _explain(a: dict) -> str:
+    if "push" not in a:
+        return "no decode steps measured"
+    s, p, half = a["star"], a["push"], a["rtt_ms"] / 2
+    return (f"per decode step: star {s['wall_ms']} ms = {s['legs']} legs x {half:g} ms + compute {s['compute_ms']} + "
+            f"{s['software_ms_per_leg']} ms software per leg; push {p['wall_ms']} ms = {p['legs']} x {half:g} + "
+            f"{p['compute_ms']} + {p['software_ms_per_leg']}/leg; star/push {a['ratio_from_step_medians']}, delay "
+            f"and compute alone predict {a['ratio_from_delay_and_compute']} (whole model's compute "
+            f"{a['whole_model_compute_ms']} ms); 1.4 needs compute <= {a['compute_ms_for_1_4']} ms per token at "
+            f"this RTT, or an RTT >= {a['rtt_ms_for_1_4']} ms at this compute")
 
 
 def _even(num_layers: int, parts: int) -> list[str]:

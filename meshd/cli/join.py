@@ -1,4 +1,9 @@
-"""``meshd join``: run the daemon in the foreground, serving a layer range of a model."""
+"""``meshd join``: run the daemon in the foreground, serving a layer range of a model.
+
+``--layers A:B`` serves a fixed range, ``--layers auto --memory SIZE`` one the tracker
+assigns, ``--layers none`` nothing: a client-only node (DHT, control socket, HTTP API;
+every hop of its generations is a remote peer's).
+"""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +16,8 @@ from meshd.cli.common import add_config_arguments, fail, first_meshd_error, setu
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="model artifact directory or .gguf file")
-    parser.add_argument("--layers", help="layer range A:B to serve (half-open), or 'auto': the tracker assigns one")
+    parser.add_argument("--layers", help="layer range A:B to serve (half-open), 'auto': the tracker assigns one, or "
+                             "'none': a client-only node (no worker, no record; generates through the swarm)")
     parser.add_argument("--memory", help="memory this node offers with --layers auto (weights + KV), e.g. 4GiB")
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
@@ -58,8 +64,9 @@ def run(args: argparse.Namespace) -> int:
 
         overrides = {
             "data_dir": args.data_dir, "model": args.model,
-            "layers": parse_layers(args.layers) if args.layers and args.layers != "auto" else None,
+            "layers": parse_layers(args.layers) if args.layers and args.layers not in ("auto", "none") else None,
             "auto_layers": True if args.layers == "auto" else None,
+            "client_only": True if args.layers == "none" else None,
             "memory_bytes": parse_size(args.memory) if args.memory else None,
             "listen": tuple(args.listen) if args.listen else None,
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
@@ -73,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides)
         if config.model is None:
             return fail("meshd join needs --model PATH and --layers A:B (or model/layers in --config)", 2)
-        if config.expert_peer:
+        if config.client_only:
+            num_layers = model_num_layers(config.model)
+            _progress(f"model {config.model}: {num_layers} layers; client-only: holds none, "
+                      "generates through the swarm")
+        elif config.expert_peer:
             num_layers = model_num_layers(config.model)
             _progress(f"model {config.model}: {num_layers} layers; serving experts {config.experts} (expert peer)")
         elif config.auto_layers:

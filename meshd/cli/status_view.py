@@ -81,6 +81,8 @@ def failure_lines(failure: dict, log_path: str = "", now: float | None = None) -
 def render_status(s: dict) -> str:
     own, worker = s["own"], s["worker"]
     lines = [f"peer id    {s['peer_id']}"]
+    if s["own"].get("role"):
+        lines.append(f"role       {s['own']['role']}")
     for i, addr in enumerate(s["addresses"] or ["(none)"]):
         lines.append(f"{'addresses' if i == 0 else '':<11}{addr}")
     lines.append(f"peers      {len(s['peers'])} connected, routing table {s['routing_table']}")
@@ -98,6 +100,8 @@ def render_status(s: dict) -> str:
         extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, {own['acks']} remote stores acked"
                  if own["advertising"] else "")
         lines.append(f"own range  layers {own['layers'][0]}:{own['layers'][1]} of {own['model']} ({state}{extra})")
+    elif own.get("role") == "client":
+        lines.append(f"own range  none: client-only node of {own['model']} (generates through the swarm)")
     else:
         lines.append("own range  none (DHT-only node)")
     if worker.get("state") != "none":

@@ -81,7 +81,7 @@ class ApiPart:
             return {}
         info = {"id": Path(config.model).name, "digest": swarm.digest if swarm else None,
                 "num_layers": swarm.num_layers if swarm else None,
-                "serving": bool(self.node.advertiser.claim), "coverage": None}
+                "serving": bool(self.node.advertiser.claim), "role": config.role, "coverage": None}
         cmap = self._coverage()
         if cmap is not None:
             info["coverage"] = {"fully_covered": cmap.fully_covered, "counts": list(cmap.counts),
@@ -104,9 +104,9 @@ class ApiPart:
 
     def _on_duty(self) -> tuple[str | None, bool]:
         swarm = self.node.swarm
-        if swarm is None or swarm.duty is None or swarm.snapshot is None:
+        if swarm is None or not swarm.digest or swarm.snapshot is None:
             return None, False
-        tracker = swarm.duty.tracker(swarm.snapshot, wall_ms())
+        tracker = swarm.tracker(swarm.snapshot, wall_ms())
         return tracker, tracker == self.node.identity.peer_id
 
     def probe(self) -> dict:
@@ -152,7 +152,8 @@ class ApiPart:
         return {
             "peer_id": me, "time_ms": now, "model": self.model(), "tracker": tracker, "on_duty": on_duty,
             "peers": peers,
-            "node": {"worker": sup.state.as_dict() if sup is not None else {"state": "none"},
+            "node": {"role": node.config.role,
+                     "worker": sup.state.as_dict() if sup is not None else {"state": "none"},
                      "layers": list(swarm.slot.layers) if swarm and swarm.slot and swarm.slot.layers else
                      (list(node.config.layers) if node.config.layers else None),
                      "reachability": node.relaying.status(), "direct_upgrades": node.upgrader.snapshot(),

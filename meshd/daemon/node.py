@@ -25,6 +25,10 @@ its sessions) and waits for it, the DHT and the host close last.
 
 ``Node`` is the composition root: it wires the parts and answers the
 control API; each part owns its own state.
+
+A client-only node (``--layers none``) starts no supervisor and no worker,
+so it never claims a record; the swarm part still runs (digest, snapshot,
+generate) and so do the DHT, the control socket and the HTTP API.
 """
 from __future__ import annotations
 
@@ -214,8 +218,9 @@ class Node:
 
     async def status(self) -> dict:
         digests = []
-        if self.model_digest:
-            digests.append(self.model_digest)
+        own_digest = self.model_digest or (self.swarm.digest if self.swarm is not None else None)
+        if own_digest:   # a client-only node has no claim: its swarm part read the digest from the files
+            digests.append(own_digest)
         digests += [d for d in self.dht.local_models() if d not in digests]
         coverage: dict[str, list[dict]] = {}
         now = wall_ms()
@@ -244,9 +249,10 @@ class Node:
             "peers": sorted(p.to_base58() for p in self.host.get_connected_peers()),
             "routing_table": self.dht.routing_table_size(),
             "own": {
+                "role": self.config.role,
                 "model": str(self.config.model) if self.config.model else None,
                 "layers": list(self.config.layers) if self.config.layers else None,
-                "model_digest": self.model_digest,
+                "model_digest": own_digest,
                 "advertising": advert.advertising, "sequence": advert.sequence,
                 "expires_in_s": round((advert.expires_at_ms - now) / 1000, 1) if advert.expires_at_ms else None,
                 "acks": advert.last_acks, "tls_cert_sha256": self.tls.sha256.hex(),

@@ -16,6 +16,12 @@ node's own view (current tracker, expiry, replay ledger, no gap while our
 worker has sessions); LOAD (re)starts the worker on the range, DROP stops it.
 Nodes started with a fixed ``--layers A:B`` refuse directives: the user chose.
 
+A client-only node (``--layers none``) has no tracker duty at all (it holds
+no layers, so the ranking, which counts layer-0 servers, never names it
+either): its refresh loop only keeps the snapshot and the mesh fresh, it
+refuses join asks and directives, and its generations plan routes whose
+every hop is a remote peer (meshd/generate/service.py).
+
 A ``.gguf`` is a model like an artifact directory: its digest (a slice's:
 its source's), footprint (tensor infos) and tokenizer (its metadata) come
 from the file. A node holding a slice plans, asks and accepts only ranges
@@ -38,6 +44,7 @@ from meshd.generate.routes import LoadBook
 from meshd.plan.assignment import JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
+from meshd.plan.tracker import current_tracker, epoch_at
 from meshd.sizes import format_size
 from meshd.swarm.view import SwarmSnapshot, fetch_snapshot
 from meshd.swarm.wire import (DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, open_directive,
@@ -67,6 +74,7 @@ class Swarm:
         self.config = node.config
         self.refresh_s = refresh_s
         self.auto = bool(self.config.auto_layers)
+        self.client = bool(self.config.client_only)   # --layers none: no duty, no range, generate only
         self.kv_budget = self.config.worker.kv_budget_tokens   # the worker admits against the same number
         self.slot = WorkerSlot(node, memory_bytes=self.config.memory_bytes or 0) if self.auto else None
         self.digest: str | None = None
@@ -99,6 +107,9 @@ class Swarm:
                 self.slot.memory_bytes = 0  # never a rebalancing candidate: it cannot move outside its slice
         self.node.progress("the model artifact's digest (tracker duty, route planning; cached per file)")
         self.digest = await trio.to_thread.run_sync(model_digest, model, self.node.progress)
+        if self.client:
+            self.node.progress("client-only: holding no layers, generating through the swarm's peers")
+            return   # no footprint, no tracker duty: nothing is ever planned for or by this node
         footprint = await trio.to_thread.run_sync(model_footprint, model, self.digest, w.backend, w.dtype)
         self.duty = TrackerDuty(self.node.identity.peer_id, footprint, self.node.identity.signing_key,
                                 self.kv_budget, rng=random.Random())
@@ -115,7 +126,7 @@ class Swarm:
                 await nursery.start(self.slot.run)
             nursery.start_soon(self._preload_tokenizer)
             task_status.started()
-            while self.duty is not None:
+            while self.digest is not None:
                 try:
                     await self.refresh()
                 except MeshdError as exc:
@@ -171,6 +182,8 @@ class Swarm:
     async def refresh(self) -> None:
         snap = await self.fresh_snapshot()
         await self._mesh(snap)
+        if self.duty is None:
+            return   # a client-only node: the view and the mesh are all it keeps
         now = wall_ms()
         if self.slot is not None and (self.slot.layers is None or self.slot.failure):
             await self._join(snap, now)
@@ -238,6 +251,9 @@ class Swarm:
             directive, signer = open_directive(record)
         except MeshdError as exc:
             return pb.DirectiveAck(accepted=False, reason="malformed", detail=str(exc)[:500])
+        if self.client:
+            return pb.DirectiveAck(accepted=False, reason="client_only",
+                                   detail="this node holds no layers (--layers none)")
         if self.slot is None:
             return pb.DirectiveAck(accepted=False, reason="fixed_range",
                                    detail="this node serves the range its operator gave (--layers A:B)")
@@ -280,16 +296,24 @@ class Swarm:
         return self.duty.answer_join(remote, ask, snap, wall_ms()).SerializeToString()
 
     # ------------------------------------------------------------------ control API
+    def tracker(self, snap: SwarmSnapshot, now_ms: int) -> str | None:
+        """The model's current tracker in this view (the pure ranking; a client-only node has no
+        duty of its own but names the tracker as every other node does)."""
+        if self.duty is not None:
+            return self.duty.tracker(snap, now_ms)
+        return current_tracker(snap.ads, model_digest=self.digest, epoch=epoch_at(now_ms), now_ms=now_ms)
+
     async def view(self) -> dict:
         snap = await self.fresh_snapshot() if self.digest else None
         now = wall_ms()
-        tracker = self.duty.tracker(snap, now) if self.duty and snap else None
+        tracker = self.tracker(snap, now) if snap else None
         coverage = None
         if snap is not None:
             cmap = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
             coverage = {"fully_covered": cmap.fully_covered, "counts": list(cmap.counts),
                         "gaps": [[g.start, g.end] for g in cmap.gaps()]}
-        return {"peer_id": self.node.identity.peer_id, "model_digest": self.digest, "num_layers": self.num_layers,
+        return {"peer_id": self.node.identity.peer_id, "role": self.config.role,
+                "model_digest": self.digest, "num_layers": self.num_layers,
                 "tracker": tracker, "on_duty": tracker == self.node.identity.peer_id,
                 "auto": self.auto, "layers": list(self.slot.layers) if self.slot and self.slot.layers else
                 (list(self.config.layers) if self.config.layers else None),

@@ -5,8 +5,9 @@ in, JSON lines out) and the HTTP API (meshd/api/: OpenAI and Ollama routes
 call ``generate`` with params they validated themselves). Data flow::
 
     GenerateParams (meshd/generate/params.py; a bad field is the client's LocalError)
-      -> readiness: our worker serves, the swarm covers every layer (else NotReady:
-         the edge says "retry later", HTTP 503 + Retry-After)
+      -> readiness: our worker serves (a client-only node, --layers none: the model's
+         digest is known), the swarm covers every layer (else NotReady: the edge says
+         "retry later", HTTP 503 + Retry-After)
       -> token ids (the artifact's tokenizer, meshd/generate/tokenizer.py: chat
          template for messages, or for a prompt unless "raw")
       -> SwarmDriver (meshd/generate/driver.py) in one worker thread,
@@ -45,6 +46,7 @@ generation the same way. The daemon never abandons the thread.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Awaitable, Callable
 
 import trio
@@ -57,6 +59,8 @@ from meshd.generate.params import (DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMP
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.textstream import TextStream
 from meshd.plan.adverts import CoverageMap
+from meshd.plan.errors import MissingLayersError
+from meshd.plan.routing import plan_route
 from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError
 
@@ -69,6 +73,10 @@ RETRY_AFTER_S = 5
 ROOM_POLL_S = 0.25
 
 Send = Callable[[dict], Awaitable[None]]
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
 
 
 class NotReady(MeshdError):
@@ -96,9 +104,12 @@ async def run_generate(swarm, request: dict, send: Send) -> None:
 
 
 async def check_ready(swarm) -> None:
-    """Raise NotReady unless our worker serves and the swarm (fresh view) covers every layer."""
+    """Raise NotReady unless our worker serves (a client-only node has none: it only needs the model's
+    digest) and the swarm (fresh view) covers every layer."""
     node = swarm.node
-    if swarm.digest is None or node.advertiser.claim is None or node.supervisor is None:
+    if swarm.digest is None:
+        raise NotReady("this node is still reading the model's digest; try again in a moment")
+    if not _client_only(swarm) and (node.advertiser.claim is None or node.supervisor is None):
         raise NotReady("this node serves no layers yet (its worker is loading or it waits for the tracker); "
                        "try again in a moment")
     snap = swarm.snapshot
@@ -119,12 +130,43 @@ async def entry_tokenizer(swarm):
     return swarm.tokenizer
 
 
+def _client_only(swarm) -> bool:
+    return bool(getattr(swarm.config, "client_only", False))
+
+
+def swarm_recipe(swarm, ads, me: str) -> str:
+    """The runtime recipe a client-only entry pins its generation to: that of the cheapest route the
+    swarm's signed records offer for our model (the planner searches each recipe alone), so every hop of
+    it -- and of any replacement -- runs one numeric path. NotReady when no single recipe covers it."""
+    try:
+        route = plan_route(ads, model_digest=swarm.digest, num_layers=swarm.num_layers, now_ms=wall_ms(),
+                           entry_peer_id=me)
+    except MissingLayersError as exc:
+        raise NotReady(f"no single runtime recipe covers the model right now ({exc}); retry once one does") from exc
+    return route.recipe_digest
+
+
 def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "") -> tuple[SwarmDriver, list[dict]]:
-    """A route driver over the swarm as this node sees it, and the list its failovers are noted in."""
+    """A route driver over the swarm as this node sees it, and the list its failovers are noted in.
+
+    A serving node pins the fingerprint its own worker validated and reaches its own hop over its
+    worker's frame socket. A client-only node (``--layers none``) has no worker: the artifact digest is
+    the one it computed from its local model files (no weights loaded), the recipe is the swarm's
+    (``swarm_recipe``: this node computes nothing, so it has no recipe of its own, and computing one
+    would import torch into the daemon), and every hop of its routes is a remote peer."""
     node = swarm.node
-    claim = node.advertiser.claim
-    fingerprint = pb.Fingerprint(model_artifact_digest=claim.model_artifact_digest,
-                                 runtime_recipe_digest=claim.runtime_recipe_digest)
+    me = node.identity.peer_id
+    if _client_only(swarm):
+        snap = swarm.snapshot
+        recipe = swarm_recipe(swarm, snap.ads if snap is not None else (), me)
+        fingerprint = pb.Fingerprint(model_artifact_digest=swarm.digest, runtime_recipe_digest=recipe)
+        own_endpoint = own_unix = ""
+    else:
+        claim = node.advertiser.claim
+        fingerprint = pb.Fingerprint(model_artifact_digest=claim.model_artifact_digest,
+                                     runtime_recipe_digest=claim.runtime_recipe_digest)
+        state = node.supervisor.state
+        own_endpoint, own_unix = state.endpoint, state.unix
 
     def ads():
         return trio.from_thread.run(swarm.fresh_snapshot).ads
@@ -133,12 +175,10 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
         snap = swarm.snapshot   # replaced whole by the refresh loop: safe to read from the driver thread
         return snap.ads if snap is not None else ()
 
-    me = node.identity.peer_id
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
-                            recipe_digest=claim.runtime_recipe_digest, cached=cached_ads,
+                            recipe_digest=fingerprint.runtime_recipe_digest, cached=cached_ads,
                             load=getattr(swarm, "load", None))
-    state = node.supervisor.state
-    connector = PeerConnector(self_peer_id=me, own_endpoint=state.endpoint, own_unix=state.unix, pins=swarm.pins,
+    connector = PeerConnector(self_peer_id=me, own_endpoint=own_endpoint, own_unix=own_unix, pins=swarm.pins,
                               frames=swarm.frames,
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
