@@ -294,4 +294,5 @@ class Swarm:
                 "auto": self.auto, "layers": list(self.slot.layers) if self.slot and self.slot.layers else
                 (list(self.config.layers) if self.config.layers else None),
                 "serving": bool(self.node.advertiser.claim), "coverage": coverage,
-                "ads": [{"peer_id": a.peer_id, "start": a.start, "end": a.end} for a in snap.ads] if snap else []}
+                "ads": [{"peer_id": a.peer_id, "start": a.start, "end": a.end} for a in snap.ads] if snap else [],
+                "relayed": {pid: list(addrs) for pid, addrs in snap.relayed.items()} if snap else {}}
