@@ -197,7 +197,8 @@ class Node:
                     and trio.current_time() - last_bootstrap >= REBOOTSTRAP_INTERVAL_S):
                 last_bootstrap = trio.current_time()
                 try:
-                    await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s)
+                    await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s,
+                                            rounds=1)   # this loop is the retry
                 except Exception as exc:  # keep trying; the status shows zero peers
                     log.info("re-bootstrap failed: %s", exc)
             await trio.sleep(PEER_SYNC_INTERVAL_S)
