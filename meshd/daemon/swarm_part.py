@@ -197,7 +197,7 @@ class Swarm:
                          held_start=self.held.start if self.held else 0, held_end=self.held.end if self.held else 0)
         try:
             raw = await exchange(self.node.host, tracker, snap.addrs.get(tracker, ()), JOIN_PROTOCOL,
-                                 ask.SerializeToString())
+                                 ask.SerializeToString(), relayed=snap.relayed.get(tracker, ()))
             reply = pb.JoinReply.FromString(raw)
         except (SwarmUnreachable, MeshdError, ValueError) as exc:
             self._note_join(f"tracker {tracker[:16]} unreachable: {exc}")
@@ -217,7 +217,8 @@ class Swarm:
     async def _push(self, target: str, records: list[bytes], snap: SwarmSnapshot) -> None:
         for record in records:
             try:
-                raw = await exchange(self.node.host, target, snap.addrs.get(target, ()), DIRECTIVE_PROTOCOL, record)
+                raw = await exchange(self.node.host, target, snap.addrs.get(target, ()), DIRECTIVE_PROTOCOL, record,
+                                     relayed=snap.relayed.get(target, ()))
                 ack = pb.DirectiveAck.FromString(raw)
             except (MeshdError, ValueError) as exc:
                 log.info("directive to %s not delivered: %s", target[:16], exc)
