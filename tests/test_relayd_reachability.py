@@ -153,6 +153,12 @@ def test_reachability_config_flag_and_status_rendering(tmp_path):
                           "worker": {"state": "none"}, "coverage": {},
                           "reachability": {"mode": "auto", "verdict": "private", "relayed_addrs": [relayed]}})
     assert "reachable  private (mode auto)" in text and f"relayed  {relayed}" in text
+    assert "relay connections lost" not in text
+    lost = render_status({"peer_id": "P", "addresses": [], "peers": [], "routing_table": 0, "own": {"layers": None},
+                          "worker": {"state": "none"}, "coverage": {},
+                          "reachability": {"mode": "auto", "verdict": "private", "relayed_addrs": [relayed],
+                                           "relays_held": ["R"], "relay_losses": 2}})
+    assert "relay connections lost: 2" in lost
 
 
 def test_two_slots_started_together_claim_distinct_relays():
