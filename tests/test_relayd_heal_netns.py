@@ -7,11 +7,12 @@ DHT records (which each relay hands to a peer as it connects). Checks:
   * home1 holds reservations on BOTH relays (distinct slots), its advertised relayed addresses
     name each relay once, and the first reservation followed the "private" verdict (log lines;
     the gap is printed);
-  * a generation through the entry equals the whole model's greedy tokens, middle hop home1;
-  * relay 1 is killed (SIGKILL): within 10 s the entry's DHT view of home1 lists relayed
+  * relay 1 is killed (SIGKILL) before any generation (so the entry holds no circuit to home1 and
+    no hole-punched connection): within 10 s the entry's DHT view of home1 lists relayed
     addresses through relay 2 only (home1 noticed the closed connection and republished), and
     home1 logged the loss;
-  * a second generation (a home-to-home hop through relay 2) equals the whole model again.
+  * a generation through the entry equals the whole model's greedy tokens, middle hop home1,
+    and its home-to-home hop crossed relay 2 (relay 2's own forwarded-bytes count).
 If namespaces cannot be created the test FAILS and says why.
 """
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from meshd.benchmarks import relay_harness as H
 from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
+from meshd.daemon.control import request as control_request
 from tests._netns import NetnsUnavailable, new_topology
 from tests.test_relayd_netns import START_TIMEOUT_S, NsDaemon
 
@@ -117,11 +119,12 @@ def test_a_home_node_holds_two_relays_and_heals_when_one_dies(tmp_path):
             assert done is not None
             return done
 
-        first = generate()
-        print("route:", first["route"], "tokens:", first["tokens"])
-        assert [h.split(":")[0] for h in first["route"]][1] == middle_id
-        assert first["tokens"] == expected
+        def forwarded(i: int) -> int:    # relay i's own count of circuit bytes (its control socket)
+            return control_request(tmp_path / f"r{i + 1}" / "relay" / "control.sock", "status",
+                                   timeout_s=30.0)["relay"]["bytes_forwarded"]
 
+        # No generation before the kill: the entry has no circuit (and so no DCUtR upgrade) to home1
+        # yet, so the generation after it must open its home-to-home hop through relay 2.
         relays[0].proc.kill()
         killed_at = time.monotonic()
         wait_for(lambda: advertised_relays(entry.swarm()) == {relay_ids[1]} or None,
@@ -133,10 +136,14 @@ def test_a_home_node_holds_two_relays_and_heals_when_one_dies(tmp_path):
         after = reach(middle)
         assert after["relay_losses"] >= 1 and after["relays_held"] == [relay_ids[1]], after
 
+        before = forwarded(1)
         again = generate()
-        print("after the kill: route:", again["route"], "tokens:", again["tokens"], "failovers:", again["failovers"])
+        carried = forwarded(1) - before
+        print("after the kill: route:", again["route"], "tokens:", again["tokens"], "failovers:", again["failovers"],
+              f"relay 2 forwarded {carried} bytes")
         assert [h.split(":")[0] for h in again["route"]][1] == middle_id
         assert again["tokens"] == expected
+        assert carried > 10_000, "the home-to-home hop did not cross relay 2"
     finally:
         for d in reversed(daemons):
             d.stop()
