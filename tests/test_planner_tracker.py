@@ -132,3 +132,4 @@ def test_dialable_comes_from_the_signed_records_direct_addresses():
     assert not stranded.dialable and not stranded.relayed
     with pytest.raises(PlanInputError, match="dialable"):
         make_ad("p", 0, 4, dialable=1)
+
