@@ -6,6 +6,9 @@ meshd changes a few things inside py-libp2p 0.8.1 (see each module for why):
     yamux_window_batching   relay/yamux_tuning.py: WINDOW_UPDATEs at half the window
     libp2p_fastpath         relay/libp2p_fastpath.py: leaner TCP/Noise/yamux data path
                             (MESHD_LIBP2P_FASTPATH=0 leaves it off)
+    inbound_limits          relay/inbound_limits.py: per-address caps on pending and upgraded
+                            inbound connections, a total pending cap, a 5 s pre-handshake
+                            deadline (MESHD_INBOUND_LIMITS=0 leaves it off)
     dcutr_policy            meshd/reach/direct_upgrade.py: our DCUtR service narrows the library's
                             (no auto-drive, no relay close, bounded inbound punches); recorded here
                             by the code that sets DCUtR up
@@ -110,13 +113,14 @@ def apply_libp2p_adjustments(version: str | None = None) -> list[Adjustment]:
 
     ``version`` is the library version to decide for (default: the installed one);
     tests pass another string to see the gate refuse."""
-    from relay import libp2p_fastpath, yamux_tuning
+    from relay import inbound_limits, libp2p_fastpath, yamux_tuning
 
     version = installed_version() if version is None else version
     refused = version_gate(version)
     with _apply_lock:
         out = [record("yamux_release_on_read", False, refused, version) if refused else _release_on_read(version)]
-        for name, module in (("yamux_window_batching", yamux_tuning), ("libp2p_fastpath", libp2p_fastpath)):
+        for name, module in (("yamux_window_batching", yamux_tuning), ("libp2p_fastpath", libp2p_fastpath),
+                             ("inbound_limits", inbound_limits)):
             reason = refused or module.check(version)
             if reason is None and module.apply(version):
                 out.append(record(name, True, _on(version), version))

@@ -1,8 +1,16 @@
 """A relay announces itself in the DHT: sign, publish, republish (``meshd relay``).
 
-    announce_relay(identity, addrs_fn, publish, ttl_s, wall_ms)
-      every ttl/3:  RelayPayload{peer id, public addrs, issued, expires, sequence}
+    announce_relay(identity, addrs_fn, publish, ttl_s, wall_ms, wake)
+      every ttl/3, and when ``wake()`` fires (a peer connected to us; at most
+      once per ANNOUNCE_MIN_GAP_S):
+                    RelayPayload{peer id, public addrs, issued, expires, sequence}
                     -> sign (dht/relay_records.py) -> publish (DhtNode.publish_relay)
+
+Publishing when a peer connects puts our record in that peer's store at
+once: a node that bootstraps through us, or through a peer that did, finds
+us in its first relay read instead of at our next republish (up to ttl/3,
+40 s by default: the wait a cold-starting home node used to see between
+its "private" verdict and its first reservation).
 
 Sequence numbers are ``max(last + 1, wall ms)`` like capability records
 (meshd/daemon/advertiser.py): strictly increasing within a run and across restarts.
@@ -25,10 +33,12 @@ from dht.identity import Identity
 
 log = logging.getLogger(__name__)
 
-__all__ = ["announce_relay", "public_addrs", "RETRY_S"]
+__all__ = ["announce_relay", "public_addrs", "RETRY_S", "ANNOUNCE_MIN_GAP_S"]
 
 # A failed publish is retried this soon, not a whole interval later.
 RETRY_S = 2.0
+# Connections arriving together (a swarm starting) make one publish per this gap.
+ANNOUNCE_MIN_GAP_S = 1.0
 
 Publish = Callable[[RelayRecord], Awaitable[int]]
 
@@ -54,8 +64,10 @@ def public_addrs(listen_addrs: Iterable[str], peer_id: str, advertise_host: str 
 async def announce_relay(identity: Identity, addrs: Callable[[], Sequence[str]], publish: Publish, *,
                          ttl_s: float, wall_ms: Callable[[], int],
                          on_published: Callable[[RelayRecord, int], None] = lambda record, acks: None,
+                         wake: Callable[[], trio.Event] | None = None,
                          task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Publish our relay record now and every ``ttl_s / 3`` until cancelled;
+    """Publish our relay record now, every ``ttl_s / 3`` and whenever the event ``wake()``
+    returns (a fresh one, asked for before each publish) is set (not sooner than ANNOUNCE_MIN_GAP_S after the last), until cancelled;
     ``on_published(record, acks)`` after each publish that completed."""
     interval = ttl_s / 3.0
     ttl_ms = int(ttl_s * 1000)
@@ -64,6 +76,7 @@ async def announce_relay(identity: Identity, addrs: Callable[[], Sequence[str]],
     started = False
     while True:
         delay = interval
+        armed = wake() if wake is not None else None   # armed before publishing: no arrival is missed
         current = tuple(addrs())
         if current:
             last = max(last + 1, wall_ms())
@@ -84,4 +97,9 @@ async def announce_relay(identity: Identity, addrs: Callable[[], Sequence[str]],
         if not started:
             started = True
             task_status.started()
-        await trio.sleep(delay)
+        if armed is None:
+            await trio.sleep(delay)
+            continue
+        with trio.move_on_after(delay):
+            await trio.sleep(min(delay, ANNOUNCE_MIN_GAP_S))
+            await armed.wait()

@@ -11,8 +11,10 @@ before the host exists; nothing is patched at import.
 Data flow: ``running_host(identity, listen)`` builds the host from the
 persistent identity and listens only on the configured multiaddrs; it raises
 ``PortInUse`` when a listener could not bind (the library only logs that).
-``connect_bootstrap`` dials the configured peers, each under a timeout, and
-raises ``BootstrapUnreachable`` when none answers.
+``connect_bootstrap`` dials the configured peers, each under a timeout, in up
+to BOOTSTRAP_ROUNDS rounds (a peer whose door was shut for a moment -- a
+flood of idle connections, a restart -- gets another try), and raises
+``BootstrapUnreachable`` when none answered in any round.
 """
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ from relay.errors import BootstrapUnreachable, ListenAddressInvalid, PortInUse
 log = logging.getLogger(__name__)
 
 NOISE_PROTOCOL = "/noise"
+# Rounds of bootstrap dials before giving up, and the pause before each retry round.
+BOOTSTRAP_ROUNDS = 3
+BOOTSTRAP_RETRY_PAUSES_S = (1.0, 3.0)
 YAMUX_PROTOCOL = "/yamux/1.0.0"
 
 
@@ -113,11 +118,13 @@ async def running_host(identity: Identity, listen: Sequence[str]) -> AsyncIterat
         raise failure
 
 
-async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float) -> list[str]:
-    """Dial every bootstrap peer (concurrently, each under ``timeout_s``).
+async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float, *,
+                            rounds: int = BOOTSTRAP_ROUNDS) -> list[str]:
+    """Dial every bootstrap peer (concurrently, each under ``timeout_s``), in up to ``rounds``
+    rounds until one answered (pauses BOOTSTRAP_RETRY_PAUSES_S between rounds).
 
     Returns the peer ids reached; raises BootstrapUnreachable when the list was
-    non-empty and none answered. Partial failures are logged, not fatal.
+    non-empty and none answered in any round. Partial failures are logged, not fatal.
     """
     import multiaddr
     from libp2p.peer.peerinfo import info_from_p2p_addr
@@ -126,6 +133,7 @@ async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float) ->
         return []
     reached: list[str] = []
     failures: list[str] = []
+    attempt = 0
 
     async def dial(text: str) -> None:
         try:
@@ -135,6 +143,12 @@ async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float) ->
             return
         if info.peer_id == host.get_id():
             return
+        if attempt:
+            # py-libp2p 0.8.1 refuses to redial a peer whose dial failed in the last 60 s
+            # (its negative cache); a retry round is a deliberate redial
+            unblock = getattr(host.get_network(), "unblock_peer", None)
+            if unblock is not None:
+                unblock(info.peer_id)
         with trio.move_on_after(timeout_s) as scope:
             try:
                 await host.connect(info)
@@ -146,9 +160,17 @@ async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float) ->
             return
         reached.append(info.peer_id.to_base58())
 
-    async with trio.open_nursery() as nursery:
-        for text in bootstrap:
-            nursery.start_soon(dial, text)
+    for attempt in range(max(1, rounds)):
+        if attempt:
+            pause = BOOTSTRAP_RETRY_PAUSES_S[min(attempt, len(BOOTSTRAP_RETRY_PAUSES_S)) - 1]
+            log.info("no bootstrap peer answered (%s); trying again in %g s", failures[0], pause)
+            await trio.sleep(pause)
+        failures = []
+        async with trio.open_nursery() as nursery:
+            for text in bootstrap:
+                nursery.start_soon(dial, text)
+        if reached or not failures:
+            break
     if not reached and failures:
         raise BootstrapUnreachable(
             f"no bootstrap peer answered ({failures[0]}); check the address and that the peer is running")

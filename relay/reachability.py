@@ -15,8 +15,12 @@ one relay from the list (given on the command line or found in the DHT),
 renew it at ``RENEW_FRACTION`` of its remaining life, move to the next relay
 when one fails, and report the relayed multiaddrs (for
 Reachability.relayed_addrs) through ``on_addrs`` whenever they change (an
-empty tuple while no relay holds us). The schedule is a pure function
-(``renew_delay``) tested with trio's MockClock.
+empty tuple while no relay holds us). Several keepers share one list through
+``claim`` (each relay held or tried by one keeper at a time). The held
+relay's connection closing (relay/conn_watch.py, the swarm's disconnected
+notification) ends the wait at once: addresses withdrawn, a log line, a new
+reservation elsewhere. The schedule is a pure function (``renew_delay``)
+tested with trio's MockClock.
 
 DCUtR (hole punching): py-libp2p 0.8.1 ships a DCUtR protocol, but it needs
 both peers' observed public addresses and TCP simultaneous open, which a
@@ -156,39 +160,87 @@ def renew_delay(reservation: Reservation, now_unix: float) -> float:
     return max(RENEW_MIN_DELAY_S, remaining * RENEW_FRACTION)
 
 
+async def _wait_any(events: Sequence[trio.Event], timeout_s: float) -> None:
+    """Return when one of ``events`` is set or after ``timeout_s``."""
+    with trio.move_on_after(timeout_s):
+        if not events:
+            await trio.sleep_forever()
+        async with trio.open_nursery() as nursery:
+            for event in events:
+                async def one(e: trio.Event = event) -> None:
+                    await e.wait()
+                    nursery.cancel_scope.cancel()
+                nursery.start_soon(one)
+
+
+def _text(peer) -> str:
+    return peer.to_base58() if hasattr(peer, "to_base58") else str(peer)
+
+
 async def keep_reserved(host, relays: Callable[[], Sequence[PeerInfo]],
                         on_addrs: Callable[[tuple[str, ...]], None], *,
                         wall: Callable[[], float], reserve_fn=reserve,
+                        claim: Callable[[str | None], bool] = lambda relay: True,
+                        watch=None, wake: Callable[[], trio.Event] | None = None,
                         task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Hold a reservation on one of ``relays()`` forever; report relayed addrs on change.
 
     ``relays`` is re-read on every attempt (a DHT lookup or a fixed list);
     ``wall`` is the unix clock and ``reserve_fn`` the RESERVE call (both injected
-    for the fake-clock schedule test). Started once the first
-    attempt finished, successful or not.
+    for the fake-clock schedule test). ``claim(relay_id)`` is asked, with no
+    await between it and the RESERVE, before each attempt: False (another
+    keeper holds or tries that relay) skips it; ``claim(None)`` lets go.
+    ``watch`` (relay/conn_watch.py) wakes us when the held relay's connection
+    closes: the addresses are withdrawn at once (``on_addrs(())``), logged,
+    and we reserve elsewhere (the lost relay tried last). ``wake()`` is an
+    event set when the relay list changed; an empty keeper tries again then.
+    Started once the first attempt finished, successful or not.
     """
     own = host.get_id().to_base58()
     current: tuple[str, ...] | None = None
-    holder = None          # the relay that holds our reservation: renew there first
+    holder: str | None = None      # the relay that holds our reservation: renew there first
+    lost: str | None = None        # the relay whose connection just closed: tried last
     started = False
     while True:
         delay = RETRY_DELAY_S
         addrs: tuple[str, ...] = ()
-        for relay in sorted(relays(), key=lambda r: r.peer_id != holder):
-            holder = None
+        previous, holder = holder, None
+        order = sorted(relays(), key=lambda r: (_text(r.peer_id) == lost, _text(r.peer_id) != previous))
+        for relay in order:
+            pid = _text(relay.peer_id)
+            if not claim(pid):
+                continue
             try:
                 reservation = await reserve_fn(host, relay)
             except RelayError as exc:
-                log.info("reservation on %s failed: %s", relay.peer_id, exc)
+                log.info("reservation on %s failed: %s", pid, exc)
+                claim(None)
                 continue
             addrs = relayed_addrs(reservation, own)
             delay = renew_delay(reservation, wall())
-            holder = relay.peer_id
+            holder = pid
             break
+        if holder is None:
+            claim(None)
+        if previous is not None and holder != previous:
+            log.warning("relay %s no longer holds our reservation; now %s", previous, holder or "none")
+        lost = None
         if addrs != current:
             current = addrs
             on_addrs(addrs)
         if not started:
             started = True
             task_status.started(addrs)
-        await trio.sleep(delay)
+        events = []
+        closed = watch.closed(holder) if watch is not None and holder is not None else None
+        if closed is not None:
+            events.append(closed)
+        if holder is None and wake is not None:
+            events.append(wake())
+        await _wait_any(events, delay)
+        if closed is not None and closed.is_set():
+            log.warning("connection to relay %s closed: withdrawing its relayed addresses, reserving again",
+                        holder)
+            lost = holder
+            current = ()
+            on_addrs(())

@@ -202,3 +202,14 @@ def test_frames_endpoint_bounds_are_refused(frames, grpc_ep, reason):
     p.reachability.frames_endpoint = frames
     with pytest.raises(RecordRejected, match=reason):
         validate_capability(signed(p, A.signing_key), NOW_MS)
+
+
+def test_a_node_listening_on_all_interfaces_lists_its_advertise_host_as_direct_address():
+    from meshd.daemon.node import direct_addrs_of
+
+    any4, any6 = "/ip4/0.0.0.0/tcp/4001/p2p/P", "/ip6/::/tcp/4001/p2p/P"
+    assert direct_addrs_of([any4, any6], "203.0.113.7") == ("/ip4/203.0.113.7/tcp/4001/p2p/P",)
+    assert direct_addrs_of([any4, any6], "2001:db8::7") == ("/ip6/2001:db8::7/tcp/4001/p2p/P",)
+    assert direct_addrs_of([any4], None) == () and direct_addrs_of([any4], "relay.example.org") == ()
+    lan = "/ip4/192.168.1.5/tcp/4001/p2p/P"
+    assert direct_addrs_of([lan, lan, any4], None) == (lan,)

@@ -95,3 +95,41 @@ def test_ranking_is_permutation_invariant_and_total(entries, epoch, rnd):
         expect = ranking[1] if len(ranking) > 1 else None
         if expect is not None and eligible_peers(rest, model_digest=MODEL, now_ms=0) == set(ranking[1:]):
             assert current_tracker(rest, model_digest=MODEL, epoch=epoch, now_ms=0) == expect
+
+
+def test_only_directly_dialable_nodes_hold_duty_even_when_a_relayed_head_is_closest():
+    """A head behind NAT (relayed, or listing no direct address) is never on duty, whatever its
+    distance; with only such heads the dialable tails direct; with nobody dialable, no tracker."""
+    behind = [make_ad(a.peer_id, 0, 4, relayed=True, dialable=False) for a in HEADS]
+    no_direct = [make_ad(a.peer_id, 0, 4, dialable=False) for a in HEADS]   # lost its relays: lists none
+    for heads in (behind, no_direct):
+        assert eligible_peers(heads + TAILS, model_digest=MODEL, now_ms=0) == {a.peer_id for a in TAILS}
+        assert current_tracker(heads, model_digest=MODEL, epoch=2, now_ms=0) is None
+    closest = rank_trackers(HEADS, model_digest=MODEL, epoch=5, now_ms=0)[0]
+    mixed = [make_ad(a.peer_id, 0, 4, relayed=True, dialable=False) if a.peer_id == closest else a for a in HEADS]
+    top = current_tracker(mixed, model_digest=MODEL, epoch=5, now_ms=0)
+    assert top is not None and top != closest
+    assert top == rank_trackers(HEADS, model_digest=MODEL, epoch=5, now_ms=0)[1]
+    # the newest ad decides: a head that became reachable (new record, higher sequence) is eligible again
+    again = mixed + [make_ad(closest, 0, 4, sequence=9)]
+    assert current_tracker(again, model_digest=MODEL, epoch=5, now_ms=0) == closest
+
+
+def test_dialable_comes_from_the_signed_records_direct_addresses():
+    from meshd.plan.adverts import ShardAd
+    from proto import shard_runtime_pb2 as pb
+
+    def payload(direct, relayed):
+        return pb.CapabilityPayload(
+            schema_version=pb.SCHEMA_VERSION_1, peer_id="12D3KooWx", model_artifact_digest=MODEL, num_layers=8,
+            shard_range=pb.ShardRange(start_layer=0, end_layer=4), issued_at_unix_ms=1, expires_at_unix_ms=10,
+            reachability=pb.Reachability(direct_addrs=direct, relayed_addrs=relayed))
+    public = ShardAd.from_payload(payload(["/ip4/198.51.100.4/tcp/4001"], []))
+    home = ShardAd.from_payload(payload([], ["/ip4/203.0.113.1/tcp/4001/p2p/R/p2p-circuit/p2p/12D3KooWx"]))
+    stranded = ShardAd.from_payload(payload([], []))
+    assert public.dialable and not public.relayed
+    assert not home.dialable and home.relayed
+    assert not stranded.dialable and not stranded.relayed
+    with pytest.raises(PlanInputError, match="dialable"):
+        make_ad("p", 0, 4, dialable=1)
+

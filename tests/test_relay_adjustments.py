@@ -17,11 +17,11 @@ from meshd.cli.status_view import render_status
 from meshd.daemon.relay_mode import render_relay_status
 from meshd.reach.direct_upgrade import DCUTR_POLICY, DirectUpgrader, apply_dcutr_policy, dcutr_policy_check
 from relay import adjustments as A
-from relay import libp2p_fastpath, yamux_tuning
+from relay import inbound_limits, libp2p_fastpath, yamux_tuning
 from tests._relay_helpers import LOOPBACK, REPO_ROOT, new_host
 
 CHILD_TIMEOUT_S = 120
-DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath"}
+DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath", "inbound_limits"}
 
 # Run in a child: ``report()`` prints what the library looks like and what the registry says.
 PROBE = r"""
@@ -30,12 +30,14 @@ import json, os, sys
 def report():
     from libp2p.io.trio import TrioTCPStream
     from libp2p.stream_muxer.yamux import yamux as Y
+    from libp2p.network.swarm import Swarm
     from relay import adjustments as A
     print(json.dumps({{
         "registry": A.snapshot(),
         "yamux_patched": Y.YamuxStream._auto_tune_and_send_window_update.__module__ != Y.__name__,
         "tcp_read_patched": TrioTCPStream.read.__module__ != "libp2p.io.trio",
         "write_patched": Y.YamuxStream.write.__module__ != Y.__name__,
+        "inbound_patched": Swarm._handle_inbound_connection.__module__ != "libp2p.network.swarm",
         "release_env": os.environ.get(A.RELEASE_ON_READ_ENV),
     }}))
 
@@ -48,7 +50,8 @@ BUILD_A_HOST = ("import os; from relay.host import build_host; from dht.identity
 
 def _children(setup: str, **env_extra: str) -> list[dict]:
     """Every ``report()`` of a child running ``setup`` (and one more at its end)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MESHD_LIBP2P_FASTPATH", A.RELEASE_ON_READ_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("MESHD_LIBP2P_FASTPATH", "MESHD_INBOUND_LIMITS",
+                                                      A.RELEASE_ON_READ_ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env.update(env_extra)
     out = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup)], env=env, cwd=REPO_ROOT,
@@ -85,7 +88,7 @@ def test_the_gates_refuse_any_other_version_and_say_which():
     assert A.version_gate("0.8.1") is None
     for other in ("0.8.2", "0.9.0", "0.8.1rc1"):
         for reason in (A.version_gate(other), yamux_tuning.check(other), libp2p_fastpath.check(other),
-                       dcutr_policy_check(other)):
+                       inbound_limits.check(other), dcutr_policy_check(other)):
             assert reason is not None and reason.startswith("off:") and other in reason and "0.8.1" in reason
     assert A.version_gate("") == "off: py-libp2p is not installed"
     assert dcutr_policy_check("0.8.1") is None and yamux_tuning.check("0.8.1") is None
@@ -96,8 +99,9 @@ def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them(
                                 "relay.yamux_tuning, meshd.reach.direct_upgrade, meshd.daemon.node; report(); "
                                 + BUILD_A_HOST)
     assert imported == {"registry": [], "yamux_patched": False, "tcp_read_patched": False,
-                        "write_patched": False, "release_env": None}
+                        "write_patched": False, "inbound_patched": False, "release_env": None}
     assert built["yamux_patched"] and built["tcp_read_patched"] and built["write_patched"]
+    assert built["inbound_patched"]
     assert built["release_env"] == "0"
     assert {r["name"]: r["applied"] for r in built["registry"]} == dict.fromkeys(DATA_PATH, True)
 
@@ -105,7 +109,7 @@ def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them(
 def test_another_version_leaves_the_library_untouched_and_the_registry_says_why():
     got = _child("from relay.adjustments import apply_libp2p_adjustments as go; go('0.9.3'); "
                  "from meshd.reach.direct_upgrade import apply_dcutr_policy; apply_dcutr_policy('0.9.3')")
-    assert not (got["yamux_patched"] or got["tcp_read_patched"] or got["write_patched"])
+    assert not (got["yamux_patched"] or got["tcp_read_patched"] or got["write_patched"] or got["inbound_patched"])
     assert got["release_env"] is None
     rows = _by_name(got["registry"])
     assert set(rows) == DATA_PATH | {DCUTR_POLICY}
@@ -171,3 +175,11 @@ def test_status_views_show_each_adjustment_and_why():
                        "circuits_active": 0, "circuits_opened": 0, "bytes_forwarded": 0,
                        "limits": {"reservations_total": 1, "circuits_total": 1}}}
     assert "off  libp2p_fastpath  off: libp2p 0.9.0" in render_relay_status(relay)
+
+
+def test_the_inbound_limits_switch_is_honoured():
+    got = _child(BUILD_A_HOST, MESHD_INBOUND_LIMITS="0")
+    rows = _by_name(got["registry"])
+    assert not got["inbound_patched"] and got["yamux_patched"]
+    assert rows["inbound_limits"] == {"name": "inbound_limits", "applied": False,
+                                      "reason": "off: MESHD_INBOUND_LIMITS=0", "library_version": "0.8.1"}

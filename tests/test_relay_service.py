@@ -45,7 +45,7 @@ def test_meshd_relay_relays_and_counts(tmp_path):
                     assert r["circuits_opened"] == 1 and r["bytes_forwarded"] > 6000
                     # relay mode builds its host through the host builder: the data-path patches are on
                     on = {a["name"]: a["applied"] for a in s["libp2p"]["adjustments"]}
-                    assert on == {"libp2p_fastpath": True, "yamux_release_on_read": True,
+                    assert on == {"libp2p_fastpath": True, "yamux_release_on_read": True, "inbound_limits": True,
                                   "yamux_window_batching": True}, s["libp2p"]
                 finally:
                     server.close()

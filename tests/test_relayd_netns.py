@@ -48,13 +48,13 @@ class NsDaemon(LocalDaemon):
     """``meshd join`` inside a namespace, listening on one given address."""
 
     def __init__(self, root: Path, name: str, model: Path, *, prefix: list[str], listen: str, layers: str,
-                 bootstrap: list[str]) -> None:
+                 bootstrap: list[str], extra: tuple[str, ...] = ()) -> None:
         self.name = name
         self.data_dir = root / name
         self.log = root / f"{name}.log"
         args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
                 "--listen", listen, "--data-dir", str(self.data_dir), "--record-ttl", str(RECORD_TTL_S),
-                "--reachability", "auto", "--bootstrap", *bootstrap]
+                "--reachability", "auto", *(["--bootstrap", *bootstrap] if bootstrap else []), *extra]
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(), stdout=self._log_file,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

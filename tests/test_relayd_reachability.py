@@ -153,3 +153,135 @@ def test_reachability_config_flag_and_status_rendering(tmp_path):
                           "worker": {"state": "none"}, "coverage": {},
                           "reachability": {"mode": "auto", "verdict": "private", "relayed_addrs": [relayed]}})
     assert "reachable  private (mode auto)" in text and f"relayed  {relayed}" in text
+    assert "relay connections lost" not in text
+    lost = render_status({"peer_id": "P", "addresses": [], "peers": [], "routing_table": 0, "own": {"layers": None},
+                          "worker": {"state": "none"}, "coverage": {},
+                          "reachability": {"mode": "auto", "verdict": "private", "relayed_addrs": [relayed],
+                                           "relays_held": ["R"], "relay_losses": 2}})
+    assert "relay connections lost: 2" in lost
+
+
+def test_two_slots_started_together_claim_distinct_relays():
+    """Both keepers read the list before either holds a reservation (each RESERVE takes a
+    while): the claims still put them on two relays, and the union lists each relay once."""
+    from relay.client import Reservation
+    from relay.reachability import keep_reserved
+
+    class Info:
+        def __init__(self, name):
+            self.peer_id = name
+
+    class SelfId(str):
+        def to_base58(self):
+            return str(self)
+
+    class FakeHost:
+        def get_id(self):
+            return SelfId("12D3KooWself")
+
+    claims: dict[int, str | None] = {0: None, 1: None}
+    slots: dict[int, tuple] = {0: (), 1: ()}
+    calls: list[str] = []
+
+    def claim(slot, relay):
+        if relay is not None and any(c == relay for i, c in claims.items() if i != slot):
+            return False
+        claims[slot] = relay
+        return True
+
+    def listing(slot):
+        return [r for r in (Info("A"), Info("B")) if r.peer_id not in {c for i, c in claims.items() if i != slot}]
+
+    async def slow_reserve(host, relay):
+        calls.append(relay.peer_id)
+        await trio.sleep(1.0)
+        return Reservation(relay_peer_id=relay.peer_id, expires_at_unix=int(trio.current_time()) + 600,
+                           relay_addrs=(f"/ip4/1.2.3.4/tcp/1/p2p/{relay.peer_id}",),
+                           limit_duration_s=0, limit_data_bytes=0)
+
+    async def main():
+        with trio.move_on_after(100):
+            async with trio.open_nursery() as nursery:
+                for slot in (0, 1):
+                    nursery.start_soon(functools.partial(
+                        keep_reserved, FakeHost(), functools.partial(listing, slot),
+                        functools.partial(slots.__setitem__, slot), wall=trio.current_time,
+                        reserve_fn=slow_reserve, claim=functools.partial(claim, slot)))
+
+    import trio.testing
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(calls[:2]) == ["A", "B"]
+    assert {slots[0][0].split("/p2p/")[1].split("/")[0], slots[1][0].split("/p2p/")[1].split("/")[0]} == {"A", "B"}
+    assert {claims[0], claims[1]} == {"A", "B"}
+
+
+def test_a_lost_relay_is_noticed_at_its_connection_close_and_replaced(tmp_path):
+    """Three relays, two slots. The relay of one slot stops: its connection closes, the slot's
+    addresses are withdrawn and it reserves on the third relay -- long before any renewal
+    (reservations live an hour; renewal is at half of that)."""
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with trio.open_nursery() as outer, AsyncExitStack() as stack:
+                scopes, relays = [], []
+                for i in range(3):
+                    scope = trio.CancelScope()
+                    scopes.append(scope)
+
+                    async def run_one(name, scope=scope, *, task_status=trio.TASK_STATUS_IGNORED):
+                        with scope:
+                            config = DaemonConfig(data_dir=tmp_path / name, listen=tuple(LOOPBACK),
+                                                  record_ttl_s=600.0)
+                            await run_relay(config, lambda line: None, control=False, task_status=task_status)
+                    relays.append(await outer.start(run_one, f"relay{i}"))
+                home_id = Identity.from_seed(b"\x09" * 32)
+                host = await stack.enter_async_context(running_host(home_id, LOOPBACK))
+                dht = await stack.enter_async_context(DhtNode(host, wall_ms).running())
+                changes: list[tuple] = []
+                part = Relaying(host, dht, mode="private", bootstrap=tuple(r.addrs()[0] for r in relays),
+                                on_change=lambda: changes.append(part.relayed_addrs))
+                nursery = await stack.enter_async_context(trio.open_nursery())
+                await nursery.start(part.run)
+                await wait_for(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS)
+                held = {parse_relayed_addr(a)[0].peer_id.to_base58() for a in part.relayed_addrs}
+                assert len(held) == 2
+                victim = next(i for i, r in enumerate(relays) if r.peer_id in held)
+                spare = next(r.peer_id for r in relays if r.peer_id not in held)
+                before = len(changes)
+                scopes[victim].cancel()
+                await wait_for(lambda: any(relays[victim].peer_id not in "".join(c) and len(c) == 1
+                                           for c in changes[before:]))
+                await wait_for(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS)
+                now_held = {parse_relayed_addr(a)[0].peer_id.to_base58() for a in part.relayed_addrs}
+                assert now_held == (held - {relays[victim].peer_id}) | {spare}, \
+                    (sorted(now_held), sorted(held), relays[victim].peer_id, spare, changes)
+                status = part.status()
+                assert status["relay_losses"] == 1 and sorted(status["relays_held"]) == sorted(now_held)
+                nursery.cancel_scope.cancel()
+                outer.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_relay_hands_its_record_to_a_peer_that_connects(tmp_path):
+    """The relay announced before anyone was connected; a node that connects later holds the
+    record in its own DHT store without asking (the next republish would be 200 s away)."""
+    from dht import keys as K
+    from dht.relay_records import parse_relay_set_lenient
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with trio.open_nursery() as outer, AsyncExitStack() as stack:
+                config = DaemonConfig(data_dir=tmp_path / "relay", listen=tuple(LOOPBACK), record_ttl_s=600.0)
+                relay = await outer.start(functools.partial(run_relay, config, lambda line: None, control=False))
+                await wait_for(lambda: relay.announced is not None)
+                host = await stack.enter_async_context(running_host(Identity.from_seed(b"\x0b" * 32), LOOPBACK))
+                dht = await stack.enter_async_context(DhtNode(host, wall_ms).running())
+                kb = K.relays_key().encode()
+                assert dht.store.get(kb) is None
+                await connect_bootstrap(host, [relay.addrs()[0]], 10)
+                await wait_for(lambda: dht.store.get(kb) is not None)
+                got = parse_relay_set_lenient(dht.store.get(kb).value, wall_ms())
+                assert [r.peer_id for r in got] == [relay.peer_id]
+                outer.cancel_scope.cancel()
+
+    trio.run(main)

@@ -95,6 +95,8 @@ def render_status(s: dict) -> str:
         lines.append(f"reachable  {reach['verdict']} (mode {reach['mode']})")
         for addr in reach["relayed_addrs"]:
             lines.append(f"  relayed  {addr}")
+        if reach.get("relay_losses"):
+            lines.append(f"  relay connections lost: {reach['relay_losses']} (re-reserved elsewhere when one was known)")
     if own["layers"]:
         state = "advertising" if own["advertising"] else "not advertising"
         extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, {own['acks']} remote stores acked"

@@ -86,6 +86,27 @@ def _ip_of(multiaddr_text: str) -> str | None:
     return None
 
 
+def direct_addrs_of(listen_addrs: list[str], advertise_host: str | None) -> tuple[str, ...]:
+    """The direct addresses our record lists: listen addresses, an unspecified one (0.0.0.0, ::)
+    rewritten to ``advertise_host`` when that is an IP literal of its family, else left out.
+    Tracker duty goes only to nodes whose record lists one (meshd/plan/tracker.py)."""
+    import ipaddress
+
+    try:
+        adv = ipaddress.ip_address(advertise_host) if advertise_host else None
+    except ValueError:
+        adv = None      # a host name: not an address others can dial from a multiaddr here
+    out: list[str] = []
+    for text in listen_addrs:
+        for wildcard, version in (("/ip4/0.0.0.0/", 4), ("/ip6/::/", 6)):
+            if wildcard in text:
+                text = (text.replace(wildcard, f"/ip{version}/{adv}/") if adv is not None and adv.version == version
+                        else "")
+        if text and text not in out:
+            out.append(text)
+    return tuple(out[:16])
+
+
 class Node:
     def __init__(self, config: DaemonConfig, identity: Identity, tls: TlsMaterial, host, dht: DhtNode,
                  progress: Progress) -> None:
@@ -119,13 +140,7 @@ class Node:
     # ------------------------------------------------------------------ addresses
 
     def direct_addrs(self) -> tuple[str, ...]:
-        out = []
-        for addr in self.host.get_addrs():
-            text = str(addr)
-            if "/ip4/0.0.0.0/" in text or "/ip6/::/" in text:
-                continue
-            out.append(text)
-        return tuple(out[:16])
+        return direct_addrs_of([str(a) for a in self.host.get_addrs()], self.config.advertise_host)
 
     # ------------------------------------------------------------------ worker hooks
 
@@ -201,7 +216,8 @@ class Node:
                     and trio.current_time() - last_bootstrap >= REBOOTSTRAP_INTERVAL_S):
                 last_bootstrap = trio.current_time()
                 try:
-                    await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s)
+                    await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s,
+                                            rounds=1)   # this loop is the retry
                 except Exception as exc:  # keep trying; the status shows zero peers
                     log.info("re-bootstrap failed: %s", exc)
             await trio.sleep(PEER_SYNC_INTERVAL_S)

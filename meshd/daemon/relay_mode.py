@@ -7,7 +7,8 @@
                 └── nursery
                     ├── peer sync (routing table <- connected peers)
                     ├── announce (signed relay record -> /meshd/relays/v1,
-                    │   republished every ttl/3; relay/announce.py)
+                    │   republished every ttl/3 and when a peer connects, so
+                    │   it is in that peer's store at once; relay/announce.py)
                     └── control API (meshd/daemon/control.py): `meshd status` gets
                         {"mode": "relay", "peer_id", "addrs", "peers", "relay": {...},
                          "libp2p": {version, adjustments}}
@@ -30,6 +31,7 @@ from libp2p.tools.anyio_service import background_trio_service
 from meshd.config import DaemonConfig
 from relay.adjustments import library_status, render_library
 from relay.announce import announce_relay, public_addrs
+from relay.conn_watch import ConnectionWatch
 from relay.host import connect_bootstrap, running_host
 from dht.identity import load_or_create_identity
 from relay.hop import DEFAULT_HOP_LIMITS, HopLimits, HopService
@@ -78,6 +80,16 @@ class RelayNode:
         self.hop = hop
         self.dht = dht
         self.announced: dict | None = None   # the relay record last published (status)
+        self.peer_arrived = trio.Event()     # set when a peer connects: publish again
+        ConnectionWatch(host).on_connect(self._on_connect)
+
+    def _on_connect(self, peer_id: str) -> None:
+        self.peer_arrived.set()
+
+    def arrival(self) -> trio.Event:
+        """A fresh event, set by the next peer that connects (the announcer asks before each publish)."""
+        self.peer_arrived = trio.Event()
+        return self.peer_arrived
 
     def on_announced(self, record, acks: int) -> None:
         self.announced = {"sequence": record.sequence, "addrs": list(record.addrs), "acks": acks,
@@ -133,7 +145,7 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
                             announce_relay, identity,
                             lambda: public_addrs(node.addrs(), identity.peer_id, config.advertise_host),
                             dht.publish_relay, ttl_s=config.record_ttl_s, wall_ms=_wall_ms,
-                            on_published=node.on_announced))
+                            on_published=node.on_announced, wake=node.arrival))
                     if control:
                         await nursery.start(serve_control, config.control_socket, node.handle)
                     progress(f"relaying: up to {limits.circuits_total} circuits, "

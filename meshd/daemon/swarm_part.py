@@ -210,7 +210,7 @@ class Swarm:
                          held_start=self.held.start if self.held else 0, held_end=self.held.end if self.held else 0)
         try:
             raw = await exchange(self.node.host, tracker, snap.addrs.get(tracker, ()), JOIN_PROTOCOL,
-                                 ask.SerializeToString())
+                                 ask.SerializeToString(), relayed=snap.relayed.get(tracker, ()))
             reply = pb.JoinReply.FromString(raw)
         except (SwarmUnreachable, MeshdError, ValueError) as exc:
             self._note_join(f"tracker {tracker[:16]} unreachable: {exc}")
@@ -230,7 +230,8 @@ class Swarm:
     async def _push(self, target: str, records: list[bytes], snap: SwarmSnapshot) -> None:
         for record in records:
             try:
-                raw = await exchange(self.node.host, target, snap.addrs.get(target, ()), DIRECTIVE_PROTOCOL, record)
+                raw = await exchange(self.node.host, target, snap.addrs.get(target, ()), DIRECTIVE_PROTOCOL, record,
+                                     relayed=snap.relayed.get(target, ()))
                 ack = pb.DirectiveAck.FromString(raw)
             except (MeshdError, ValueError) as exc:
                 log.info("directive to %s not delivered: %s", target[:16], exc)
@@ -318,4 +319,5 @@ class Swarm:
                 "auto": self.auto, "layers": list(self.slot.layers) if self.slot and self.slot.layers else
                 (list(self.config.layers) if self.config.layers else None),
                 "serving": bool(self.node.advertiser.claim), "coverage": coverage,
-                "ads": [{"peer_id": a.peer_id, "start": a.start, "end": a.end} for a in snap.ads] if snap else []}
+                "ads": [{"peer_id": a.peer_id, "start": a.start, "end": a.end} for a in snap.ads] if snap else [],
+                "relayed": {pid: list(addrs) for pid, addrs in snap.relayed.items()} if snap else {}}

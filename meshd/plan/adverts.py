@@ -118,6 +118,9 @@ class ShardAd:
     # Runtime recipe (backend, dtype, ...) digest: a route must not mix recipes,
     # or the split model stops reproducing the whole model's tokens.
     recipe_digest: str = ""
+    # Others can dial it directly: its signed record lists direct addresses (a node
+    # behind NAT lists none, only relayed ones). Tracker duty needs it (tracker.py).
+    dialable: bool = True
 
     def __post_init__(self) -> None:
         _check_id(self.peer_id, "peer_id", MAX_PEER_ID_LEN)
@@ -131,6 +134,8 @@ class ShardAd:
         _check_int(self.memory_budget_bytes, "memory_budget_bytes", 0, MAX_MEMORY_BYTES)
         if not isinstance(self.relayed, bool):
             raise PlanInputError(f"relayed must be a bool, got {self.relayed!r}")
+        if not isinstance(self.dialable, bool):
+            raise PlanInputError(f"dialable must be a bool, got {self.dialable!r}")
         _check_int(self.issued_at_ms, "issued_at_ms", 0, 2**63 - 1)
         _check_int(self.expires_at_ms, "expires_at_ms", self.issued_at_ms + 1, 2**63 - 1)
         _check_int(self.sequence, "sequence", 0, 2**64 - 1)
@@ -192,6 +197,7 @@ class ShardAd:
                 sequence=payload.sequence,
                 grpc_endpoint=reach.grpc_endpoint,
                 recipe_digest=payload.runtime_recipe_digest,
+                dialable=bool(reach.direct_addrs),
             )
         except PlanInputError as exc:
             raise AdvertRejected(f"capability advert from {payload.peer_id!r}: {exc}") from exc

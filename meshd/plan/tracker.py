@@ -5,7 +5,16 @@ gets the same answer, so no election protocol is needed:
 
     key(model, epoch)  = sha256(TRACKER_DOMAIN || model || 0x00 || epoch:u64be)
     distance(peer)     = int(key) XOR int(sha256(peer_id))     (big-endian)
-    eligible           = live ads of the model that serve layer 0 (the seeds'
+    candidates         = live ads of the model whose peer others can DIAL
+                         DIRECTLY (``ShardAd.dialable and not relayed``: the
+                         signed record lists direct addresses; a node behind
+                         NAT lists only relayed ones). Joiners and the nodes
+                         the tracker directs dial it, and a relayed tracker
+                         would stall every ``--layers auto`` join until duty
+                         rotated (up to an epoch). The rule reads only signed
+                         record fields every node sees, so every node still
+                         computes the same tracker.
+    eligible           = candidates that serve layer 0 (the seeds'
                          "tracker-as-first-layer node": the entry point for
                          prompts is also the one that plans for the model)
     ranking            = eligible peers by (distance, peer_id)
@@ -14,11 +23,11 @@ gets the same answer, so no election protocol is needed:
                          at the next refresh, with nothing to hand over:
                          assignment is recomputed from the DHT.
 
-If no live node serves layer 0 (the swarm lost its head, or it is empty but
-for nodes of later layers), every live node of the model is eligible, so
-somebody can still direct a joiner to fill layer 0. With no live node at all
-there is no tracker: a joining node then plans its own range with the same
-pure assignment function (assignment.py).
+If no candidate serves layer 0 (the swarm lost its head, or its heads are
+all behind NAT), every candidate is eligible, so somebody can still direct a
+joiner to fill layer 0. With no candidate at all (no live node, or every node
+relayed) there is no tracker: a joining node then plans its own range with
+the same pure assignment function (assignment.py) instead of waiting.
 
 The epoch is the daemon's choice of input. ``epoch_at(now_ms)`` gives the
 default, wall-clock epochs of ``TRACKER_EPOCH_MS``: duty moves between
@@ -75,7 +84,7 @@ def eligible_peers(ads: Iterable[ShardAd], *, model_digest: str, now_ms: int,
     """Live peers that may hold tracker duty for a model (see module docstring)."""
     gone = frozenset(exclude)
     live = [ad for ad in live_adverts(ads, model_digest=model_digest, now_ms=now_ms)
-            if ad.peer_id not in gone]
+            if ad.peer_id not in gone and ad.dialable and not ad.relayed]
     heads = frozenset(ad.peer_id for ad in live if ad.start == 0)
     return heads or frozenset(ad.peer_id for ad in live)
 

@@ -8,11 +8,18 @@
     └── while PRIVATE:
         ├── STOP service (relay/client.py): circuits addressed to us arrive
         ├── relay list: live relay records from the DHT (/meshd/relays/v1),
-        │   refreshed every RELAY_REFRESH_S; fallback: our bootstrap peers
-        │   (a bootstrap peer that is no relay refuses the reservation)
-        └── MAX_RELAY_SLOTS reservation keepers (keep_reserved), each on a
-            relay the other slot does not hold; their relayed addrs together
-            are ``relayed_addrs``, and every change calls ``on_change``
+        │   refreshed every RELAY_REFRESH_S (RELAY_REFRESH_EMPTY_S while a slot
+        │   holds nothing); fallback: our bootstrap peers (a bootstrap peer
+        │   that is no relay refuses the reservation); a changed list wakes
+        │   the empty slots at once
+        └── MAX_RELAY_SLOTS reservation keepers (keep_reserved), started
+            together. Each CLAIMS a relay (synchronously, right before its
+            RESERVE) and skips relays another slot claims, so two slots never
+            sit on one relay while more than one is known. A slot's relay
+            connection closing (relay/conn_watch.py) withdraws that slot's
+            addresses at once (logged) and the slot reserves elsewhere; the
+            relayed addrs of all slots, deduplicated, are ``relayed_addrs``,
+            and every change calls ``on_change`` (the advertiser republishes)
 
 Sessions arriving over circuits reach our worker through
 ``RelayedSessionServer`` (relay/transport.py); ``serve_worker(endpoint)``
@@ -22,8 +29,9 @@ handler is registered on every node, whatever the verdict: only peers with
 a Noise-authenticated connection reach it, as they would reach the worker's
 TLS port, and a node whose verdict changes needs nothing re-attached.
 
-State owned here: the verdict, the relay candidates, each slot's relayed
-addresses and the current session server. The daemon's Node reads
+State owned here: the verdict, the relay candidates, each slot's claimed
+relay and relayed addresses, the count of relay losses and the current
+session server. The daemon's Node reads
 ``decided`` / ``private`` / ``relayed_addrs`` to build its capability claim.
 """
 from __future__ import annotations
@@ -37,7 +45,8 @@ import multiaddr
 import trio
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from relay.client import parse_relayed_addr, stop_service
+from relay.client import stop_service
+from relay.conn_watch import ConnectionWatch
 from relay.reachability import Verdict, keep_reserved, probe
 from relay.transport import RelayedSessionServer
 
@@ -50,6 +59,9 @@ __all__ = ["Relaying", "MAX_RELAY_SLOTS", "relay_candidates"]
 MAX_RELAY_SLOTS = 2
 # Relays join and leave slowly; their records live for minutes.
 RELAY_REFRESH_S = 15.0
+# While a slot holds nothing the list is read this often (a relay record
+# reaching the DHT, a relay coming back): one small DHT read per period.
+RELAY_REFRESH_EMPTY_S = 2.0
 # Peers asked for a dial-back per probe (each answer takes up to 3 s).
 MAX_PROBE_HELPERS = 3
 # With no answer (no peers yet), probe again this often.
@@ -86,6 +98,10 @@ class Relaying:
         self.verdict: Verdict | None = None
         self.candidates: list[PeerInfo] = []
         self._slots: list[tuple[str, ...]] = [() for _ in range(MAX_RELAY_SLOTS)]
+        self._claims: list[str | None] = [None] * MAX_RELAY_SLOTS   # the relay each slot holds or tries
+        self._candidates_changed = trio.Event()
+        self._watch: ConnectionWatch | None = None
+        self.relay_losses = 0
         self._server: RelayedSessionServer | None = None
         self._own = host.get_id().to_base58()
 
@@ -100,12 +116,14 @@ class Relaying:
 
     @property
     def relayed_addrs(self) -> tuple[str, ...]:
-        return tuple(a for slot in self._slots for a in slot)
+        return tuple(dict.fromkeys(a for slot in self._slots for a in slot))
 
     def status(self) -> dict:
         return {"mode": self.mode, "verdict": self.verdict.value if self.verdict else "probing",
                 "relayed_addrs": list(self.relayed_addrs),
                 "relays_known": [c.peer_id.to_base58() for c in self.candidates],
+                "relays_held": [c for c, addrs in zip(self._claims, self._slots) if c and addrs],
+                "relay_losses": self.relay_losses,
                 "relayed_sessions": self._server.snapshot() if self._server else None}
 
     # ------------------------------------------------------------------ worker
@@ -137,6 +155,7 @@ class Relaying:
                         await self._until_private_is(False)
                         nursery.cancel_scope.cancel()
                     self._slots = [() for _ in range(MAX_RELAY_SLOTS)]
+                    self._claims = [None] * MAX_RELAY_SLOTS
                     self.progress("reachability: no longer relayed")
                 else:
                     await self._until_private_is(True)
@@ -170,14 +189,18 @@ class Relaying:
                       + (" (mode auto: dial-back probe)" if self.mode == "auto" else f" (mode {self.mode})"))
 
     async def _relay_forever(self) -> None:
+        if self._watch is None:
+            self._watch = ConnectionWatch(self.host)
         async with stop_service(self.host):
             async with trio.open_nursery() as nursery:
                 await nursery.start(self._refresh_relays)
                 for slot in range(MAX_RELAY_SLOTS):
-                    # one after the other: the second slot skips the relay the first one holds
-                    await nursery.start(functools.partial(
+                    # all slots at once: the claims keep them on distinct relays
+                    nursery.start_soon(functools.partial(
                         keep_reserved, self.host, functools.partial(self._relays_for, slot),
-                        functools.partial(self._on_addrs, slot), wall=time.time))
+                        functools.partial(self._on_addrs, slot), wall=time.time,
+                        claim=functools.partial(self._claim, slot), watch=self._watch,
+                        wake=lambda: self._candidates_changed))
 
     async def _refresh_relays(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         while True:
@@ -187,29 +210,32 @@ class Relaying:
                     records = await self.dht.fetch_relays()
             except Exception as exc:  # noqa: BLE001 - a failed DHT read: keep the last list
                 log.info("reading relay records failed: %s", exc)
-            self.candidates = relay_candidates(records, self.bootstrap, self._own)
+            fresh = relay_candidates(records, self.bootstrap, self._own)
+            if [c.peer_id for c in fresh] != [c.peer_id for c in self.candidates]:
+                self.candidates = fresh
+                self._candidates_changed.set()
+                self._candidates_changed = trio.Event()
             task_status.started()
             task_status = trio.TASK_STATUS_IGNORED
-            await trio.sleep(RELAY_REFRESH_S)
+            empty = any(not addrs for addrs in self._slots)
+            await trio.sleep(RELAY_REFRESH_EMPTY_S if empty else RELAY_REFRESH_S)
 
-    def _held_by_others(self, slot: int) -> set[str]:
-        held = set()
-        for i, addrs in enumerate(self._slots):
-            if i != slot:
-                for addr in addrs:
-                    try:
-                        held.add(parse_relayed_addr(addr)[0].peer_id.to_base58())
-                    except ValueError:
-                        continue
-        return held
+    def _claim(self, slot: int, relay: str | None) -> bool:
+        """Slot ``slot`` takes ``relay`` (False if another slot has it) or, with None, lets go."""
+        if relay is not None and any(c == relay for i, c in enumerate(self._claims) if i != slot):
+            return False
+        self._claims[slot] = relay
+        return True
 
     def _relays_for(self, slot: int) -> list[PeerInfo]:
-        others = self._held_by_others(slot)
+        others = {c for i, c in enumerate(self._claims) if i != slot and c}
         return [c for c in self.candidates if c.peer_id.to_base58() not in others]
 
     def _on_addrs(self, slot: int, addrs: tuple[str, ...]) -> None:
         if addrs == self._slots[slot]:
             return
+        if self._slots[slot] and not addrs:
+            self.relay_losses += 1
         self._slots[slot] = addrs
         self.progress(f"relay slot {slot}: " + (", ".join(addrs) if addrs else "no reservation"))
         self.on_change()

@@ -12,6 +12,11 @@ The stream is Noise-authenticated, but the directive is still a signed
 record verified by the receiver (signature -> signer peer id), so the rules
 in directives.py never depend on which connection carried it.
 
+A peer we are not connected to is dialed at its direct addresses; one that
+has none (behind NAT: its record lists only relayed addresses) through a
+relay circuit (relay/client.py), so a tracker's directives reach relayed
+nodes. Trackers themselves are always directly dialable (plan/tracker.py).
+
 Each side sends exactly one length-prefixed frame (proto/frames.py) of at
 most ``MAX_CONTROL_FRAME_BYTES``, and the whole exchange is bounded by
 ``EXCHANGE_TIMEOUT_S``. This module is the I/O edge; what to answer is the
@@ -38,6 +43,8 @@ DIRECTIVE_PROTOCOL = "/meshd/directive/1"
 MAX_CONTROL_FRAME_BYTES = 16 * 1024
 # Dial + one request + one reply; a peer slower than this is treated as gone.
 EXCHANGE_TIMEOUT_S = 10.0
+# Relayed addresses of one peer tried per exchange (a node holds reservations on two relays).
+MAX_CIRCUIT_TRIES = 4
 READ_SIZE = 4096
 
 Handler = Callable[[str, bytes], Awaitable[bytes]]  # (remote peer id, request body) -> reply body
@@ -85,18 +92,26 @@ def serve(host, protocol: str, handler: Handler) -> None:
     host.set_stream_handler(protocol, on_stream)
 
 
-async def exchange(host, peer_id: str, addrs: Sequence[str], protocol: str, body: bytes) -> bytes:
-    """Dial ``peer_id`` (at ``addrs`` if not connected), send one frame, return the reply frame."""
+async def exchange(host, peer_id: str, addrs: Sequence[str], protocol: str, body: bytes, *,
+                   relayed: Sequence[str] = ()) -> bytes:
+    """Dial ``peer_id`` if not connected -- at its direct ``addrs``, else through a relay
+    circuit of ``relayed`` (a node behind NAT: how a tracker's directives reach it) --
+    send one frame, return the reply frame."""
     import multiaddr
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import PeerInfo
+
+    from relay.client import dial_relayed, parse_relayed_addr
 
     pid = ID.from_base58(peer_id)
     with trio.move_on_after(EXCHANGE_TIMEOUT_S):
         try:
             if pid not in host.get_connected_peers():
-                maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
-                await host.connect(PeerInfo(pid, maddrs))
+                if addrs or not relayed:
+                    maddrs = [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]
+                    await host.connect(PeerInfo(pid, maddrs))
+                else:
+                    await _dial_circuit(host, pid, relayed, dial_relayed, parse_relayed_addr)
             stream = await host.new_stream(pid, [protocol])
             try:
                 await stream.write(encode_frame(body, MAX_CONTROL_FRAME_BYTES))
@@ -111,6 +126,25 @@ async def exchange(host, peer_id: str, addrs: Sequence[str], protocol: str, body
         except Exception as exc:  # dial / negotiation / reset: all "unreachable" to the caller
             raise SwarmUnreachable(f"{protocol} with {peer_id[:16]}: {type(exc).__name__}: {exc}") from exc
     raise SwarmUnreachable(f"{protocol} with {peer_id[:16]}: no answer within {EXCHANGE_TIMEOUT_S:g} s")
+
+
+async def _dial_circuit(host, pid, relayed: Sequence[str], dial_relayed, parse_relayed_addr) -> None:
+    """One circuit to ``pid`` through the first relay of ``relayed`` that carries it."""
+    last: Exception | None = None
+    for addr in list(relayed)[:MAX_CIRCUIT_TRIES]:
+        try:
+            relay, dest = parse_relayed_addr(addr)
+        except ValueError as exc:
+            last = exc
+            continue
+        if dest != pid:
+            continue
+        try:
+            await dial_relayed(host, relay, dest)
+            return
+        except Exception as exc:  # this relay lost it; the next may still carry it
+            last = exc
+    raise SwarmUnreachable(f"no relay circuit to {pid.to_base58()[:16]} ({last})")
 
 
 def sign_directive(directive: pb.RebalanceDirective, key) -> bytes:
