@@ -187,7 +187,7 @@ def build_random_qwen3_moe(seed: int = 0, **overrides: Any) -> Path:
     def build(out: Path) -> None:
         from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-        config = Qwen3MoeConfig(**{**params, **_special_ids(build_tokenizer())})
+        config = Qwen3MoeConfig(**{**params, **_special_ids(build_tokenizer(), params)})
         _save_random(Qwen3MoeForCausalLM, config, seed, out)
 
     info = {"family": "qwen3_moe", "seed": seed, "params": params}
@@ -221,7 +221,7 @@ def build_random_qwen2_moe(seed: int = 0, **overrides: Any) -> Path:
     def build(out: Path) -> None:
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-        config = Qwen2MoeConfig(**{**params, **_special_ids(build_tokenizer())})
+        config = Qwen2MoeConfig(**{**params, **_special_ids(build_tokenizer(), params)})
         _save_random(Qwen2MoeForCausalLM, config, seed, out)
 
     info = {"family": "qwen2_moe", "seed": seed, "params": params}
