@@ -34,11 +34,17 @@ Per concurrency, from each token chunk's arrival time at the client:
                                 forward vs one session's row, tokens/s ratio (alternating
                                 rounds) -- what batching can give on this machine at most
 
+``itl_gap_causes_c8`` (per lane): what the slowest 5% of the c=8 gaps overlapped in the
+workers' own batch traces (``MESHD_BATCH_TRACE``, shard/batching.py): ``with_prefill`` (a
+forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
+gaps and the forwards' queue wait; decode-only forwards' mean ms and rows at c=1 and c=8.
+
 ``load_average`` is the 1-minute load at the end (other work on the machine
 makes absolute numbers noisy; every ratio is side by side in this run).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -49,6 +55,7 @@ from pathlib import Path
 from typing import TextIO
 
 from meshd.benchmarks.sse import choices
+from shard.batching import TRACE_ENV
 
 PROMPTS = (
     "Tell me about the history of Rome.", "What is a transformer model?", "Write a short poem about the sea.",
@@ -119,6 +126,8 @@ def _peak(runs) -> int:
 class _Stats:
     def __init__(self) -> None:
         self.gaps: list[float] = []
+        self.spans: list[tuple[float, float]] = []   # each gap's (previous token, next token) arrival
+        self.windows: list[tuple[float, float]] = []  # each round's first to last arrival
         self.rates: list[float] = []
         self.peak = 0
 
@@ -126,6 +135,9 @@ class _Stats:
         runs = [r for r in runs if len(r[2]) > 1]
         for _, _, a in runs:
             self.gaps += [y - x for x, y in zip(a, a[1:])]
+            self.spans += list(zip(a, a[1:]))
+        if runs:
+            self.windows.append((min(a[0] for _, _, a in runs), max(a[-1] for _, _, a in runs)))
         if concurrent:
             span = max(a[-1] for _, _, a in runs) - min(a[0] for _, _, a in runs)
             self.rates.append(sum(len(a) - 1 for _, _, a in runs) / span)
@@ -136,6 +148,50 @@ class _Stats:
     def quantile(self, q: float) -> float:
         gaps = sorted(self.gaps)
         return gaps[min(len(gaps) - 1, int(q * len(gaps)))]
+
+
+def _read_traces(root: Path) -> list[list[dict]]:
+    """Every worker's batch trace (shard/batching.py, MESHD_BATCH_TRACE): one list per hop."""
+    hops = []
+    for path in sorted(root.glob("batch-trace.*.jsonl")):
+        with path.open() as fh:
+            hops.append([json.loads(line) for line in fh if line.endswith("\n")])
+    return hops
+
+
+def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
+    """What the slowest 5% of the c=8 inter-token gaps overlapped in the workers' batch traces.
+
+    A gap (one request's token k to k+1, client clock) is ``with_prefill`` when a forward on some
+    hop that overlapped it held a prefill chunk (an item of more than one position), else
+    ``decode_only``. ``hop_busy_share``: the mean share of a tail gap during which a hop was
+    computing (the rest is wire, entry and scheduling time); ``queue_wait_ms``: the mean, over
+    the forwards overlapping tail gaps, of their longest item wait (queued behind a running forward).
+    Decode-only forwards' mean time and rows in the c=1 and c=8 rounds say what one step costs."""
+    def inside(batch, windows):
+        return any(lo <= batch["t0"] <= hi for lo, hi in windows)
+
+    out: dict = {"hops_traced": len(hops)}
+    for c in (1, 8):
+        decode = [b for hop in hops for b in hop if b["max_item"] == 1 and inside(b, stats[c].windows)]
+        out[f"decode_forward_ms_c{c}"] = round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3) if decode else None
+        out[f"decode_forward_rows_c{c}"] = round(statistics.fmean(b["rows"] for b in decode), 2) if decode else None
+    s8 = stats[8]
+    if not s8.gaps or not hops:
+        return out
+    threshold = s8.quantile(0.95)
+    tail = [span for gap, span in zip(s8.gaps, s8.spans) if gap >= threshold]
+    prefill = busy = 0
+    waits: list[float] = []
+    for a, b in tail:
+        over = [[x for x in hop if x["t1"] > a and x["t0"] < b] for hop in hops]
+        prefill += any(x["max_item"] > 1 for hop in over for x in hop)
+        busy += statistics.fmean(sum(min(b, x["t1"]) - max(a, x["t0"]) for x in hop) / (b - a) for hop in over)
+        waits += [x["wait_max"] for hop in over for x in hop]
+    out.update({"tail_gaps": len(tail), "tail_threshold_s": round(threshold, 4), "with_prefill": prefill,
+                "decode_only": len(tail) - prefill, "hop_busy_share": round(busy / len(tail), 3),
+                "queue_wait_ms": round(1e3 * statistics.fmean(waits), 3) if waits else None})
+    return out
 
 
 def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_toml: str = "") -> dict:
@@ -149,6 +205,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
     config, workers = root / "entry.toml", root / "worker.toml"
     config.write_text(f"[api]\nmax_running = {MAX_RUNNING}\n" + (f"[worker]\n{worker_toml}\n" if worker_toml else ""))
     workers.write_text(f"[worker]\n{worker_toml}\n")
+    traced = os.environ.get(TRACE_ENV)
+    os.environ[TRACE_ENV] = str(root / "batch-trace")   # the workers inherit it (and only they read it)
     swarm = LocalSwarm(root, model, kv_budget_tokens=KV_TOKENS, backend=backend)
     try:
         daemons = [swarm.add(layers=cut, extra=("--config", str(config if i == 0 else workers)))
@@ -195,8 +253,13 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
             out[f"aggregate_tokens_per_s_c{c}"] = round(agg[c], 3)
             out[f"p50_itl_s_c{c}"] = round(p50[c], 4)
             out[f"p95_itl_s_c{c}"] = round(p95[c], 4)
+        out["itl_gap_causes_c8"] = _gap_causes(stats, _read_traces(root))
         return out
     finally:
+        if traced is None:
+            os.environ.pop(TRACE_ENV, None)
+        else:
+            os.environ[TRACE_ENV] = traced
         swarm.close()
         shutil.rmtree(root, ignore_errors=True)
 
