@@ -1,7 +1,10 @@
 """``meshd bench serve``: many users at once through the entry's ``/v1`` API, both lanes, one run.
 
-For each lane -- llama.cpp on the packaged SmolLM2 GGUF (shared KV pool, and
-one KV stream per session), torch on the SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
+For each lane -- llama.cpp on the packaged SmolLM2 GGUF in the default
+configuration (one KV stream per session: ``[worker] llama_kv_streams = "auto"``,
+8 streams of 512 tokens from the 4096-token budget), the same with the shared
+KV pool (``llama.cpp-shared``, ``llama_kv_streams = 0``, opt-in), torch on the
+SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
 (0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
 ``--api-listen 127.0.0.1:0``); node0 is the entry. Its config sets
 ``[api] max_running = 8``: the default (4) would queue half of the c=8
@@ -22,15 +25,14 @@ Per concurrency, from each token chunk's arrival time at the client:
     aggregate_ratio_c8          aggregate c8 / aggregate c1
     p95_itl_ratio_c8            p95 ITL c8 / p95 ITL c1
     outputs_equal               every request's token chunks at c=4 and c=8 equal the same
-                                request alone (c=1); requests_equal counts those that do. The
-                                llama.cpp workers share one KV pool (kv_unified): concurrent
-                                sessions drift from the alone run by up to ~1 in logits with or
-                                without batching (tests/test_batching_native.py), so a near tie
-                                can flip a token there. The third lane, ``llama.cpp-streams``, runs
-                                the same workers with ``[worker] llama_kv_streams = 8`` (one KV
-                                stream per session): bit-exact, so its outputs_equal must hold
+                                request alone (c=1); requests_equal counts those that do. Must hold
+                                on ``llama.cpp`` and ``torch``. ``llama.cpp-shared`` reports it: in
+                                a shared pool llama.cpp refills a released session's cells from the
+                                start, out of the running sessions' position order, and their
+                                logits drift by up to ~1 (tests/test_batching_native.py), so a near
+                                tie can flip a token
     floor_batch8_throughput_ratio  in process, on one thread like the workers: the lane's
-                                backend (whole model) decoding 8 sessions' rows in one batched
+                                backend (whole model, the lane's KV layout) decoding 8 sessions' rows in one batched
                                 forward vs one session's row, tokens/s ratio (alternating
                                 rounds) -- what batching can give on this machine at most
 
@@ -64,12 +66,11 @@ PROMPTS = (
 )
 CUTS = ("0:10", "10:20", "20:30")
 MAX_RUNNING = 8
-KV_TOKENS = 2048
+KV_TOKENS = 4096   # the product default: llama.cpp's auto layout makes it 8 streams of 512 tokens
 REQUEST_TIMEOUT_S = 900.0
 START_TIMEOUT_S = 600.0
-# The third lane: llama.cpp with one KV stream per session ([worker] llama_kv_streams):
-# 8 streams of KV_TOKENS / 8 = 256 cells, room for every prompt here plus its tokens.
-STREAMS = 8
+# The third lane: llama.cpp with the shared KV pool, the opt-in layout ([worker] llama_kv_streams = 0).
+SHARED_TOML = "llama_kv_streams = 0"
 FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
 
 
@@ -292,6 +293,7 @@ def _floor(backend, rounds: int) -> float:
 def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
     import torch
 
+    from native.factory import auto_kv_streams
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
     from shard.backend import LayerRange
@@ -299,23 +301,26 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
 
     rounds = 2 if quick else 4
     layers = model_info(open_reader(gguf)).num_layers
-    llama = LlamaRangeBackend(gguf, LayerRange(0, layers, layers),
-                              LlamaBackendConfig(n_threads=FLOOR_THREADS, kv_budget_tokens=4096, max_sessions=16),
-                              progress=None)
-    try:
-        llama_floor = _floor(llama, rounds)
-    finally:
-        llama.close()
+    floors = {}
+    for name, streams in (("llama.cpp", auto_kv_streams(KV_TOKENS, MAX_RUNNING)), ("llama.cpp-shared", 0)):
+        config = LlamaBackendConfig(n_threads=FLOOR_THREADS, kv_budget_tokens=KV_TOKENS,
+                                    max_sessions=streams or 16, kv_unified=not streams)
+        llama = LlamaRangeBackend(gguf, LayerRange(0, layers, layers), config, progress=None)
+        try:
+            floors[name] = _floor(llama, rounds)
+        finally:
+            llama.close()
     threads = torch.get_num_threads()
     torch.set_num_threads(FLOOR_THREADS)
     try:
-        torch_floor = _floor(TorchRangeBackend.load(artifact, 0, None, progress=None), rounds)
+        floors["torch"] = _floor(TorchRangeBackend.load(artifact, 0, None, progress=None), rounds)
     finally:
         torch.set_num_threads(threads)
-    return {"llama.cpp": llama_floor, "torch": torch_floor}
+    return floors
 
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
+    from native.factory import auto_kv_streams
     from native.packaged import smollm2_artifact, smollm2_gguf_path
 
     gguf, artifact = smollm2_gguf_path(), smollm2_artifact()
@@ -324,10 +329,11 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     lanes = {}
     for name, model, backend, worker_toml in (
             ("llama.cpp", gguf, "llama.cpp", ""), ("torch", artifact, "torch", ""),
-            ("llama.cpp-streams", gguf, "llama.cpp", f"llama_kv_streams = {STREAMS}")):
+            ("llama.cpp-shared", gguf, "llama.cpp", SHARED_TOML)):
         lanes[name] = _lane(name, model, backend, quick, progress, worker_toml)
-        lanes[name]["floor_batch8_throughput_ratio"] = floors[name.split("-")[0]]
-    lanes["llama.cpp-streams"]["llama_kv_streams"] = STREAMS
+        lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
+    lanes["llama.cpp"]["llama_kv_streams"] = auto_kv_streams(KV_TOKENS, 64)
+    lanes["llama.cpp-shared"]["llama_kv_streams"] = 0
     return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
             "load_average": round(os.getloadavg()[0], 2),
             "targets": {"aggregate_ratio_c8": {"llama.cpp": 3.0, "torch": 2.0}, "p95_itl_ratio_c8": 2.5}}
