@@ -241,6 +241,11 @@ class LlamaRangeBackend:
         cache.past_len += int(data.shape[0])
         return out
 
+    @property
+    def session_capacity(self) -> int:
+        """Sessions this backend can hold at once (llama.cpp sequences; with kv_unified off, streams)."""
+        return self.config.max_sessions
+
     # The scheduler (shard/batching.py) keeps a batch within llama.cpp's n_batch.
     max_batch_tokens = MAX_BATCH_TOKENS
 

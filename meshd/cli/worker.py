@@ -158,7 +158,10 @@ def _load_and_validate(args: argparse.Namespace):
     except Exception as exc:  # noqa: BLE001 - unexpected: the traceback goes to the log first
         log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
         return None, None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
-    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
+    # llama.cpp holds at most its sequences (with per-session KV streams, the streams): the manager
+    # admits and evicts idle sessions against that number, not a larger one the backend would refuse.
+    sessions = min(args.max_sessions, getattr(backend, "session_capacity", args.max_sessions))
+    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=sessions,
                            min_idle_before_evict_s=args.min_idle_evict, max_queued_steps=args.max_queued_steps)
     service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name,
                            batching=not args.no_batching)
