@@ -12,19 +12,20 @@ No timing is asserted.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from meshd.testing.procs import child_env
+
 pytestmark = [pytest.mark.slow, pytest.mark.native]
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_serve_quick_json():
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()   # this checkout first on PYTHONPATH, the caller's entries kept
     done = subprocess.run([sys.executable, "-m", "meshd", "bench", "serve", "--quick", "--json"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=3000)
     assert done.returncode == 0, done.stderr[-3000:]
