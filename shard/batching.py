@@ -9,11 +9,14 @@ manager and queue theirs.
 
 Who computes (no extra thread): a waiting caller finding no batch running
 becomes the leader. No waiting window: a batch starts as soon as a leader
-finds the lock free (measured: a leader that waited up to 30 ms for the other
-recent sessions' rows merged 3.8 rows per forward instead of 1.6 on an
-in-process 3-hop llama.cpp pipeline of 8 sessions, and decoded 18 tok/s
-instead of 32 -- on a CPU a forward of n rows costs nearly n times one row for
-a small model, and the idle hops lost the overlap between pipeline stages).
+finds the lock free. Measured on an in-process 3-hop llama.cpp pipeline of 8
+sessions (per-session KV streams), a leader that waited up to 30 ms for the
+other recently seen sessions' rows merged ~3.9 rows per forward instead of
+~1.6 but decoded 30 tok/s instead of 63 (every hop waiting; the sessions
+settle into two cohorts half a round apart, so the wait always runs out), and
+30 ms at the head only with 0 or 5 ms downstream still gave 57-59 and 50-57
+against 60-66: on a CPU a forward of n rows of this small model costs a large
+part of n single rows, and the overlap of pipeline stages is worth more.
 Under the lock the leader takes the queue in order: every one-position decode row, and prefill chunks while their
 positions fit the step's prefill budget (``max_batch_tokens``, or
 ``MIXED_PREFILL_TOKENS`` when decode rows ride in the same forward, so a burst
