@@ -34,7 +34,8 @@ TOML layout (every key optional; names match the dataclass fields)::
     restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
     threads = 4                       # compute threads (torch_threads is the same key); default: all cores
     batching = true                   # continuous batching: sessions ready together share a forward
-    llama_kv_streams = 0              # llama.cpp: 0 = one shared KV pool; N = N per-session streams (exact)
+    llama_kv_streams = "auto"         # llama.cpp: one KV stream per session (exact): "auto" = budget / 512,
+                                      # at most 8; N = N streams; 0 = one shared pool (not exact)
 
     [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
     listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs key
@@ -167,19 +168,21 @@ class WorkerConfig:
     torch_threads: int = field(default_factory=lambda: machine_cores())
     # Continuous batching in the worker (shard/batching.py); false: one forward at a time.
     batching: bool = True
-    # llama.cpp KV layout. 0: one pool shared by every session (any session may use the whole
-    # budget; concurrent sessions' cells interleave, and llama.cpp's attention then rounds
-    # differently from a session run alone -- greedy tokens can drift). N: N streams of
-    # kv_budget_tokens / N cells, one per session: bit-exact under concurrency, but at most N
-    # sessions of at most that many tokens each.
-    llama_kv_streams: int = 0
+    # llama.cpp KV layout. N: N streams of kv_budget_tokens / N cells, one per session: bit-exact
+    # under concurrency, but at most N sessions of at most that many tokens each. "auto" (the
+    # default): N = kv_budget_tokens / 512, at most 8 (native/factory.py). 0: one pool shared by
+    # every session (any session may use the whole budget; a released session's cells are refilled
+    # out of order and the running sessions' greedy tokens can drift from the same request alone).
+    llama_kv_streams: int | str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.batching, bool):
             raise ConfigError(f"worker.batching must be true or false, not {self.batching!r}")
         streams = self.llama_kv_streams
-        if isinstance(streams, bool) or not isinstance(streams, int) or not 0 <= streams <= MAX_LLAMA_KV_STREAMS:
-            raise ConfigError(f"worker.llama_kv_streams must be an int in 0..{MAX_LLAMA_KV_STREAMS}, not {streams!r}")
+        if streams != "auto" and (isinstance(streams, bool) or not isinstance(streams, int)
+                                  or not 0 <= streams <= MAX_LLAMA_KV_STREAMS):
+            raise ConfigError(f"worker.llama_kv_streams must be \"auto\" or an int in 0..{MAX_LLAMA_KV_STREAMS}, "
+                              f"not {streams!r}")
         if self.dtype not in WORKER_DTYPES:
             raise ConfigError(f"worker.dtype must be one of {', '.join(WORKER_DTYPES)}, not {self.dtype!r}")
         if self.backend not in WORKER_BACKENDS:

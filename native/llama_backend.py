@@ -22,6 +22,7 @@ seq-id pool and the reserved-token ledger, all under one lock.
 """
 from __future__ import annotations
 
+import heapq
 import sys
 import threading
 from dataclasses import dataclass
@@ -117,7 +118,9 @@ class LlamaRangeBackend:
                                   libraries=(("llama-cpp-python", llama_cpp.__version__),))
         self.fingerprint: pb.Fingerprint = make_fingerprint(model_digest(self.path, progress, reader), self.recipe)
         self._lock = threading.Lock()
-        self._free_seqs = list(range(config.max_sessions - 1, -1, -1))
+        # The smallest free id first (a heap): live sessions keep consecutive ids, which is what
+        # lets per-session KV streams batch them in one ubatch (llama_engine.stream_groups).
+        self._free_seqs = list(range(config.max_sessions))
         self._reserved_tokens = 0
         self._engines: dict[int, LlamaEngine] = {}
         self._engine(layer_range.start)  # load (and write the slice) now, not on first request
@@ -161,7 +164,7 @@ class LlamaRangeBackend:
                 raise KvBudgetExhausted(
                     f"{max_tokens} KV tokens requested, {self.config.kv_budget_tokens - self._reserved_tokens} free")
             self._reserved_tokens += max_tokens
-            return LlamaSeqCache(self, self._free_seqs.pop(), max_tokens)
+            return LlamaSeqCache(self, heapq.heappop(self._free_seqs), max_tokens)
 
     def _release(self, cache: LlamaSeqCache) -> None:
         with self._lock:
@@ -173,7 +176,7 @@ class LlamaRangeBackend:
             engine.forget(cache.seq_id)
         with self._lock:
             self._reserved_tokens -= cache.max_tokens
-            self._free_seqs.append(cache.seq_id)
+            heapq.heappush(self._free_seqs, cache.seq_id)
 
     # -- compute ------------------------------------------------------------------------
     def _check_inputs(self, inputs: np.ndarray, effective_start: int) -> np.ndarray:
@@ -237,6 +240,11 @@ class LlamaRangeBackend:
             raise mapped from exc
         cache.past_len += int(data.shape[0])
         return out
+
+    @property
+    def session_capacity(self) -> int:
+        """Sessions this backend can hold at once (llama.cpp sequences; with kv_unified off, streams)."""
+        return self.config.max_sessions
 
     # The scheduler (shard/batching.py) keeps a batch within llama.cpp's n_batch.
     max_batch_tokens = MAX_BATCH_TOKENS

@@ -39,7 +39,7 @@ import numpy as np
 
 from native.errors import KvCellsExhausted, RuntimeUnavailable
 
-__all__ = ["EngineConfig", "LlamaEngine", "load_llama_cpp", "runtime_version"]
+__all__ = ["EngineConfig", "LlamaEngine", "load_llama_cpp", "runtime_version", "stream_groups"]
 
 # One prefill chunk is at most this many positions: the driver's chunks are
 # 128 tokens by default; 512 bounds the batch buffers and the scratch graph.
@@ -109,6 +109,30 @@ class EngineConfig:
             raise ValueError("n_seq_max must be in 1..256 (llama.cpp's LLAMA_MAX_SEQ)")
         if self.n_ctx < 16 or not 1 <= self.n_batch <= MAX_BATCH_TOKENS:
             raise ValueError("n_ctx must be >= 16 and n_batch in 1..MAX_BATCH_TOKENS")
+
+
+def stream_groups(rows: list[tuple[int, int, np.ndarray]]) -> list[list[int]]:
+    """Indices of ``rows`` in the groups one ``llama_decode`` each may take with per-sequence streams.
+
+    With ``kv_unified`` off llama.cpp cuts a batch into ubatches with ``split_equal(sequential)``:
+    a ubatch takes sequences only while their ids follow one another (id, id + 1, ...) in batch
+    order, the same number of tokens from each, and lays them out sequence by sequence. A group of
+    rows sorted by sequence id, with consecutive ids and equal token counts, is therefore one
+    ubatch whose rows come out in the group's order -- the captured residual lines up with it,
+    and no prefill chunk is cut into pieces another batch's rows would decide (which could change
+    its attention kernel: llama.cpp tiles attention from 64 query rows on). Anything else would
+    be cut or reordered, so it becomes groups of its own.
+    """
+    order = sorted(range(len(rows)), key=lambda i: rows[i][0])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            last = rows[groups[-1][-1]]
+            if rows[i][0] == last[0] + 1 and rows[i][2].shape[0] == last[2].shape[0]:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 class LlamaEngine:
@@ -214,6 +238,7 @@ class LlamaEngine:
         All inputs are token ids, or all embeddings (one engine serves one effective start).
         Returns, per row, the residual [T, n_embd] (``want_hidden``) or its last logits [n_vocab].
         Errors as ``decode``; a failure leaves every row's sequence in an unknown state.
+        With per-sequence KV streams (``kv_unified`` off) the rows run as ``stream_groups``.
         """
         counts = [int(inputs.shape[0]) for _, _, inputs in rows]
         n = sum(counts)
@@ -223,11 +248,19 @@ class LlamaEngine:
             raise ValueError(f"batch of {n} positions outside 1..{self.config.n_batch}")
         if len({seq for seq, _, _ in rows}) != len(rows):
             raise ValueError("one batch holds each sequence at most once")
-        if want_hidden and not self.config.kv_unified and len(rows) > 1:
-            # Per-sequence KV streams make llama.cpp regroup a batch's tokens by stream
-            # (split_equal) before the captured block runs, so the captured rows would not be
-            # in batch order: a non-tail slice then runs its sequences one after another.
-            return [self.decode(seq, pos, inputs, want_hidden=True) for seq, pos, inputs in rows]
+        if not self.config.kv_unified and len(rows) > 1:
+            # Per-sequence streams: one llama_decode per group llama.cpp keeps whole and in order.
+            out: list = [None] * len(rows)
+            for group in stream_groups(rows):
+                for index, result in zip(group, self._decode_rows([rows[i] for i in group], want_hidden)):
+                    out[index] = result
+            return out
+        return self._decode_rows(rows, want_hidden)
+
+    def _decode_rows(self, rows: list[tuple[int, int, np.ndarray]], want_hidden: bool) -> list[np.ndarray]:
+        """One ``llama_decode`` over ``rows`` (checked by decode_many); results in ``rows`` order."""
+        counts = [int(inputs.shape[0]) for _, _, inputs in rows]
+        n = sum(counts)
         ll = self._ll
         with self._lock:
             if self._closed:

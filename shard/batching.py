@@ -8,17 +8,26 @@ lock, so the lock is free while it waits and other streams' steps can enter the
 manager and queue theirs.
 
 Who computes (no extra thread): a waiting caller finding no batch running
-becomes the leader. Under the lock it takes the queue's head items within the
-token budget (``max_batch_tokens``; the first item always goes, so a large
-prefill chunk never starves; later items that do not fit wait for the next
-batch while one-token decode rows behind them still join), marks them running,
-*releases* the lock, runs one ``forward_batch`` per effective start, takes the
-lock back, posts each item's output or exception and wakes the waiters. Work
-that arrives while a batch runs forms the next batch: decode steps of many
-sessions merge without any waiting window, and a lone request (c=1) pays only
-the queue bookkeeping. Prefill stays chunked by the driver (the
-``max_prefill_chunk_tokens`` of the flow control, 128 by default), so a new
-prompt delays running decodes by at most one chunk's forward.
+becomes the leader. No waiting window: a batch starts as soon as a leader
+finds the lock free. Measured on an in-process 3-hop llama.cpp pipeline of 8
+sessions (per-session KV streams), a leader that waited up to 30 ms for the
+other recently seen sessions' rows merged ~3.9 rows per forward instead of
+~1.6 but decoded 30 tok/s instead of 63 (every hop waiting; the sessions
+settle into two cohorts half a round apart, so the wait always runs out), and
+30 ms at the head only with 0 or 5 ms downstream still gave 57-59 and 50-57
+against 60-66: on a CPU a forward of n rows of this small model costs a large
+part of n single rows, and the overlap of pipeline stages is worth more.
+Under the lock the leader takes the queue in order: every one-position decode row, and prefill chunks while their
+positions fit the step's prefill budget (``max_batch_tokens``, or
+``MIXED_PREFILL_TOKENS`` when decode rows ride in the same forward, so a burst
+of new prompts delays running decodes by about one chunk per step instead of
+all of them at once); the first item always goes, so nothing starves, and a
+chunk is never cut (its rows stay one kernel call, the same as alone). It
+marks them running, *releases* the lock, runs one ``forward_batch`` per
+effective start, takes the lock back, posts each item's output or exception
+and wakes the waiters. Work that arrives while a batch runs forms the next
+batch. Prefill stays chunked by the driver (the ``max_prefill_chunk_tokens``
+of the flow control, 128 by default).
 
 State owned here (all under the service lock): the FIFO queue, the set of
 caches queued or running, the running flag, and the releases deferred until
@@ -36,9 +45,18 @@ exception, the others run) when they implement it (torch Llama-family ranges,
 llama.cpp); otherwise the batch runs as sequential ``forward`` calls, still
 outside the lock. ``enabled=False`` (``meshd worker --no-batching``) makes
 ``forward`` call the backend directly under the lock, the old behaviour.
+
+Trace (measurement only): with ``MESHD_BATCH_TRACE=PREFIX`` in the environment
+each batcher appends one JSON line per forward to ``PREFIX.<pid>.jsonl``
+(start and end on ``time.perf_counter``, i.e. CLOCK_MONOTONIC, comparable across
+the processes of one machine; rows, positions, the largest item, the longest
+queue wait), at most ``MAX_TRACE_LINES`` lines. ``meshd bench serve`` reads it
+to tell what each slow inter-token gap waited for.
 """
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections import deque
@@ -51,6 +69,11 @@ from proto.errors import ProtocolViolation
 # and 512 positions is ~4 driver prefill chunks -- a decode row waits at most
 # that long behind a prompt.
 DEFAULT_BATCH_TOKENS = 512
+# Prefill positions one forward takes while decode rows ride in it: one default driver chunk.
+MIXED_PREFILL_TOKENS = 128
+TRACE_ENV = "MESHD_BATCH_TRACE"
+# A bench run makes ~20k forwards per worker; the cap bounds a trace left on by mistake.
+MAX_TRACE_LINES = 200_000
 
 
 class BatchedCache:
@@ -75,13 +98,31 @@ class BatchedCache:
 
 
 class _Item:
-    __slots__ = ("cache", "inputs", "effective_start", "tokens", "output", "error", "done")
+    __slots__ = ("cache", "inputs", "effective_start", "tokens", "output", "error", "done", "queued_at")
 
     def __init__(self, cache: BatchedCache, inputs: np.ndarray, effective_start: int) -> None:
         self.cache, self.inputs, self.effective_start = cache, inputs, effective_start
         self.tokens = int(inputs.shape[0]) if getattr(inputs, "ndim", 0) else 1
         self.output = self.error = None
         self.done = False
+        self.queued_at = time.perf_counter()
+
+
+class _Trace:
+    """One JSON line per forward to ``PREFIX.<pid>.jsonl`` (see the module docstring)."""
+
+    def __init__(self, prefix: str) -> None:
+        self._file = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1)   # line-buffered: a killed worker loses nothing
+        self._left = MAX_TRACE_LINES
+
+    def batch(self, batch: list["_Item"], t0: float, t1: float) -> None:
+        if self._left <= 0:
+            return
+        self._left -= 1
+        line = {"t0": round(t0, 6), "t1": round(t1, 6), "rows": len(batch),
+                "tokens": sum(i.tokens for i in batch), "max_item": max(i.tokens for i in batch),
+                "wait_max": round(max(t0 - i.queued_at for i in batch), 6)}
+        self._file.write(json.dumps(line) + "\n")
 
 
 class BatchingBackend:
@@ -102,6 +143,8 @@ class BatchingBackend:
         self.batched_rows = 0     # items that shared a forward with another item
         self.last_batch_rows = 0  # items in the last batch (HealthReport.batch_occupancy)
         self.last_batch_ms = 0.0  # its wall time: the retry hint of a queue-depth refusal
+        prefix = os.environ.get(TRACE_ENV)
+        self._trace = _Trace(prefix) if prefix and enabled else None
 
     def __getattr__(self, name: str):   # layer_range, vocab_size, boundary_dtype, ...
         return getattr(self.backend, name)
@@ -141,13 +184,18 @@ class BatchingBackend:
         return item.output
 
     def _take(self) -> list[_Item]:
+        decode = any(item.tokens == 1 for item in self._queue)
+        prefill_budget = min(self.max_batch_tokens, MIXED_PREFILL_TOKENS) if decode else self.max_batch_tokens
         batch: list[_Item] = []
         budget, kept = self.max_batch_tokens, deque()
         while self._queue:
             item = self._queue.popleft()
-            if not batch or item.tokens <= budget:
+            fits = item.tokens <= budget and (item.tokens == 1 or item.tokens <= prefill_budget)
+            if not batch or fits:
                 batch.append(item)
                 budget -= item.tokens
+                if item.tokens > 1:
+                    prefill_budget -= item.tokens
             else:
                 kept.append(item)
         self._queue = kept
@@ -171,7 +219,10 @@ class BatchingBackend:
             self._lock.acquire()
             self._running = False
             self.batches += 1
-            self.last_batch_rows, self.last_batch_ms = len(batch), (time.perf_counter() - t0) * 1e3
+            t1 = time.perf_counter()
+            self.last_batch_rows, self.last_batch_ms = len(batch), (t1 - t0) * 1e3
+            if self._trace is not None:
+                self._trace.batch(batch, t0, t1)
             if len(batch) > 1:
                 self.batched_rows += len(batch)
             for item in batch:

@@ -132,25 +132,48 @@ def test_worker_batching_knob_reaches_the_worker_command(tmp_path):
 
 
 def test_llama_kv_streams_knob_reaches_the_worker_command(tmp_path):
+    """Per-session KV streams are the default ("auto": the worker picks N from its budget); an
+    explicit N, or 0 for the shared pool (opt-in), is passed on; bad values are refused."""
+    import argparse
+
+    from meshd.cli.worker import add_arguments
     from meshd.config import load_config
     from meshd.daemon.worker_process import WorkerSpec
     from meshd.errors import ConfigError
     from meshd.reach.tls import TlsMaterial
 
     toml = tmp_path / "meshd.toml"
-    assert load_config(None).worker.llama_kv_streams == 0
-    toml.write_text("[worker]\nllama_kv_streams = 4\n")
-    assert load_config(toml).worker.llama_kv_streams == 4
+    assert load_config(None).worker.llama_kv_streams == "auto"
+    for value, parsed in (("4", 4), ("0", 0), ("\"auto\"", "auto")):
+        toml.write_text(f"[worker]\nllama_kv_streams = {value}\n")
+        assert load_config(toml).worker.llama_kv_streams == parsed
     for bad in ("-1", "true", "\"4\"", "100000"):
         toml.write_text(f"[worker]\nllama_kv_streams = {bad}\n")
         with pytest.raises(ConfigError, match="llama_kv_streams"):
             load_config(toml)
     tls = TlsMaterial(tmp_path / "c.pem", tmp_path / "k.pem", b"", bytes(32))
-    shared = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls).command(tmp_path / "ready")
-    assert "--llama-kv-streams" not in shared
-    cmd = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, llama_kv_streams=4).command(
-        tmp_path / "ready")
-    assert cmd[cmd.index("--llama-kv-streams") + 1] == "4"
+    auto = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls).command(tmp_path / "ready")
+    assert "--llama-kv-streams" not in auto
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--model", "m", "--layers", "0:2"]).llama_kv_streams == "auto"
+    for streams in (4, 0):
+        cmd = WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, llama_kv_streams=streams).command(
+            tmp_path / "ready")
+        assert cmd[cmd.index("--llama-kv-streams") + 1] == str(streams)
+        args = parser.parse_args(["--model", "m", "--layers", "0:2", "--llama-kv-streams", str(streams)])
+        assert args.llama_kv_streams == streams
+
+
+def test_auto_kv_streams_follow_the_budget():
+    from native.factory import AUTO_MAX_STREAMS, AUTO_STREAM_TOKENS, auto_kv_streams
+
+    assert auto_kv_streams(4096, 64) == 8 == AUTO_MAX_STREAMS      # the default budget: 8 x 512
+    assert auto_kv_streams(2048, 64) == 4
+    assert auto_kv_streams(100, 64) == 1                            # a tiny budget: one session, exact
+    assert auto_kv_streams(1 << 20, 64) == AUTO_MAX_STREAMS
+    assert auto_kv_streams(4096, 2) == 2                            # never more than the worker's sessions
+    assert AUTO_STREAM_TOKENS == 512
 
 
 def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(llama):
@@ -194,3 +217,28 @@ def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(l
     with service.lock:
         assert service.manager.open(newcomer, 64) == 0
     assert service.health().queued_chunks == 0 and service.health().batch_occupancy == 2
+
+
+def test_a_step_takes_every_decode_row_and_prefill_within_the_mixed_budget(llama):
+    """Decode rows always ride in the next forward; while they do, prefill chunks join only
+    within MIXED_PREFILL_TOKENS (whole chunks, first come first served; the first item always
+    goes); without decode rows the whole max_batch_tokens is open to prefill."""
+    from shard.batching import MIXED_PREFILL_TOKENS, _Item
+
+    backend = TorchRangeBackend.load(llama, 0, None, progress=None)
+    (service,) = services([backend])
+    batcher = service.batcher
+
+    def queue(*sizes):
+        batcher._queue.extend(_Item(batcher.new_cache(512), np.zeros(n, np.int64), 0) for n in sizes)
+
+    chunk = MIXED_PREFILL_TOKENS // 2 + 1
+    queue(chunk, 1, chunk, 1, 1)
+    assert [i.tokens for i in batcher._take()] == [chunk, 1, 1, 1]
+    assert [i.tokens for i in batcher._queue] == [chunk]
+    batcher._queue.clear()
+    queue(chunk, chunk, chunk)                     # no decode row: prefill up to max_batch_tokens
+    assert [i.tokens for i in batcher._take()] == [chunk] * 3
+    queue(1, 300, 1)                               # a chunk over the mixed budget waits ...
+    assert [i.tokens for i in batcher._take()] == [1, 1]
+    assert [i.tokens for i in batcher._take()] == [300]   # ... and goes once it is first

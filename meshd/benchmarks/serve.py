@@ -1,7 +1,10 @@
 """``meshd bench serve``: many users at once through the entry's ``/v1`` API, both lanes, one run.
 
-For each lane -- llama.cpp on the packaged SmolLM2 GGUF (shared KV pool, and
-one KV stream per session), torch on the SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
+For each lane -- llama.cpp on the packaged SmolLM2 GGUF in the default
+configuration (one KV stream per session: ``[worker] llama_kv_streams = "auto"``,
+8 streams of 512 tokens from the 4096-token budget), the same with the shared
+KV pool (``llama.cpp-shared``, ``llama_kv_streams = 0``, opt-in), torch on the
+SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
 (0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
 ``--api-listen 127.0.0.1:0``); node0 is the entry. Its config sets
 ``[api] max_running = 8``: the default (4) would queue half of the c=8
@@ -22,23 +25,28 @@ Per concurrency, from each token chunk's arrival time at the client:
     aggregate_ratio_c8          aggregate c8 / aggregate c1
     p95_itl_ratio_c8            p95 ITL c8 / p95 ITL c1
     outputs_equal               every request's token chunks at c=4 and c=8 equal the same
-                                request alone (c=1); requests_equal counts those that do. The
-                                llama.cpp workers share one KV pool (kv_unified): concurrent
-                                sessions drift from the alone run by up to ~1 in logits with or
-                                without batching (tests/test_batching_native.py), so a near tie
-                                can flip a token there. The third lane, ``llama.cpp-streams``, runs
-                                the same workers with ``[worker] llama_kv_streams = 8`` (one KV
-                                stream per session): bit-exact, so its outputs_equal must hold
+                                request alone (c=1); requests_equal counts those that do. Must hold
+                                on ``llama.cpp`` and ``torch``. ``llama.cpp-shared`` reports it: in
+                                a shared pool llama.cpp refills a released session's cells from the
+                                start, out of the running sessions' position order, and their
+                                logits drift by up to ~1 (tests/test_batching_native.py), so a near
+                                tie can flip a token
     floor_batch8_throughput_ratio  in process, on one thread like the workers: the lane's
-                                backend (whole model) decoding 8 sessions' rows in one batched
+                                backend (whole model, the lane's KV layout) decoding 8 sessions' rows in one batched
                                 forward vs one session's row, tokens/s ratio (alternating
                                 rounds) -- what batching can give on this machine at most
+
+``itl_gap_causes_c8`` (per lane): what the slowest 5% of the c=8 gaps overlapped in the
+workers' own batch traces (``MESHD_BATCH_TRACE``, shard/batching.py): ``with_prefill`` (a
+forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
+gaps and the forwards' queue wait; decode-only forwards' mean ms and rows at c=1 and c=8.
 
 ``load_average`` is the 1-minute load at the end (other work on the machine
 makes absolute numbers noisy; every ratio is side by side in this run).
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import statistics
@@ -49,6 +57,7 @@ from pathlib import Path
 from typing import TextIO
 
 from meshd.benchmarks.sse import choices
+from shard.batching import TRACE_ENV
 
 PROMPTS = (
     "Tell me about the history of Rome.", "What is a transformer model?", "Write a short poem about the sea.",
@@ -57,12 +66,11 @@ PROMPTS = (
 )
 CUTS = ("0:10", "10:20", "20:30")
 MAX_RUNNING = 8
-KV_TOKENS = 2048
+KV_TOKENS = 4096   # the product default: llama.cpp's auto layout makes it 8 streams of 512 tokens
 REQUEST_TIMEOUT_S = 900.0
 START_TIMEOUT_S = 600.0
-# The third lane: llama.cpp with one KV stream per session ([worker] llama_kv_streams):
-# 8 streams of KV_TOKENS / 8 = 256 cells, room for every prompt here plus its tokens.
-STREAMS = 8
+# The third lane: llama.cpp with the shared KV pool, the opt-in layout ([worker] llama_kv_streams = 0).
+SHARED_TOML = "llama_kv_streams = 0"
 FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
 
 
@@ -119,6 +127,8 @@ def _peak(runs) -> int:
 class _Stats:
     def __init__(self) -> None:
         self.gaps: list[float] = []
+        self.spans: list[tuple[float, float]] = []   # each gap's (previous token, next token) arrival
+        self.windows: list[tuple[float, float]] = []  # each round's first to last arrival
         self.rates: list[float] = []
         self.peak = 0
 
@@ -126,6 +136,9 @@ class _Stats:
         runs = [r for r in runs if len(r[2]) > 1]
         for _, _, a in runs:
             self.gaps += [y - x for x, y in zip(a, a[1:])]
+            self.spans += list(zip(a, a[1:]))
+        if runs:
+            self.windows.append((min(a[0] for _, _, a in runs), max(a[-1] for _, _, a in runs)))
         if concurrent:
             span = max(a[-1] for _, _, a in runs) - min(a[0] for _, _, a in runs)
             self.rates.append(sum(len(a) - 1 for _, _, a in runs) / span)
@@ -136,6 +149,50 @@ class _Stats:
     def quantile(self, q: float) -> float:
         gaps = sorted(self.gaps)
         return gaps[min(len(gaps) - 1, int(q * len(gaps)))]
+
+
+def _read_traces(root: Path) -> list[list[dict]]:
+    """Every worker's batch trace (shard/batching.py, MESHD_BATCH_TRACE): one list per hop."""
+    hops = []
+    for path in sorted(root.glob("batch-trace.*.jsonl")):
+        with path.open() as fh:
+            hops.append([json.loads(line) for line in fh if line.endswith("\n")])
+    return hops
+
+
+def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
+    """What the slowest 5% of the c=8 inter-token gaps overlapped in the workers' batch traces.
+
+    A gap (one request's token k to k+1, client clock) is ``with_prefill`` when a forward on some
+    hop that overlapped it held a prefill chunk (an item of more than one position), else
+    ``decode_only``. ``hop_busy_share``: the mean share of a tail gap during which a hop was
+    computing (the rest is wire, entry and scheduling time); ``queue_wait_ms``: the mean, over
+    the forwards overlapping tail gaps, of their longest item wait (queued behind a running forward).
+    Decode-only forwards' mean time and rows in the c=1 and c=8 rounds say what one step costs."""
+    def inside(batch, windows):
+        return any(lo <= batch["t0"] <= hi for lo, hi in windows)
+
+    out: dict = {"hops_traced": len(hops)}
+    for c in (1, 8):
+        decode = [b for hop in hops for b in hop if b["max_item"] == 1 and inside(b, stats[c].windows)]
+        out[f"decode_forward_ms_c{c}"] = round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3) if decode else None
+        out[f"decode_forward_rows_c{c}"] = round(statistics.fmean(b["rows"] for b in decode), 2) if decode else None
+    s8 = stats[8]
+    if not s8.gaps or not hops:
+        return out
+    threshold = s8.quantile(0.95)
+    tail = [span for gap, span in zip(s8.gaps, s8.spans) if gap >= threshold]
+    prefill = busy = 0
+    waits: list[float] = []
+    for a, b in tail:
+        over = [[x for x in hop if x["t1"] > a and x["t0"] < b] for hop in hops]
+        prefill += any(x["max_item"] > 1 for hop in over for x in hop)
+        busy += statistics.fmean(sum(min(b, x["t1"]) - max(a, x["t0"]) for x in hop) / (b - a) for hop in over)
+        waits += [x["wait_max"] for hop in over for x in hop]
+    out.update({"tail_gaps": len(tail), "tail_threshold_s": round(threshold, 4), "with_prefill": prefill,
+                "decode_only": len(tail) - prefill, "hop_busy_share": round(busy / len(tail), 3),
+                "queue_wait_ms": round(1e3 * statistics.fmean(waits), 3) if waits else None})
+    return out
 
 
 def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_toml: str = "") -> dict:
@@ -149,6 +206,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
     config, workers = root / "entry.toml", root / "worker.toml"
     config.write_text(f"[api]\nmax_running = {MAX_RUNNING}\n" + (f"[worker]\n{worker_toml}\n" if worker_toml else ""))
     workers.write_text(f"[worker]\n{worker_toml}\n")
+    traced = os.environ.get(TRACE_ENV)
+    os.environ[TRACE_ENV] = str(root / "batch-trace")   # the workers inherit it (and only they read it)
     swarm = LocalSwarm(root, model, kv_budget_tokens=KV_TOKENS, backend=backend)
     try:
         daemons = [swarm.add(layers=cut, extra=("--config", str(config if i == 0 else workers)))
@@ -195,8 +254,13 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
             out[f"aggregate_tokens_per_s_c{c}"] = round(agg[c], 3)
             out[f"p50_itl_s_c{c}"] = round(p50[c], 4)
             out[f"p95_itl_s_c{c}"] = round(p95[c], 4)
+        out["itl_gap_causes_c8"] = _gap_causes(stats, _read_traces(root))
         return out
     finally:
+        if traced is None:
+            os.environ.pop(TRACE_ENV, None)
+        else:
+            os.environ[TRACE_ENV] = traced
         swarm.close()
         shutil.rmtree(root, ignore_errors=True)
 
@@ -229,6 +293,7 @@ def _floor(backend, rounds: int) -> float:
 def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
     import torch
 
+    from native.factory import auto_kv_streams
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
     from shard.backend import LayerRange
@@ -236,23 +301,26 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
 
     rounds = 2 if quick else 4
     layers = model_info(open_reader(gguf)).num_layers
-    llama = LlamaRangeBackend(gguf, LayerRange(0, layers, layers),
-                              LlamaBackendConfig(n_threads=FLOOR_THREADS, kv_budget_tokens=4096, max_sessions=16),
-                              progress=None)
-    try:
-        llama_floor = _floor(llama, rounds)
-    finally:
-        llama.close()
+    floors = {}
+    for name, streams in (("llama.cpp", auto_kv_streams(KV_TOKENS, MAX_RUNNING)), ("llama.cpp-shared", 0)):
+        config = LlamaBackendConfig(n_threads=FLOOR_THREADS, kv_budget_tokens=KV_TOKENS,
+                                    max_sessions=streams or 16, kv_unified=not streams)
+        llama = LlamaRangeBackend(gguf, LayerRange(0, layers, layers), config, progress=None)
+        try:
+            floors[name] = _floor(llama, rounds)
+        finally:
+            llama.close()
     threads = torch.get_num_threads()
     torch.set_num_threads(FLOOR_THREADS)
     try:
-        torch_floor = _floor(TorchRangeBackend.load(artifact, 0, None, progress=None), rounds)
+        floors["torch"] = _floor(TorchRangeBackend.load(artifact, 0, None, progress=None), rounds)
     finally:
         torch.set_num_threads(threads)
-    return {"llama.cpp": llama_floor, "torch": torch_floor}
+    return floors
 
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
+    from native.factory import auto_kv_streams
     from native.packaged import smollm2_artifact, smollm2_gguf_path
 
     gguf, artifact = smollm2_gguf_path(), smollm2_artifact()
@@ -261,10 +329,11 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     lanes = {}
     for name, model, backend, worker_toml in (
             ("llama.cpp", gguf, "llama.cpp", ""), ("torch", artifact, "torch", ""),
-            ("llama.cpp-streams", gguf, "llama.cpp", f"llama_kv_streams = {STREAMS}")):
+            ("llama.cpp-shared", gguf, "llama.cpp", SHARED_TOML)):
         lanes[name] = _lane(name, model, backend, quick, progress, worker_toml)
-        lanes[name]["floor_batch8_throughput_ratio"] = floors[name.split("-")[0]]
-    lanes["llama.cpp-streams"]["llama_kv_streams"] = STREAMS
+        lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
+    lanes["llama.cpp"]["llama_kv_streams"] = auto_kv_streams(KV_TOKENS, 64)
+    lanes["llama.cpp-shared"]["llama_kv_streams"] = 0
     return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
             "load_average": round(os.getloadavg()[0], 2),
             "targets": {"aggregate_ratio_c8": {"llama.cpp": 3.0, "torch": 2.0}, "p95_itl_ratio_c8": 2.5}}

@@ -71,15 +71,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames-listen", help="HOST:PORT of the framed fast path (Session frames over TLS, "
                         "the --tls-cert certificate; shard/frame_server.py)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
-    parser.add_argument("--llama-kv-streams", type=int, default=0, metavar="N",
-                        help="llama.cpp: 0 = one KV pool shared by all sessions (default); N = one stream "
-                             "of kv-budget/N tokens per session, at most N sessions (bit-exact under concurrency)")
+    parser.add_argument("--llama-kv-streams", type=_kv_streams, default="auto", metavar="N|auto",
+                        help="llama.cpp KV layout: N = one stream of kv-budget/N tokens per session, at most N "
+                             "sessions (bit-exact under concurrency); auto (default) = kv-budget/512 streams, at "
+                             "most 8; 0 = one pool shared by all sessions (their tokens can drift from alone runs)")
     parser.add_argument("--no-batching", action="store_true",
                         help="run each session's forward alone (continuous batching is on by default)")
     parser.add_argument("--model-id", default="", help="human label reported in the capability")
     from meshd.cli import expert_worker
 
     expert_worker.add_arguments(parser)
+
+
+def _kv_streams(text: str) -> int | str:
+    if text == "auto":
+        return text
+    value = int(text)
+    if value < 0:
+        raise ValueError("--llama-kv-streams must be auto or >= 0")
+    return value
 
 
 def _is_loopback(listen: str) -> bool:
@@ -148,7 +158,10 @@ def _load_and_validate(args: argparse.Namespace):
     except Exception as exc:  # noqa: BLE001 - unexpected: the traceback goes to the log first
         log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
         return None, None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
-    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=args.max_sessions,
+    # llama.cpp holds at most its sequences (with per-session KV streams, the streams): the manager
+    # admits and evicts idle sessions against that number, not a larger one the backend would refuse.
+    sessions = min(args.max_sessions, getattr(backend, "session_capacity", args.max_sessions))
+    policy = SessionPolicy(kv_budget_tokens=args.kv_budget_tokens, ttl_s=args.ttl, max_sessions=sessions,
                            min_idle_before_evict_s=args.min_idle_evict, max_queued_steps=args.max_queued_steps)
     service = ShardService(backend, policy, model_id=args.model_id or Path(args.model).name,
                            batching=not args.no_batching)

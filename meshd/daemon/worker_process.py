@@ -70,7 +70,7 @@ class WorkerSpec:
     expert_act: str = "f32"
     offload_experts: bool = False
     batching: bool = True
-    llama_kv_streams: int = 0      # WorkerConfig.llama_kv_streams
+    llama_kv_streams: int | str = "auto"   # WorkerConfig.llama_kv_streams
 
     @classmethod
     def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> "WorkerSpec":
@@ -93,7 +93,7 @@ class WorkerSpec:
         cmd += ["--kv-budget-tokens", str(self.kv_budget_tokens)]
         if not self.batching:
             cmd += ["--no-batching"]
-        if self.llama_kv_streams:
+        if self.llama_kv_streams != "auto":   # the worker's default is auto
             cmd += ["--llama-kv-streams", str(self.llama_kv_streams)]
         if self.experts is not None or self.offload_experts:
             cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
