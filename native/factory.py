@@ -28,11 +28,13 @@ MAX_LLAMA_SEQUENCES = 256
 # session freed from the start of the pool, so the running sessions' next cells lie before their
 # earlier ones and flash attention sums them in another order (logits off by ~0.5-1,
 # tests/test_batching_native.py). A stream is emptied with its session, so its cells stay in
-# position order: bit-exact. 512 tokens hold a chat turn (prompt + max_tokens; a longer session
-# is refused at once with the stream's size); 8 sessions are what batching on a CPU worker gains
-# from (meshd bench serve's c=8) -- the default 4096-token budget gives exactly that.
+# position order: bit-exact. 2048 tokens per stream hold a chat with its history (prompt +
+# max_tokens; a longer session is refused at once with the stream's size), so the default
+# 4096-token budget serves 2 sessions at once; a bigger budget serves more (up to 8, what batching
+# on a CPU worker gains from), and ``llama_kv_streams = N`` trades length for concurrency
+# (meshd bench serve's c=8 lane: 8 streams of 512 tokens).
 AUTO = "auto"
-AUTO_STREAM_TOKENS = 512
+AUTO_STREAM_TOKENS = 2048
 AUTO_MAX_STREAMS = 8
 
 

@@ -168,12 +168,12 @@ def test_llama_kv_streams_knob_reaches_the_worker_command(tmp_path):
 def test_auto_kv_streams_follow_the_budget():
     from native.factory import AUTO_MAX_STREAMS, AUTO_STREAM_TOKENS, auto_kv_streams
 
-    assert auto_kv_streams(4096, 64) == 8 == AUTO_MAX_STREAMS      # the default budget: 8 x 512
-    assert auto_kv_streams(2048, 64) == 4
+    assert auto_kv_streams(4096, 64) == 2                           # the default budget: 2 x 2048
+    assert auto_kv_streams(16384, 64) == 8 == AUTO_MAX_STREAMS
     assert auto_kv_streams(100, 64) == 1                            # a tiny budget: one session, exact
     assert auto_kv_streams(1 << 20, 64) == AUTO_MAX_STREAMS
-    assert auto_kv_streams(4096, 2) == 2                            # never more than the worker's sessions
-    assert AUTO_STREAM_TOKENS == 512
+    assert auto_kv_streams(16384, 2) == 2                           # never more than the worker's sessions
+    assert AUTO_STREAM_TOKENS == 2048
 
 
 def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(llama):

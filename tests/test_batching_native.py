@@ -173,8 +173,8 @@ def test_the_factorys_kv_streams_give_per_session_streams():
         backend.close()
     default = load_gguf_backend(smollm2_gguf_path(), 0, None, kv_budget_tokens=4096, progress=None)
     try:
-        assert default.config.kv_unified is False and default.config.max_sessions == 8
-        assert default.session_capacity == 8   # meshd worker admits (and evicts idle) against it
+        assert default.config.kv_unified is False and default.config.max_sessions == 2
+        assert default.session_capacity == 2   # meshd worker admits (and evicts idle) against it
     finally:
         default.close()
     shared = load_gguf_backend(smollm2_gguf_path(), 0, None, kv_budget_tokens=4096, kv_streams=0, progress=None)

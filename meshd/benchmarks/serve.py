@@ -1,8 +1,8 @@
 """``meshd bench serve``: many users at once through the entry's ``/v1`` API, both lanes, one run.
 
 For each lane -- llama.cpp on the packaged SmolLM2 GGUF in the default
-configuration (one KV stream per session: ``[worker] llama_kv_streams = "auto"``,
-8 streams of 512 tokens from the 4096-token budget), the same with the shared
+layout (one KV stream per session), sized for c=8: ``[worker] llama_kv_streams = 8``,
+8 streams of 512 tokens from the 4096-token budget (``auto`` would make 2 of 2048), the same with the shared
 KV pool (``llama.cpp-shared``, ``llama_kv_streams = 0``, opt-in), torch on the
 SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
 (0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
@@ -66,11 +66,14 @@ PROMPTS = (
 )
 CUTS = ("0:10", "10:20", "20:30")
 MAX_RUNNING = 8
-KV_TOKENS = 4096   # the product default: llama.cpp's auto layout makes it 8 streams of 512 tokens
+KV_TOKENS = 4096   # the product default budget
 REQUEST_TIMEOUT_S = 900.0
 START_TIMEOUT_S = 600.0
 # The third lane: llama.cpp with the shared KV pool, the opt-in layout ([worker] llama_kv_streams = 0).
 SHARED_TOML = "llama_kv_streams = 0"
+# The llama.cpp lane: the default layout (a stream per session), 8 streams for 8 users at once.
+STREAMS = 8
+STREAMS_TOML = f"llama_kv_streams = {STREAMS}"
 FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
 
 
@@ -293,7 +296,6 @@ def _floor(backend, rounds: int) -> float:
 def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
     import torch
 
-    from native.factory import auto_kv_streams
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
     from shard.backend import LayerRange
@@ -302,7 +304,7 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
     rounds = 2 if quick else 4
     layers = model_info(open_reader(gguf)).num_layers
     floors = {}
-    for name, streams in (("llama.cpp", auto_kv_streams(KV_TOKENS, MAX_RUNNING)), ("llama.cpp-shared", 0)):
+    for name, streams in (("llama.cpp", STREAMS), ("llama.cpp-shared", 0)):
         config = LlamaBackendConfig(n_threads=FLOOR_THREADS, kv_budget_tokens=KV_TOKENS,
                                     max_sessions=streams or 16, kv_unified=not streams)
         llama = LlamaRangeBackend(gguf, LayerRange(0, layers, layers), config, progress=None)
@@ -320,7 +322,6 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
 
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
-    from native.factory import auto_kv_streams
     from native.packaged import smollm2_artifact, smollm2_gguf_path
 
     gguf, artifact = smollm2_gguf_path(), smollm2_artifact()
@@ -328,11 +329,11 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     floors = _floors(gguf, artifact, quick)
     lanes = {}
     for name, model, backend, worker_toml in (
-            ("llama.cpp", gguf, "llama.cpp", ""), ("torch", artifact, "torch", ""),
+            ("llama.cpp", gguf, "llama.cpp", STREAMS_TOML), ("torch", artifact, "torch", ""),
             ("llama.cpp-shared", gguf, "llama.cpp", SHARED_TOML)):
         lanes[name] = _lane(name, model, backend, quick, progress, worker_toml)
         lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
-    lanes["llama.cpp"]["llama_kv_streams"] = auto_kv_streams(KV_TOKENS, 64)
+    lanes["llama.cpp"]["llama_kv_streams"] = STREAMS
     lanes["llama.cpp-shared"]["llama_kv_streams"] = 0
     return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
             "load_average": round(os.getloadavg()[0], 2),
