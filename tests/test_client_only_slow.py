@@ -191,7 +191,7 @@ def test_killing_the_middle_hop_mid_decode_keeps_the_tokens(swarm, client, model
     assert len(expected) > 10, "the reference stopped too early to test a failure mid-decode"
     first = _done(client, topology="push")
     middle = first["route"][1].split(":")[0]
-    victim = next(d for d in swarm.daemons[:-1] if (d.query("ping") or {}).get("peer_id") == middle)
+    victim = next(d for d in swarm.daemons if d is not client and (d.query("ping") or {}).get("peer_id") == middle)
     events, prompt_tokens = [], None
     for event in client.generate(PROMPT, max_tokens=FAILOVER_TOKENS, raw=True, topology="push"):
         if event.get("event") == "start":
