@@ -16,6 +16,8 @@ TOML layout (every key optional; names match the dataclass fields)::
                                       # (joins the DHT, holds no layers, generates through the swarm)
     advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
     record_ttl_s = 120
+    refill_wait_s = 180               # an entry whose route lost every server of some layers waits this
+                                      # long for the tracker to move a node there (default: TTL + 60 s)
     reachability = "auto"             # auto | public | private (private: always use relays)
     route_topology = "push"           # push: hops send rows to the next hop (hops + 1 legs per
                                       # token); star: the entry carries every boundary (2 x hops)
@@ -64,6 +66,13 @@ DEFAULT_RECORD_TTL_S = 120.0
 # over an hour a dead node would stay on the map far too long.
 MIN_RECORD_TTL_S = 2.0
 MAX_RECORD_TTL_S = 3600.0
+# When a failure leaves some layers without any live server, the entry's route driver waits for the
+# tracker to refill them: the dead peers' records must expire (up to one record TTL), the tracker
+# confirms the gap over three of its 3 s refreshes and a redundant node loads the range. The default
+# wait (refill_wait_s unset) is one record TTL plus REFILL_SLACK_S for the rest; a wait longer
+# than an hour is never useful (the API's own deadline is 10 minutes by default).
+REFILL_SLACK_S = 60.0
+MAX_REFILL_WAIT_S = 3600.0
 # A worker loads weights and runs a validation forward before it is ready.
 DEFAULT_WORKER_READY_TIMEOUT_S = 900.0
 # KV positions a worker holds (one 2048-token context for two concurrent
@@ -210,6 +219,8 @@ class DaemonConfig:
     layers: tuple[int, int] | None = None
     advertise_host: str | None = None
     record_ttl_s: float = DEFAULT_RECORD_TTL_S
+    # None: record_ttl_s + REFILL_SLACK_S (``refill_wait`` below); 0: fail at once when a gap opens.
+    refill_wait_s: float | None = None
     bootstrap_timeout_s: float = DEFAULT_BOOTSTRAP_TIMEOUT_S
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     api: ApiConfig = field(default_factory=ApiConfig)
@@ -265,6 +276,10 @@ class DaemonConfig:
             raise ConfigError(f"record_ttl_s must be within [{MIN_RECORD_TTL_S}, {MAX_RECORD_TTL_S}]")
         if self.bootstrap_timeout_s <= 0:
             raise ConfigError("bootstrap_timeout_s must be positive")
+        if self.refill_wait_s is not None and (isinstance(self.refill_wait_s, bool)
+                                               or not isinstance(self.refill_wait_s, (int, float))
+                                               or not 0 <= self.refill_wait_s <= MAX_REFILL_WAIT_S):
+            raise ConfigError(f"refill_wait_s must be a number of seconds within [0, {MAX_REFILL_WAIT_S:g}]")
 
     def _check_client_only(self) -> None:
         if not isinstance(self.client_only, bool):
@@ -324,6 +339,11 @@ class DaemonConfig:
     @property
     def control_socket(self) -> Path:
         return self.data_dir / "control.sock"
+
+    @property
+    def refill_wait(self) -> float:
+        """Seconds the entry waits for a coverage gap to be refilled (see REFILL_SLACK_S)."""
+        return float(self.record_ttl_s + REFILL_SLACK_S if self.refill_wait_s is None else self.refill_wait_s)
 
     @property
     def republish_interval_s(self) -> float:

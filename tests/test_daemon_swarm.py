@@ -89,3 +89,42 @@ def test_three_daemons_converge_show_coverage_and_leave(tmp_path):
                 nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_rebuilt_claim_keeps_the_memory_offered_to_the_tracker(tmp_path):
+    """An auto node's record offers its memory (a rebalancing candidate); every claim rebuilt later --
+    the first free-KV publication right after the worker is ready, a new reachability verdict --
+    keeps it (it once fell back to 0, so the tracker never found a node to move into a gap)."""
+    memory = 3 << 20
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with trio.open_nursery() as nursery:
+                cfg = DaemonConfig(data_dir=tmp_path / "n0", listen=("/ip4/127.0.0.1/tcp/0",), record_ttl_s=30)
+
+                async def one(task_status=trio.TASK_STATUS_IGNORED):
+                    await run_daemon(cfg, lambda line: None, handle_signals=False, task_status=task_status)
+
+                node = await nursery.start(one)
+                node.memory_budget_bytes = memory          # what WorkerSlot sets before the worker is announced
+                await node.on_worker_ready(WorkerReady("127.0.0.1:1", "127.0.0.1:4443", 1, _report(0, 3)))
+                await _wait_until(lambda: _claimed(node), "the first claim")
+                assert node.advertiser.claim.memory_budget_bytes == memory
+                assert node.free_kv.offer(500, 1024, trio.current_time() + 1000)   # the worker's free KV moved
+                node.refresh_claim()
+                claim = node.advertiser.claim
+                assert claim.free_kv_tokens == 500 and claim.memory_budget_bytes == memory
+
+                async def published():
+                    recs = await node.dht.fetch(K.model_key(DIGEST))
+                    return [r for r in recs if not r.withdrawn and r.payload.free_kv_tokens == 500]
+
+                (record,) = await _wait_until(published, "the republished record")
+                assert record.payload.memory_budget_bytes == memory
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def _claimed(node) -> bool:
+    return node.advertiser.claim is not None

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
     parser.add_argument("--advertise-host", help="host or IP peers use to reach our TLS gRPC endpoint")
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our DHT records, seconds")
+    parser.add_argument("--refill-wait", type=float, dest="refill_wait_s",
+                        help="seconds a generation waits for the tracker to refill layers that lost every "
+                             "server (default: the record TTL + 60 s; 0: fail at once)")
     parser.add_argument("--reachability", choices=("auto", "public", "private"),
                         help="auto (default): probe whether peers can dial us and use relays if not; "
                              "private: always reserve on relays; public: never")
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
             "listen": tuple(args.listen) if args.listen else None,
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
+            "refill_wait_s": args.refill_wait_s,
             "route_topology": args.route_topology,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,

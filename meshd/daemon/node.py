@@ -118,6 +118,9 @@ class Node:
         self.progress = progress
         self.advertiser = Advertiser(identity, dht.publish, ttl_s=config.record_ttl_s, wall_ms=wall_ms)
         self.free_kv = FreeKvGate()   # our record's free KV follows the worker (meshd/daemon/free_kv.py)
+        # The memory our record offers the tracker (--layers auto; 0: never moved by rebalancing). Part
+        # of every claim refresh_claim builds: a claim rebuilt for a new verdict or free KV keeps it.
+        self.memory_budget_bytes = 0
         self.supervisor: Supervisor | None = None
         self.swarm = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
         self.experts = None  # meshd/daemon/experts_part.py: MoE expert peer or holder (--experts)
@@ -173,6 +176,8 @@ class Node:
                                   free_kv_tokens=self.free_kv.published, frames_endpoint=frames)
         if self.relaying.private:
             claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
+        if self.memory_budget_bytes:
+            claim = replace(claim, memory_budget_bytes=self.memory_budget_bytes)
         if claim == self.advertiser.claim:
             return
         first = self.advertiser.claim is None

@@ -14,7 +14,6 @@ The daemon's ``Node.supervisor`` is pointed at the live supervisor so that
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from typing import Callable
 
 import trio
@@ -84,10 +83,10 @@ class WorkerSlot:
             stopped.set()
 
     async def _on_ready(self, ready: WorkerReady) -> None:
+        # Our record offers our memory to the tracker (a rebalancing candidate), in every claim the
+        # node builds from now on -- also those rebuilt later for a new reachability verdict or free KV.
+        self.node.memory_budget_bytes = self.memory_bytes
         await self.node.on_worker_ready(ready)
-        claim = self.node.advertiser.claim
-        if claim is not None and self.memory_bytes:
-            self.node.advertiser.set_claim(replace(claim, memory_budget_bytes=self.memory_bytes))
         self.ready = True
         if self.on_loaded is not None and self.layers is not None:
             self.on_loaded(self.layers)

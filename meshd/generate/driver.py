@@ -28,6 +28,16 @@ makes recovery exact and local:
                     advance(P) again -- new hops are re-prefilled from the
                     boundary rows, kept hops continue where they were, a hop
                     that already finished position P-1 is skipped.
+    coverage gap    when the replacement finds no live peer for some layers
+                    (every server of them died at once), the driver waits for
+                    the swarm to refill them -- the tracker moves a redundant
+                    node there once the dead records expire (tracker_duty.py)
+                    -- re-asking the RouteSource (cached view, then a fresh
+                    DHT read) every REPLAN_POLL_S, backing off to
+                    REPLAN_POLL_MAX_S, for at most ``replan_wait_s`` (the
+                    daemon's ``refill_wait_s``); the hops after the kept prefix
+                    are then re-prefilled as on any failover. Past the bound:
+                    CoverageGap (a RouteFailed) names the layers and the wait.
     full peer       a hop refusing with RESOURCE_EXHAUSTED and a retry hint is
                     full, not broken: a replica is tried at once; with none,
                     SwarmFull carries the smallest hint (the API's 429 and
@@ -99,10 +109,13 @@ MAX_FAILOVERS = 8
 # A peer cut by its step deadline with no replacement in sight is retried
 # (fresh session, doubled patience) at most this often, then treated as failed.
 SLOW_PEER_RETRIES = 2
-# When no replacement route exists yet (records of a new server still
-# propagating), re-plan every REPLAN_POLL_S for at most REPLAN_WAIT_S.
+# When no replacement route exists yet (a gap the tracker must refill, records of a new server
+# still propagating), re-plan every REPLAN_POLL_S (doubling up to REPLAN_POLL_MAX_S: each try may
+# read the DHT) for at most the driver's replan_wait_s; REPLAN_WAIT_S is the default of drivers
+# built without one (the daemon passes its refill_wait_s: meshd/config.py).
 REPLAN_WAIT_S = 30.0
 REPLAN_POLL_S = 0.5
+REPLAN_POLL_MAX_S = 2.0
 # Watchdog resolution for step deadlines.
 WATCHDOG_TICK_S = 0.25
 # Longest generation (prompt + new tokens) one driver accepts: the boundary
@@ -116,6 +129,16 @@ class GenerationCancelled(MeshdError):
 
 class RouteFailed(MeshdError):
     """No route could finish the generation; the message says what to do."""
+
+
+class CoverageGap(RouteFailed):
+    """Some layers had no live server for the whole refill wait (``spans``; ``waited_s``): the
+    swarm lost every peer serving them and no node was moved or started there in time."""
+
+    def __init__(self, message: str, spans: tuple = (), waited_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.spans = tuple(spans)
+        self.waited_s = waited_s
 
 
 class PromptTooLarge(LocalError):
@@ -332,16 +355,21 @@ class SwarmDriver:
 
     def _replan(self, attempt: Callable[[], Route], after: HopFailure | None = None) -> Route:
         wait = 0.0 if getattr(self.source, "static", False) else self.replan_wait_s  # a fixed route never grows
-        deadline = time.monotonic() + wait
+        started = time.monotonic()
+        deadline, poll = started + wait, REPLAN_POLL_S
         while True:
             self._check_cancel()
             try:
                 return attempt()
             except MissingLayersError as exc:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     cause = f" (after {after})" if after is not None else ""
-                    raise RouteFailed(f"no route through the swarm{cause}: {exc}") from exc
-            self._cancel.wait(REPLAN_POLL_S)
+                    waited = f"; waited {now - started:.0f} s for a peer to serve them" if wait > 0 else ""
+                    raise CoverageGap(f"no route through the swarm{cause}: {exc}{waited}",
+                                      exc.spans, now - started) from exc
+            self._cancel.wait(min(poll, max(0.0, deadline - time.monotonic())))
+            poll = min(poll * 2, REPLAN_POLL_MAX_S)
 
     def _set_route(self, route: Route, keep: dict[int, HopLink] | None = None) -> None:
         links = []
@@ -490,8 +518,8 @@ class SwarmDriver:
             avoid = frozenset(self._failed)
             try:
                 new = self._replan(lambda: self.source.replace(old, peer, avoid, self._max_tokens), failure)
-            except RouteFailed as exc:
-                raise RouteFailed(f"{exc}; the hop failed with: {failure}") from failure
+            except CoverageGap as exc:
+                raise CoverageGap(f"{exc}; the hop failed with: {failure}", exc.spans, exc.waited_s) from failure
             fresh = set(hops_to_reprefill(old, new))
         by_hop = {(l.spec.peer_id, l.spec.start, l.spec.end, l.spec.effective_start): l for l in self._links}
         keep: dict[int, HopLink] = {}

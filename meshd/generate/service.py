@@ -185,6 +185,7 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
     driver = PushDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
                         topology=topology or swarm.config.route_topology,
                         fingerprint=fingerprint, context_tokens=getattr(swarm, "context_tokens", 0),
+                        replan_wait_s=swarm.config.refill_wait,
                         on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
