@@ -62,6 +62,11 @@ log = logging.getLogger(__name__)
 # death of the node everyone bootstrapped through.
 MAX_MESH_DIALS = 8
 MESH_DIAL_TIMEOUT_S = 5.0
+# An auto node with bootstrap peers that sees no tracker plans its own range
+# only after this long: right after start its DHT view may not hold the
+# swarm's records yet, and nine joiners that plan against an empty view all
+# take the same first window (the tracker, once seen, tracks what it assigned).
+NO_TRACKER_GRACE_S = 20.0
 
 
 def wall_ms() -> int:
@@ -89,6 +94,7 @@ class Swarm:
         self.tokenizer = None
         self.context_tokens = 0   # the model's trained context (set with the model's description)
         self.load = LoadBook()   # our running generations' sessions per peer (routes spread by it)
+        self.started = time.monotonic()
 
     # ------------------------------------------------------------------ setup
     async def _describe_model(self) -> None:
@@ -126,6 +132,7 @@ class Swarm:
                 await nursery.start(self.slot.run)
             nursery.start_soon(self._preload_tokenizer)
             task_status.started()
+            self.started = time.monotonic()   # the grace before planning alone counts from the first refresh
             while self.digest is not None:
                 try:
                     await self.refresh()
@@ -194,6 +201,9 @@ class Swarm:
         tracker = self.duty.tracker(snap, now)
         me = self.node.identity.peer_id
         request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget, self.held)
+        if tracker is None and self.config.bootstrap and time.monotonic() - self.started < NO_TRACKER_GRACE_S:
+            self._note_join("waiting for the swarm's records to name a tracker before planning our own range")
+            return
         if tracker is None or tracker == me:
             empty = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
             try:
