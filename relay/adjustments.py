@@ -9,6 +9,10 @@ meshd changes a few things inside py-libp2p 0.8.1 (see each module for why):
     inbound_limits          relay/inbound_limits.py: per-address caps on pending and upgraded
                             inbound connections, a total pending cap, a 5 s pre-handshake
                             deadline (MESHD_INBOUND_LIMITS=0 leaves it off)
+    dial_head_start         relay/dial_head_start.py: no fixed 250 ms wait in every new dial
+                            (MESHD_DIAL_HEAD_START=0 leaves it off)
+    dht_inbound_handlers    dht/node.py: KadDHT serves 64 inbound DHT streams at once, not 12
+                            (recorded by the daemon for its DhtNode: ``record_dht_node``)
     dcutr_policy            meshd/reach/direct_upgrade.py: our DCUtR service narrows the library's
                             (no auto-drive, no relay close, bounded inbound punches); recorded here
                             by the code that sets DCUtR up
@@ -34,7 +38,8 @@ import threading
 from dataclasses import asdict, dataclass
 
 __all__ = ["Adjustment", "TESTED_LIBP2P_VERSION", "installed_version", "version_gate", "record",
-           "snapshot", "apply_libp2p_adjustments", "library_status", "render_library", "RELEASE_ON_READ_ENV"]
+           "snapshot", "apply_libp2p_adjustments", "record_dht_node", "library_status", "render_library",
+           "RELEASE_ON_READ_ENV"]
 
 # The one py-libp2p release every adjustment was written and measured against.
 TESTED_LIBP2P_VERSION = "0.8.1"
@@ -113,20 +118,31 @@ def apply_libp2p_adjustments(version: str | None = None) -> list[Adjustment]:
 
     ``version`` is the library version to decide for (default: the installed one);
     tests pass another string to see the gate refuse."""
-    from relay import inbound_limits, libp2p_fastpath, yamux_tuning
+    from relay import dial_head_start, inbound_limits, libp2p_fastpath, yamux_tuning
 
     version = installed_version() if version is None else version
     refused = version_gate(version)
     with _apply_lock:
         out = [record("yamux_release_on_read", False, refused, version) if refused else _release_on_read(version)]
         for name, module in (("yamux_window_batching", yamux_tuning), ("libp2p_fastpath", libp2p_fastpath),
-                             ("inbound_limits", inbound_limits)):
+                             ("inbound_limits", inbound_limits), ("dial_head_start", dial_head_start)):
             reason = refused or module.check(version)
             if reason is None and module.apply(version):
                 out.append(record(name, True, _on(version), version))
             else:
                 out.append(record(name, False, reason or "off: the library lacks what it replaces", version))
         return out
+
+
+def record_dht_node(dht_node, version: str | None = None) -> Adjustment:
+    """Record dht/node.py's per-node adjustment (KadDHT's inbound stream cap, 12 -> 64)."""
+    from dht.node import DHT_INBOUND_HANDLERS
+
+    version = installed_version() if version is None else version
+    off = dht_node.inbound_handlers_off
+    if off is None:
+        return record("dht_inbound_handlers", True, _on(version) + f" ({DHT_INBOUND_HANDLERS} streams)", version)
+    return record("dht_inbound_handlers", False, off, version)
 
 
 def library_status() -> dict:

@@ -21,7 +21,7 @@ from relay import inbound_limits, libp2p_fastpath, yamux_tuning
 from tests._relay_helpers import LOOPBACK, REPO_ROOT, new_host
 
 CHILD_TIMEOUT_S = 120
-DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath", "inbound_limits"}
+DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath", "inbound_limits", "dial_head_start"}
 
 # Run in a child: ``report()`` prints what the library looks like and what the registry says.
 PROBE = r"""
@@ -183,3 +183,21 @@ def test_the_inbound_limits_switch_is_honoured():
     assert not got["inbound_patched"] and got["yamux_patched"]
     assert rows["inbound_limits"] == {"name": "inbound_limits", "applied": False,
                                       "reason": "off: MESHD_INBOUND_LIMITS=0", "library_version": "0.8.1"}
+
+
+
+def test_dial_head_start_is_off_after_the_adjustments_and_back_on_restore():
+    """py-libp2p 0.8.1 waits 250 ms after starting even a successful dial (relay/dial_head_start.py)."""
+    from libp2p.network import swarm as S
+
+    from relay import dial_head_start
+
+    assert dial_head_start.check("0.7.0").startswith("off:")
+    A.apply_libp2p_adjustments()
+    assert dial_head_start.APPLIED and S._HAPPY_EYEBALLS_DELAY == 0.0
+    assert {r["name"]: r for r in A.snapshot()}["dial_head_start"]["applied"]
+    dial_head_start.restore()
+    try:
+        assert S._HAPPY_EYEBALLS_DELAY == dial_head_start.LIBRARY_DELAY_S
+    finally:
+        assert dial_head_start.apply()

@@ -1,0 +1,72 @@
+"""Dial without py-libp2p 0.8.1's fixed 250 ms wait (the adjustment ``dial_head_start``).
+
+py-libp2p 0.8.1's ``Swarm._dial_peer`` (network/swarm.py) starts a dial per
+selected address (at most MAX_ADDRS_PER_PEER = 2) and, after each start,
+waits ``_HAPPY_EYEBALLS_DELAY`` (0.25 s) unless that dial *failed*. A dial
+that succeeds does not end the wait, and it also follows the last address,
+so every new connection takes at least 250 ms however fast the peer
+answers (measured here: bootstrap 0.252 s on loopback; an iterative DHT
+lookup that dials a new peer per round pays it every round).
+
+This adjustment sets the module's head start to 0: the (at most two)
+selected addresses are dialed at once and the dial returns when they are
+done. State: the original value, to restore (tests). Applied by
+relay/adjustments.py when the library is exactly TESTED_LIBP2P_VERSION and
+still has the constant; ``MESHD_DIAL_HEAD_START=0`` leaves it off.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+TESTED_LIBP2P_VERSION = "0.8.1"
+DISABLE_ENV = "MESHD_DIAL_HEAD_START"
+LIBRARY_DELAY_S = 0.250
+APPLIED = False
+_ORIGINAL: float | None = None
+
+
+def check(version: str) -> str | None:
+    """None when the adjustment fits ``version`` and the installed library; else why it stays off."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"off: {DISABLE_ENV}=0"
+    if version != TESTED_LIBP2P_VERSION:
+        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
+    try:
+        from libp2p.network import swarm
+    except ImportError as exc:
+        return f"off: cannot import libp2p's swarm ({exc})"
+    delay = getattr(swarm, "_HAPPY_EYEBALLS_DELAY", None)
+    if delay not in (LIBRARY_DELAY_S, 0.0):
+        return f"off: the library's dial head start is {delay!r}, not the {LIBRARY_DELAY_S} s this was written for"
+    return None
+
+
+def apply(version: str | None = None) -> bool:
+    """Set the head start to 0 (idempotent). True when it is in place."""
+    global APPLIED, _ORIGINAL
+    if APPLIED:
+        return True
+    if version is None:
+        try:
+            version = importlib.metadata.version("libp2p")
+        except importlib.metadata.PackageNotFoundError:
+            return False
+    if check(version) is not None:
+        return False
+    from libp2p.network import swarm
+
+    _ORIGINAL = swarm._HAPPY_EYEBALLS_DELAY
+    swarm._HAPPY_EYEBALLS_DELAY = 0.0
+    APPLIED = True
+    return True
+
+
+def restore() -> None:
+    """Put the library's value back (tests compare both)."""
+    global APPLIED
+    if APPLIED and _ORIGINAL is not None:
+        from libp2p.network import swarm
+
+        swarm._HAPPY_EYEBALLS_DELAY = _ORIGINAL
+        APPLIED = False
