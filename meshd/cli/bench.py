@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, str] = {
     "moe": "meshd.benchmarks.moe",
     "api": "meshd.benchmarks.api",
     "serve": "meshd.benchmarks.serve",
+    "dht": "meshd.benchmarks.dht_sim",
 }
 # Benchmarks that honour --model / --layers / --backend.
 MODEL_OPTIONS = ("swarm", "pipeline")

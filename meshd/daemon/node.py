@@ -53,7 +53,7 @@ from meshd.reach.direct_upgrade import DirectUpgrader
 from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.daemon.swarm_part import Swarm
-from relay.adjustments import library_status
+from relay.adjustments import library_status, record_dht_node
 from relay.host import connect_bootstrap, running_host
 from dht.identity import Identity, load_or_create_identity
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
@@ -307,12 +307,13 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
     async with running_host(identity, config.listen) as host:
         serve_dialback(host)   # every node answers other peers' reachability probes
         dht = DhtNode(host, wall_ms)
+        record_dht_node(dht)   # its library adjustment, shown by meshd status
         async with dht.running():
             progress("listening on " + " ".join(str(a) for a in host.get_addrs()))
             reached = await connect_bootstrap(host, config.bootstrap, config.bootstrap_timeout_s)
             if config.bootstrap:
                 progress(f"bootstrap: connected to {len(reached)} of {len(config.bootstrap)} peers")
-            await dht.sync_peers()
+            await dht.join()
             node = Node(config, identity, tls, host, dht, progress)
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.peer_sync)

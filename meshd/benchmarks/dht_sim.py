@@ -1,0 +1,404 @@
+"""``meshd bench dht``: a 200-node DHT on one machine (issue 17 items 1-2).
+
+Real py-libp2p hosts on loopback, each with meshd's ``DhtNode`` (the one the
+daemon runs: validator, merge rules, iterative lookups of dht/lookup.py),
+spread over a few processes; no weights. Each node publishes a synthetic
+signed capability record (one of ``nodes / 20`` synthetic models, a one-layer
+span of a 4-layer model), with a record TTL of three ``republish_interval_s``
+as the daemon's advertiser does. After the kill, every survivor republishes
+once within one interval at its own random phase -- what the advertiser's
+ttl/3 loop does -- while sampled survivors keep reading. (Running every
+node's loop from the start would put 200 nodes' republishing on 2 cores:
+the bench would measure CPU starvation, not the DHT.)
+
+    parent (this module's run)                 children (``child``: one trio loop each)
+    spawn P children  -------------------->   start N/P hosts, print their addresses
+    join: child 0 first, then the others ->   bootstrap via node 0, self-lookup, refresh lookup
+    publish ------------------------------>   publish every record once (one at a time per child)
+    fetch (sampled nodes x every model) -->   DhtNode.fetch(model key): records found, rounds
+    SIGKILL one child (1/P = 20% of nodes)
+    republish (spread over one interval) ->   every survivor publishes again at a random moment
+    fetch again, every few seconds ------->   until every sampled survivor sees every live record
+    holders ------------------------------>   how many live nodes hold each model key (replicas)
+
+Reported: ``nodes``, ``max_lookup_rounds`` (over every sampled lookup, with
+``round_bound`` = ceil(log2 N) + 2), ``found_fraction`` (records found /
+records published, before churn), ``churn_converged_s`` (kill -> every
+sampled survivor's view holds every surviving record), and the replica
+counts of the model keys before the kill, right after it and one republish
+interval later (``min_replicas_*``): republishing re-replicates to the new
+k closest.
+
+Commands and answers are JSON lines on the children's stdin / stdout. Every
+wait is bounded; a child exits when its stdin closes.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from meshd.testing import procs
+
+NODES = 200
+PROCESSES = 5
+QUICK_NODES = 40
+QUICK_PROCESSES = 5
+RECORDS_PER_MODEL = 20
+MODEL_LAYERS = 4
+REPUBLISH_S = 60.0
+QUICK_REPUBLISH_S = 30.0
+SAMPLES_PER_PROCESS = 4
+# Nodes of one process that join (bootstrap + lookups) at once.
+JOIN_CONCURRENCY = 1
+PUBLISH_CONCURRENCY = 1
+FETCH_CONCURRENCY = 8
+COMMAND_TIMEOUT_S = 600.0
+CONVERGE_POLL_S = 2.0
+
+
+def _digest(model: int) -> str:
+    return "sha256:" + f"{model:064x}"
+
+
+def _assignment(index: int, models: int) -> tuple[str, tuple[int, int]]:
+    model = index % models
+    layer = (index // models) % MODEL_LAYERS
+    return _digest(model), (layer, layer + 1)
+
+
+# ---------------------------------------------------------------------------------------- child
+
+def child(first_index: int, count: int, models: int, republish_s: float) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    import trio
+
+    trio.run(_child_main, first_index, count, models, republish_s)
+
+
+def _emit(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+async def _child_main(first_index: int, count: int, models: int, republish_s: float) -> None:
+    from contextlib import AsyncExitStack
+
+    import trio
+
+    from dht import keys as K
+    from dht.identity import Identity
+    from dht.node import DhtNode
+    from dht.records import CapabilityClaim, sign_capability, validate_capability
+    from relay.host import connect_bootstrap, running_host
+
+    def wall_ms() -> int:
+        return int(time.time() * 1000)
+
+    ttl_ms = int(3 * republish_s * 1000)
+    async with AsyncExitStack() as stack:
+        nodes: list[tuple[int, Identity, DhtNode]] = []
+        for i in range(count):
+            index = first_index + i
+            ident = Identity.from_seed(index.to_bytes(4, "big") * 8)
+            host = await stack.enter_async_context(running_host(ident, ["/ip4/127.0.0.1/tcp/0"]))
+            node = await stack.enter_async_context(DhtNode(host, wall_ms).running())
+            nodes.append((index, ident, node))
+        _emit({"event": "up", "peers": [ident.peer_id for _, ident, _ in nodes],
+               "bootstrap": f"{nodes[0][2].host.get_addrs()[0]}"})
+        sequences = {index: 0 for index, _, _ in nodes}
+
+        async def publish(index: int, ident: Identity, node: DhtNode) -> None:
+            digest, span = _assignment(index, models)
+            sequences[index] += 1
+            raw = sign_capability(CapabilityClaim(model_artifact_digest=digest, runtime_recipe_digest=digest,
+                                                  start_layer=span[0], end_layer=span[1], num_layers=MODEL_LAYERS,
+                                                  direct_addrs=(str(node.host.get_addrs()[0]),)),
+                                  ident.signing_key, peer_id=ident.peer_id, sequence=sequences[index],
+                                  now_ms=wall_ms(), ttl_ms=ttl_ms)
+            await node.publish(validate_capability(raw, wall_ms()))
+
+        async def republish_within(spread_s: float) -> None:
+            """Every node republishes once at its own random moment in [0, spread_s)."""
+            rng = random.Random(first_index)
+
+            async def later(delay: float, item) -> None:
+                await trio.sleep(delay)
+                try:
+                    await publish(*item)
+                except Exception as exc:  # noqa: BLE001 - counted by the parent as a missing record
+                    print(f"republish {item[0]}: {exc}", file=sys.stderr)
+
+            async with trio.open_nursery() as inner:
+                for item in nodes:
+                    inner.start_soon(later, rng.uniform(0, spread_s), item)
+            _emit({"event": "republished"})
+
+        async def bounded(fn, items, limit: int) -> list:
+            out: list = [None] * len(items)
+            limiter = trio.CapacityLimiter(limit)
+
+            async def one(i, item):
+                async with limiter:
+                    out[i] = await fn(*item)
+
+            async with trio.open_nursery() as nursery:
+                for i, item in enumerate(items):
+                    nursery.start_soon(one, i, item)
+            return out
+
+        async def join(index: int, ident: Identity, node: DhtNode, bootstrap: list[str]) -> int:
+            if index != 0:
+                await connect_bootstrap(node.host, bootstrap, 10.0)
+            await node.join()                                            # the daemon's: bootstrap + self-lookup
+            await node.lookup(random.Random(index).randbytes(32))        # and one far bucket
+            return node.routing_table_size()
+
+        async def fetch(index: int, node: DhtNode, digest: str) -> dict:
+            recs = await node.fetch(K.model_key(digest))
+            return {"node": index, "digest": digest, "peers": sorted(r.peer_id for r in recs),
+                    "rounds": node.last_lookup.rounds if node.last_lookup else 0}
+
+        stdin = trio.lowlevel.FdStream(os.dup(0))
+        buf = b""
+        async with trio.open_nursery() as nursery:
+            while True:
+                chunk = await stdin.receive_some(65536)
+                if not chunk:
+                    nursery.cancel_scope.cancel()
+                    break
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    cmd = json.loads(line)
+                    kind = cmd["cmd"]
+                    if kind == "join":
+                        which = nodes[1:] if cmd.get("rest") else nodes[:1] if cmd.get("first") else nodes
+                        sizes = await bounded(join, [(i, d, n, cmd["bootstrap"]) for i, d, n in which],
+                                              JOIN_CONCURRENCY)
+                        _emit({"event": "joined", "routing_table": sizes})
+                    elif kind == "refresh":
+                        sizes = await bounded(lambda i, n: n.lookup(n.host.get_id().to_bytes()),
+                                              [(i, n) for i, _, n in nodes], JOIN_CONCURRENCY)
+                        _emit({"event": "refreshed",
+                               "routing_table": [n.routing_table_size() for _, _, n in nodes]})
+                    elif kind == "publish":
+                        await bounded(publish, nodes, PUBLISH_CONCURRENCY)
+                        _emit({"event": "published"})
+                    elif kind == "republish":
+                        nursery.start_soon(republish_within, float(cmd["spread_s"]))
+                    elif kind == "fetch":
+                        chosen = [(i, n) for i, _, n in nodes if i in set(cmd["nodes"])]
+                        items = [(i, n, d) for i, n in chosen for d in cmd["digests"]]
+                        _emit({"event": "fetched", "results": await bounded(fetch, items, FETCH_CONCURRENCY)})
+                    elif kind == "holders":
+                        held: dict[str, int] = {}
+                        for _, _, n in nodes:
+                            for key in n.store.index_keys():
+                                if key.startswith("/meshd/model/"):
+                                    held[key] = held.get(key, 0) + 1
+                        _emit({"event": "holders", "held": held})
+
+
+# ---------------------------------------------------------------------------------------- parent
+
+class _Child:
+    def __init__(self, index: int, first: int, count: int, models: int, republish_s: float, log: Path) -> None:
+        self.index, self.first, self.count = index, first, count
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "meshd.benchmarks.dht_sim", "child", str(first), str(count), str(models),
+             str(republish_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("wb"), env=procs.child_env(1),
+            cwd=str(Path(__file__).resolve().parents[2]))
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
+
+    def send(self, **cmd) -> None:
+        self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def expect(self, event: str, timeout_s: float = COMMAND_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"dht child {self.index}: no {event!r} within {timeout_s:g} s; "
+                                   f"log: {self.log.read_text()[-2000:]}") from None
+            if line is None:
+                raise RuntimeError(f"dht child {self.index} exited ({self.proc.wait()}): "
+                                   f"{self.log.read_text()[-2000:]}")
+            msg = json.loads(line)
+            if msg.get("event") == event:
+                return msg
+
+    def stop(self) -> None:
+        procs.stop_process(self.proc)
+
+
+def _say(progress, text: str) -> None:
+    if progress is not None:
+        print(f"[bench dht] {text}", file=progress, flush=True)
+
+
+def _views(children: list[_Child], samples: dict[int, list[int]], digests: list[str]) -> list[dict]:
+    """Every sampled node's fetch of every model key (children work concurrently)."""
+    for c in children:
+        c.send(cmd="fetch", nodes=samples[c.index], digests=digests)
+    return [r for c in children for r in c.expect("fetched")["results"]]
+
+
+def _holders(children: list[_Child], digests: list[str]) -> int:
+    """The fewest live holders of any model key."""
+    held: dict[str, int] = {}
+    for c in children:
+        c.send(cmd="holders")
+    for c in children:
+        for key, n in c.expect("holders")["held"].items():
+            held[key] = held.get(key, 0) + n
+    return min(held.get(f"/meshd/model/{d}", 0) for d in digests)
+
+
+def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> dict:
+    models = max(1, nodes // RECORDS_PER_MODEL)
+    per = nodes // processes
+    digests = [_digest(m) for m in range(models)]
+    scratch = Path(tempfile.mkdtemp(prefix="meshd-dht-sim-"))
+    children: list[_Child] = []
+    t0 = time.monotonic()
+    try:
+        for p in range(processes):
+            count = per if p < processes - 1 else nodes - per * (processes - 1)
+            children.append(_Child(p, p * per, count, models, republish_s, scratch / f"child{p}.log"))
+        peers: dict[int, str] = {}
+        boot = None
+        for c in children:
+            up = c.expect("up")
+            peers.update({c.first + i: pid for i, pid in enumerate(up["peers"])})
+            if c.index == 0:
+                boot = [f"{up['bootstrap']}/p2p/{up['peers'][0]}"]
+        _say(progress, f"{nodes} hosts up in {processes} processes ({time.monotonic() - t0:.1f} s)")
+        children[0].send(cmd="join", bootstrap=boot, first=True)
+        children[0].expect("joined")
+        children[0].send(cmd="join", bootstrap=boot, rest=True)
+        children[0].expect("joined")
+        for c in children[1:]:
+            c.send(cmd="join", bootstrap=boot)
+        for c in children[1:]:
+            c.expect("joined")
+        for c in children:
+            c.send(cmd="refresh")
+        tables = [n for c in children for n in c.expect("refreshed")["routing_table"]]
+        _say(progress, f"joined ({time.monotonic() - t0:.1f} s); routing tables {min(tables)}..{max(tables)} peers")
+        for c in children:
+            c.send(cmd="publish")
+        for c in children:
+            c.expect("published")
+        _say(progress, f"published {nodes} records over {models} models ({time.monotonic() - t0:.1f} s)")
+
+        rng = random.Random(7)
+        samples = {c.index: sorted(rng.sample(range(c.first, c.first + c.count), min(SAMPLES_PER_PROCESS, c.count)))
+                   for c in children}
+        expected = {d: {peers[i] for i in peers if _assignment(i, models)[0] == d} for d in digests}
+        views = _views(children, samples, digests)
+        found = sum(len(set(v["peers"]) & expected[v["digest"]]) for v in views)
+        wanted = sum(len(expected[v["digest"]]) for v in views)
+        rounds = [v["rounds"] for v in views]
+        replicas_before = _holders(children, digests)
+        _say(progress, f"{len(views)} lookups: found {found}/{wanted}, rounds max {max(rounds)}, "
+                       f"fewest replicas {replicas_before}")
+
+        # churn: the last process (1/P of the nodes) dies at once
+        victim = children[-1]
+        dead = {peers[i] for i in range(victim.first, victim.first + victim.count)}
+        victim.proc.send_signal(signal.SIGKILL)
+        victim.proc.wait()
+        t_kill = time.monotonic()
+        survivors = children[:-1]
+        live_expected = {d: ids - dead for d, ids in expected.items()}
+        replicas_after_kill = _holders(survivors, digests)
+        for c in survivors:       # each survivor's advertiser republishes once per interval, at its own phase
+            c.send(cmd="republish", spread_s=republish_s)
+        converged_s = None
+        churn_rounds: list[int] = []
+        while time.monotonic() - t_kill < 2 * republish_s:
+            views = _views(survivors, samples, digests)
+            churn_rounds += [v["rounds"] for v in views]
+            if all(live_expected[v["digest"]] <= set(v["peers"]) for v in views):
+                converged_s = time.monotonic() - t_kill
+                break
+            time.sleep(CONVERGE_POLL_S)
+        _say(progress, f"after killing {len(dead)} nodes: view complete after "
+                       f"{converged_s if converged_s is None else round(converged_s, 1)} s")
+        for c in survivors:
+            c.expect("republished", timeout_s=COMMAND_TIMEOUT_S + republish_s)
+        _say(progress, f"every survivor republished ({time.monotonic() - t_kill:.0f} s after the kill)")
+        replicas_after_republish = _holders(survivors, digests)
+        views = _views(survivors, samples, digests)
+        churn_rounds += [v["rounds"] for v in views]
+        missing = sum(len(live_expected[v["digest"]] - set(v["peers"])) for v in views)
+        return {
+            "nodes": nodes,
+            "processes": processes,
+            "models": models,
+            "sampled_lookups": len(rounds),
+            "max_lookup_rounds": max(rounds),
+            "median_lookup_rounds": sorted(rounds)[len(rounds) // 2],
+            "max_lookup_rounds_after_churn": max(churn_rounds),
+            "round_bound": math.ceil(math.log2(nodes)) + 2,
+            "found_fraction": round(found / wanted, 4),
+            "killed_nodes": len(dead),
+            "churn_converged_s": None if converged_s is None else round(converged_s, 2),
+            "complete_after_republish": missing == 0,
+            "missing_after_republish": missing,
+            "republish_interval_s": republish_s,
+            "record_ttl_s": 3 * republish_s,
+            "min_replicas_before": replicas_before,
+            "min_replicas_after_kill": replicas_after_kill,
+            "min_replicas_after_republish": replicas_after_republish,
+            "routing_table_min": min(tables),
+            "routing_table_max": max(tables),
+            "elapsed_s": round(time.monotonic() - t0, 1),
+        }
+    except BaseException:
+        _say(progress or sys.stderr, f"children's logs kept in {scratch}")
+        scratch = None
+        raise
+    finally:
+        for c in children:
+            c.stop()
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run(quick: bool, progress=None, options=None) -> dict:
+    if quick:
+        return simulate(QUICK_NODES, QUICK_PROCESSES, QUICK_REPUBLISH_S, progress)
+    return simulate(NODES, PROCESSES, REPUBLISH_S, progress)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "child":
+        child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+    else:
+        print("usage: python -m meshd.benchmarks.dht_sim child FIRST COUNT MODELS REPUBLISH_S", file=sys.stderr)
+        sys.exit(2)
