@@ -16,7 +16,6 @@ still has the constant; ``MESHD_DIAL_HEAD_START=0`` leaves it off.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import os
 
 TESTED_LIBP2P_VERSION = "0.8.1"
@@ -48,10 +47,9 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-        try:
-            version = importlib.metadata.version("libp2p")
-        except importlib.metadata.PackageNotFoundError:
-            return False
+        from relay.adjustments import installed_version   # imported here: adjustments imports this module
+
+        version = installed_version()
     if check(version) is not None:
         return False
     from libp2p.network import swarm

@@ -16,7 +16,7 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from dht.lookup import ALPHA, K_CLOSEST, SEED_PEERS, Lookup, key_hash, peer_hash
+from dht.lookup import K_CLOSEST, SEED_PEERS, Lookup, key_hash, peer_hash
 
 
 def make_network(n: int, seed: int) -> dict[bytes, list[bytes]]:
@@ -120,4 +120,3 @@ def test_any_answers_terminate_and_never_return_failed_peers(seeds, key, k, alph
     assert lk.rounds <= lk.max_rounds
     assert all(lk.state[p] == "answered" for p in lk.answered_closest())
     assert len(lk.answered_closest()) <= k
-    assert ALPHA >= 1
