@@ -265,13 +265,20 @@ class LlamaEngine:
         with self._lock:
             if self._closed:
                 raise RuntimeUnavailable("llama.cpp engine is closed")
-            tokens = rows[0][2].ndim == 1
+            first_inputs = rows[0][2]
+            tokens = first_inputs.ndim == 1
             batch = self._tok_batch if tokens else self._emb_batch
-            if tokens:
-                ids = np.ascontiguousarray(np.concatenate([r[2] for r in rows]), dtype=np.int32)
+            # One row (every lone decode step) goes in without numpy's concatenation: numpy calls
+            # are dear here, each one cold after the previous llama_decode swept the caches.
+            if tokens and n == 1:
+                batch.token[0] = int(first_inputs[0])
+            elif tokens:
+                ids = np.ascontiguousarray(np.concatenate([r[2] for r in rows]) if len(rows) > 1 else first_inputs,
+                                           dtype=np.int32)
                 ctypes.memmove(batch.token, ids.ctypes.data, ids.nbytes)
             else:
-                emb = np.ascontiguousarray(np.concatenate([r[2] for r in rows]), dtype=np.float32)
+                emb = np.ascontiguousarray(np.concatenate([r[2] for r in rows]) if len(rows) > 1 else first_inputs,
+                                           dtype=np.float32)
                 ctypes.memmove(batch.embd, emb.ctypes.data, emb.nbytes)
             batch.n_tokens = n
             last: list[int] = []
@@ -307,6 +314,8 @@ class LlamaEngine:
                     hidden = np.concatenate(self._captured) if self._captured else None
                 if hidden is None or hidden.shape != (n, self.n_embd):
                     raise RuntimeUnavailable("llama.cpp did not expose the last block's output")
+                if len(rows) == 1:
+                    return [hidden]
                 bounds = np.cumsum([0, *counts])
                 return [hidden[bounds[k]:bounds[k + 1]] for k in range(len(rows))]
             out = []

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from proto import fastpath
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError
 from proto.frames import frame_prefix
@@ -93,6 +94,13 @@ def request_decode(step: pb.DecodeStep, name: str, array: np.ndarray | PreparedT
     """
     if not isinstance(step, pb.DecodeStep):
         raise LocalError("step must be a pb.DecodeStep")
+    if not encode_kwargs and isinstance(array, np.ndarray) and isinstance(name, str):
+        body = fastpath.decode_request_bytes(
+            step.idempotency_step, step.position, step.expected_past_len, name, array, work_id=step.work_id,
+            deadline_unix_nanos=step.deadline_unix_nanos, legs=step.legs,
+            route_execution_nanos=step.route_execution_nanos)
+        if body is not None:      # the same bytes, built by hand (proto.fastpath)
+            return frame_prefix(len(body)) + body if framed else body
     (prep,) = prepare_bundle({name: array}, **encode_kwargs)
     before = pb.DecodeStep(idempotency_step=step.idempotency_step, position=step.position,
                            expected_past_len=step.expected_past_len).SerializeToString()

@@ -32,6 +32,14 @@ from proto import shard_runtime_pb2 as pb
 MAX_LAYERS = 4096
 
 
+def ids_in_range(ids: np.ndarray, vocab_size: int) -> bool:
+    """Every token id in ``0..vocab_size - 1`` (an empty array: True). A single id, every decode
+    step's input, is read directly: numpy's min/max reductions cost more than the check."""
+    if ids.size == 1:
+        return 0 <= ids.item() < vocab_size
+    return not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < vocab_size)
+
+
 @dataclass(frozen=True, slots=True)
 class LayerRange:
     """The half-open layer range [start, end) of a model with num_layers layers."""

@@ -163,6 +163,8 @@ class BatchingBackend:
             return self.backend.forward(cache.inner, inputs, effective_start=effective_start)
         if id(cache) in self._busy:
             raise ProtocolViolation("another step of this session is still running (one stream per session)")
+        if not self._running and not self._queue:
+            return self._alone(cache, inputs, effective_start)
         item = _Item(cache, inputs, effective_start)
         self._queue.append(item)
         self._busy.add(id(cache))
@@ -179,6 +181,30 @@ class BatchingBackend:
                 except ValueError:
                     pass
                 self._finish(item)
+        if item.error is not None:
+            raise item.error
+        return item.output
+
+    def _alone(self, cache: BatchedCache, inputs: np.ndarray, effective_start: int) -> np.ndarray:
+        """Nothing queued and nothing running: this caller leads a batch of one at once, which is
+        ``_lead`` without the queue's bookkeeping (a lone session's every decode step)."""
+        item = _Item(cache, inputs, effective_start)
+        self._busy.add(id(cache))
+        self._running = True
+        self._lock.release()
+        t0 = time.perf_counter()
+        try:
+            self._compute([item])
+        finally:
+            self._lock.acquire()
+            self._running = False
+            self.batches += 1
+            t1 = time.perf_counter()
+            self.last_batch_rows, self.last_batch_ms = 1, (t1 - t0) * 1e3
+            if self._trace is not None:
+                self._trace.batch([item], t0, t1)
+            self._finish(item)
+            self._cond.notify_all()
         if item.error is not None:
             raise item.error
         return item.output

@@ -321,13 +321,19 @@ def after_chunk(stream, env: pb.Envelope, tensors: dict, sample: pb.TailSample |
                  count=max(1, c.chunk_count), final=final)
 
 
-def after_decode(stream, d: pb.DecodeStep, head: pb.DecodeResult, tensors: dict) -> None:
-    """A pushed decode step ran: the tail answers the entry, others push the row on (one leg more)."""
+def after_decode(stream, d: pb.DecodeStep, result) -> None:
+    """A pushed decode step ran (``result``: the manager's StepResult): the tail answers the entry,
+    others push the row on (one leg more)."""
+    from shard.stream import decode_answer
+
     session: PushSession = stream.push
     if session.is_tail:
-        head.legs = d.legs + 1
-        head.execution_nanos += d.route_execution_nanos     # the route's compute, for the entry's figures
-        session.answer(wire.response_decode(head, tensors))
+        # the route's compute, summed along the way, for the entry's figures; this answer's leg too
+        session.answer(decode_answer(d.idempotency_step, result.past_len, result.duplicate,
+                                     result.execution_nanos + d.route_execution_nanos, result.payload,
+                                     legs=d.legs + 1))
         return
-    session.push(int(d.position), tensors[HIDDEN], decode=True, legs=d.legs + 1,
-                 execution=d.route_execution_nanos + head.execution_nanos)
+    if result.duplicate:
+        return      # a step that already ran: its rows went on when it first ran
+    session.push(int(d.position), result.payload[HIDDEN], decode=True, legs=d.legs + 1,
+                 execution=d.route_execution_nanos + result.execution_nanos)

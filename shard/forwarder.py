@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from proto import fastpath
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.errors import LimitExceeded, ProtocolViolation
@@ -69,13 +70,18 @@ class Forwarder:
         self.transport = ""                     # "frames" or "grpc": what carries the stream now
 
     # -- rows kept for a replacement ---------------------------------------------------
-    def _keep(self, first: int, rows: np.ndarray) -> None:
+    def _check_keep(self, first: int, rows: np.ndarray) -> None:
         end = first + rows.shape[0]
         cap = self.session.max_tokens
         if cap and end > cap:
             raise LimitExceeded(f"pushed rows up to {end} > the session's {cap} tokens")
         if first != self._held:
             raise ProtocolViolation(f"pushed rows start at {first}, {self._held} held")
+
+    def _keep(self, first: int, rows: np.ndarray) -> None:
+        """Hold rows [first, first + n) (checked by ``_check_keep``) for a replacement."""
+        end = first + rows.shape[0]
+        cap = self.session.max_tokens
         size = 0 if self._rows is None else self._rows.shape[0]
         if end > size:
             want = max(end, 2 * size, 16)
@@ -166,6 +172,10 @@ class Forwarder:
         s = self.session
         self._step += 1
         if decode:
+            body = fastpath.decode_request_bytes(self._step, first, first, HIDDEN, rows, legs=legs,
+                                                 route_execution_nanos=execution)
+            if body is not None:
+                return body
             head = pb.DecodeStep(idempotency_step=self._step, position=first, expected_past_len=first, legs=legs,
                                  route_execution_nanos=execution)
             return wire.request_decode(head, HIDDEN, rows)
@@ -181,13 +191,19 @@ class Forwarder:
 
     def push(self, first: int, rows: np.ndarray, *, index: int = 0, count: int = 1, final: bool = True,
              decode: bool = False, legs: int = 0, execution: int = 0) -> None:
-        """Send this hop's output rows for positions [first, first + n) on (PushError on failure)."""
+        """Send this hop's output rows for positions [first, first + n) on (PushError on failure).
+
+        The send comes first (the successor waits for it; keeping a copy does not), but the rows
+        are kept whatever the send does: a replacement successor gets them all on repoint."""
         with self._lock:
-            self._keep(first, rows)
-            self._batches.append((first, rows.shape[0], index, count, final, decode))
-            if self._call is None:
-                self._open()
-            self._send(self._body(first, rows, index, count, final, decode, legs, execution))
+            self._check_keep(first, rows)
+            try:
+                if self._call is None:
+                    self._open()
+                self._send(self._body(first, rows, index, count, final, decode, legs, execution))
+            finally:
+                self._keep(first, rows)
+                self._batches.append((first, rows.shape[0], index, count, final, decode))
 
     def repoint(self, target: pb.PushTarget) -> None:
         """Push to ``target`` from now on, after re-sending every held row in its first batches."""

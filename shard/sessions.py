@@ -63,7 +63,7 @@ from typing import Callable
 import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
-from shard.backend import RangeBackend
+from shard.backend import RangeBackend, ids_in_range
 from shard.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
                                MAX_SESSION_ID_CHARS, MIN_OWNER_TOKEN_BYTES, Owner, SessionKey)
 from shard.errors import (CacheMiss, Cancelled, EpochStale, PermissionDenied, ResourceExhausted, log_failure,
@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 DEFAULT_SESSION_TOKENS = 2048
 # Sessions live this long without any use (a crashed driver never releases).
 DEFAULT_TTL_S = 300.0
+# step() looks for sessions idle past the TTL at most this often (the worker also sweeps on its own).
+EXPIRE_CHECK_S = 1.0
 # A session used this recently is never evicted for a newcomer of the same
 # peer (prevents two of its routes from thrashing each other mid-generation).
 DEFAULT_MIN_IDLE_BEFORE_EVICT_S = 2.0
@@ -158,6 +160,7 @@ class SessionManager:
         self.policy = policy
         self.clock = clock
         self._sessions: "OrderedDict[SessionKey, _Session]" = OrderedDict()  # LRU order
+        self._next_expiry_check = float("-inf")   # step() sweeps idle sessions at most every EXPIRE_CHECK_S
         self._epochs: "OrderedDict[str, int]" = OrderedDict()
         self._cancelled: "OrderedDict[SessionKey, None]" = OrderedDict()
 
@@ -299,7 +302,7 @@ class SessionManager:
         if effective_start == 0:
             if inputs.dtype != np.int64 or inputs.ndim != 1:
                 raise ProtocolViolation(f"the head takes int64 token ids [T], got {inputs.dtype} {inputs.shape}")
-            if inputs.size and (int(inputs.min()) < 0 or int(inputs.max()) >= backend.vocab_size):
+            if not ids_in_range(inputs, backend.vocab_size):
                 raise ProtocolViolation(f"token ids must be in 0..{backend.vocab_size - 1}")
         elif (inputs.dtype != backend.boundary_dtype or inputs.ndim != 2
               or inputs.shape[1] != backend.hidden_size):
@@ -317,7 +320,10 @@ class SessionManager:
              inputs: np.ndarray, effective_start: int,
              post: Callable[[np.ndarray], object] | None = None) -> StepResult:
         """Apply one prefill chunk or decode step (rules in the module docstring)."""
-        self.expire()
+        now = self.clock()
+        if now >= self._next_expiry_check:     # idle TTLs are minutes: no need to sweep every token
+            self._next_expiry_check = now + min(EXPIRE_CHECK_S, self.policy.ttl_s / 4)
+            self.expire()
         self._check_current(key)
         session = self._sessions.get(key)
         if session is None:

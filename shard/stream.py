@@ -55,6 +55,7 @@ from typing import Callable
 
 import numpy as np
 
+from proto import fastpath
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.errors import MeshdError, PayloadCorrupt, ProtocolError, ProtocolViolation
@@ -91,10 +92,20 @@ ALLOWED = {
 }
 
 
+# The handler method of each request kind.
+_HANDLERS = {"open": "_on_open", "chunk": "_on_chunk", "decode": "_on_decode", "flow_control": "_on_flow_control",
+             "release": "_on_release", "cancel": "_on_cancel", "repoint": "_on_repoint"}
+
+
 def read_small_or_large(data: bytes) -> tuple[pb.SessionRequest, dict[str, np.ndarray]]:
-    """Parse a request and decode its tensors (same checks either way; see SMALL_FRAME_BYTES)."""
+    """Parse a request and decode its tensors (same checks either way; see SMALL_FRAME_BYTES).
+    A plain decode step is read by hand (proto.fastpath); anything else by protobuf."""
     if len(data) > SMALL_FRAME_BYTES:
         return read_request(data)
+    if data[:1] == b"\x1a":
+        fast = fastpath.read_decode_request(data)
+        if fast is not None:
+            return fast
     req = parse_request(data)
     kind = req.WhichOneof("kind")
     if kind == "decode":
@@ -112,18 +123,55 @@ def _status(exc: BaseException, *, terminal: bool, work_id: str = "", session_id
 
 
 class TailAnswer:
-    """A tail step's payload: tensors to send (the logits row, when asked) and the drawn token."""
+    """A tail step's payload: tensors to send (the logits row, when asked) and the drawn token
+    (``token``; ``sample`` is the full TailSample only when logprobs were asked for)."""
 
-    __slots__ = ("tensors", "sample")
+    __slots__ = ("tensors", "token", "_sample")
 
-    def __init__(self, tensors: dict[str, np.ndarray], sample: pb.TailSample | None) -> None:
-        self.tensors, self.sample = tensors, sample
+    def __init__(self, tensors: dict[str, np.ndarray], token: int | None,
+                 sample: pb.TailSample | None = None) -> None:
+        self.tensors, self.token, self._sample = tensors, token, sample
+
+    @property
+    def sample(self) -> pb.TailSample | None:
+        if self._sample is None and self.token is not None:
+            self._sample = pb.TailSample(token_id=self.token)
+        return self._sample
+
+    @property
+    def plain_token(self) -> int | None:
+        """The token when the sample is nothing else (no logprobs): the fast writer's case."""
+        return self.token if self._sample is None else None
 
 
 def _parts(payload) -> tuple[dict[str, np.ndarray], pb.TailSample | None]:
     if isinstance(payload, TailAnswer):
         return payload.tensors, payload.sample
     return payload or {}, None
+
+
+def decode_answer(step: int, past_len: int, duplicate: bool, execution_nanos: int, payload, legs: int = 0) -> bytes:
+    """The SessionResponse{decode} of one step: by hand when it is a plain one (proto.fastpath),
+    else through protobuf and proto.wire (a sample with logprobs, q8, several tensors...)."""
+    if isinstance(payload, TailAnswer):
+        tensors, token = payload.tensors, payload.plain_token
+        if token is not None or payload.token is None:
+            body = fastpath.decode_response_bytes(step, past_len, duplicate, execution_nanos, tensors=tensors,
+                                                  token_id=token, legs=legs)
+            if body is not None:
+                return body
+        sample = payload.sample
+    else:
+        tensors, sample = payload or {}, None
+        body = fastpath.decode_response_bytes(step, past_len, duplicate, execution_nanos, tensors=tensors,
+                                              legs=legs)
+        if body is not None:
+            return body
+    head = pb.DecodeResult(idempotency_step=step, past_len=past_len, duplicate=duplicate,
+                           execution_nanos=execution_nanos, legs=legs)
+    if sample is not None:
+        head.sample.CopyFrom(sample)
+    return wire.response_decode(head, tensors)
 
 
 # How the owner's peer is spelled when the daemon names a relayed circuit's peer.
@@ -173,12 +221,9 @@ class SessionStream:
             kind = req.WhichOneof("kind")
             if kind not in ALLOWED[self.state]:
                 raise ProtocolViolation(f"a {kind} message is not allowed in state {self.state}")
-            if kind in ("chunk", "decode"):
+            if kind == "decode" or kind == "chunk":
                 self.ledger.on_chunk(len(data))
-            handler = {"open": self._on_open, "chunk": self._on_chunk, "decode": self._on_decode,
-                       "flow_control": self._on_flow_control, "release": self._on_release,
-                       "cancel": self._on_cancel, "repoint": self._on_repoint}[kind]
-            return handler(req, tensors)
+            return getattr(self, _HANDLERS[kind])(req, tensors)
         except (ProtocolError, ShardRefusal) as exc:  # frame-level, a refused open, or a cancel
             self.state = CLOSED
             return [_status(exc, terminal=True, session_id=session_id)]
@@ -227,7 +272,7 @@ class SessionStream:
     # -- work ----------------------------------------------------------------------------
     def _input(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
         name = TOKEN_IDS if self.effective_start == 0 else HIDDEN
-        if set(tensors) != {name}:
+        if len(tensors) != 1 or name not in tensors:
             raise PayloadCorrupt(f"expected exactly one tensor named {name!r}, got {sorted(tensors)}")
         return tensors[name]
 
@@ -240,15 +285,14 @@ class SessionStream:
         spec, tail = self.sampling, self.tail
 
         def post(output: np.ndarray) -> TailAnswer:
-            sample = None
+            token = sample = None
             if spec is not None and draw_at is not None:
                 token = sample_token(output, spec, draw_at)
-                sample = pb.TailSample(token_id=token)
                 if tail.logprobs or tail.top_logprobs:
                     logprob, top = token_logprobs(output, token, int(tail.top_logprobs))
-                    sample.logprob = logprob
+                    sample = pb.TailSample(token_id=token, logprob=logprob)
                     sample.top.extend(pb.TokenLogprob(token_id=i, logprob=v) for i, v in top)
-            return TailAnswer({LOGITS: output} if tail.return_logits or spec is None else {}, sample)
+            return TailAnswer({LOGITS: output} if tail.return_logits or spec is None else {}, token, sample)
         return post
 
     def _run(self, *, step: int, position: int, expected: int, tensors, deadline: int, draw_at: int | None):
@@ -317,17 +361,11 @@ class SessionStream:
                                tensors=tensors, deadline=d.deadline_unix_nanos, draw_at=d.position + 1)
         except (ProtocolError, ShardRefusal) as exc:
             return self._work_error(exc, d.work_id, d.idempotency_step)
-        head = pb.DecodeResult(idempotency_step=d.idempotency_step, past_len=result.past_len,
-                               duplicate=result.duplicate, execution_nanos=result.execution_nanos)
-        tensors, sample = _parts(result.payload)
-        if sample is not None:
-            head.sample.CopyFrom(sample)
         if self.push is not None:
-            forward.after_decode(self, d, head, tensors)
+            forward.after_decode(self, d, result)
             return self._grant()
-        # One-copy serializer at every size: building protobuf NamedTensors and
-        # copying them into the result cost ~10x more per decode step.
-        return [wire.response_decode(head, tensors), *self._grant()]
+        return [decode_answer(d.idempotency_step, result.past_len, result.duplicate, result.execution_nanos,
+                              result.payload), *self._grant()]
 
     def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         return []  # responses answer requests one to one; the peer's grants need no bookkeeping

@@ -36,7 +36,7 @@ import torch
 from proto import shard_runtime_pb2 as pb
 from shard.adapters import RangeModules, adapter_for, range_config
 from shard.artifact import artifact_digest, make_fingerprint, torch_recipe
-from shard.backend import LayerRange
+from shard.backend import LayerRange, ids_in_range
 from shard.errors import ArtifactError
 
 DTYPES = {"float32": (torch.float32, np.dtype(np.float32)), "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16))}
@@ -211,7 +211,7 @@ class TorchRangeBackend:
         if effective_start == 0:
             if inputs.dtype != np.int64 or inputs.ndim != 1:
                 raise BackendInputError(f"head input must be int64 [T], got {inputs.dtype} {inputs.shape}")
-            if inputs.size and (inputs.min() < 0 or inputs.max() >= self.vocab_size):
+            if not ids_in_range(inputs, self.vocab_size):
                 raise BackendInputError(f"token id outside 0..{self.vocab_size - 1}")
         elif inputs.dtype != self.boundary_dtype or inputs.ndim != 2 or inputs.shape[1] != self.hidden_size:
             raise BackendInputError(

@@ -74,8 +74,22 @@ def test_pushed_tokens_equal_the_whole_model_with_hops_plus_one_legs(shards, ref
     assert driver.stats.routes[0].peers == ("peer-a", "peer-b", "peer-c")
     assert not driver.stats.failovers
     assert driver.stats.step_legs and set(driver.stats.step_legs) == {3 + 1}   # counted by the hops
+    # Every decode input after the first went to the head from the tail's reader thread (the
+    # continuation), before the driver thread woke up: the first follows the prompt's chunk.
+    assert driver.stats.continued_steps == NEW_TOKENS - 2
     assert all(s.active_sessions() == 0 for s in shards.values())             # released everywhere
     assert all(not s.service.push_hub._sessions for s in shards.values() if s.service.push_hub)
+
+
+def test_the_continuation_stops_at_a_stop_id_and_at_the_last_token(shards, reference):
+    stop_at = 7                      # the 8th generated token is a stop id: the generation ends there
+    assert reference[stop_at] not in reference[:stop_at]
+    driver = driver_for(shards)
+    tokens = collect(driver, request(stop_ids=frozenset({reference[stop_at]})))
+    assert tokens == reference[:stop_at + 1]
+    # inputs sent ahead: after tokens 2..7 (never after the stop id, never past the last token)
+    assert driver.stats.continued_steps == stop_at - 1
+    assert all(s.active_sessions() == 0 for s in shards.values())
 
 
 def test_star_still_runs_and_counts_two_legs_per_hop(shards, reference):

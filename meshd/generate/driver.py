@@ -235,6 +235,7 @@ class DriverStats:
     step_hops: list[int] = field(default_factory=list)
     hop_execution_ns: list[int] = field(default_factory=list)    # per hop index, summed over those steps
     step_legs: list[int] = field(default_factory=list)           # network legs each step took, counted (push.py)
+    continued_steps: int = 0     # decode inputs the tail's reader sent to the head itself (push.py's continuation)
     logits: list[np.ndarray] = field(default_factory=list)       # with return_logits only
 
     @property
@@ -315,6 +316,7 @@ class SwarmDriver:
                 f"is {self._max_tokens} tokens, past the model's {self.context_tokens}-token context; "
                 "shorten the prompt or lower max_tokens")
         self._chunk_tokens = request.chunk_tokens
+        self._stop_ids = request.stop_ids
         self._tail = request.tail_options()
         self._return_logits = request.return_logits
         self._want_logprobs = request.logprobs or request.top_logprobs > 0

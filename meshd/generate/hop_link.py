@@ -36,6 +36,7 @@ from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
 from proto.errors import MeshdError
+from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION
 from proto.frames import parse_response
@@ -283,6 +284,10 @@ def _read(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
     steps), the zero-copy reader large ones (shard.stream.SMALL_FRAME_BYTES); same checks."""
     if len(body) > SMALL_FRAME_BYTES:
         return read_response(body)
+    if body[:1] == b"\x32":      # a decode step's answer: read by hand when it is a plain one
+        fast = read_decode_response(body)
+        if fast is not None:
+            return fast
     resp = parse_response(body)
     kind = resp.WhichOneof("kind")
     holder = resp.decode if kind == "decode" else resp.chunk if kind == "chunk" else None

@@ -15,6 +15,7 @@ the send times wait in a deque (thread-safe appends and pops).
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Protocol
 
@@ -27,6 +28,9 @@ _RESP_DECODE = 6
 # Send times kept per call: decode steps are one in flight at a time; the
 # bound only guards against a peer that never answers.
 MAX_PENDING_STEPS = 64
+# How often a channel's counts reach the observer at the latest (see _Reading).
+FLUSH_S = 0.5
+FLUSH_STEPS = 64
 
 
 class HopObserver(Protocol):
@@ -50,21 +54,52 @@ def _field(body: bytes) -> int:
 
 
 class _Reading:
-    __slots__ = ("peer_id", "transport", "observer", "sent_at")
+    """One channel's counts. Frames are counted where they pass (a few integer adds), and the
+    observer hears the sums at most every FLUSH_S (or FLUSH_STEPS decode steps), when the call
+    ends, and when the channel closes: the metrics calls stay off the per-token path (each
+    costs tens of microseconds there, its caches cold after a forward)."""
+
+    __slots__ = ("peer_id", "transport", "observer", "sent_at", "_sent", "_received", "_steps", "_flushed_at",
+                 "_lock")
 
     def __init__(self, peer_id: str, transport: str, observer: HopObserver) -> None:
         self.peer_id, self.transport, self.observer = peer_id, transport, observer
         self.sent_at: collections.deque[float] = collections.deque(maxlen=MAX_PENDING_STEPS)
+        self._sent = self._received = 0
+        self._steps: list[float] = []
+        self._flushed_at = time.monotonic()
+        self._lock = threading.Lock()   # a pushed route sends from one thread and reads from another
 
     def sent(self, body: bytes) -> None:
         if _field(body) == _REQ_DECODE:
             self.sent_at.append(time.perf_counter())
-        self.observer.hop_bytes(self.peer_id, self.transport, len(body), 0)
+        with self._lock:
+            self._sent += len(body)
+        self._maybe_flush()
 
     def received(self, body: bytes) -> None:
         if _field(body) == _RESP_DECODE and self.sent_at:
-            self.observer.hop_step(self.peer_id, self.transport, time.perf_counter() - self.sent_at.popleft())
-        self.observer.hop_bytes(self.peer_id, self.transport, 0, len(body))
+            step = time.perf_counter() - self.sent_at.popleft()
+            with self._lock:
+                self._steps.append(step)
+        with self._lock:
+            self._received += len(body)
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
+        if len(self._steps) >= FLUSH_STEPS or time.monotonic() - self._flushed_at >= FLUSH_S:
+            self.flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            sent, received, steps = self._sent, self._received, self._steps
+            self._sent = self._received = 0
+            self._steps = []
+            self._flushed_at = time.monotonic()
+        for seconds in steps:
+            self.observer.hop_step(self.peer_id, self.transport, seconds)
+        if sent or received:
+            self.observer.hop_bytes(self.peer_id, self.transport, sent, received)
 
 
 class _Requests:
@@ -103,9 +138,17 @@ class _Call:
         return self
 
     def __next__(self) -> bytes:
-        body = next(self._inner)
+        try:
+            body = next(self._inner)
+        except BaseException:       # the call ended (or broke): what it counted is told now
+            self._reading.flush()
+            raise
         self._reading.received(body)
         return body
+
+    def cancel(self):
+        self._reading.flush()
+        return self._inner.cancel()
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -122,6 +165,10 @@ class _Channel:
         def start(requests, **kwargs):
             return _Call(call(_Requests(requests, self._reading), **kwargs), self._reading)
         return start
+
+    def close(self):
+        self._reading.flush()
+        return self._inner.close()
 
     def __getattr__(self, name):
         return getattr(self._inner, name)

@@ -54,6 +54,7 @@ from meshd.errors import HopFailure
 from meshd.generate import driver as star
 from meshd.generate.hop_link import LinkSpec, StepCounter, TailOut, _read
 from meshd.plan.routing import Hop, Route
+from proto import fastpath
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
@@ -82,6 +83,9 @@ class PushLink(star._LazyLink):
         self._credits = 0
         self._released = threading.Event()
         self.fed = 0                       # positions sent to this hop (the head)
+        self.fed_at_ns = 0                 # perf_counter_ns of the last decode step sent to this hop
+        self.continued = 0                 # ``fed`` right after the continuation's last send
+        self.continuation = None           # the tail's: called with each decode answer before the driver hears it
         self.target: pb.PushTarget | None = None
         self.successor: tuple[str, int] | None = None
 
@@ -131,6 +135,9 @@ class PushLink(star._LazyLink):
                 elif kind == "ack":
                     self._released.set()
                 elif kind in ("decode", "chunk"):
+                    continuation = self.continuation
+                    if continuation is not None and kind == "decode":
+                        continuation(resp)
                     events.put((self, (resp, tensors, len(body))))
             if not self._closing:
                 events.put((self, self._fail("the stream ended", pb.ERROR_CODE_PROTOCOL_VIOLATION)))
@@ -147,6 +154,22 @@ class PushLink(star._LazyLink):
                 raise self._fail(f"no flow-control credit for {timeout_s:.1f} s", pb.ERROR_CODE_DEADLINE_EXCEEDED)
             self._credits -= 1
 
+    def try_feed_token(self, token: int, step: StepCounter) -> bool:
+        """Send the decode step of position ``fed`` with ``token`` as its input if a credit is there
+        now (never waits: the continuation runs on the tail's reader thread); False otherwise."""
+        with self._cond:
+            if self._credits <= 0 or self._closing:
+                return False
+            self._credits -= 1
+        first, idem = self.fed, step.next()
+        self.fed_at_ns = time.perf_counter_ns()
+        ids = np.array([token], dtype=np.int64)
+        body = fastpath.decode_request_bytes(idem, first, first, TOKEN_IDS, ids, legs=1) or wire.request_decode(
+            pb.DecodeStep(idempotency_step=idem, position=first, expected_past_len=first, legs=1), TOKEN_IDS, ids)
+        self._send(body, work=False)
+        self.fed = self.continued = first + 1
+        return True
+
     def feed(self, inputs: np.ndarray, step: StepCounter, timeout_s: float) -> None:
         """Send positions ``[fed, fed + n)`` (the head; no answer awaited here)."""
         first, n = self.fed, int(inputs.shape[0])
@@ -155,6 +178,7 @@ class PushLink(star._LazyLink):
             head = pb.DecodeStep(idempotency_step=step.next(), position=first, expected_past_len=first, legs=1)
             body = wire.request_decode(head, name, inputs)
             self._credit(timeout_s)
+            self.fed_at_ns = time.perf_counter_ns()
             self._send(body, work=False)
             self.fed = first + 1
             return
@@ -234,6 +258,9 @@ class PushDriver(star.SwarmDriver):
         self.topology = topology
         self._events: queue.Queue = queue.Queue()
         self._pushing = False
+        # The continuation (see _arm): at most one armed at a time, under this lock.
+        self._cont_lock = threading.Lock()
+        self._armed: tuple[int, PushLink] | None = None
 
     # ------------------------------------------------------------------ route shape
     def _target_of(self, hop: Hop) -> pb.PushTarget | None:
@@ -294,15 +321,20 @@ class PushDriver(star.SwarmDriver):
                 link.repoint(self._target(succ))
         head, tail = links[0], links[-1]
         rows = self._rows[0]
-        plain = head.fed == target - 1 > 0
+        ahead = head.fed == head.continued == target   # the continuation already sent this step's input
+        plain = ahead or head.fed == target - 1 > 0
         positions = max(1, target - head.fed)
-        t0 = time.perf_counter_ns()
+        t0 = head.fed_at_ns if ahead else time.perf_counter_ns()
         # A decode step's deadline comes from the route's own measured step times (decode_done below
         # records the whole route's), so it already spans every hop; a chunk's is per hop.
         budget = tail.deadlines.decode_s() if plain else tail.deadlines.chunk_s(positions) * len(links)
         for a, b in self._replay(head.fed, target):
             head.feed(rows.read(a, b), self._steps, budget)
-        resp, tensors, nbytes = self._await(target, budget)
+        self._arm(target, head, tail)
+        try:
+            resp, tensors, nbytes = self._await(target, budget)
+        finally:
+            self._disarm(tail)
         elapsed = (time.perf_counter_ns() - t0) / 1e9
         if plain:
             tail.deadlines.decode_done(elapsed)
@@ -319,6 +351,45 @@ class PushDriver(star.SwarmDriver):
             s.step_hops.append(len(links))
             s.step_legs.append(int(resp.decode.legs))
         return TailOut(holder.sample, tensors.get("logits"))
+
+    # ------------------------------------------------------------------ the continuation
+    # In steady decode the next step's input is the token the tail is about to send, so the
+    # tail's reader thread sends it to the head the moment it arrives (``try_feed_token``), before
+    # the driver thread wakes up: the entry's share of a token's critical path is one parse and
+    # one send instead of a thread hand-off, the driver's bookkeeping and the token's delivery.
+    # It sends exactly the frame the driver would send next, and only when the driver would:
+    # the answer is for the position awaited, the token is no stop id, the generation wants a
+    # token more, nothing was cancelled, the head has a credit. Everything else (failures,
+    # stats, stop strings, logprobs) stays with the driver; a stop string found by the caller
+    # after the token costs the head one step that is released with the session.
+    def _arm(self, target: int, head: "PushLink", tail: "PushLink") -> None:
+        if target + 1 >= self._max_tokens or head.fed != target or head is tail:
+            return
+        with self._cont_lock:
+            self._armed = (target, head)
+        tail.continuation = self._continue
+
+    def _disarm(self, tail: "PushLink") -> None:
+        tail.continuation = None
+        with self._cont_lock:
+            self._armed = None
+
+    def _continue(self, resp: pb.SessionResponse) -> None:
+        decode = resp.decode
+        with self._cont_lock:
+            armed = self._armed
+            if armed is None or decode.past_len != armed[0] or not decode.HasField("sample"):
+                return
+            self._armed = None
+            target, head = armed
+            token = int(decode.sample.token_id)
+            if self._cancel.is_set() or token in self._stop_ids or head.fed != target:
+                return
+            try:
+                if head.try_feed_token(token, self._steps):
+                    self.stats.continued_steps += 1
+            except Exception:   # noqa: BLE001 - the driver meets the broken link itself, next step
+                pass
 
     def _await(self, target: int, budget: float):
         deadline = time.monotonic() + budget
