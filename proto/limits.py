@@ -135,3 +135,9 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+# A looped tail's stop tokens (TailOptions.stop_token_ids): a tokenizer has a few.
+MAX_STOP_TOKENS = 64
+# A pushed head's decode inputs are numbered DECODE_STEP_BASE + position (by the entry
+# and by a looped tail alike): above any step a generation's counter reaches before them.
+DECODE_STEP_BASE = 1 << 40

@@ -347,18 +347,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TailOptions(_message.Message):
-    __slots__ = ("return_logits", "sample", "sampling", "logprobs", "top_logprobs")
+    __slots__ = ("return_logits", "sample", "sampling", "logprobs", "top_logprobs", "stop_token_ids")
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     return_logits: bool
     sample: bool
     sampling: SamplingParams
     logprobs: bool
     top_logprobs: int
-    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -379,7 +381,7 @@ class TailSample(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class SessionOpen(_message.Message):
-    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "tail", "max_tokens", "owner_token", "relayed_peer_id", "push_next", "push", "push_feed")
+    __slots__ = ("schema_version", "route_session_id", "route_epoch", "fingerprint", "shard_range", "proposed_flow_control", "accepted_compression", "tail", "max_tokens", "owner_token", "relayed_peer_id", "push_next", "push", "push_feed", "push_loop", "push_loop_from")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -394,6 +396,8 @@ class SessionOpen(_message.Message):
     PUSH_NEXT_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
     PUSH_FEED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_LOOP_FIELD_NUMBER: _ClassVar[int]
+    PUSH_LOOP_FROM_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     route_session_id: str
     route_epoch: int
@@ -408,7 +412,9 @@ class SessionOpen(_message.Message):
     push_next: PushTarget
     push: bool
     push_feed: bool
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., tail: _Optional[_Union[TailOptions, _Mapping]] = ..., max_tokens: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., relayed_peer_id: _Optional[str] = ..., push_next: _Optional[_Union[PushTarget, _Mapping]] = ..., push: bool = ..., push_feed: bool = ...) -> None: ...
+    push_loop: bool
+    push_loop_from: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., proposed_flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., tail: _Optional[_Union[TailOptions, _Mapping]] = ..., max_tokens: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., relayed_peer_id: _Optional[str] = ..., push_next: _Optional[_Union[PushTarget, _Mapping]] = ..., push: bool = ..., push_feed: bool = ..., push_loop: bool = ..., push_loop_from: _Optional[int] = ...) -> None: ...
 
 class PushTarget(_message.Message):
     __slots__ = ("peer_id", "endpoint", "tls_cert_sha256", "shard_range", "route_epoch", "owner_token", "frames_endpoint")

@@ -53,6 +53,7 @@ import numpy as np
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.errors import LimitExceeded, ProtocolViolation
+from proto.limits import MAX_STOP_TOKENS
 from proto.frames import SCHEMA_VERSION
 from shard.errors import CacheMiss, to_shard_error
 from shard.forwarder import Forwarder, PushError
@@ -157,7 +158,11 @@ class PushSession:
         self.effective_start = int(open_msg.shard_range.effective_start_layer)
         self.tail, self.sampling = open_msg.tail, None
         self.is_tail = is_tail
-        self.forwarder = None if is_tail else Forwarder(self, open_msg.push_next)
+        # A looped tail sends its tokens on to the head (push_next), from position loop_from on.
+        self.loop = is_tail and open_msg.push_loop
+        self.loop_from = int(open_msg.push_loop_from)
+        self.stop_ids = frozenset(open_msg.tail.stop_token_ids)
+        self.forwarder = Forwarder(self, open_msg.push_next, loop=self.loop) if (not is_tail or self.loop) else None
 
     def report(self, detail: str, failed_peer: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
         try:
@@ -176,6 +181,20 @@ class PushSession:
             self.report(str(exc), self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
         except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
             self.report(f"cannot push to the successor: {to_shard_error(exc).detail or type(exc).__name__}",
+                        self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+
+    def loop_token(self, position: int, token: int | None) -> None:
+        """A looped tail drew ``token`` for ``position``: the head's next input, unless the
+        generation ends there (a stop token, the session's last position) or the entry feeds it."""
+        if (not self.loop or token is None or position < self.loop_from or token in self.stop_ids
+                or (self.max_tokens and position + 1 >= self.max_tokens)):
+            return
+        try:
+            self.forwarder.push_token(position, token)
+        except PushError as exc:
+            self.report(str(exc), self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+        except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
+            self.report(f"cannot send the token to the head: {to_shard_error(exc).detail or type(exc).__name__}",
                         self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
 
     def repoint(self, target: pb.PushTarget) -> None:
@@ -217,9 +236,13 @@ class PushHub:
 
     def register(self, key: SessionKey, open_msg: pb.SessionOpen, fingerprint: pb.Fingerprint,
                  is_tail: bool) -> PushSession:
-        if not is_tail:
+        if open_msg.push_loop and not is_tail:
+            raise ProtocolViolation("only the tail of a pushed route loops its tokens (push_loop)")
+        if len(open_msg.tail.stop_token_ids) > MAX_STOP_TOKENS:
+            raise LimitExceeded(f"more than {MAX_STOP_TOKENS} stop tokens")
+        if not is_tail or open_msg.push_loop:
             if not open_msg.HasField("push_next"):
-                raise ProtocolViolation("a pushed non-tail hop needs push_next")
+                raise ProtocolViolation("a pushed non-tail hop (and a looped tail) needs push_next")
             check_target(open_msg.push_next)
             if self.dialer is None:
                 raise ProtocolViolation("this worker cannot push (no dialer configured)")
@@ -309,11 +332,14 @@ def attach_feeder(stream, key: SessionKey, o: pb.SessionOpen, owner) -> list[byt
 
 
 def after_chunk(stream, env: pb.Envelope, tensors: dict, sample: pb.TailSample | None) -> None:
-    """A pushed prefill chunk ran: the tail answers the entry (final chunk only), others push on."""
+    """A pushed prefill chunk ran: the tail answers the entry (final chunk only; a looped tail
+    first sends the token to the head), others push on."""
     session: PushSession = stream.push
     final = env.chunk.final_chunk if env.HasField("chunk") else True
     if session.is_tail:
         if final:
+            if sample is not None:
+                session.loop_token(env.position.first_position + env.position.token_count, sample.token_id)
             session.answer(wire.response_chunk(env, tensors, sample=sample))
         return
     c = env.chunk
@@ -328,6 +354,8 @@ def after_decode(stream, d: pb.DecodeStep, result) -> None:
 
     session: PushSession = stream.push
     if session.is_tail:
+        if session.loop and not result.duplicate:       # the head waits for this one: it goes first
+            session.loop_token(int(d.position) + 1, getattr(result.payload, "token", None))
         # the route's compute, summed along the way, for the entry's figures; this answer's leg too
         session.answer(decode_answer(d.idempotency_step, result.past_len, result.duplicate,
                                      result.execution_nanos + d.route_execution_nanos, result.payload,

@@ -29,6 +29,7 @@ from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
+from proto.limits import DECODE_STEP_BASE
 from shard.request_queue import RequestQueue
 
 if TYPE_CHECKING:
@@ -43,6 +44,7 @@ STREAM_TIMEOUT_S = 6 * 3600.0
 SEND_DEPTH = 32
 SESSION_METHOD = "/meshd.shard.v1.ShardRuntime/Session"
 HIDDEN = "h"
+TOKEN_IDS = "token_ids"
 
 
 class PushError(Exception):
@@ -52,8 +54,9 @@ class PushError(Exception):
 class Forwarder:
     """This hop's stream to its successor; keeps what it sent for a replacement (see module doc)."""
 
-    def __init__(self, session: "PushSession", target: pb.PushTarget) -> None:
+    def __init__(self, session: "PushSession", target: pb.PushTarget, *, loop: bool = False) -> None:
         self.session, self.target = session, target
+        self.loop = loop                        # a looped tail's stream to the head: tokens, nothing kept
         self._lock = threading.Lock()           # one send / repoint at a time
         self._rows: np.ndarray | None = None
         self._held = 0
@@ -204,6 +207,19 @@ class Forwarder:
             finally:
                 self._keep(first, rows)
                 self._batches.append((first, rows.shape[0], index, count, final, decode))
+
+    def push_token(self, position: int, token: int) -> None:
+        """A looped tail's drawn token, sent to the head as its decode input at ``position``
+        (numbered DECODE_STEP_BASE + position, as the entry numbers its own; nothing is kept:
+        a replacement head is fed its history by the entry)."""
+        ids = np.array([token], dtype=np.int64)
+        step = DECODE_STEP_BASE + position
+        with self._lock:
+            if self._call is None:
+                self._open()
+            body = fastpath.decode_request_bytes(step, position, position, TOKEN_IDS, ids, legs=1)
+            self._send(body or wire.request_decode(pb.DecodeStep(idempotency_step=step, position=position,
+                                                                 expected_past_len=position, legs=1), TOKEN_IDS, ids))
 
     def repoint(self, target: pb.PushTarget) -> None:
         """Push to ``target`` from now on, after re-sending every held row in its first batches."""

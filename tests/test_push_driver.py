@@ -55,7 +55,7 @@ def shards(model):
 
 
 def driver_for(shards, topology="push", **kw) -> PushDriver:
-    costs = {"peer-a": 1.0, "peer-b": 1.0, "peer-c": 1.0, "peer-d": 5.0}
+    costs = {"peer-a": 1.0, "peer-b": 1.0, "peer-c": 1.0, "peer-d": 5.0, "peer-e": 5.0}
     fp = next(iter(shards.values())).service.backend.fingerprint
     source = AdsRouteSource(lambda: [s.ad(NUM_LAYERS, costs[p]) for p, s in shards.items()],
                             fp.model_artifact_digest, NUM_LAYERS, entry_peer_id="entry",
@@ -68,27 +68,36 @@ def request(**kw) -> GenerationRequest:
     return GenerationRequest(PROMPT, NEW_TOKENS, chunk_tokens=16, **kw)
 
 
-def test_pushed_tokens_equal_the_whole_model_with_hops_plus_one_legs(shards, reference):
-    driver = driver_for(shards)
+LOOPS = pytest.mark.parametrize("loop", [True, False], ids=["looped", "entry-fed"])
+
+
+@LOOPS
+def test_pushed_tokens_equal_the_whole_model_with_hops_plus_one_legs(shards, reference, loop):
+    driver = driver_for(shards, loop=loop)
     assert collect(driver, request()) == reference
     assert driver.stats.routes[0].peers == ("peer-a", "peer-b", "peer-c")
     assert not driver.stats.failovers
     assert driver.stats.step_legs and set(driver.stats.step_legs) == {3 + 1}   # counted by the hops
-    # Every decode input after the first went to the head from the tail's reader thread (the
-    # continuation), before the driver thread woke up: the first follows the prompt's chunk.
-    assert driver.stats.continued_steps == NEW_TOKENS - 2
+    if loop:   # the tail sent every token but the last straight to the head: the entry fed only the prompt
+        assert driver.looped and driver.stats.looped_steps == NEW_TOKENS - 1 and driver.stats.continued_steps == 0
+    else:      # every decode input after the first went to the head from the tail's reader thread (the
+        # continuation), before the driver thread woke up: the first follows the prompt's chunk
+        assert not driver.looped and driver.stats.continued_steps == NEW_TOKENS - 2
     assert all(s.active_sessions() == 0 for s in shards.values())             # released everywhere
     assert all(not s.service.push_hub._sessions for s in shards.values() if s.service.push_hub)
 
 
-def test_the_continuation_stops_at_a_stop_id_and_at_the_last_token(shards, reference):
+@LOOPS
+def test_inputs_sent_ahead_stop_at_a_stop_id_and_at_the_last_token(shards, reference, loop):
     stop_at = 7                      # the 8th generated token is a stop id: the generation ends there
     assert reference[stop_at] not in reference[:stop_at]
-    driver = driver_for(shards)
+    driver = driver_for(shards, loop=loop)
     tokens = collect(driver, request(stop_ids=frozenset({reference[stop_at]})))
     assert tokens == reference[:stop_at + 1]
-    # inputs sent ahead: after tokens 2..7 (never after the stop id, never past the last token)
-    assert driver.stats.continued_steps == stop_at - 1
+    if loop:   # looped: tokens 1..7 went to the head, never the stop token
+        assert driver.stats.looped_steps == stop_at
+    else:      # sent ahead by the continuation: after tokens 2..7
+        assert driver.stats.continued_steps == stop_at - 1
     assert all(s.active_sessions() == 0 for s in shards.values())
 
 
@@ -98,8 +107,9 @@ def test_star_still_runs_and_counts_two_legs_per_hop(shards, reference):
     assert set(driver.stats.step_legs) == {2 * 3}
 
 
-def test_killed_middle_hop_mid_decode_recovers_from_rows_held_upstream(shards, reference):
-    driver = driver_for(shards)
+@LOOPS
+def test_killed_middle_hop_mid_decode_recovers_from_rows_held_upstream(shards, reference, loop):
+    driver = driver_for(shards, loop=loop)
     tokens = []
     for token in driver.generate(request()):
         tokens.append(token.id)
@@ -115,8 +125,9 @@ def test_killed_middle_hop_mid_decode_recovers_from_rows_held_upstream(shards, r
     assert shards["peer-a"].active_sessions() == 0 and shards["peer-d"].active_sessions() == 0
 
 
-def test_killed_tail_mid_decode_recovers_from_the_middle_hops_rows(shards, reference):
-    driver = driver_for(shards)
+@LOOPS
+def test_killed_tail_mid_decode_recovers_from_the_middle_hops_rows(shards, reference, loop):
+    driver = driver_for(shards, loop=loop)
     tokens = []
     for token in driver.generate(request()):
         tokens.append(token.id)
@@ -130,11 +141,12 @@ def test_killed_tail_mid_decode_recovers_from_the_middle_hops_rows(shards, refer
     assert event.reprefilled == (2,)
 
 
-def test_seeded_sampling_is_identical_across_a_pushed_failover(shards):
+@LOOPS
+def test_seeded_sampling_is_identical_across_a_pushed_failover(shards, loop):
     spec = SamplingSpec(temperature=0.8, top_k=20, top_p=0.9, seed=7)
-    first = collect(driver_for(shards), request(sampling=spec))
+    first = collect(driver_for(shards, loop=loop), request(sampling=spec))
     assert first == collect(driver_for(shards, topology="star"), request(sampling=spec))
-    driver = driver_for(shards)
+    driver = driver_for(shards, loop=loop)
     second = []
     for token in driver.generate(request(sampling=spec)):
         second.append(token.id)
@@ -148,6 +160,26 @@ def test_logprobs_travel_back_from_a_pushed_tail(shards):
     pushed = list(driver_for(shards).generate(request(logprobs=True, top_logprobs=3)))
     assert [t.id for t in pushed] == [t.id for t in star_tokens]
     assert all(p.logprob == s.logprob and p.top == s.top for p, s in zip(pushed, star_tokens))
+
+
+@pytest.mark.parametrize("kill_at", [1, 6])
+def test_a_killed_head_of_a_loop_is_replaced_and_fed_its_history_by_the_entry(model, shards, reference, kill_at):
+    """E, a dearer replica of the head A, takes over when A dies: every hop is fresh, the entry feeds
+    E the prompt and every token so far, and the new tail loops its tokens to E from there on."""
+    spare = start_shard(model, "peer-e", 0, 2)
+    spare.service.push_dialer = _loopback_dialer
+    shards["peer-e"] = spare
+    driver = driver_for(shards)
+    tokens = []
+    for token in driver.generate(request()):
+        tokens.append(token.id)
+        if len(tokens) == kill_at:
+            shards["peer-a"].kill()
+    assert tokens == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-a" and driver.looped
+    assert driver.stats.routes[-1].peers[0] == "peer-e"
+    assert driver.stats.looped_steps >= NEW_TOKENS - kill_at - 1
 
 
 def test_killed_head_without_replacement_is_a_clear_error(shards):

@@ -100,7 +100,7 @@ from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, hops_to_reprefill
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, MeshdError
-from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS
+from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_STOP_TOKENS
 from shard.sampling import SamplingSpec, check_top_logprobs
 
 # Failovers one generation may go through before giving up (each needs a
@@ -198,8 +198,10 @@ class GenerationRequest:
             raise LocalError("return_logits and logprobs must be booleans")
 
     def tail_options(self) -> pb.TailOptions:
+        stops = sorted(self.stop_ids) if len(self.stop_ids) <= MAX_STOP_TOKENS else []   # for a looped tail
         return pb.TailOptions(sample=True, sampling=self.sampling.to_pb(), return_logits=self.return_logits,
-                              logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs)
+                              logprobs=self.logprobs or self.top_logprobs > 0, top_logprobs=self.top_logprobs,
+                              stop_token_ids=stops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,6 +238,7 @@ class DriverStats:
     hop_execution_ns: list[int] = field(default_factory=list)    # per hop index, summed over those steps
     step_legs: list[int] = field(default_factory=list)           # network legs each step took, counted (push.py)
     continued_steps: int = 0     # decode inputs the tail's reader sent to the head itself (push.py's continuation)
+    looped_steps: int = 0        # decode inputs a looped route's tail sent to the head (push.py)
     logits: list[np.ndarray] = field(default_factory=list)       # with return_logits only
 
     @property

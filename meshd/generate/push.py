@@ -60,6 +60,7 @@ from proto import wire
 from proto.chunking import plan_prefill_chunks
 from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
+from proto.limits import DECODE_STEP_BASE
 from shard.server import SERVICE_NAME
 from shard.stream import HIDDEN, TOKEN_IDS
 
@@ -82,7 +83,9 @@ class PushLink(star._LazyLink):
         self._cond = threading.Condition()
         self._credits = 0
         self._released = threading.Event()
-        self.fed = 0                       # positions sent to this hop (the head)
+        self.fed = 0                       # positions the head has (or will have) its input for
+        self.loop = False                  # the tail of a looped route: sends its tokens to the head
+        self.loop_from = 0                 # ... drawn for positions from this one on
         self.fed_at_ns = 0                 # perf_counter_ns of the last decode step sent to this hop
         self.continued = 0                 # ``fed`` right after the continuation's last send
         self.continuation = None           # the tail's: called with each decode answer before the driver hears it
@@ -100,7 +103,8 @@ class PushLink(star._LazyLink):
             except MeshdError as exc:
                 detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
                 raise HopFailure(self.index, self.spec.peer_id, detail) from exc
-        resp = self._open_session(push=True, push_next=self.target)
+        resp = self._open_session(push=True, push_next=self.target, push_loop=self.loop,
+                                  push_loop_from=self.loop_from)
         self._credits = resp.accepted.flow_control.credits_granted
         self.successor = None if self.target is None else (self.target.peer_id, self.target.route_epoch)
         self._opened = True
@@ -161,7 +165,8 @@ class PushLink(star._LazyLink):
             if self._credits <= 0 or self._closing:
                 return False
             self._credits -= 1
-        first, idem = self.fed, step.next()
+        first = self.fed
+        idem = DECODE_STEP_BASE + first    # as a looped tail numbers the head's inputs
         self.fed_at_ns = time.perf_counter_ns()
         ids = np.array([token], dtype=np.int64)
         body = fastpath.decode_request_bytes(idem, first, first, TOKEN_IDS, ids, legs=1) or wire.request_decode(
@@ -175,7 +180,8 @@ class PushLink(star._LazyLink):
         first, n = self.fed, int(inputs.shape[0])
         name = TOKEN_IDS if self.spec.effective_start == 0 else HIDDEN
         if n == 1 and first > 0:
-            head = pb.DecodeStep(idempotency_step=step.next(), position=first, expected_past_len=first, legs=1)
+            head = pb.DecodeStep(idempotency_step=DECODE_STEP_BASE + first, position=first, expected_past_len=first,
+                                 legs=1)
             body = wire.request_decode(head, name, inputs)
             self._credit(timeout_s)
             self.fed_at_ns = time.perf_counter_ns()
@@ -251,21 +257,27 @@ class PushLink(star._LazyLink):
 class PushDriver(star.SwarmDriver):
     """The route driver with the push topology (module docstring); ``topology="star"``: the star."""
 
-    def __init__(self, *args, topology: str = "push", **kwargs) -> None:
+    def __init__(self, *args, topology: str = "push", loop: bool = True, **kwargs) -> None:
         if topology not in TOPOLOGIES:
             raise LocalError(f"topology must be one of {TOPOLOGIES}")
         super().__init__(*args, **kwargs)
         self.topology = topology
+        self.loop_wanted = loop            # close pushed routes into a loop when the head can be dialled
+        self.looped = False                # the route in use is a loop (tail -> head)
         self._events: queue.Queue = queue.Queue()
         self._pushing = False
         # The continuation (see _arm): at most one armed at a time, under this lock.
         self._cont_lock = threading.Lock()
         self._armed: tuple[int, PushLink] | None = None
+        self._looped_at = -1               # head.fed right after a looped token was noted
 
     # ------------------------------------------------------------------ route shape
-    def _target_of(self, hop: Hop) -> pb.PushTarget | None:
+    def _target_of(self, hop: Hop, *, head: bool = False) -> pb.PushTarget | None:
+        """Where a worker may push to ``hop`` (None: it cannot). Our own worker is a target only as
+        a loop's head, and only when peers can dial this node (``own_dialable``)."""
         c = self.connector
-        if hop.relayed or not hop.endpoint or hop.peer_id == getattr(c, "self_peer_id", None):
+        own = hop.peer_id == getattr(c, "self_peer_id", None)
+        if hop.relayed or not hop.endpoint or (own and not (head and getattr(c, "own_dialable", False))):
             return None
         pin = b"" if getattr(c, "insecure_loopback", False) else bytes(getattr(c, "pins", {}).get(hop.peer_id, b""))
         if not pin and not getattr(c, "insecure_loopback", False):
@@ -288,6 +300,8 @@ class PushDriver(star.SwarmDriver):
                 link.close(release=True)
             keep = None
         self._pushing = pushing
+        self.looped = pushing and self.loop_wanted and bool(self._tail.stop_token_ids or not self._stop_ids) \
+            and self._target_of(route.hops[0], head=True) is not None
         super()._set_route(route, keep)
 
     def _new_link(self, index: int, hop: Hop, num_layers: int):
@@ -297,8 +311,8 @@ class PushDriver(star.SwarmDriver):
         return PushLink(index, link.spec, hop, self.connector, patience=link.deadlines.patience,
                         events=self._events)
 
-    def _target(self, link) -> pb.PushTarget:
-        target = self._target_of(link._hop)
+    def _target(self, link, *, head: bool = False) -> pb.PushTarget:
+        target = self._target_of(link._hop, head=head)
         target.route_epoch = link.spec.epoch
         return target
 
@@ -310,10 +324,19 @@ class PushDriver(star.SwarmDriver):
                 self.stats.step_legs.append(2 * self.stats.step_hops[-1])   # counted: one send, one answer per hop
             return answer
         links = self._links
+        looped = self.looped
         for i in range(len(links) - 1, -1, -1):     # successors first: their sessions exist when pushed to
             link = links[i]
             if not link.is_open:
-                link.target = self._target(links[i + 1]) if i + 1 < len(links) else None
+                if i + 1 < len(links):
+                    link.target = self._target(links[i + 1])
+                elif looped:                          # the tail: tokens go to the head from here on
+                    link.target, link.loop = self._target(links[0], head=True), True
+                    # a fresh head is fed every known position by us; a kept one has them, or gets the
+                    # last one from this tail (it re-draws it from the rows it is re-sent)
+                    link.loop_from = target if not links[0].is_open else max(0, target - 1)
+                else:
+                    link.target = None
                 link.open()
         for i, link in enumerate(links[:-1]):
             succ = links[i + 1]
@@ -321,7 +344,8 @@ class PushDriver(star.SwarmDriver):
                 link.repoint(self._target(succ))
         head, tail = links[0], links[-1]
         rows = self._rows[0]
-        ahead = head.fed == head.continued == target   # the continuation already sent this step's input
+        # the continuation (or, on a loop, the tail) already sent this step's input
+        ahead = head.fed == target and (head.continued == target or (looped and self._looped_at == target))
         plain = ahead or head.fed == target - 1 > 0
         positions = max(1, target - head.fed)
         t0 = head.fed_at_ns if ahead else time.perf_counter_ns()
@@ -330,11 +354,14 @@ class PushDriver(star.SwarmDriver):
         budget = tail.deadlines.decode_s() if plain else tail.deadlines.chunk_s(positions) * len(links)
         for a, b in self._replay(head.fed, target):
             head.feed(rows.read(a, b), self._steps, budget)
-        self._arm(target, head, tail)
+        if not looped:
+            self._arm(target, head, tail)
         try:
             resp, tensors, nbytes = self._await(target, budget)
         finally:
             self._disarm(tail)
+        if looped:
+            self._note_looped(target, resp, head, tail)
         elapsed = (time.perf_counter_ns() - t0) / 1e9
         if plain:
             tail.deadlines.decode_done(elapsed)
@@ -351,6 +378,19 @@ class PushDriver(star.SwarmDriver):
             s.step_hops.append(len(links))
             s.step_legs.append(int(resp.decode.legs))
         return TailOut(holder.sample, tensors.get("logits"))
+
+    def _note_looped(self, target: int, resp, head: "PushLink", tail: "PushLink") -> None:
+        """The tail drew position ``target``'s token: the same rule as the tail's (PushSession.
+        loop_token) says whether it went on to the head, so the head has input up to there."""
+        holder = resp.decode if resp.WhichOneof("kind") == "decode" else resp.chunk
+        if not holder.HasField("sample"):
+            return
+        token = int(holder.sample.token_id)
+        if target >= tail.loop_from and token not in self._stop_ids and target + 1 < self._max_tokens:
+            head.fed = max(head.fed, target + 1)
+            head.fed_at_ns = time.perf_counter_ns()
+            self._looped_at = target + 1
+            self.stats.looped_steps += 1
 
     # ------------------------------------------------------------------ the continuation
     # In steady decode the next step's input is the token the tail is about to send, so the

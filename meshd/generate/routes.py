@@ -205,6 +205,7 @@ class PeerConnector:
     relay_dialer: object | None = None           # meshd.reach.relay_dial.RelayDialer
     relayed_addrs: Callable[[str], Sequence[str]] = lambda peer_id: ()  # the peer's p2p-circuit addrs
     frames: Mapping[str, str] = field(default_factory=dict)  # peer id -> its framed TLS fast path (same pin)
+    own_dialable: bool = False                   # peers can dial our worker's TLS port (a loop's head, push.py)
 
     def retry_same_peer(self, peer_id: str) -> bool:
         return self.relay_dialer is not None and self.relay_dialer.retry_same_peer(peer_id)

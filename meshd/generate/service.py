@@ -178,8 +178,10 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
                             recipe_digest=fingerprint.runtime_recipe_digest, cached=cached_ads,
                             load=getattr(swarm, "load", None))
+    relaying = getattr(node, "relaying", None)
+    dialable = relaying is not None and not relaying.private and getattr(relaying.verdict, "value", "") == "public"
     connector = PeerConnector(self_peer_id=me, own_endpoint=own_endpoint, own_unix=own_unix, pins=swarm.pins,
-                              frames=swarm.frames,
+                              frames=swarm.frames, own_dialable=dialable and bool(own_unix or own_endpoint),
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = PushDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
