@@ -258,3 +258,23 @@ def test_only_the_named_upstream_hop_may_feed_a_pushed_session(shards, reference
     assert resp.WhichOneof("kind") == "status" and resp.status.error.code == pb.ERROR_CODE_PERMISSION_DENIED
     tokens += [t.id for t in stream]
     assert tokens == reference and not driver.stats.failovers
+
+
+def test_a_tail_that_cannot_reach_the_head_turns_the_loop_off(shards, reference):
+    """C cannot dial A (a head behind a NAT nobody detected): C reports it, the entry restarts the same
+    route entry-fed (A is not blamed) and the tokens are the same."""
+    from meshd.errors import CertificateMismatch
+
+    def no_way_back(target: pb.PushTarget):
+        if target.peer_id == "peer-a":
+            raise CertificateMismatch("unreachable from here")
+        return _loopback_dialer(target)
+
+    shards["peer-c"].service.push_dialer = no_way_back
+    driver = driver_for(shards)
+    assert collect(driver, request()) == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-a" and "loop is off" in event.detail
+    assert not driver.looped and driver.stats.routes[-1].peers == ("peer-a", "peer-b", "peer-c")
+    assert driver.stats.continued_steps > 0
+    assert all(s.active_sessions() == 0 for s in shards.values())

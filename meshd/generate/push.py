@@ -460,6 +460,26 @@ class PushDriver(star.SwarmDriver):
                 return resp, tensors, nbytes
             # an answer for an earlier position (a replacement tail re-prefilled): not news
 
+    def _unloop(self, failure: HopFailure, target: int) -> None:
+        """The tail could not send a token to the head, whose own stream is fine: the loop is off for
+        this generation and the same route restarts entry-fed, every hop fresh at a new epoch."""
+        self.loop_wanted = False
+        route = self._route
+        for link in self._links:
+            link.close(release=True)
+        while True:                                   # what the old sessions still say is history
+            try:
+                self._events.get_nowait()
+            except queue.Empty:
+                break
+        self._epoch += 1
+        self._set_route(route)
+        event = star.FailoverEvent(failure.peer_id, target, f"{failure} (the loop is off)", route,
+                                   tuple(range(len(route.hops))), time.monotonic())
+        self.stats.failovers.append(event)
+        if self.on_failover is not None:
+            self.on_failover(event)
+
     def _silent(self, budget: float) -> HopFailure:
         for link in self._links:
             if not link.probe():
@@ -470,6 +490,10 @@ class PushDriver(star.SwarmDriver):
                           pb.ERROR_CODE_DEADLINE_EXCEEDED)
 
     def _failover(self, failure: HopFailure, target: int) -> None:
+        links = self._links
+        if self.looped and failure.index == len(links) and links and failure.peer_id == links[0].spec.peer_id:
+            self._unloop(failure, target)
+            return
         super()._failover(failure, target)
         while True:                                   # what the old route still says is history
             try:

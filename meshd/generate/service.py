@@ -178,8 +178,11 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
     source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
                             recipe_digest=fingerprint.runtime_recipe_digest, cached=cached_ads,
                             load=getattr(swarm, "load", None))
+    # Our worker can head a loop (its tail dials it) when our record offers its direct endpoint, which
+    # peers dial anyway: not a private node (a first node's probe may be "unknown" for minutes). A tail
+    # that cannot reach it after all turns the loop off for that generation (push.py).
     relaying = getattr(node, "relaying", None)
-    dialable = relaying is not None and not relaying.private and getattr(relaying.verdict, "value", "") == "public"
+    dialable = relaying is not None and not relaying.private
     connector = PeerConnector(self_peer_id=me, own_endpoint=own_endpoint, own_unix=own_unix, pins=swarm.pins,
                               frames=swarm.frames, own_dialable=dialable and bool(own_unix or own_endpoint),
                               relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
@@ -312,4 +315,5 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
                 "step_hops": list(stats.step_hops),
                 "step_legs": list(stats.step_legs),
                 "topology": "push" if getattr(driver, "_pushing", False) else "star",
+                "looped": bool(getattr(driver, "looped", False)),   # push: the tail feeds the head itself
                 "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in route.hops] if route else []})
