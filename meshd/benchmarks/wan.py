@@ -30,7 +30,8 @@ rounds).
 
 Keys: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
 ``legs_per_token`` (push: the median of the legs the hops counted in each
-decode step's frames, not computed from the route), ``star_legs_per_token``
+decode step's frames, not computed from the route), ``looped``,
+``critical_legs_per_token`` (the legs a token waits for), ``star_legs_per_token``
 (the star driver's count: one send and one answer per hop), ``hops``,
 ``rtt_ms``, ``tokens_equal`` (star == push, every round),
 ``entry_serves_layers`` (false: the entry is on no hop), ``compute_ms_per_token``
@@ -41,21 +42,24 @@ the rest), ``arithmetic`` (the measured decomposition below), ``loopback``
 (the same keys on loopback).
 Every namespace and daemon is removed at the end.
 
-Arithmetic. Per decode token the star crosses the network 2 x hops times,
-push hops + 1 times (one-way legs, RTT/2 each); the compute c is the same;
-each leg also costs some software time s (serialization, the proxy's pumps,
-gRPC). With three hops::
+Arithmetic. Per decode token the star crosses the network 2 x hops times. A
+pushed route sends hops + 1 messages per token (``legs_per_token``, counted by
+the hops in the frames); when it is looped (the default: the tail sends the
+token straight to the head, push.py) the answer's leg to the entry is off the
+token's path, so the next token waits for hops legs (``critical_legs_per_token``;
+entry-fed push: hops + 1). The compute c is the same; each leg also costs some
+software time s (serialization, the proxy's pumps, TLS). With three hops::
 
-    ratio = (6 x RTT/2 + c + 6 s) / (4 x RTT/2 + c + 4 s)   -> 1.5 as c -> 0
+    looped:    ratio = (6 x RTT/2 + c + 6 s) / (3 x RTT/2 + c + 3 s)   -> 2 as c -> 0
+    entry-fed: ratio = (6 x RTT/2 + c + 6 s) / (4 x RTT/2 + c + 4 s)   -> 1.5 as c -> 0
 
-At 20 ms: (60 + c) / (40 + c) >= 1.4 needs c <= 10 ms (with s = 0); at a
-compute c it needs RTT >= 2 c (``rtt_ms_for_1_4``).
+At 20 ms a looped route reaches 1.4 up to c = 45 ms (entry-fed: c <= 10 ms);
+``compute_ms_for_1_4`` and ``rtt_ms_for_1_4`` give the bound for the legs measured.
 ``arithmetic`` splits the median decode step of each topology into its delay
-(legs x RTT/2), the hops' own compute c in those steps and the software per
+(critical legs x RTT/2), the hops' own compute c in those steps and the software per
 leg (what is left), and gives the ratio delay and compute alone predict,
 with c and with the whole model's compute. (With the entry serving the head, as this
-bench ran before, its first leg is local: 4 network legs against 3, a
-ceiling of 1.33 even at c = 0.)
+bench ran before the client-only entry, its first leg is local.)
 """
 from __future__ import annotations
 
@@ -206,10 +210,16 @@ def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: s
     best = {t: max(d["decode_tokens_per_s"] or 0.0 for d in runs[t]) for t in runs}
     legs = {t: [x for d in runs[t] for x in d.get("step_legs", [])] for t in runs}
     tokens = [d["tokens"] for t in runs for d in runs[t]]
+    looped = all(d.get("looped") for d in runs["push"])
+    push_legs = statistics.median(legs["push"]) if legs["push"] else None
     out = {
         "star_decode_tok_s": round(best["star"], 3), "push_decode_tok_s": round(best["push"], 3),
         "push_vs_star_decode_ratio": round(best["push"] / best["star"], 3) if best["star"] else None,
-        "legs_per_token": statistics.median(legs["push"]) if legs["push"] else None,
+        "legs_per_token": push_legs,
+        # A looped route's token path: the tail's leg to the head and the hops' own, not the answer's
+        # leg to the entry (off that path): hops legs. Entry-fed push: every leg, hops + 1.
+        "looped": looped,
+        "critical_legs_per_token": (push_legs - 1 if looped else push_legs) if push_legs else None,
         "star_legs_per_token": statistics.median(legs["star"]) if legs["star"] else None,
         "hops": len(runs["push"][-1]["route"]),
         "entry_serves_layers": any(h.split(":")[0] == me for d in runs["push"] + runs["star"] for h in d["route"]),
@@ -221,8 +231,8 @@ def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: s
     }
     if whole:
         out["compute_ms_per_token"] = round(1000.0 / max(whole), 3) if max(whole) else None
-    out["legs_ceiling_ratio"] = round(out["star_legs_per_token"] / out["legs_per_token"], 3) \
-        if out["star_legs_per_token"] and out["legs_per_token"] else None
+    out["legs_ceiling_ratio"] = round(out["star_legs_per_token"] / out["critical_legs_per_token"], 3) \
+        if out["star_legs_per_token"] and out["critical_legs_per_token"] else None
     return out
 
 
@@ -245,7 +255,7 @@ def arithmetic(figures: dict, rtt_ms: float) -> dict:
     machine's load at that moment, which the whole model's rounds only sample nearby); the whole
     model's ``compute_ms_per_token`` is beside it."""
     out: dict = {"rtt_ms": rtt_ms, "whole_model_compute_ms": figures.get("compute_ms_per_token")}
-    for topology, legs_key in (("star", "star_legs_per_token"), ("push", "legs_per_token")):
+    for topology, legs_key in (("star", "star_legs_per_token"), ("push", "critical_legs_per_token")):
         steps, legs = figures.get(f"{topology}_step_ms") or {}, figures.get(legs_key)
         if not steps or not legs:
             return out
