@@ -231,12 +231,18 @@ class LlamaRangeBackend:
             return KvBudgetExhausted(f"{exc}; the session's cells were dropped")
         return exc
 
-    def forward(self, cache: LlamaSeqCache, inputs: np.ndarray, *, effective_start: int) -> np.ndarray:
+    # ``forward(..., lend=True)`` may return the tail's logits as llama.cpp's own buffer, valid until
+    # this backend's next forward: shard/batching.py asks only when the caller reads them at once.
+    lends_outputs = True
+
+    def forward(self, cache: LlamaSeqCache, inputs: np.ndarray, *, effective_start: int,
+                lend: bool = False) -> np.ndarray:
         data = self._prepare(cache, inputs, effective_start)
         engine = self._engine(effective_start)
         cache._engine_start = effective_start
         try:
-            out = engine.decode(cache.seq_id, cache.past_len, data, want_hidden=not self.layer_range.is_tail)
+            out = engine.decode(cache.seq_id, cache.past_len, data, want_hidden=not self.layer_range.is_tail,
+                                lend=lend)
         except (RuntimeUnavailable, ValueError) as exc:
             mapped = self._failed(engine, [cache], exc)
             if mapped is exc:

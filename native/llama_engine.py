@@ -222,23 +222,28 @@ class LlamaEngine:
         return not self.config.skip_vocab_projection  # False: stop, skip norm + vocab projection
 
     # -- public API ---------------------------------------------------------------------
-    def decode(self, seq_id: int, first_pos: int, inputs: np.ndarray, *, want_hidden: bool) -> np.ndarray:
+    def decode(self, seq_id: int, first_pos: int, inputs: np.ndarray, *, want_hidden: bool,
+               lend: bool = False) -> np.ndarray:
         """Run T positions of sequence ``seq_id`` starting at ``first_pos``.
 
         ``inputs``: int token ids [T] or float32 embeddings [T, n_embd].
         Returns the residual [T, n_embd] (``want_hidden``) or the last logits [n_vocab].
+        ``lend``: the logits are llama.cpp's own buffer, valid until this engine's next decode
+        (no copy: the caller reads them at once, e.g. to draw a token).
         Raises KvCellsExhausted when llama.cpp has no KV cells left for the batch,
         RuntimeUnavailable when it refuses the batch otherwise.
         """
-        return self.decode_many([(seq_id, first_pos, inputs)], want_hidden=want_hidden)[0]
+        return self.decode_many([(seq_id, first_pos, inputs)], want_hidden=want_hidden, lend=lend)[0]
 
-    def decode_many(self, rows: list[tuple[int, int, np.ndarray]], *, want_hidden: bool) -> list[np.ndarray]:
+    def decode_many(self, rows: list[tuple[int, int, np.ndarray]], *, want_hidden: bool,
+                    lend: bool = False) -> list[np.ndarray]:
         """One ``llama_decode`` over several sequences: ``rows`` = [(seq_id, first_pos, inputs)].
 
         All inputs are token ids, or all embeddings (one engine serves one effective start).
         Returns, per row, the residual [T, n_embd] (``want_hidden``) or its last logits [n_vocab].
         Errors as ``decode``; a failure leaves every row's sequence in an unknown state.
         With per-sequence KV streams (``kv_unified`` off) the rows run as ``stream_groups``.
+        ``lend``: logits as llama.cpp's own buffer (see ``decode``; one llama_decode only).
         """
         counts = [int(inputs.shape[0]) for _, _, inputs in rows]
         n = sum(counts)
@@ -255,9 +260,10 @@ class LlamaEngine:
                 for index, result in zip(group, self._decode_rows([rows[i] for i in group], want_hidden)):
                     out[index] = result
             return out
-        return self._decode_rows(rows, want_hidden)
+        return self._decode_rows(rows, want_hidden, lend=lend)
 
-    def _decode_rows(self, rows: list[tuple[int, int, np.ndarray]], want_hidden: bool) -> list[np.ndarray]:
+    def _decode_rows(self, rows: list[tuple[int, int, np.ndarray]], want_hidden: bool,
+                     lend: bool = False) -> list[np.ndarray]:
         """One ``llama_decode`` over ``rows`` (checked by decode_many); results in ``rows`` order."""
         counts = [int(inputs.shape[0]) for _, _, inputs in rows]
         n = sum(counts)
@@ -323,7 +329,8 @@ class LlamaEngine:
                 logits = ll.llama_get_logits_ith(self._ctx, index)
                 if not logits:
                     raise RuntimeUnavailable("llama.cpp returned no logits")
-                out.append(np.ctypeslib.as_array(logits, shape=(self.n_vocab,)).copy())
+                view = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+                out.append(view if lend else view.copy())
             return out
 
     def forget(self, seq_id: int) -> None:

@@ -98,13 +98,14 @@ class BatchedCache:
 
 
 class _Item:
-    __slots__ = ("cache", "inputs", "effective_start", "tokens", "output", "error", "done", "queued_at")
+    __slots__ = ("cache", "inputs", "effective_start", "tokens", "output", "error", "done", "queued_at", "lend")
 
     def __init__(self, cache: BatchedCache, inputs: np.ndarray, effective_start: int) -> None:
         self.cache, self.inputs, self.effective_start = cache, inputs, effective_start
         self.tokens = int(inputs.shape[0]) if getattr(inputs, "ndim", 0) else 1
         self.output = self.error = None
         self.done = False
+        self.lend = False
         self.queued_at = time.perf_counter()
 
 
@@ -158,13 +159,23 @@ class BatchingBackend:
         return BatchedCache(self.backend.new_cache(max_tokens), self)
 
     # -- the manager's forward (service lock held) -----------------------------------
-    def forward(self, cache: BatchedCache, inputs: np.ndarray, *, effective_start: int) -> np.ndarray:
+    @property
+    def lends_outputs(self) -> bool:
+        return getattr(self.backend, "lends_outputs", False)
+
+    def forward(self, cache: BatchedCache, inputs: np.ndarray, *, effective_start: int,
+                lend: bool = False) -> np.ndarray:
+        """``lend``: the caller reads the output before it releases the service lock, so a backend
+        that lends outputs (llama.cpp's logits buffer) may skip the copy -- only when this forward
+        runs alone, the next one starting only after that lock is free (``_alone``, or unbatched)."""
+        lend = lend and self.lends_outputs
         if not self.enabled:
-            return self.backend.forward(cache.inner, inputs, effective_start=effective_start)
+            return self.backend.forward(cache.inner, inputs, effective_start=effective_start,
+                                        **({"lend": True} if lend else {}))
         if id(cache) in self._busy:
             raise ProtocolViolation("another step of this session is still running (one stream per session)")
         if not self._running and not self._queue:
-            return self._alone(cache, inputs, effective_start)
+            return self._alone(cache, inputs, effective_start, lend)
         item = _Item(cache, inputs, effective_start)
         self._queue.append(item)
         self._busy.add(id(cache))
@@ -185,10 +196,11 @@ class BatchingBackend:
             raise item.error
         return item.output
 
-    def _alone(self, cache: BatchedCache, inputs: np.ndarray, effective_start: int) -> np.ndarray:
+    def _alone(self, cache: BatchedCache, inputs: np.ndarray, effective_start: int, lend: bool) -> np.ndarray:
         """Nothing queued and nothing running: this caller leads a batch of one at once, which is
         ``_lead`` without the queue's bookkeeping (a lone session's every decode step)."""
         item = _Item(cache, inputs, effective_start)
+        item.lend = lend
         self._busy.add(id(cache))
         self._running = True
         self._lock.release()
@@ -276,6 +288,7 @@ class BatchingBackend:
                 continue
             for item in items:
                 try:
-                    item.output = self.backend.forward(item.cache.inner, item.inputs, effective_start=start)
+                    item.output = self.backend.forward(item.cache.inner, item.inputs, effective_start=start,
+                                                       **({"lend": True} if item.lend else {}))
                 except Exception as exc:   # the manager maps and logs it, as for an unbatched forward
                     item.error = exc

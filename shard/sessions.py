@@ -318,8 +318,9 @@ class SessionManager:
 
     def step(self, key: SessionKey, *, step: int, position: int, expected_past_len: int,
              inputs: np.ndarray, effective_start: int,
-             post: Callable[[np.ndarray], object] | None = None) -> StepResult:
-        """Apply one prefill chunk or decode step (rules in the module docstring)."""
+             post: Callable[[np.ndarray], object] | None = None, lend: bool = False) -> StepResult:
+        """Apply one prefill chunk or decode step (rules in the module docstring). ``lend``: ``post``
+        keeps nothing of the output, so the backend may lend it (shard/batching.py)."""
         now = self.clock()
         if now >= self._next_expiry_check:     # idle TTLs are minutes: no need to sweep every token
             self._next_expiry_check = now + min(EXPIRE_CHECK_S, self.policy.ttl_s / 4)
@@ -342,7 +343,9 @@ class SessionManager:
         self._validate(session, inputs, effective_start)
         t0 = time.perf_counter_ns()
         try:
-            output = self.backend.forward(session.cache, inputs, effective_start=effective_start)
+            output = self.backend.forward(session.cache, inputs, effective_start=effective_start,
+                                          **({"lend": True} if lend and post is not None
+                                             and getattr(self.backend, "lends_outputs", False) else {}))
             payload = post(output) if post is not None else output
         except Exception as exc:
             doing = f"running {inputs.shape[0]} positions at {actual} (session cache reset to 0)"

@@ -299,10 +299,12 @@ class SessionStream:
         if deadline and self.wall_ns() > deadline:
             raise DeadlineExceeded("the work's deadline passed before it ran")
         inputs = self._input(tensors)
+        # A sampling tail that returns no logits only reads them to draw: the backend may lend them.
+        lend = self.sampling is not None and not self.tail.return_logits
         with self.service.lock:
             return self.service.manager.step(
                 self.key, step=step, position=position, expected_past_len=expected, inputs=inputs,
-                effective_start=self.effective_start, post=self._poster(draw_at))
+                effective_start=self.effective_start, post=self._poster(draw_at), lend=lend)
 
     def _grant(self) -> list[bytes]:
         ledger = self.ledger
