@@ -1,12 +1,19 @@
 """The entry's side of a pushed route: inputs to the head, tokens from the tail (issue 18).
 
 ``PushDriver`` is the route driver (driver.py: same planning, failover,
-cancellation, replay batches, stats) with the push topology:
+cancellation, replay batches, stats) with the push topology, closed into a loop:
 
-    entry --inputs--> head --rows--> hop 2 --rows--> ... --> tail --token--> entry
+    entry --prompt--> head --rows--> hop 2 --rows--> ... --> tail --token--> entry
+                       ^                                      |
+                       +------------- token ------------------+
 
-One leg per hop plus the tail's answer: hops + 1 legs per decode token where
-the star takes 2 x hops. The entry still opens one Session stream per hop
+hops + 1 messages per decode token (the star takes 2 x hops), of which a token
+waits for hops: the tail sends each token it draws straight to the head as
+its next input (``SessionOpen.push_loop``; the head is the tail's ``push_next``),
+and its answer to the entry travels off the token's path. The tail knows where
+the generation ends -- the stop tokens (``TailOptions.stop_token_ids``) and the
+session's length -- and the entry applies the same rule to know what the head
+was sent (``_note_looped``). The entry still opens one Session stream per hop
 (its "control" stream, shard/forward.py): the SessionOpen says ``push`` and,
 for every non-tail hop, ``push_next`` -- the successor's peer id, endpoint,
 certificate pin (from its signed record, as the entry's own connector pins it)
@@ -20,9 +27,21 @@ each remote hop is asked for Health and the first that does not answer is the
 failed one (all answer: the tail is blamed, so the driver's slow-peer retry
 applies).
 
+The head's decode inputs are numbered DECODE_STEP_BASE + position, by the
+entry and by the tail alike, so a second copy of one is a duplicate the head
+answers without running it. The head is a loop's head only when the tail can
+dial it: a peer's direct endpoint, or this node's own worker unless the node is
+private. A tail that cannot reach the head after all reports it; the head's
+own stream being fine, the entry turns the loop off for that generation and
+restarts the route entry-fed (``_unloop``). Entry-fed (unlooped) routes send
+the head every decode input themselves, from the tail's reader thread the
+moment the token arrives (the continuation, ``_arm``), before the driver
+thread wakes up.
+
 State the entry keeps: the token history (boundary 0), which positions the
-head was sent, which successor (peer, epoch) each hop pushes to. Boundary
-rows between hops are kept by the hops themselves (shard/forward.py).
+head has its input for (sent by the entry or by the tail), which successor
+(peer, epoch) each hop pushes to. Boundary rows between hops are kept by the
+hops themselves (shard/forward.py).
 
 Recovery: the driver's failover picks the replacement route (the prefix
 before the failed hop kept, the rest fresh at a bumped epoch); then, before
@@ -30,9 +49,11 @@ the next step, every fresh hop is opened, each kept hop whose successor
 changed gets a ``PushRepoint`` (it re-sends every row it holds, in the
 batches it first sent them, to the replacement, which pushes its outputs on),
 and a fresh head is fed the token history in the driver's ``_replay``
-batches. Answers for positions before the one awaited are dropped. Same
-inputs in the same batch shapes on the same recipe: greedy and seeded tokens
-are identical with and without a failure.
+batches, the fresh tail looping from the next position on (``push_loop_from``);
+a kept head gets its next input from the fresh tail, which re-draws the tokens
+of the rows it is re-sent. Answers for positions before the one awaited are
+dropped. Same inputs in the same batch shapes on the same recipe: greedy and
+seeded tokens are identical with and without a failure.
 
 When push does not fit (a relayed hop -- workers cannot dial relay circuits,
 the libp2p host lives in the daemon --, a non-head hop that is this node's own
