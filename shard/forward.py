@@ -2,7 +2,12 @@
 
 In a pushed session (issue 18) the entry sends only the head its input; each
 hop pushes its boundary rows to the successor the entry named; the tail sends
-the sampled token back to the entry. Legs per decode token: hops + 1.
+the sampled token back to the entry. Legs per decode token: hops + 1. A looped
+session's tail (``SessionOpen.push_loop``) also sends each token it draws to the
+head (its ``push_next``) as the head's next decode input, first, unless it is a
+stop token (``TailOptions.stop_token_ids``), the session's last position, or
+before ``push_loop_from`` (positions the entry feeds the head itself); its
+forwarder keeps nothing (a replacement head gets its history from the entry).
 
 Streams of one pushed session (route session id + epoch) on this worker:
 
