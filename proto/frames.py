@@ -193,6 +193,17 @@ class FrameReader:
         else:
             self._buf += data
 
+    def take_one(self, data: bytes) -> bytes | None:
+        """``data`` when it is exactly one whole frame and nothing is buffered: its body, without
+        going through the buffer (a decode step's frame, arriving in one read); otherwise None and
+        nothing consumed -- then ``feed`` it. The same checks as ``feed`` + ``next_frame``."""
+        if self._buf or len(data) <= PREFIX_BYTES:
+            return None
+        length = int.from_bytes(data[:PREFIX_BYTES], "big")
+        if length != len(data) - PREFIX_BYTES or length > self._max:
+            return None
+        return data[PREFIX_BYTES:]
+
     def next_frame(self) -> bytes | None:
         """The next complete frame body, or None until more bytes arrive."""
         self._check_head()

@@ -99,12 +99,15 @@ def serve_frames(conn, service: ShardService, *, idle_timeout_s: float | None = 
             data = read()
             if not data:
                 return                  # the peer ended the session's stream
-            try:
-                reader.feed(data)
-            except ProtocolError as exc:    # bad length prefix: answer, then close
-                write(_status(exc, terminal=True))
-                return
-            while not stream.closed and (body := reader.next_frame()) is not None:
+            one = reader.take_one(data)     # the common case: one whole frame per read
+            if one is None:
+                try:
+                    reader.feed(data)
+                except ProtocolError as exc:    # bad length prefix: answer, then close
+                    write(_status(exc, terminal=True))
+                    return
+            while not stream.closed and (body := one if one is not None else reader.next_frame()) is not None:
+                one = None
                 out = stream.receive(body)
                 sink = stream.push_sink         # pushed: other threads answer here too
                 if sink is not None:

@@ -166,3 +166,16 @@ def test_zero_copy_reader_paths():
         read_request(b"\x1a" + bytes([len(inner)]) + inner)
     with pytest.raises(LocalError):
         read_request(bytearray(one))
+
+
+def test_take_one_is_feed_and_next_frame_for_one_whole_frame():
+    from proto.frames import FrameReader, encode_frame
+
+    reader = FrameReader(64)
+    body = b"x" * 10
+    assert reader.take_one(encode_frame(body)) == body and reader.buffered == 0
+    # anything else is left to feed(): a partial frame, two frames, an empty or oversized length
+    for data in (encode_frame(body)[:-1], encode_frame(body) * 2, b"\0\0\0\0", (100).to_bytes(4, "big") + b"y" * 100):
+        assert FrameReader(64).take_one(data) is None
+    reader.feed(encode_frame(body)[:3])
+    assert reader.take_one(encode_frame(body)) is None        # bytes are buffered: keep their order

@@ -139,6 +139,9 @@ class _FrameCall:
                 if self._cancelled.is_set():
                     raise UnixLinkError("the call was cancelled", grpc.StatusCode.CANCELLED)
                 raise StopIteration
+            one = self._reader.take_one(data)   # one whole frame in one read: no buffering
+            if one is not None:
+                return one
             try:
                 self._reader.feed(data)
             except ProtocolError as exc:
