@@ -33,8 +33,10 @@ def test_bench_serve_quick_json():
     print(json.dumps(result, indent=1, sort_keys=True))
     for lane in ("llama.cpp", "torch", "llama.cpp-shared"):
         got = result["lanes"][lane]
-        for key in ("aggregate_ratio_c8", "p95_itl_ratio_c8", "floor_batch8_throughput_ratio"):
+        for key in ("aggregate_ratio_c8", "p95_itl_ratio_c8", "floor_batch8_throughput_ratio",
+                    "bound_aggregate_ratio_c8", "bound_p50_itl_ratio_c8"):
             assert isinstance(got[key], float) and got[key] > 0, (lane, key)
+        assert got["bound_aggregate_ratio_c8"] == round(got["floor_batch8_throughput_ratio"] * got["parallel_hops"], 3)
         assert isinstance(got["outputs_equal"], bool)
         assert got["requests_compared"] == 16 and got["peak_streaming_c8"] >= 2
         causes = got["itl_gap_causes_c8"]

@@ -36,6 +36,13 @@ Per concurrency, from each token chunk's arrival time at the client:
                                 forward vs one session's row, tokens/s ratio (alternating
                                 rounds) -- what batching can give on this machine at most
 
+What the machine allows (per lane, no timing of its own): with P = min(cores, hops) hops
+computing at once and each forward of 8 sessions' rows F times the throughput of one row
+(``floor_batch8_throughput_ratio``), a round of 8 tokens costs at least hops x 8 t / (F P) where
+one token alone costs hops x t: ``bound_aggregate_ratio_c8`` = F P and ``bound_p50_itl_ratio_c8``
+= 8 / (F P) (``parallel_hops`` = P). A target above the first (or below the second) is out of
+this machine's reach for that backend.
+
 ``itl_gap_causes_c8`` (per lane): what the slowest 5% of the c=8 gaps overlapped in the
 workers' own batch traces (``MESHD_BATCH_TRACE``, shard/batching.py): ``with_prefill`` (a
 forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
@@ -321,6 +328,15 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
     return floors
 
 
+def bounds(floor: float, hops: int, cores: int | None = None, concurrency: int = 8) -> dict:
+    """What this machine allows at c=8 at best (module doc): the hops compute on at most
+    min(cores, hops) cores at once, each batching at most as well as the backend's own 8-row forward."""
+    parallel = max(1, min(cores or os.cpu_count() or 1, hops))
+    best = floor * parallel
+    return {"bound_aggregate_ratio_c8": round(best, 3),
+            "bound_p50_itl_ratio_c8": round(concurrency / best, 3), "parallel_hops": parallel}
+
+
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     from native.packaged import smollm2_artifact, smollm2_gguf_path
 
@@ -333,6 +349,7 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
             ("llama.cpp-shared", gguf, "llama.cpp", SHARED_TOML)):
         lanes[name] = _lane(name, model, backend, quick, progress, worker_toml)
         lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
+        lanes[name].update(bounds(floors[name], len(CUTS)))
     lanes["llama.cpp"]["llama_kv_streams"] = STREAMS
     lanes["llama.cpp-shared"]["llama_kv_streams"] = 0
     return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
