@@ -43,6 +43,7 @@ import numpy as np
 from proto.checksum import crc32c
 from proto.dtypes import BUNDLE_VERSION, NUMPY_TO_PB, PB_TO_NUMPY
 from proto.limits import DEFAULT_FRAGMENT_BYTES, DEFAULT_LIMITS, MAX_FRAME_BYTES
+from proto.tensors import varint
 
 __all__ = ["decode_request_bytes", "decode_response_bytes", "read_decode_request", "read_decode_response",
            "DecodeStepView", "DecodeResultView", "SampleView"]
@@ -63,18 +64,6 @@ class _Bail(Exception):
 
 
 # ------------------------------------------------------------------------------ writing
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _ONE[n]
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_ONE = [bytes([i]) for i in range(0x80)]
 # (name, shape, pb dtype) -> (header bytes up to the CRC value, fragment head before the payload)
 _HEADERS: dict[tuple, tuple[bytes, bytes]] = {}
 _MAX_HEADERS = 256
@@ -95,13 +84,13 @@ def _tensor(name: str, array: np.ndarray) -> list | None:
         name_utf8 = name.encode("utf-8")
         if not name or len(name_utf8) > _MAX_NAME or len(shape) > _MAX_RANK or (shape and max(shape) > _MAX_DIM):
             return None
-        head = b"\x0a" + _varint(len(name_utf8)) + name_utf8
+        head = b"\x0a" + varint(len(name_utf8)) + name_utf8
         if shape:
-            packed = b"".join(_varint(d) for d in shape)
-            head += b"\x12" + _varint(len(packed)) + packed
-        head += b"\x18" + _varint(dtype) + b"\x20\x01\x28" + _varint(n) + b"\x30\x01\x3a\x08\x08\x02\x12\x04"
-        frag = b"\x10\x01\x22" + _varint(n)
-        known = (head, b"\x42" + _varint(len(frag) + n) + frag)
+            packed = b"".join(varint(d) for d in shape)
+            head += b"\x12" + varint(len(packed)) + packed
+        head += b"\x18" + varint(dtype) + b"\x20\x01\x28" + varint(n) + b"\x30\x01\x3a\x08\x08\x02\x12\x04"
+        frag = b"\x10\x01\x22" + varint(n)
+        known = (head, b"\x42" + varint(len(frag) + n) + frag)
         if len(_HEADERS) >= _MAX_HEADERS:
             _HEADERS.clear()
         _HEADERS[key] = known
@@ -119,36 +108,36 @@ def decode_request_bytes(step: int, position: int, expected_past_len: int, name:
     if got is None or deadline_unix_nanos < 0:
         return None
     pieces, size = got
-    head = ((b"\x08" + _varint(step) if step else b"") + (b"\x10" + _varint(position) if position else b"")
-            + (b"\x18" + _varint(expected_past_len) if expected_past_len else b"") + b"\x22" + _varint(size))
+    head = ((b"\x08" + varint(step) if step else b"") + (b"\x10" + varint(position) if position else b"")
+            + (b"\x18" + varint(expected_past_len) if expected_past_len else b"") + b"\x22" + varint(size))
     tail = b""
     if work_id:
         w = work_id.encode("utf-8")
-        tail += b"\x2a" + _varint(len(w)) + w
+        tail += b"\x2a" + varint(len(w)) + w
     if deadline_unix_nanos:
-        tail += b"\x30" + _varint(deadline_unix_nanos)
+        tail += b"\x30" + varint(deadline_unix_nanos)
     if legs:
-        tail += b"\x38" + _varint(legs)
+        tail += b"\x38" + varint(legs)
     if route_execution_nanos:
-        tail += b"\x40" + _varint(route_execution_nanos)
+        tail += b"\x40" + varint(route_execution_nanos)
     total = len(head) + size + len(tail)
     if total + 8 > MAX_FRAME_BYTES:
         return None
-    return b"".join([b"\x1a", _varint(total), head, *pieces, tail])
+    return b"".join([b"\x1a", varint(total), head, *pieces, tail])
 
 
 def decode_response_bytes(step: int, past_len: int, duplicate: bool, execution_nanos: int, *,
                           tensors: dict | None = None, token_id: int | None = None, legs: int = 0) -> bytes | None:
     """SessionResponse{decode: DecodeResult{...}}: the bundle when ``tensors`` (one tensor at most
     here), the sample when ``token_id``; None when it needs the general encoder (proto.wire)."""
-    body = ((b"\x08" + _varint(step) if step else b"") + (b"\x10" + _varint(past_len) if past_len else b"")
-            + (b"\x18\x01" if duplicate else b"") + (b"\x20" + _varint(execution_nanos) if execution_nanos else b""))
+    body = ((b"\x08" + varint(step) if step else b"") + (b"\x10" + varint(past_len) if past_len else b"")
+            + (b"\x18\x01" if duplicate else b"") + (b"\x20" + varint(execution_nanos) if execution_nanos else b""))
     parts = [body]
     size = len(body)
     if tensors or token_id is None:         # the general writer always writes a bundle without a sample
         if tensors and len(tensors) > 1:
             return None
-        bundle = [b"\x08" + _varint(BUNDLE_VERSION)]
+        bundle = [b"\x08" + varint(BUNDLE_VERSION)]
         bsize = len(bundle[0])
         for name, array in (tensors or {}).items():
             if not isinstance(array, np.ndarray):
@@ -157,24 +146,24 @@ def decode_response_bytes(step: int, past_len: int, duplicate: bool, execution_n
             if got is None:
                 return None
             pieces, tsize = got
-            tag = b"\x12" + _varint(tsize)
+            tag = b"\x12" + varint(tsize)
             bundle += [tag, *pieces]
             bsize += len(tag) + tsize
-        tag = b"\x2a" + _varint(bsize)
+        tag = b"\x2a" + varint(bsize)
         parts += [tag, *bundle]
         size += len(tag) + bsize
     if token_id is not None:
-        sample = b"\x08" + _varint(token_id) if token_id else b""
-        field = b"\x32" + _varint(len(sample)) + sample
+        sample = b"\x08" + varint(token_id) if token_id else b""
+        field = b"\x32" + varint(len(sample)) + sample
         parts.append(field)
         size += len(field)
     if legs:
-        field = b"\x38" + _varint(legs)
+        field = b"\x38" + varint(legs)
         parts.append(field)
         size += len(field)
     if size + 8 > MAX_FRAME_BYTES:
         return None
-    return b"".join([b"\x32", _varint(size), *parts])
+    return b"".join([b"\x32", varint(size), *parts])
 
 
 # ------------------------------------------------------------------------------ reading
