@@ -121,10 +121,10 @@ def main(argv: list[str]) -> int:
         threading.Thread(target=_serve, args=(listen, target, delay_s, live, ready), daemon=True).start()
     ready.wait(timeout=30)
     print("ready", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
+    stop: list[int] = []   # no Event.set() in a signal handler: it can deadlock against Event.wait()
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stop.append(signum))
+    while not stop:
+        time.sleep(0.5)
     return 0
 
 

@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -149,9 +148,9 @@ def run_peer(args: argparse.Namespace) -> int:
     server = ExpertServer(store, artifact=fp.model_artifact_digest, recipe=fp.runtime_recipe_digest,
                           listen=args.expert_listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           threads=args.threads).start()
-    stop = threading.Event()
+    stop: list[int] = []   # no Event.set() in a signal handler (meshd/cli/worker.py says why)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
     if args.ready_file:
         _write_ready(args.ready_file, {
             "expert_listen": server.endpoint, "pid": os.getpid(), "experts": str(spec),
@@ -161,8 +160,8 @@ def run_peer(args: argparse.Namespace) -> int:
             "weight_bytes": store.weight_bytes, "versions": list(W.SUPPORTED_VERSIONS), "acts": list(W.ACTS)})
     print(f"ready experts {server.endpoint}", flush=True)
     try:
-        while not stop.wait(STOP_POLL_S):
-            pass
+        while not stop:
+            time.sleep(STOP_POLL_S)
     finally:
         server.close()
         print(f"[worker] stopped; served {server.stats.as_dict()}", file=sys.stderr, flush=True)

@@ -29,7 +29,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -238,9 +237,12 @@ def run(args: argparse.Namespace) -> int:
     host = args.listen.rpartition(":")[0]
     listen = f"{host}:{port}"
     tls_listen = f"{args.tls_listen.rpartition(':')[0]}:{tls_port}" if tls_port else None
-    stop = threading.Event()
+    # The handler only appends to a list: Event.set() from a signal handler can deadlock against
+    # the main thread's own Event.wait() on it (the handler runs inside that wait, which holds the
+    # event's lock) -- seen as workers that never stopped after SIGTERM.
+    stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
     if args.ready_file:
         _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid(),
                                        "unix": unix.endpoint if unix else None,
@@ -248,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
     try:
         last_sweep = time.monotonic()
-        while not stop.wait(STOP_POLL_S):  # short waits: signals are handled between them
+        while not stop:
+            time.sleep(STOP_POLL_S)   # short sleeps: signals are handled between them
             if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
                 with service.lock:
                     service.manager.expire()
