@@ -26,7 +26,10 @@ from meshd.testing.models import build_random_qwen3_moe
 pytestmark = pytest.mark.slow
 
 PROMPT = "The quick brown fox"
-NEW_TOKENS = 24
+# Long enough that the generation is still running when the test, reading the event stream, kills the
+# victim: a looped route decodes this model at ~200 tok/s, so 24 tokens could end before the 6th token
+# event was read on a busy machine, and nothing would fail over.
+NEW_TOKENS = 128
 KILL_AFTER = 6
 START_TIMEOUT_S = 600
 HEALTH_SNAPSHOTS = 6      # health snapshots to wait for one taken after the kill
