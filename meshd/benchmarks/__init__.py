@@ -16,7 +16,7 @@
     moe.py            MoE expert delegation: bytes per position (copies, rows once, q8), drift, decode
     hopfloor.py       the machine's gRPC / raw-socket round-trip floors
     hoptransport.py   one hop's decode step over TLS gRPC, framed TLS and the Unix socket, alternating
-    splitfloor.py     the route's ranges in bare processes over pipes: what splitting alone costs
+    torch_floor.py    the route's ranges in bare processes on a ring of pipes: what splitting alone costs
     local_swarm.py    LocalSwarm / LocalDaemon: real daemons on loopback (demo, benchmarks, slow tests)
     relay_harness.py  process orchestration for the relay benchmark and relay end-to-end tests
 """

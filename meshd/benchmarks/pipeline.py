@@ -7,6 +7,9 @@ run, side by side:
 
 * the whole model in this process (shard/reference.py: transformers CausalLM,
   sdpa, DynamicCache, ``THREADS`` compute threads);
+* (torch lane) the bare split floor (meshd/benchmarks/torch_floor.py): the
+  same ranges in bare processes on the worker's own backend, rows over a ring
+  of pipes, no meshd on the path -- what any split of this model costs here;
 * 2 daemons (layers 0:15, 15:30) and 3 daemons (0:10, 10:20, 20:30) -- or the
   one split ``--layers`` names --, each a ``meshd join --layers A:B`` process
   with its worker (``THREADS`` threads), a swarm of their own; generation goes
@@ -28,7 +31,9 @@ opens included), ``tail_bytes_per_decode_step_N``, ``per_hop_overhead_ms``
 (decode: wall time per step minus the hops' own execution time, per hop, as
 the entry's driver measured them; ``_median_`` variants take the median step
 instead of the mean, robust to a stray scheduling stall on a shared machine),
-``per_hop_overhead_vs_whole_ms`` (split step minus whole step, per hop), the
+``per_hop_overhead_vs_whole_ms`` (split step minus whole step, per hop);
+the bare floor's ``floor_decode_ratio_N`` (floor / whole), ``product_vs_floor_N``
+(daemons / floor), ``floor_step_ms_N`` and ``floor_tokens_equal``; the
 machine's round-trip floors measured in the same run
 (``meshd.benchmarks.hopfloor``: a bare gRPC stream and a raw socket whose
 peer holds for the hops' execution time) and
@@ -95,13 +100,20 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
     configs = {len(specs): specs for specs in splits}
     prompt = R.PROMPT_TEXT
     root = Path(tempfile.mkdtemp(prefix="meshd-bench-pipeline-"))
-    swarms = {}
+    swarms, floors = {}, {}
+    bare_floor = getattr(options, "backend", None) in (None, "torch")
     try:
         _say(progress, f"starting {sum(len(s) for s in configs.values())} daemons ({THREADS} thread each): "
                        + "; ".join(", ".join(s) for s in configs.values()))
         for n, specs in configs.items():
             swarms[n] = R.start_split(root / f"split{n}", path, specs, backend=getattr(options, "backend", None))
         entries = {n: R.entry_of(s) for n, s in swarms.items()}
+        if bare_floor:
+            from meshd.benchmarks.torch_floor import TorchFloor
+
+            for n, specs in configs.items():
+                _say(progress, f"starting the bare split floor: {n} processes, rows over pipes")
+                floors[n] = TorchFloor(path, specs, THREADS)
         _say(progress, "loading the whole model in this process")
         reference = R.Reference(path, THREADS)
         reference.generate(prompt, 2)                    # warm-up
@@ -121,11 +133,18 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
                 if key not in best or fig.decode_tok_s > best[key].decode_tok_s:
                     best[key] = fig
                 best[f"{key}_prefill"] = min(best.get(f"{key}_prefill", fig.prefill_s), fig.prefill_s)
+                if n in floors:
+                    _say(progress, f"round {r + 1}/{rounds}: bare floor, {n} processes")
+                    run = floors[n].generate(reference.ids(prompt), new_tokens)
+                    if f"floor{n}" not in best or run.decode_tok_s > best[f"floor{n}"].decode_tok_s:
+                        best[f"floor{n}"] = run
         ids = reference.ids(prompt)
         for n, entry in entries.items():
             _say(progress, f"logits pass: {n} daemons' workers, driven from here")
             best[f"logits{n}"] = R.route_logits(entry, ids, new_tokens)
     finally:
+        for floor in floors.values():
+            floor.close()
         for swarm in swarms.values():
             swarm.close()
         shutil.rmtree(root, ignore_errors=True)
@@ -151,8 +170,17 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
         out[f"per_hop_overhead_ms_{n}"] = fig.overhead_per_hop_mean_ms
         out[f"per_hop_overhead_median_ms_{n}"] = fig.overhead_per_hop_median_ms
         out[f"per_hop_overhead_vs_whole_ms_{n}"] = (1000 / fig.decode_tok_s - whole_step_ms) / n
+        floor = best.get(f"floor{n}")
+        if floor is not None:
+            out[f"floor_tokens_equal_{n}"] = floor.tokens[:len(whole_tokens)] == whole_tokens
+            out[f"floor_decode_tok_s_{n}"] = floor.decode_tok_s
+            out[f"floor_decode_ratio_{n}"] = floor.decode_tok_s / whole_rate
+            out[f"product_vs_floor_{n}"] = fig.decode_tok_s / floor.decode_tok_s
+            out[f"floor_step_ms_{n}"] = sorted(floor.step_ms)[len(floor.step_ms) // 2]
     first = min(configs)
     out["tokens_equal"] = all(out[f"tokens_equal_{n}"] for n in configs)
+    if floors:
+        out["floor_tokens_equal"] = all(out[f"floor_tokens_equal_{n}"] for n in configs)
     out["max_abs_logit_diff"] = max(out[f"max_abs_logit_diff_{n}"] for n in configs)
     out["tail_bytes_per_decode_step"] = max(out[f"tail_bytes_per_decode_step_{n}"] or 0 for n in configs)
     out["per_hop_overhead_ms"] = out[f"per_hop_overhead_ms_{first}"]

@@ -21,8 +21,8 @@ Steps (progress lines on the given stream):
    ``tail_bytes_per_decode_step`` (response bytes from the tail per decode step,
    as the driver counted them) and ``per_hop_overhead_median_ms`` (median decode
    step wall time minus the hops' own compute, per hop); in the same rounds the
-   route's ranges also run in bare processes over pipes (splitfloor.py: no meshd
-   at all): ``bare_split_ratio`` = best bare-split tok/s / best whole tok/s is
+   route's ranges also run in bare processes on a ring of pipes (torch_floor.py:
+   no meshd at all): ``bare_split_ratio`` = best bare-split tok/s / best whole tok/s is
    what splitting alone costs on this machine, ``decode_ratio_vs_bare_split``
    what meshd adds on top;
 4. one more daemon serving the middle hop's range makes that span redundant; the
@@ -98,7 +98,7 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks import route_plan
     from meshd.benchmarks.local_swarm import THREADS
-    from meshd.benchmarks.splitfloor import SplitFloor
+    from meshd.benchmarks.torch_floor import TorchFloor
     from native.packaged import smollm2_artifact
 
     model = R.bench_model(options, smollm2_artifact)
@@ -121,13 +121,14 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         _say(progress, "warm-up: one short generation each")
         route = R.generate(entry, prompt, 4)["route"]
         reference.generate(prompt, 4)
-        floor = SplitFloor(model, [":".join(hop.split(":")[1:]) for hop in route])
+        floor = TorchFloor(model, [":".join(hop.split(":")[1:]) for hop in route], THREADS)
         try:
             runs, wholes, bares = [], [], []
             for r in range(rounds):
                 runs.append(R.RunFigures.of(R.generate(entry, prompt, new_tokens)))
                 wholes.append(reference.generate(prompt, new_tokens))
-                bares.append(floor.measure(reference.ids(prompt), new_tokens))
+                bare = floor.generate(reference.ids(prompt), new_tokens)
+                bares.append((bare.decode_tok_s, bare.tokens))
                 _say(progress, f"round {r + 1}/{rounds}: swarm {runs[-1].decode_tok_s:.2f} tok/s, "
                                f"whole {wholes[-1][1]:.2f} tok/s, bare split {bares[-1][0]:.2f} tok/s")
         finally:
