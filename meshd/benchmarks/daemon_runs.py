@@ -137,12 +137,14 @@ class RunFigures:
     hops: int
     tail_bytes: float | None
     route: list[str]
+    looped: bool = False     # the tail sent each token straight to the head (meshd/generate/push.py)
 
     @classmethod
     def of(cls, done: dict) -> "RunFigures":
         hops = done["step_hops"][-1] if done.get("step_hops") else len(done["route"])
         return cls(done["tokens"], done["decode_tokens_per_s"] or 0.0, done["prefill_s"], done["step_wall_ms"],
-                   done["step_execution_ms"], hops, done.get("tail_bytes_per_decode_step"), done["route"])
+                   done["step_execution_ms"], hops, done.get("tail_bytes_per_decode_step"), done["route"],
+                   bool(done.get("looped")))
 
     @property
     def overhead_per_hop_median_ms(self) -> float:

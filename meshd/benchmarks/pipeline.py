@@ -167,6 +167,7 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
         out[f"decode_ratio_{n}"] = fig.decode_tok_s / whole_rate
         out[f"prefill_ratio_{n}"] = best["whole_prefill"] / best[f"split{n}_prefill"]
         out[f"tail_bytes_per_decode_step_{n}"] = fig.tail_bytes
+        out[f"looped_{n}"] = fig.looped
         out[f"per_hop_overhead_ms_{n}"] = fig.overhead_per_hop_mean_ms
         out[f"per_hop_overhead_median_ms_{n}"] = fig.overhead_per_hop_median_ms
         out[f"per_hop_overhead_vs_whole_ms_{n}"] = (1000 / fig.decode_tok_s - whole_step_ms) / n

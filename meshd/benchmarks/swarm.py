@@ -140,7 +140,7 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         tail_bytes = [x.tail_bytes for x in runs if x.tail_bytes is not None]
         result.update(
             tokens_equal=all(x.tokens == whole_tokens for x in runs) and all(w[0] == whole_tokens for w in wholes),
-            route=runs[-1].route,
+            route=runs[-1].route, looped=all(x.looped for x in runs),
             swarm_decode_tok_s=round(max(swarm_rates), 3), whole_decode_tok_s=round(max(whole_rates), 3),
             decode_ratio=round(max(swarm_rates) / max(whole_rates), 3) if max(whole_rates) else None,
             decode_ratio_median=round(statistics.median(swarm_rates) / statistics.median(whole_rates), 3)

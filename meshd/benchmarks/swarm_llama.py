@@ -27,7 +27,8 @@ number the whole model gets (``threads_per_daemon`` == ``reference_threads``).
 Keys: ``decode_ratio_2`` / ``decode_ratio_3`` (best swarm decode tok/s / best
 whole), their medians, ``prefill_ratio_2`` / ``_3`` (whole prefill time / the
 swarm's time to its first token), ``tokens_equal`` (every run of both splits
-equals the whole model's greedy tokens), ``route_2`` / ``route_3``,
+equals the whole model's greedy tokens), ``route_2`` / ``route_3``, ``looped_2`` /
+``looped_3`` (every run's tail sent its tokens straight to the head),
 ``tail_bytes_per_decode_step_2`` / ``_3``, and with the 3-daemon split (not
 ``--quick``) the failover figures of a SIGKILLed middle hop
 (``tokens_equal_with_failure``, ``recovery_s``). The floor:
@@ -151,7 +152,7 @@ def _measure(swarms: dict, reference: LlamaReference, prompt: str, new_tokens: i
         "tokens_equal": all(x.tokens == whole_tokens for xs in runs.values() for x in xs)
         and all(w[0] == whole_tokens for w in wholes),
         "floor_tokens_equal": all(f[0] == whole_tokens for f in floors),
-        "route": swarm[-1].route,
+        "route": swarm[-1].route, "looped": all(x.looped for x in swarm),
         "swarm_decode_tok_s": round(max(swarm_rates), 3), "whole_decode_tok_s": round(max(whole_rates), 3),
         "floor_decode_tok_s": round(max(floor_rates), 3),
         "decode_ratio": round(max(swarm_rates) / max(whole_rates), 3),
