@@ -183,3 +183,38 @@ def test_a_session_reuses_one_stream_per_peer_and_closes_it_at_the_end():
                 await _until(lambda: _serving(b) == 0)              # closed with the session
 
     trio.run(main)
+
+
+def test_a_table_peer_whose_address_entry_expired_does_not_break_the_answers_naming_it():
+    """relay/peer_record_gc.py: py-libp2p 0.8.1 raises inside KadDHT's answer for such a peer.
+
+    ``c`` asks ``b`` once (so ``b`` holds ``c``'s signed peer record and has ``c`` in
+    its table); ``c``'s entry at ``b`` then outlives its TTL (its last refresh moved
+    into the past, as ten quiet minutes would). ``a``'s GET at ``b`` names ``c``:
+    with the library's garbage collection ``b`` resets the stream, with ours it answers."""
+    from relay import peer_record_gc
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b, c = await _nodes(stack, 3)
+                b_id, c_id = b.host.get_id(), c.host.get_id()
+                key = K.model_key(DIGEST).encode()
+                await rpc.get_value(c.host, b_id, key)
+                book = b.host.get_peerstore()
+                assert book.get_peer_record(c_id) is not None and b.kad.routing_table.peer_in_table(c_id)
+                book.peer_data_map[c_id].last_identified -= 100_000       # the entry's TTL is long over
+                assert peer_record_gc.APPLIED
+                _, closer = await rpc.get_value(a.host, b_id, key)
+                assert c_id in closer
+                assert book.get_peer_record(c_id) is None                  # collected, without an exception
+                await rpc.get_value(c.host, b_id, key)                     # c speaks again: record and entry back
+                book.peer_data_map[c_id].last_identified -= 100_000
+                peer_record_gc.restore()
+                try:
+                    with pytest.raises(Exception):
+                        await rpc.get_value(a.host, b_id, key)
+                finally:
+                    assert peer_record_gc.apply()
+
+    trio.run(main)
