@@ -130,6 +130,8 @@ class DhtNode:
         # deadlines of RPCs to connected peers, and to peers dialed first (measured, see the docstring)
         self.rpc_timer = RpcTimer(RPC_TIMEOUT_S, RPC_TIMEOUT_FLOOR_S, RPC_TIMEOUT_CEILING_S)
         self.dial_timer = RpcTimer(DIAL_TIMEOUT_S, RPC_TIMEOUT_FLOOR_S, RPC_TIMEOUT_CEILING_S)
+        # outcomes of this node's RPCs (``rpc_stats``): answered, cut by our deadline, failed
+        self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0}
         import importlib.metadata
 
         try:
@@ -236,6 +238,10 @@ class DhtNode:
                 nursery.start_soon(one, peer)
         return acked
 
+    def rpc_stats(self) -> dict:
+        """Counts of this node's RPC outcomes and its two deadline estimators (JSON-able)."""
+        return {**self.rpc_counts, "connected": self.rpc_timer.snapshot(), "dialed": self.dial_timer.snapshot()}
+
     def _timer_for(self, peer) -> RpcTimer:
         """The deadline estimator for an RPC to ``peer``: connected, or to be dialed first."""
         return self.rpc_timer if peer in self.host.get_network().connections else self.dial_timer
@@ -252,10 +258,13 @@ class DhtNode:
             with trio.move_on_after(timer.timeout()):
                 result = await call(self.host, peer, *args, session=session)
                 timer.observe(trio.current_time() - start)
+                self.rpc_counts["answered"] += 1
                 return result
         except Exception as exc:  # noqa: BLE001 - dial and stream errors of every kind (groups too)
             log.debug("DHT RPC to %s failed: %s", peer, exc)
+            self.rpc_counts["failed"] += 1
             return None
+        self.rpc_counts["timed_out"] += 1
         if connected:    # a connected peer that did not answer in time: busy (it or us), not gone
             timer.timed_out()
         return self._TIMED_OUT

@@ -20,6 +20,7 @@ the bench would measure CPU starvation, not the DHT.)
     republish (spread over one interval) ->   every survivor publishes again at a random moment
     fetch again, every few seconds ------->   until every sampled survivor sees every live record
     holders ------------------------------>   how many live nodes hold each model key (replicas)
+    stats -------------------------------->   RPC outcomes, connections per node
 
 Reported: ``nodes``, ``max_lookup_rounds`` (over every sampled lookup, with
 ``round_bound`` = ceil(log2 N) + 2), ``found_fraction`` (records found /
@@ -27,7 +28,9 @@ records published, before churn), ``churn_converged_s`` (kill -> every
 sampled survivor's view holds every surviving record), and the replica
 counts of the model keys before the kill, right after it and one republish
 interval later (``min_replicas_*``): republishing re-replicates to the new
-k closest.
+k closest. Also the nodes' RPC outcomes (answered, cut by the caller's
+deadline, failed: ``rpcs_*``, see ``DhtNode.rpc_stats``) and connections
+per node at the end (``stats``).
 
 Commands and answers are JSON lines on the children's stdin / stdout. Every
 wait is bounded; a child exits when its stdin closes.
@@ -204,6 +207,14 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
                         chosen = [(i, n) for i, _, n in nodes if i in set(cmd["nodes"])]
                         items = [(i, n, d) for i, n in chosen for d in cmd["digests"]]
                         _emit({"event": "fetched", "results": await bounded(fetch, items, FETCH_CONCURRENCY)})
+                    elif kind == "stats":
+                        counts = {"answered": 0, "timed_out": 0, "failed": 0}
+                        for _, _, n in nodes:
+                            for name in counts:
+                                counts[name] += n.rpc_counts[name]
+                        _emit({"event": "stats", "rpcs": counts,
+                               "connections": [len(n.host.get_network().connections) for _, _, n in nodes],
+                               "rpc_timeout_s": [n.rpc_timer.timeout() for _, _, n in nodes]})
                     elif kind == "holders":
                         held: dict[str, int] = {}
                         for _, _, n in nodes:
@@ -278,6 +289,23 @@ def _holders(children: list[_Child], digests: list[str]) -> int:
     return min(held.get(f"/meshd/model/{d}", 0) for d in digests)
 
 
+def _stats(children: list[_Child]) -> dict:
+    """RPC outcomes summed over the children's nodes, and their connection counts."""
+    rpcs = {"answered": 0, "timed_out": 0, "failed": 0}
+    conns: list[int] = []
+    timeouts: list[float] = []
+    for c in children:
+        c.send(cmd="stats")
+    for c in children:
+        got = c.expect("stats")
+        for name in rpcs:
+            rpcs[name] += got["rpcs"][name]
+        conns += got["connections"]
+        timeouts += got["rpc_timeout_s"]
+    return {"rpcs": rpcs, "connections_max": max(conns), "connections_mean": round(sum(conns) / len(conns), 1),
+            "rpc_timeout_max_s": round(max(timeouts), 2)}
+
+
 def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> dict:
     models = max(1, nodes // RECORDS_PER_MODEL)
     per = nodes // processes
@@ -324,8 +352,9 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         wanted = sum(len(expected[v["digest"]]) for v in views)
         rounds = [v["rounds"] for v in views]
         replicas_before = _holders(children, digests)
+        stats_before = _stats(children)
         _say(progress, f"{len(views)} lookups: found {found}/{wanted}, rounds max {max(rounds)}, "
-                       f"fewest replicas {replicas_before}")
+                       f"fewest replicas {replicas_before}; {stats_before}")
 
         # churn: the last process (1/P of the nodes) dies at once
         victim = children[-1]
@@ -353,6 +382,7 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             c.expect("republished", timeout_s=COMMAND_TIMEOUT_S + republish_s)
         _say(progress, f"every survivor republished ({time.monotonic() - t_kill:.0f} s after the kill)")
         replicas_after_republish = _holders(survivors, digests)
+        stats_after = _stats(survivors)
         views = _views(survivors, samples, digests)
         churn_rounds += [v["rounds"] for v in views]
         missing = sum(len(live_expected[v["digest"]] - set(v["peers"])) for v in views)
@@ -377,6 +407,11 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             "min_replicas_after_republish": replicas_after_republish,
             "routing_table_min": min(tables),
             "routing_table_max": max(tables),
+            "rpcs_before_churn": stats_before["rpcs"],
+            "rpcs_survivors_total": stats_after["rpcs"],
+            "connections_per_node_max": stats_after["connections_max"],
+            "connections_per_node_mean": stats_after["connections_mean"],
+            "rpc_timeout_max_s": stats_after["rpc_timeout_max_s"],
             "elapsed_s": round(time.monotonic() - t0, 1),
         }
     except BaseException:
