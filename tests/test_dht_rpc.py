@@ -90,8 +90,12 @@ async def _nodes(stack: AsyncExitStack, count: int) -> list[DhtNode]:
         if nodes:
             prev = nodes[-1].host
             await connect_bootstrap(host, [f"{prev.get_addrs()[0]}/p2p/{prev.get_id()}"], 10)
-            await node.sync_peers()
-            await nodes[-1].sync_peers()
+            with trio.fail_after(TEST_TIMEOUT_S):     # each in the other's table (an insertion may need a retry)
+                while not (node.kad.routing_table.peer_in_table(prev.get_id())
+                           and nodes[-1].kad.routing_table.peer_in_table(host.get_id())):
+                    await node.sync_peers()
+                    await nodes[-1].sync_peers()
+                    await trio.sleep(0.05)
         nodes.append(node)
     return nodes
 
