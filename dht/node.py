@@ -97,12 +97,6 @@ MAX_PARALLEL_RPCS = 8
 DHT_INBOUND_HANDLERS = 64
 LIBRARY_INBOUND_HANDLERS = 12
 DHT_TESTED_LIBP2P_VERSION = "0.8.1"
-# A peer we could not reach (dial failed, or our deadline cut it before a connection
-# existed) is not dialed again by a lookup for this long: other peers' answers keep
-# naming a dead peer until they notice, and each dial would cost a deadline again
-# (py-libp2p's own 60 s negative cache only learns of dials that ran to failure).
-UNREACHABLE_S = 60.0
-MAX_UNREACHABLE = 4096
 PUT_ATTEMPTS = 3
 PUT_RETRY_PAUSE_S = (0.05, 0.4)
 
@@ -141,8 +135,6 @@ class DhtNode:
         self.dial_timer = RpcTimer(DIAL_TIMEOUT_S, DIAL_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
         # outcomes of this node's RPCs (``rpc_stats``): answered, cut by our deadline, failed
         self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0}
-        # peer -> trio time until which lookups do not dial it (UNREACHABLE_S)
-        self._unreachable: dict = {}
         import importlib.metadata
 
         try:
@@ -253,14 +245,6 @@ class DhtNode:
         """Counts of this node's RPC outcomes and its two deadline estimators (JSON-able)."""
         return {**self.rpc_counts, "connected": self.rpc_timer.snapshot(), "dialed": self.dial_timer.snapshot()}
 
-    def _mark_unreachable(self, peer) -> None:
-        now = trio.current_time()
-        if len(self._unreachable) >= MAX_UNREACHABLE:      # bounded: drop the lapsed, then the oldest
-            self._unreachable = {p: t for p, t in self._unreachable.items() if t > now}
-            while len(self._unreachable) >= MAX_UNREACHABLE:
-                self._unreachable.pop(next(iter(self._unreachable)))
-        self._unreachable[peer] = now + UNREACHABLE_S
-
     def _timer_for(self, peer) -> RpcTimer:
         """The deadline estimator for an RPC to ``peer``: connected, or to be dialed first."""
         return self.rpc_timer if peer in self.host.get_network().connections else self.dial_timer
@@ -309,23 +293,14 @@ class DhtNode:
         network = self.host.get_network()
 
         async def ask(peer) -> None:
-            if self._unreachable.get(peer, 0.0) > trio.current_time():
-                lk.failed(peer)
-                return
-            was_connected = peer in network.connections
             answer = await self._rpc(peer, rpc.get_value, kb, session=session)
             if answer is None or answer is self._TIMED_OUT:
                 lk.failed(peer)
-                # a peer we cannot reach leaves the table: its dial failed, or our deadline
-                # cut it before a connection existed (py-libp2p retries a refused dial three
-                # times with backoff: a dead peer's dial often outlasts the deadline; kept, it
-                # was asked again by every lookup -- measured after churn in ``meshd bench
-                # dht``). One cut or refused on a connection that lives on (a busy peer) stays.
-                if not was_connected or peer not in network.connections:
+                # a peer we cannot reach leaves the table; one cut by our deadline
+                # or refused on a live connection (a busy peer) stays
+                if answer is None and peer not in network.connections:
                     self.kad.routing_table.remove_peer(peer)
-                    self._mark_unreachable(peer)
                 return
-            self._unreachable.pop(peer, None)
             got, closer = answer
             lk.answered(peer, closer)
             if isinstance(got, Record) and got.value and values is not None:

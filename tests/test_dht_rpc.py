@@ -222,35 +222,3 @@ def test_a_table_peer_whose_address_entry_expired_does_not_break_the_answers_nam
                     assert peer_record_gc.apply()
 
     trio.run(main)
-
-
-def test_a_peer_that_cannot_be_reached_is_not_dialed_again_for_a_while():
-    """DhtNode.lookup: a failed dial marks the peer unreachable (UNREACHABLE_S): not dialed again meanwhile."""
-    from libp2p.peer.peerinfo import PeerInfo
-
-    async def main():
-        with trio.fail_after(TEST_TIMEOUT_S):
-            async with AsyncExitStack() as stack:
-                a, b = await _nodes(stack, 2)
-                gone = AsyncExitStack()
-                host = await gone.enter_async_context(running_host(identity(90), LOOPBACK))
-                c = await gone.enter_async_context(DhtNode(host, wall_ms).running())
-                c_id, c_addrs = c.host.get_id(), list(c.host.get_addrs())
-                await connect_bootstrap(c.host, [f"{a.host.get_addrs()[0]}/p2p/{a.host.get_id()}"], 10)
-                while not a.kad.routing_table.peer_in_table(c_id):     # bounded by fail_after above
-                    await a.sync_peers()
-                    await trio.sleep(0.05)
-                await a.host.get_network().close_peer(c_id)
-                await gone.aclose()                                       # c is gone
-                assert c_id not in a.host.get_network().connections
-                key = K.model_key(DIGEST).encode()
-                await a.lookup(key)
-                assert a.rpc_counts["failed"] == 1 and c_id in a._unreachable
-                # another peer's stale answer (or our table) names c again: no second dial
-                if not a.kad.routing_table.peer_in_table(c_id):
-                    await a.kad.routing_table.find_bucket(c_id).add_peer(PeerInfo(c_id, c_addrs))
-                assert a.kad.routing_table.peer_in_table(c_id)
-                await a.lookup(key)
-                assert a.rpc_counts["failed"] == 1 and a.rpc_counts["timed_out"] == 0
-
-    trio.run(main)
