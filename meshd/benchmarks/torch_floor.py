@@ -76,8 +76,7 @@ def _hop(model: str, start: int, end: int, threads: int, rx, tx, control) -> Non
             return _TOKEN.pack(int(np.argmax(out)))
         return out.astype(np.float32, copy=False).tobytes()
 
-    if control is not None:
-        control.send_bytes(b"R")
+    control.send_bytes(b"R")
     if not head:
         while True:
             data = rx.recv_bytes()
