@@ -24,13 +24,25 @@ Data flow:
   that, then a lookup of our own id (after bootstrap).
 
 In a home swarm (fewer than k peers) the k closest peers of every key are
-every node, so a read sees everything; beyond, lookups route (measured by
-``meshd bench dht``: 200 nodes).
+every node, so a read sees everything; beyond, lookups route. Measured by
+``meshd bench dht`` (200 nodes in 5 processes on 2 shared cores): every
+record found by every sampled node in at most ceil(log2 N) + 2 rounds; after
+20% of the nodes die at once, the survivors' lookups keep meeting the dead
+(named by other peers' answers) and RPC deadlines, and the view takes longer
+than one republish interval to be complete again (figures: README, "Run a node").
 
-State: the KadDHT (routing table, value store) is owned here; records are
-owned by their signers. Concurrency of network calls is bounded by
-``MAX_PARALLEL_RPCS`` and the lookup's alpha; each RPC is bounded by
-``RPC_TIMEOUT_S`` (``DIAL_TIMEOUT_S`` for a peer we must dial first).
+RPCs: GET_VALUE and PUT_VALUE go through dht/rpc.py (the library's wire,
+but a stream cut by our deadline is reset, not left open at the peer). Each
+is bounded by a deadline derived from the latencies this node measured
+(``RpcTimer``: one for peers we are connected to, between ``RPC_TIMEOUT_S``
+and ``RPC_TIMEOUT_CEILING_S``, one for peers we must dial first, between
+``DIAL_TIMEOUT_S`` and the same ceiling): a busy machine's slow answers
+raise the deadline instead of turning into failures that widen every
+lookup; fast answers never lower it below the first one (see the constants).
+
+State: the KadDHT (routing table, value store), the record cache and the two
+RPC timers are owned here; records are owned by their signers. Concurrency
+of network calls is bounded by ``MAX_PARALLEL_RPCS`` and the lookup's alpha.
 """
 from __future__ import annotations
 
@@ -46,13 +58,15 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.tools.anyio_service import background_trio_service
 
 from dht import keys as K
-from dht.records import CapabilityRecord, encode_record_set, merge_records, parse_record_set_lenient, \
-    validate_capability
+from dht.records import CapabilityRecord, RecordCache, encode_record_set, merge_records, \
+    parse_record_set_lenient, validate_capability
 from dht.expert_records import parse_expert_set_lenient
 from dht.relay_records import RelayRecord, parse_relay_set_lenient
 from dht.validator import MergingValueStore, check_value, namespaced_validator
 from dht.errors import RecordRejected
 from dht.lookup import K_CLOSEST, SEED_PEERS, Lookup
+from dht import rpc
+from dht.rpc import RpcTimer
 
 
 log = logging.getLogger(__name__)
@@ -61,10 +75,19 @@ log = logging.getLogger(__name__)
 REPLICATION = K_CLOSEST
 # One slow peer must not stall a publish or a read for long; a live peer answers
 # a DHT RPC in milliseconds on a LAN, well under a second across the internet.
+# These are the first deadlines; measured latencies move them (RpcTimer).
 RPC_TIMEOUT_S = 3.0
 # Dialing a peer we are not connected to: on loopback or a LAN a live peer
 # answers in milliseconds; a gone one would otherwise hold a publish for long.
 DIAL_TIMEOUT_S = 2.0
+# A measured deadline never goes below the first one (RPC_TIMEOUT_S, DIAL_TIMEOUT_S)
+# and never above RPC_TIMEOUT_CEILING_S (one dead peer would stall a lookup round).
+# Not lower: a deadline cut loses the answer, and quiet-time latencies (tens of
+# ms) say nothing about a burst -- measured in ``meshd bench dht`` at 200 nodes
+# with a 1 s floor: a burst of lookups on a starved machine cut 12% of all RPCs
+# and found a quarter of the records. A dead peer's connection is gone (a
+# failed dial costs no deadline); a connected peer that is late is busy.
+RPC_TIMEOUT_CEILING_S = 10.0
 # Concurrent DHT RPCs per operation (Kademlia's alpha is 3; ours is a small swarm).
 MAX_PARALLEL_RPCS = 8
 # py-libp2p 0.8.1's KadDHT serves at most 12 inbound DHT streams at once and
@@ -105,11 +128,17 @@ class DhtNode:
     def __init__(self, host, clock: Callable[[], int]) -> None:
         self.host = host
         self.clock = clock
-        self.kad = KadDHT(host, DHTMode.SERVER, validator=namespaced_validator(clock),
+        self.records = RecordCache()     # records whose signatures this node checked (dht/records.py)
+        self.kad = KadDHT(host, DHTMode.SERVER, validator=namespaced_validator(clock, self.records),
                           validator_changed=True, strict_validation=True)
-        self.kad.value_store = MergingValueStore(host, host.get_id(), clock)
+        self.kad.value_store = MergingValueStore(host, host.get_id(), clock, self.records)
         self.store: MergingValueStore = self.kad.value_store
         self.last_lookup: LookupResult | None = None
+        # deadlines of RPCs to connected peers, and to peers dialed first (measured, see the docstring)
+        self.rpc_timer = RpcTimer(RPC_TIMEOUT_S, RPC_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
+        self.dial_timer = RpcTimer(DIAL_TIMEOUT_S, DIAL_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
+        # outcomes of this node's RPCs (``rpc_stats``): answered, cut by our deadline, failed
+        self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0}
         import importlib.metadata
 
         try:
@@ -149,7 +178,7 @@ class DhtNode:
 
     def store_locally(self, key: str, value: bytes) -> None:
         """Validate like a remote PUT would, then store or merge."""
-        check_value(key, value, self.clock())
+        check_value(key, value, self.clock(), self.records)
         kb = key.encode()
         existing = self.store.get(kb)
         if existing is not None and self.kad.validator.select(key, [existing.value, value]) == 0:
@@ -172,20 +201,27 @@ class DhtNode:
             puts.append((key, value))
         acked = 0
 
-        async def one_key(key: str, value: bytes) -> None:
+        async def one_key(key: str, value: bytes, session: rpc.Session) -> None:
             nonlocal acked
-            stored = await self.put_remote(key, value)   # not ``acked += await``: that reads acked first
+            stored = await self.put_remote(key, value, session)   # not ``acked += await``: that reads acked first
             acked += stored
 
-        async with trio.open_nursery() as nursery:
-            for key, value in puts:
-                nursery.start_soon(one_key, key, value)
+        async with rpc.Session(self.host) as session:   # the keys' lookups and PUTs share streams
+            async with trio.open_nursery() as nursery:
+                for key, value in puts:
+                    nursery.start_soon(one_key, key, value, session)
         return acked
 
-    async def put_remote(self, key: str, value: bytes) -> int:
-        """PUT ``value`` at the k closest peers of ``key`` that a network lookup finds."""
+    async def put_remote(self, key: str, value: bytes, session: rpc.Session | None = None) -> int:
+        """PUT ``value`` at the k closest peers of ``key`` that a network lookup finds.
+
+        The PUTs go over the streams the lookup's GET_VALUEs opened (``session``,
+        one of its own when not given): the k closest were just asked."""
+        if session is None:
+            async with rpc.Session(self.host) as own:
+                return await self.put_remote(key, value, own)
         kb = key.encode()
-        targets = (await self.lookup(kb)).closest
+        targets = (await self.lookup(kb, session=session)).closest
         acked = 0
         limiter = trio.CapacityLimiter(MAX_PARALLEL_RPCS)
 
@@ -196,11 +232,8 @@ class DhtNode:
             for attempt in range(PUT_ATTEMPTS):
                 if attempt:   # refused (a busy peer resets) but still connected: it is alive
                     await trio.sleep(random.uniform(*PUT_RETRY_PAUSE_S))
-                stored = False
                 async with limiter:
-                    with trio.move_on_after(self._timeout_for(peer)):
-                        stored = await self.kad.value_store._store_at_peer(peer, kb, value,
-                                                                           record=Record(key=kb, value=value))
+                    stored = await self._rpc(peer, rpc.put_value, kb, value, session=session) is True
                 if stored:
                     acked += 1
                     return
@@ -212,10 +245,36 @@ class DhtNode:
                 nursery.start_soon(one, peer)
         return acked
 
-    def _timeout_for(self, peer) -> float:
-        """A peer we are connected to gets the full RPC timeout; one we would
-        have to dial first gets DIAL_TIMEOUT_S (it is most often gone)."""
-        return RPC_TIMEOUT_S if peer in self.host.get_network().connections else DIAL_TIMEOUT_S
+    def rpc_stats(self) -> dict:
+        """Counts of this node's RPC outcomes and its two deadline estimators (JSON-able)."""
+        return {**self.rpc_counts, "connected": self.rpc_timer.snapshot(), "dialed": self.dial_timer.snapshot()}
+
+    def _timer_for(self, peer) -> RpcTimer:
+        """The deadline estimator for an RPC to ``peer``: connected, or to be dialed first."""
+        return self.rpc_timer if peer in self.host.get_network().connections else self.dial_timer
+
+    _TIMED_OUT = object()
+
+    async def _rpc(self, peer, call, *args, session: rpc.Session | None = None):
+        """``call(host, peer, *args, session)`` under the measured deadline; its result, ``_TIMED_OUT``,
+        or None when it failed (dial refused, stream reset). Feeds the latency into the timer."""
+        timer = self._timer_for(peer)
+        connected = timer is self.rpc_timer
+        start = trio.current_time()
+        try:
+            with trio.move_on_after(timer.timeout()):
+                result = await call(self.host, peer, *args, session=session)
+                timer.observe(trio.current_time() - start)
+                self.rpc_counts["answered"] += 1
+                return result
+        except Exception as exc:  # noqa: BLE001 - dial and stream errors of every kind (groups too)
+            log.debug("DHT RPC to %s failed: %s", peer, exc)
+            self.rpc_counts["failed"] += 1
+            return None
+        self.rpc_counts["timed_out"] += 1
+        if connected:    # a connected peer that did not answer in time: busy (it or us), not gone
+            timer.timed_out()
+        return self._TIMED_OUT
 
     def _seeds(self, kb: bytes) -> list:
         """A lookup's first candidates: the routing table's closest, then every connected peer."""
@@ -225,29 +284,28 @@ class DhtNode:
                 found.append(peer)
         return found
 
-    async def lookup(self, kb: bytes, *, values: list[bytes] | None = None) -> LookupResult:
+    async def lookup(self, kb: bytes, *, values: list[bytes] | None = None,
+                     session: rpc.Session | None = None) -> LookupResult:
         """Iterative Kademlia lookup of ``kb`` (dht/lookup.py) over GET_VALUE.
 
         Every answering peer's value is appended to ``values`` when given.
         A peer that fails leaves our routing table; one that answers joins it.
+        With ``session`` the streams stay open for the caller's next RPCs.
         """
         me = self.host.get_id()
         lk = Lookup(kb, self._seeds(kb), to_bytes=lambda p: p.to_bytes(), exclude=me)
         network = self.host.get_network()
 
         async def ask(peer) -> None:
-            got, closer = None, []
-            with trio.move_on_after(self._timeout_for(peer)) as scope:
-                got, closer = await self.kad.value_store._get_from_peer(
-                    peer, kb, return_record=True, return_closer_peers=True)
-            # py-libp2p answers (None, []) for a failed dial too: a peer we are
-            # not connected to after the RPC did not answer. Only a dial that
-            # failed (not one cut by our deadline: a busy peer) leaves the table.
-            if scope.cancelled_caught or (got is None and not closer and peer not in network.connections):
+            answer = await self._rpc(peer, rpc.get_value, kb, session=session)
+            if answer is None or answer is self._TIMED_OUT:
                 lk.failed(peer)
-                if not scope.cancelled_caught:
+                # a peer we cannot reach leaves the table; one cut by our deadline
+                # or refused on a live connection (a busy peer) stays
+                if answer is None and peer not in network.connections:
                     self.kad.routing_table.remove_peer(peer)
                 return
+            got, closer = answer
             lk.answered(peer, closer)
             if isinstance(got, Record) and got.value and values is not None:
                 values.append(got.value)
@@ -283,7 +341,7 @@ class DhtNode:
         merged: list[CapabilityRecord] = []
         for value in values:
             try:
-                recs = self._decode(parsed, value, now)
+                recs = self._decode(parsed, value, now, self.records)
             except RecordRejected as exc:
                 log.info("refused a value for %s from the DHT: %s", key, exc)
                 continue
@@ -311,7 +369,7 @@ class DhtNode:
         return await self.fetch(K.experts_key(digest))
 
     @staticmethod
-    def _decode(parsed: K.ParsedKey, value: bytes, now: int) -> list[CapabilityRecord]:
+    def _decode(parsed: K.ParsedKey, value: bytes, now: int, cache: RecordCache | None = None) -> list[CapabilityRecord]:
         if parsed.kind == "relays":
             return parse_relay_set_lenient(value, now)  # type: ignore[return-value]
         if parsed.kind == "experts":
@@ -320,11 +378,11 @@ class DhtNode:
                 raise RecordRejected("key_mismatch", "expert record of another model")
             return recs  # type: ignore[return-value]
         if parsed.kind == "peer":
-            rec = validate_capability(value, now)
+            rec = validate_capability(value, now, cache)
             if rec.peer_id != parsed.subject:
                 raise RecordRejected("key_mismatch", "record of another peer")
             return [rec]
-        recs = parse_record_set_lenient(value, now)
+        recs = parse_record_set_lenient(value, now, cache)
         for rec in recs:
             if rec.model_artifact_digest != parsed.subject:
                 raise RecordRejected("key_mismatch", "record of another model")

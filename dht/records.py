@@ -22,6 +22,12 @@ an equal or lower sequence (a replay) never replaces (``check_replaces``).
 A withdrawal is a record with ``withdrawn`` set and an empty range: it wins
 by sequence like any other record and hides the peer until it expires.
 
+Checked once: ``RecordCache`` remembers records that passed rules 1-6 by their
+exact bytes (rules 1-6 depend on nothing else), so a node that sees the same
+signed record again -- in every index value it stores, serves, merges or
+reads, many times a minute -- re-checks only rule 7, the clock. Callers
+pass their own cache (``cache=``); without one every rule runs every time.
+
 A ``RecordSet`` (the value of an index key, see dht/keys.py) holds at most one
 record per peer, at most ``MAX_INDEX_RECORDS`` records, and is encoded as
 ``MAGIC || u16 count || (u32 length || SignedRecord bytes)*`` (big-endian).
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import re
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
@@ -68,6 +75,10 @@ MAX_DELEGATED_RUNS = 128
 MAX_EXPERT_ID = 511
 _DIGEST_RE = re.compile(r"^[A-Za-z0-9:._-]{1,%d}$" % MAX_DIGEST_CHARS)
 SET_MAGIC = b"MSR1"
+# Records one RecordCache remembers: a home swarm has a few records per peer;
+# 2048 x (<= 4 KiB raw + its parsed payload) bounds the memory a flood of
+# minted records can make a node spend on remembering them.
+RECORD_CACHE_ENTRIES = 2048
 _U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
 
@@ -225,17 +236,64 @@ def check_lifetime(payload, now_ms: int) -> tuple[int, int]:
     return issued, expires
 
 
-def validate_capability(data: bytes, now_ms: int) -> CapabilityRecord:
-    """Check every rule in the module docstring; raise RecordRejected(reason) on the first broken."""
+class RecordCache:
+    """Capability records that passed rules 1-6, by their exact bytes (LRU, at most ``capacity``).
+
+    Only the clock (rule 7) depends on anything but the bytes, so a hit needs
+    only ``check_lifetime`` again; a rejected record is never remembered.
+    State: an OrderedDict raw -> CapabilityRecord, oldest first; ``hits`` and
+    ``misses`` count lookups (for tests and measurements). Not thread-safe: one
+    trio loop owns it (each DhtNode has its own)."""
+
+    def __init__(self, capacity: int = RECORD_CACHE_ENTRIES) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be positive")
+        self.capacity = capacity
+        self._records: OrderedDict[bytes, CapabilityRecord] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, data: bytes) -> CapabilityRecord | None:
+        rec = self._records.get(data)
+        if rec is None:
+            self.misses += 1
+            return None
+        self._records.move_to_end(data)
+        self.hits += 1
+        return rec
+
+    def put(self, rec: CapabilityRecord) -> None:
+        self._records[rec.raw] = rec
+        self._records.move_to_end(rec.raw)
+        while len(self._records) > self.capacity:
+            self._records.popitem(last=False)
+
+
+def validate_capability(data: bytes, now_ms: int, cache: RecordCache | None = None) -> CapabilityRecord:
+    """Check every rule in the module docstring; raise RecordRejected(reason) on the first broken.
+
+    With ``cache``: a record these exact bytes already passed as is re-checked
+    against the clock only (rule 7), and a record that passes is remembered."""
+    if cache is not None:
+        known = cache.get(data)
+        if known is not None:
+            check_lifetime(known.payload, now_ms)
+            return known
     payload = open_signed(data, pb.RECORD_KIND_CAPABILITY, pb.CapabilityPayload)
     _check_bounds(payload)
     issued, expires = check_lifetime(payload, now_ms)
     r = payload.shard_range
-    return CapabilityRecord(raw=data, peer_id=payload.peer_id, sequence=payload.sequence,
-                            model_artifact_digest=payload.model_artifact_digest,
-                            start_layer=r.start_layer, end_layer=r.end_layer,
-                            num_layers=payload.num_layers, issued_at_ms=issued, expires_at_ms=expires,
-                            withdrawn=payload.withdrawn, payload=payload)
+    rec = CapabilityRecord(raw=data, peer_id=payload.peer_id, sequence=payload.sequence,
+                           model_artifact_digest=payload.model_artifact_digest,
+                           start_layer=r.start_layer, end_layer=r.end_layer,
+                           num_layers=payload.num_layers, issued_at_ms=issued, expires_at_ms=expires,
+                           withdrawn=payload.withdrawn, payload=payload)
+    if cache is not None:
+        cache.put(rec)
+    return rec
 
 
 def _runs_problem(runs, num_layers: int) -> str | None:
@@ -341,16 +399,16 @@ def decode_record_set(data: bytes) -> list[bytes]:
     return out
 
 
-def validate_record_set(data: bytes, now_ms: int) -> list[CapabilityRecord]:
+def validate_record_set(data: bytes, now_ms: int, cache: RecordCache | None = None) -> list[CapabilityRecord]:
     """Strict: every record valid and at most one per peer, else RecordRejected."""
-    records = [validate_capability(raw, now_ms) for raw in decode_record_set(data)]
+    records = [validate_capability(raw, now_ms, cache) for raw in decode_record_set(data)]
     peers = [r.peer_id for r in records]
     if len(set(peers)) != len(peers):
         raise RecordRejected("malformed", "two records of one peer in a set")
     return records
 
 
-def parse_record_set_lenient(data: bytes, now_ms: int) -> list[CapabilityRecord]:
+def parse_record_set_lenient(data: bytes, now_ms: int, cache: RecordCache | None = None) -> list[CapabilityRecord]:
     """For reading stored sets: drop records that expired since they were stored.
 
     Any record broken in another way (forged, future, unknown schema) makes
@@ -360,7 +418,7 @@ def parse_record_set_lenient(data: bytes, now_ms: int) -> list[CapabilityRecord]
     out = []
     for raw in decode_record_set(data):
         try:
-            out.append(validate_capability(raw, now_ms))
+            out.append(validate_capability(raw, now_ms, cache))
         except RecordRejected as exc:
             if exc.reason != "expired":
                 raise

@@ -23,6 +23,11 @@ py-libp2p stores a PUT_VALUE only when ``validate`` passes and
 and drops a stored peer record once it has expired. The merged value is
 re-wrapped in an unsigned kad Record: the library's own record signature
 covers one author's value, and our records carry their own signatures.
+
+Both take an optional ``RecordCache`` (dht/records.py; the DhtNode passes
+its own): a stored index value is re-read on every GET, PUT and select, and
+each of its records is then checked against the clock only, not its
+signature again.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from libp2p.records.validator import NamespacedValidator, Validator
 from dht import keys as K
 from dht.records import (
     CapabilityRecord,
+    RecordCache,
     encode_record_set,
     merge_records,
     news,
@@ -59,18 +65,19 @@ MAX_STORED_KEYS = 8192
 
 
 class MeshdValidator(Validator):
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, cache: RecordCache | None = None) -> None:
         self.clock = clock
+        self.cache = cache
 
     def validate(self, key: str, value: bytes) -> None:
-        check_value(key, value, self.clock())
+        check_value(key, value, self.clock(), self.cache)
 
     def select(self, key: str, values: list[bytes]) -> int:
         if not values:
             raise ValueError("select from no values")
         now = self.clock()
         parsed = K.parse_key(key)
-        decoded = [_lenient(parsed, v, now) for v in values]
+        decoded = [_lenient(parsed, v, now, self.cache) for v in values]
         if parsed.kind == "peer":
             seqs = [max((r.sequence for r in recs), default=-1) for recs in decoded]
             return seqs.index(max(seqs))
@@ -82,14 +89,14 @@ class MeshdValidator(Validator):
         return winner
 
 
-def check_value(key: str, value: bytes, now_ms: int) -> list[CapabilityRecord]:
+def check_value(key: str, value: bytes, now_ms: int, cache: RecordCache | None = None) -> list[CapabilityRecord]:
     """Strict check of a /meshd/ value under ``key``; returns its records."""
     try:
         parsed = K.parse_key(key)
     except ValueError as exc:
         raise RecordRejected("key_mismatch", str(exc)) from exc
     if parsed.kind == "peer":
-        rec = validate_capability(value, now_ms)
+        rec = validate_capability(value, now_ms, cache)
         if rec.peer_id != parsed.subject:
             raise RecordRejected("key_mismatch", "record of another peer under a peer key")
         return [rec]
@@ -100,7 +107,7 @@ def check_value(key: str, value: bytes, now_ms: int) -> list[CapabilityRecord]:
         if any(r.model_artifact_digest != parsed.subject for r in records):
             raise RecordRejected("key_mismatch", "expert record of another model under this index key")
         return records  # type: ignore[return-value]
-    records = validate_record_set(value, now_ms)
+    records = validate_record_set(value, now_ms, cache)
     if not records:
         raise RecordRejected("malformed", "an empty record set")
     for rec in records:
@@ -111,29 +118,31 @@ def check_value(key: str, value: bytes, now_ms: int) -> list[CapabilityRecord]:
     return records
 
 
-def _lenient(parsed: K.ParsedKey, value: bytes, now_ms: int) -> list[CapabilityRecord]:
+def _lenient(parsed: K.ParsedKey, value: bytes, now_ms: int,
+             cache: RecordCache | None = None) -> list[CapabilityRecord]:
     try:
         if parsed.kind == "peer":
-            return [validate_capability(value, now_ms)]
+            return [validate_capability(value, now_ms, cache)]
         if parsed.kind == "relays":
             return parse_relay_set_lenient(value, now_ms)  # type: ignore[return-value]
         if parsed.kind == "experts":
             return parse_expert_set_lenient(value, now_ms)  # type: ignore[return-value]
-        return parse_record_set_lenient(value, now_ms)
+        return parse_record_set_lenient(value, now_ms, cache)
     except RecordRejected:
         return []
 
 
-def namespaced_validator(clock: Clock) -> NamespacedValidator:
-    return NamespacedValidator({K.NAMESPACE: MeshdValidator(clock)}, strict_validation=True)
+def namespaced_validator(clock: Clock, cache: RecordCache | None = None) -> NamespacedValidator:
+    return NamespacedValidator({K.NAMESPACE: MeshdValidator(clock, cache)}, strict_validation=True)
 
 
 class MergingValueStore(ValueStore):
     """ValueStore whose index keys merge instead of replace (see module docstring)."""
 
-    def __init__(self, host, local_peer_id, clock: Clock) -> None:
+    def __init__(self, host, local_peer_id, clock: Clock, cache: RecordCache | None = None) -> None:
         super().__init__(host=host, local_peer_id=local_peer_id)
         self.clock = clock
+        self.cache = cache
 
     def put_record(self, key: bytes, record: Record) -> None:
         parsed = _parse(key)
@@ -146,7 +155,7 @@ class MergingValueStore(ValueStore):
             return
         now = self.clock()
         current = self._stored_records(key, parsed, now)
-        merged = merge_records(current, _lenient(parsed, record.value, now), now)
+        merged = merge_records(current, _lenient(parsed, record.value, now, self.cache), now)
         if not merged:
             self.remove(key)
             return
@@ -159,7 +168,7 @@ class MergingValueStore(ValueStore):
         if record is None or parsed is None:
             return record
         now = self.clock()
-        records = _lenient(parsed, record.value, now)
+        records = _lenient(parsed, record.value, now, self.cache)
         if not records:
             self.remove(key)
             return None
@@ -172,7 +181,7 @@ class MergingValueStore(ValueStore):
 
     def _stored_records(self, key: bytes, parsed: K.ParsedKey, now: int) -> list[CapabilityRecord]:
         entry = self.store.get(key)
-        return _lenient(parsed, entry[0].value, now) if entry else []
+        return _lenient(parsed, entry[0].value, now, self.cache) if entry else []
 
     def index_keys(self) -> list[str]:
         out = []

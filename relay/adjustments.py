@@ -11,6 +11,12 @@ meshd changes a few things inside py-libp2p 0.8.1 (see each module for why):
                             deadline (MESHD_INBOUND_LIMITS=0 leaves it off)
     dial_head_start         relay/dial_head_start.py: no fixed 250 ms wait in every new dial
                             (MESHD_DIAL_HEAD_START=0 leaves it off)
+    no_auto_connect         relay/auto_connect.py: the swarm's AutoConnector dials nobody (it aimed
+                            at 200 connections per host: a full mesh in a 200-node DHT)
+                            (MESHD_NO_AUTO_CONNECT=0 leaves it on)
+    peer_record_gc          relay/peer_record_gc.py: a peer whose address-book entry expired no
+                            longer makes KadDHT reset every request naming it
+                            (MESHD_PEER_RECORD_GC=0 leaves the library's)
     dht_inbound_handlers    dht/node.py: KadDHT serves 64 inbound DHT streams at once, not 12
                             (recorded by the daemon for its DhtNode: ``record_dht_node``)
     dcutr_policy            meshd/reach/direct_upgrade.py: our DCUtR service narrows the library's
@@ -118,14 +124,15 @@ def apply_libp2p_adjustments(version: str | None = None) -> list[Adjustment]:
 
     ``version`` is the library version to decide for (default: the installed one);
     tests pass another string to see the gate refuse."""
-    from relay import dial_head_start, inbound_limits, libp2p_fastpath, yamux_tuning
+    from relay import auto_connect, dial_head_start, inbound_limits, libp2p_fastpath, peer_record_gc, yamux_tuning
 
     version = installed_version() if version is None else version
     refused = version_gate(version)
     with _apply_lock:
         out = [record("yamux_release_on_read", False, refused, version) if refused else _release_on_read(version)]
         for name, module in (("yamux_window_batching", yamux_tuning), ("libp2p_fastpath", libp2p_fastpath),
-                             ("inbound_limits", inbound_limits), ("dial_head_start", dial_head_start)):
+                             ("inbound_limits", inbound_limits), ("dial_head_start", dial_head_start),
+                             ("no_auto_connect", auto_connect), ("peer_record_gc", peer_record_gc)):
             reason = refused or module.check(version)
             if reason is None and module.apply(version):
                 out.append(record(name, True, _on(version), version))

@@ -17,11 +17,12 @@ from meshd.cli.status_view import render_status
 from meshd.daemon.relay_mode import render_relay_status
 from meshd.reach.direct_upgrade import DCUTR_POLICY, DirectUpgrader, apply_dcutr_policy, dcutr_policy_check
 from relay import adjustments as A
-from relay import inbound_limits, libp2p_fastpath, yamux_tuning
-from tests._relay_helpers import LOOPBACK, REPO_ROOT, new_host
+from relay import auto_connect, inbound_limits, libp2p_fastpath, peer_record_gc, yamux_tuning
+from tests._relay_helpers import LOOPBACK, REPO_ROOT, info, new_host
 
 CHILD_TIMEOUT_S = 120
-DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath", "inbound_limits", "dial_head_start"}
+DATA_PATH = {"yamux_release_on_read", "yamux_window_batching", "libp2p_fastpath", "inbound_limits", "dial_head_start",
+             "no_auto_connect", "peer_record_gc"}
 
 # Run in a child: ``report()`` prints what the library looks like and what the registry says.
 PROBE = r"""
@@ -30,7 +31,9 @@ import json, os, sys
 def report():
     from libp2p.io.trio import TrioTCPStream
     from libp2p.stream_muxer.yamux import yamux as Y
+    from libp2p.network.auto_connector import AutoConnector
     from libp2p.network.swarm import Swarm
+    from libp2p.peer.peerstore import PeerStore
     from relay import adjustments as A
     print(json.dumps({{
         "registry": A.snapshot(),
@@ -38,6 +41,8 @@ def report():
         "tcp_read_patched": TrioTCPStream.read.__module__ != "libp2p.io.trio",
         "write_patched": Y.YamuxStream.write.__module__ != Y.__name__,
         "inbound_patched": Swarm._handle_inbound_connection.__module__ != "libp2p.network.swarm",
+        "auto_connect_patched": AutoConnector.maybe_connect.__module__ != "libp2p.network.auto_connector",
+        "peerstore_patched": PeerStore.maybe_delete_peer_record.__module__ != "libp2p.peer.peerstore",
         "release_env": os.environ.get(A.RELEASE_ON_READ_ENV),
     }}))
 
@@ -51,6 +56,7 @@ BUILD_A_HOST = ("import os; from relay.host import build_host; from dht.identity
 def _children(setup: str, **env_extra: str) -> list[dict]:
     """Every ``report()`` of a child running ``setup`` (and one more at its end)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MESHD_LIBP2P_FASTPATH", "MESHD_INBOUND_LIMITS",
+                                                      auto_connect.DISABLE_ENV, peer_record_gc.DISABLE_ENV,
                                                       A.RELEASE_ON_READ_ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env.update(env_extra)
@@ -99,9 +105,10 @@ def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them(
                                 "relay.yamux_tuning, meshd.reach.direct_upgrade, meshd.daemon.node; report(); "
                                 + BUILD_A_HOST)
     assert imported == {"registry": [], "yamux_patched": False, "tcp_read_patched": False,
-                        "write_patched": False, "inbound_patched": False, "release_env": None}
+                        "write_patched": False, "inbound_patched": False, "auto_connect_patched": False,
+                        "peerstore_patched": False, "release_env": None}
     assert built["yamux_patched"] and built["tcp_read_patched"] and built["write_patched"]
-    assert built["inbound_patched"]
+    assert built["inbound_patched"] and built["auto_connect_patched"] and built["peerstore_patched"]
     assert built["release_env"] == "0"
     assert {r["name"]: r["applied"] for r in built["registry"]} == dict.fromkeys(DATA_PATH, True)
 
@@ -109,7 +116,8 @@ def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them(
 def test_another_version_leaves_the_library_untouched_and_the_registry_says_why():
     got = _child("from relay.adjustments import apply_libp2p_adjustments as go; go('0.9.3'); "
                  "from meshd.reach.direct_upgrade import apply_dcutr_policy; apply_dcutr_policy('0.9.3')")
-    assert not (got["yamux_patched"] or got["tcp_read_patched"] or got["write_patched"] or got["inbound_patched"])
+    assert not (got["yamux_patched"] or got["tcp_read_patched"] or got["write_patched"] or got["inbound_patched"]
+                or got["auto_connect_patched"] or got["peerstore_patched"])
     assert got["release_env"] is None
     rows = _by_name(got["registry"])
     assert set(rows) == DATA_PATH | {DCUTR_POLICY}
@@ -201,3 +209,56 @@ def test_dial_head_start_is_off_after_the_adjustments_and_back_on_restore():
         assert S._HAPPY_EYEBALLS_DELAY == dial_head_start.LIBRARY_DELAY_S
     finally:
         assert dial_head_start.apply()
+
+
+def test_no_auto_connect_stops_the_library_dialing_its_peerstore_and_restore_brings_it_back():
+    """py-libp2p 0.8.1's AutoConnector dials peers it merely heard of (relay/auto_connect.py).
+
+    Two real hosts: ``a`` knows ``b``'s address (as a DHT answer leaves it in the
+    peerstore). With the adjustment ``a``'s auto-connect pass dials nobody; with the
+    library's methods restored the same pass connects to ``b`` -- what is switched off."""
+    from libp2p.network.auto_connector import AutoConnector
+
+    for other in ("0.7.0", "0.8.2", ""):
+        assert auto_connect.check(other).startswith("off:")
+    A.apply_libp2p_adjustments()
+    assert auto_connect.APPLIED and _by_name(A.snapshot())["no_auto_connect"]["applied"]
+    assert AutoConnector.maybe_connect is auto_connect._no_connect
+
+    async def main() -> tuple[bool, bool]:
+        a, b = new_host(), new_host()
+        async with a.run(LOOPBACK), b.run(LOOPBACK):
+            a.get_peerstore().add_addrs(b.get_id(), info(b).addrs, 600)
+            connector = a.get_network().auto_connector
+            await connector.maybe_connect()
+            quiet = b.get_id() not in a.get_network().connections
+            auto_connect.restore()
+            try:
+                with trio.move_on_after(CHILD_TIMEOUT_S):
+                    await connector.maybe_connect()
+                dialed = b.get_id() in a.get_network().connections
+            finally:
+                assert auto_connect.apply()
+            return quiet, dialed
+
+    quiet, dialed = trio.run(main)
+    assert quiet and dialed
+    assert AutoConnector.maybe_connect is auto_connect._no_connect
+
+
+def test_the_no_auto_connect_switch_is_honoured():
+    got = _child(BUILD_A_HOST, MESHD_NO_AUTO_CONNECT="0")
+    rows = _by_name(got["registry"])
+    assert not got["auto_connect_patched"] and got["inbound_patched"]
+    assert rows["no_auto_connect"] == {"name": "no_auto_connect", "applied": False,
+                                       "reason": "off: MESHD_NO_AUTO_CONNECT=0", "library_version": "0.8.1"}
+
+
+def test_the_peer_record_gc_gate_and_switch_are_honoured():
+    for other in ("0.7.0", "0.8.2", ""):
+        assert peer_record_gc.check(other).startswith("off:")
+    got = _child(BUILD_A_HOST, MESHD_PEER_RECORD_GC="0")
+    rows = _by_name(got["registry"])
+    assert not got["peerstore_patched"] and got["auto_connect_patched"]
+    assert rows["peer_record_gc"] == {"name": "peer_record_gc", "applied": False,
+                                      "reason": "off: MESHD_PEER_RECORD_GC=0", "library_version": "0.8.1"}

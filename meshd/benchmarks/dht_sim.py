@@ -20,6 +20,7 @@ the bench would measure CPU starvation, not the DHT.)
     republish (spread over one interval) ->   every survivor publishes again at a random moment
     fetch again, every few seconds ------->   until every sampled survivor sees every live record
     holders ------------------------------>   how many live nodes hold each model key (replicas)
+    stats -------------------------------->   RPC outcomes, connections per node
 
 Reported: ``nodes``, ``max_lookup_rounds`` (over every sampled lookup, with
 ``round_bound`` = ceil(log2 N) + 2), ``found_fraction`` (records found /
@@ -27,7 +28,10 @@ records published, before churn), ``churn_converged_s`` (kill -> every
 sampled survivor's view holds every surviving record), and the replica
 counts of the model keys before the kill, right after it and one republish
 interval later (``min_replicas_*``): republishing re-replicates to the new
-k closest.
+k closest; ``republished_s``: kill -> every survivor's republish done
+(null when not within REPUBLISH_WAIT_INTERVALS intervals). Also the nodes'
+RPC outcomes (answered, cut by the caller's deadline, failed: ``rpcs_*``,
+see ``DhtNode.rpc_stats``) and connections per node at the end.
 
 Commands and answers are JSON lines on the children's stdin / stdout. Every
 wait is bounded; a child exits when its stdin closes.
@@ -64,6 +68,8 @@ JOIN_CONCURRENCY = 1
 PUBLISH_CONCURRENCY = 1
 FETCH_CONCURRENCY = 8
 COMMAND_TIMEOUT_S = 600.0
+# How long after the kill the survivors' republishes may take (in republish intervals).
+REPUBLISH_WAIT_INTERVALS = 3
 CONVERGE_POLL_S = 2.0
 
 
@@ -204,6 +210,14 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
                         chosen = [(i, n) for i, _, n in nodes if i in set(cmd["nodes"])]
                         items = [(i, n, d) for i, n in chosen for d in cmd["digests"]]
                         _emit({"event": "fetched", "results": await bounded(fetch, items, FETCH_CONCURRENCY)})
+                    elif kind == "stats":
+                        counts = {"answered": 0, "timed_out": 0, "failed": 0}
+                        for _, _, n in nodes:
+                            for name in counts:
+                                counts[name] += n.rpc_counts[name]
+                        _emit({"event": "stats", "rpcs": counts,
+                               "connections": [len(n.host.get_network().connections) for _, _, n in nodes],
+                               "rpc_timeout_s": [n.rpc_timer.timeout() for _, _, n in nodes]})
                     elif kind == "holders":
                         held: dict[str, int] = {}
                         for _, _, n in nodes:
@@ -214,6 +228,10 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
 
 
 # ---------------------------------------------------------------------------------------- parent
+
+class _Late(RuntimeError):
+    """A child did not answer in time (it is still running)."""
+
 
 class _Child:
     def __init__(self, index: int, first: int, count: int, models: int, republish_s: float, log: Path) -> None:
@@ -242,7 +260,7 @@ class _Child:
             try:
                 line = self.lines.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise RuntimeError(f"dht child {self.index}: no {event!r} within {timeout_s:g} s; "
+                raise _Late(f"dht child {self.index}: no {event!r} within {timeout_s:g} s; "
                                    f"log: {self.log.read_text()[-2000:]}") from None
             if line is None:
                 raise RuntimeError(f"dht child {self.index} exited ({self.proc.wait()}): "
@@ -276,6 +294,23 @@ def _holders(children: list[_Child], digests: list[str]) -> int:
         for key, n in c.expect("holders")["held"].items():
             held[key] = held.get(key, 0) + n
     return min(held.get(f"/meshd/model/{d}", 0) for d in digests)
+
+
+def _stats(children: list[_Child]) -> dict:
+    """RPC outcomes summed over the children's nodes, and their connection counts."""
+    rpcs = {"answered": 0, "timed_out": 0, "failed": 0}
+    conns: list[int] = []
+    timeouts: list[float] = []
+    for c in children:
+        c.send(cmd="stats")
+    for c in children:
+        got = c.expect("stats")
+        for name in rpcs:
+            rpcs[name] += got["rpcs"][name]
+        conns += got["connections"]
+        timeouts += got["rpc_timeout_s"]
+    return {"rpcs": rpcs, "connections_max": max(conns), "connections_mean": round(sum(conns) / len(conns), 1),
+            "rpc_timeout_max_s": round(max(timeouts), 2)}
 
 
 def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> dict:
@@ -324,8 +359,9 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         wanted = sum(len(expected[v["digest"]]) for v in views)
         rounds = [v["rounds"] for v in views]
         replicas_before = _holders(children, digests)
+        stats_before = _stats(children)
         _say(progress, f"{len(views)} lookups: found {found}/{wanted}, rounds max {max(rounds)}, "
-                       f"fewest replicas {replicas_before}")
+                       f"fewest replicas {replicas_before}; {stats_before}")
 
         # churn: the last process (1/P of the nodes) dies at once
         victim = children[-1]
@@ -349,10 +385,20 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             time.sleep(CONVERGE_POLL_S)
         _say(progress, f"after killing {len(dead)} nodes: view complete after "
                        f"{converged_s if converged_s is None else round(converged_s, 1)} s")
-        for c in survivors:
-            c.expect("republished", timeout_s=COMMAND_TIMEOUT_S + republish_s)
-        _say(progress, f"every survivor republished ({time.monotonic() - t_kill:.0f} s after the kill)")
+        # the survivors' republishes, one deadline for all: a republish still running after
+        # REPUBLISH_WAIT_INTERVALS intervals is reported (``republished_s`` null), not waited for
+        deadline = t_kill + REPUBLISH_WAIT_INTERVALS * republish_s
+        republished_s: float | None = None
+        try:
+            for c in survivors:
+                c.expect("republished", timeout_s=max(0.1, deadline - time.monotonic()))
+            republished_s = time.monotonic() - t_kill
+        except _Late:
+            pass
+        _say(progress, f"every survivor republished: {republished_s if republished_s is None else round(republished_s)}"
+                       f" s after the kill")
         replicas_after_republish = _holders(survivors, digests)
+        stats_after = _stats(survivors)
         views = _views(survivors, samples, digests)
         churn_rounds += [v["rounds"] for v in views]
         missing = sum(len(live_expected[v["digest"]] - set(v["peers"])) for v in views)
@@ -368,6 +414,7 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             "found_fraction": round(found / wanted, 4),
             "killed_nodes": len(dead),
             "churn_converged_s": None if converged_s is None else round(converged_s, 2),
+            "republished_s": None if republished_s is None else round(republished_s, 1),
             "complete_after_republish": missing == 0,
             "missing_after_republish": missing,
             "republish_interval_s": republish_s,
@@ -377,6 +424,11 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             "min_replicas_after_republish": replicas_after_republish,
             "routing_table_min": min(tables),
             "routing_table_max": max(tables),
+            "rpcs_before_churn": stats_before["rpcs"],
+            "rpcs_survivors_total": stats_after["rpcs"],
+            "connections_per_node_max": stats_after["connections_max"],
+            "connections_per_node_mean": stats_after["connections_mean"],
+            "rpc_timeout_max_s": stats_after["rpc_timeout_max_s"],
             "elapsed_s": round(time.monotonic() - t0, 1),
         }
     except BaseException:

@@ -1,0 +1,87 @@
+"""No background dialing by py-libp2p 0.8.1's AutoConnector (the adjustment ``no_auto_connect``).
+
+py-libp2p 0.8.1's swarm runs an ``AutoConnector`` (network/auto_connector.py):
+while a host has fewer than ``low_watermark`` (100) connections it dials up to
+32 peers of its peerstore per cycle -- every 10 s below ``min_connections``
+(50), every 30 s otherwise, and again after every disconnect -- aiming at 200
+connections (the midpoint of the 100/300 watermarks). Every peer a DHT answer
+names lands in the peerstore, so in a DHT of a few hundred nodes each host
+dials nearly every other: measured in ``meshd bench dht`` at 200 nodes on
+2 cores, ~163 connections per node (16.5k connections, a Noise handshake and
+an identify exchange each, ~5.7 ms CPU per connection for both ends, plus
+yamux's keep-alive pings on every one), and after 20% of the nodes died
+the survivors' reconnect storm starved every DHT RPC (lookups failed 3 to 1).
+
+meshd dials the peers it needs itself -- bootstrap (``connect_bootstrap``,
+re-bootstrapped by the daemon's peer sync), the peers a DHT lookup asks,
+relays, route hops -- so this adjustment makes the AutoConnector's two entry
+points (``run_background_task``, ``maybe_connect``) do nothing. State: the
+original methods, to restore (tests). Applied by relay/adjustments.py when
+the library is exactly TESTED_LIBP2P_VERSION and still has both methods;
+``MESHD_NO_AUTO_CONNECT=0`` leaves the library's auto-connector on.
+"""
+from __future__ import annotations
+
+import os
+
+TESTED_LIBP2P_VERSION = "0.8.1"
+DISABLE_ENV = "MESHD_NO_AUTO_CONNECT"
+METHODS = ("run_background_task", "maybe_connect")
+APPLIED = False
+_ORIGINAL: dict = {}
+
+
+def check(version: str) -> str | None:
+    """None when the adjustment fits ``version`` and the installed library; else why it stays off."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"off: {DISABLE_ENV}=0"
+    if version != TESTED_LIBP2P_VERSION:
+        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
+    try:
+        from libp2p.network.auto_connector import AutoConnector
+    except ImportError as exc:
+        return f"off: cannot import libp2p's auto-connector ({exc})"
+    missing = [m for m in METHODS if not callable(getattr(AutoConnector, m, None))]
+    if missing:
+        return f"off: the library's AutoConnector has no {', '.join(missing)}"
+    return None
+
+
+async def _no_background_task(self, nursery) -> None:
+    """meshd: no periodic auto-connect loop (relay/auto_connect.py)."""
+
+
+async def _no_connect(self) -> None:
+    """meshd: no auto-connect dials (relay/auto_connect.py)."""
+
+
+def apply(version: str | None = None) -> bool:
+    """Make the AutoConnector inert (idempotent). True when it is in place."""
+    global APPLIED
+    if APPLIED:
+        return True
+    if version is None:
+        from relay.adjustments import installed_version   # imported here: adjustments imports this module
+
+        version = installed_version()
+    if check(version) is not None:
+        return False
+    from libp2p.network.auto_connector import AutoConnector
+
+    for name, replacement in zip(METHODS, (_no_background_task, _no_connect)):
+        _ORIGINAL[name] = AutoConnector.__dict__[name]
+        setattr(AutoConnector, name, replacement)
+    APPLIED = True
+    return True
+
+
+def restore() -> None:
+    """Put the library's methods back (tests compare both)."""
+    global APPLIED
+    if APPLIED:
+        from libp2p.network.auto_connector import AutoConnector
+
+        for name, original in _ORIGINAL.items():
+            setattr(AutoConnector, name, original)
+        _ORIGINAL.clear()
+        APPLIED = False

@@ -1,0 +1,88 @@
+"""An expired address-book entry no longer breaks DHT answers (the adjustment ``peer_record_gc``).
+
+py-libp2p 0.8.1's ``PeerStore.get_peer_record`` first garbage-collects the
+peer's signed peer record (``maybe_delete_peer_record``), which asks
+``self.addrs(peer)`` whether any address is left -- and ``addrs`` *raises*
+``PeerStoreError("peer ID is expired")`` once the peer's entry has outlived
+its TTL. The entry's TTL is one per peer, reset by whoever touched it last:
+120 s after ``host.connect``, 600 s after a DHT answer named the peer, 7200 s
+after the peer's own signed record arrived. KadDHT builds every GET_VALUE
+and FIND_NODE answer by calling ``get_peer_record`` for each of the k closest
+peers of its routing table, outside any ``try``: one table peer not heard of
+for ten minutes makes the handler reset every request whose closest peers
+include it ("Failed to parse protobuf message: 'peer ID is expired'").
+Measured in ``meshd bench dht`` at 200 nodes: a quarter of an hour after the
+joins, lookups fail at the peers that should answer them; a daemon that runs
+longer than ten minutes without hearing from one of its table's peers would
+do the same.
+
+This adjustment replaces ``maybe_delete_peer_record`` by the same garbage
+collection without the exception: the signed record goes when the peer has
+no live (unexpired, non-empty) addresses, as the library intends, and the
+caller carries on (``get_peer_record`` then returns None, and the answer
+names the peer without a record). State: the original method, to restore
+(tests). Applied by relay/adjustments.py when the library is exactly
+TESTED_LIBP2P_VERSION and still has the method; ``MESHD_PEER_RECORD_GC=0``
+leaves the library's method.
+"""
+from __future__ import annotations
+
+import os
+
+TESTED_LIBP2P_VERSION = "0.8.1"
+DISABLE_ENV = "MESHD_PEER_RECORD_GC"
+APPLIED = False
+_ORIGINAL: dict = {}
+
+
+def check(version: str) -> str | None:
+    """None when the adjustment fits ``version`` and the installed library; else why it stays off."""
+    if os.environ.get(DISABLE_ENV) == "0":
+        return f"off: {DISABLE_ENV}=0"
+    if version != TESTED_LIBP2P_VERSION:
+        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
+    try:
+        from libp2p.peer.peerstore import PeerStore
+    except ImportError as exc:
+        return f"off: cannot import libp2p's peerstore ({exc})"
+    if not callable(getattr(PeerStore, "maybe_delete_peer_record", None)):
+        return "off: the library's PeerStore has no maybe_delete_peer_record"
+    return None
+
+
+def _maybe_delete_peer_record(self, peer_id) -> None:
+    """meshd (relay/peer_record_gc.py): drop the signed record of a peer with no live addresses; never raise."""
+    if peer_id not in self.peer_record_map:
+        return
+    data = self.peer_data_map.get(peer_id)
+    if data is None or data.is_expired() or not data.get_addrs():
+        self.peer_record_map.pop(peer_id, None)
+
+
+def apply(version: str | None = None) -> bool:
+    """Put the non-raising garbage collection in place (idempotent). True when it is."""
+    global APPLIED
+    if APPLIED:
+        return True
+    if version is None:
+        from relay.adjustments import installed_version   # imported here: adjustments imports this module
+
+        version = installed_version()
+    if check(version) is not None:
+        return False
+    from libp2p.peer.peerstore import PeerStore
+
+    _ORIGINAL["maybe_delete_peer_record"] = PeerStore.__dict__["maybe_delete_peer_record"]
+    PeerStore.maybe_delete_peer_record = _maybe_delete_peer_record
+    APPLIED = True
+    return True
+
+
+def restore() -> None:
+    """Put the library's method back (tests compare both)."""
+    global APPLIED
+    if APPLIED:
+        from libp2p.peer.peerstore import PeerStore
+
+        PeerStore.maybe_delete_peer_record = _ORIGINAL.pop("maybe_delete_peer_record")
+        APPLIED = False
