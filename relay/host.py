@@ -35,6 +35,9 @@ NOISE_PROTOCOL = "/noise"
 # Rounds of bootstrap dials before giving up, and the pause before each retry round.
 BOOTSTRAP_ROUNDS = 3
 BOOTSTRAP_RETRY_PAUSES_S = (1.0, 3.0)
+# Bound on closing a host's connections when it stops (py-libp2p 0.8.1's ``host.run``
+# leaves them open: the peer would keep a live-looking connection nobody reads).
+CLOSE_S = 5.0
 YAMUX_PROTOCOL = "/yamux/1.0.0"
 
 
@@ -106,16 +109,30 @@ async def running_host(identity: Identity, listen: Sequence[str]) -> AsyncIterat
     host = build_host(identity)
     failure: PortInUse | None = None
     async with host.run(addrs):
-        bound = host.get_transport_addrs()
-        if len(bound) < len(addrs):
-            bound_text = {str(a) for a in bound}
-            missing = [a for a in addrs if str(a) not in bound_text and not str(a).endswith("/tcp/0")]
-            failure = PortInUse(_bind_error(missing[0] if missing else addrs[0]))
-        else:
-            yield host
+        try:
+            bound = host.get_transport_addrs()
+            if len(bound) < len(addrs):
+                bound_text = {str(a) for a in bound}
+                missing = [a for a in addrs if str(a) not in bound_text and not str(a).endswith("/tcp/0")]
+                failure = PortInUse(_bind_error(missing[0] if missing else addrs[0]))
+            else:
+                yield host
+        finally:
+            await _close_connections(host)
     if failure is not None:
         # raised outside the library's nursery so the caller sees one plain error
         raise failure
+
+
+async def _close_connections(host) -> None:
+    """Close every connection of a stopping host, shielded and bounded (CLOSE_S): py-libp2p
+    0.8.1's ``host.run`` stops listening but leaves open connections behind, so a peer would
+    keep sending RPCs into a connection nobody reads until its own deadlines fire."""
+    with trio.CancelScope(shield=True), trio.move_on_after(CLOSE_S):
+        try:
+            await host.get_network().close()
+        except Exception as exc:  # noqa: BLE001 - connections may already be gone
+            log.debug("closing a stopping host's connections: %s", exc)
 
 
 async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float, *,
