@@ -39,6 +39,10 @@ and ``RPC_TIMEOUT_CEILING_S``, one for peers we must dial first, between
 ``DIAL_TIMEOUT_S`` and the same ceiling): a busy machine's slow answers
 raise the deadline instead of turning into failures that widen every
 lookup; fast answers never lower it below the first one (see the constants).
+A connected peer that leaves an RPC unanswered gets its own deadline doubled
+per consecutive miss; after STUCK_AFTER misses its connection is closed and it
+leaves the routing table (a peer whose host exited without closing its
+connections must not cost every later lookup a deadline).
 
 State: the KadDHT (routing table, value store), the record cache and the two
 RPC timers are owned here; records are owned by their signers. Concurrency
@@ -77,6 +81,8 @@ REPLICATION = K_CLOSEST
 # a DHT RPC in milliseconds on a LAN, well under a second across the internet.
 # These are the first deadlines; measured latencies move them (RpcTimer).
 RPC_TIMEOUT_S = 3.0
+# Consecutive unanswered RPCs after which a connected peer's connection is closed (_rpc).
+STUCK_AFTER = 2
 # Dialing a peer we are not connected to: on loopback or a LAN a live peer
 # answers in milliseconds; a gone one would otherwise hold a publish for long.
 DIAL_TIMEOUT_S = 2.0
@@ -138,7 +144,9 @@ class DhtNode:
         self.rpc_timer = RpcTimer(RPC_TIMEOUT_S, RPC_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
         self.dial_timer = RpcTimer(DIAL_TIMEOUT_S, DIAL_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
         # outcomes of this node's RPCs (``rpc_stats``): answered, cut by our deadline, failed
-        self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0}
+        self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0}
+        # consecutive unanswered RPCs per connected peer: its own deadline doubles per miss
+        self._unanswered: dict = {}
         import importlib.metadata
 
         try:
@@ -257,24 +265,50 @@ class DhtNode:
 
     async def _rpc(self, peer, call, *args, session: rpc.Session | None = None):
         """``call(host, peer, *args, session)`` under the measured deadline; its result, ``_TIMED_OUT``,
-        or None when it failed (dial refused, stream reset). Feeds the latency into the timer."""
+        or None when it failed (dial refused, stream reset). Feeds the latency into the timer.
+
+        A connected peer that leaves RPCs unanswered gets a deadline doubled per consecutive
+        miss (its own, not everyone's); after STUCK_AFTER misses in a row its connection is
+        closed and it leaves the routing table: a connection whose far end stopped reading
+        (a host that exited without closing it) must not cost every later RPC a deadline."""
         timer = self._timer_for(peer)
         connected = timer is self.rpc_timer
+        misses = self._unanswered.get(peer, 0) if connected else 0
         start = trio.current_time()
         try:
-            with trio.move_on_after(timer.timeout()):
+            with trio.move_on_after(timer.timeout(misses)):
                 result = await call(self.host, peer, *args, session=session)
                 timer.observe(trio.current_time() - start)
                 self.rpc_counts["answered"] += 1
+                self._unanswered.pop(peer, None)
                 return result
         except Exception as exc:  # noqa: BLE001 - dial and stream errors of every kind (groups too)
             log.debug("DHT RPC to %s failed: %s", peer, exc)
             self.rpc_counts["failed"] += 1
+            self._unanswered.pop(peer, None)
             return None
         self.rpc_counts["timed_out"] += 1
-        if connected:    # a connected peer that did not answer in time: busy (it or us), not gone
-            timer.timed_out()
+        if connected:    # a connected peer that did not answer in time: busy, or stuck
+            self._unanswered[peer] = misses + 1
+            if misses + 1 >= STUCK_AFTER:
+                await self._close_stuck(peer)
         return self._TIMED_OUT
+
+    async def _close_stuck(self, peer) -> None:
+        """Drop a connected peer that left STUCK_AFTER RPCs in a row unanswered: out of the
+        routing table, its connection closed (shielded, bounded); a live peer reconnects."""
+        self._unanswered.pop(peer, None)
+        self.rpc_counts["stuck_closed"] += 1
+        log.info("DHT peer %s left %d RPCs in a row unanswered: closing its connection", peer, STUCK_AFTER)
+        try:
+            self.kad.routing_table.remove_peer(peer)
+        except Exception as exc:  # noqa: BLE001 - it may not be in the table
+            log.debug("removing %s from the routing table: %s", peer, exc)
+        with trio.CancelScope(shield=True), trio.move_on_after(rpc.CLEANUP_S):
+            try:
+                await self.host.get_network().close_peer(peer)
+            except Exception as exc:  # noqa: BLE001 - already gone
+                log.debug("closing the connection to %s: %s", peer, exc)
 
     def _seeds(self, kb: bytes) -> list:
         """A lookup's first candidates: the routing table's closest, then every connected peer."""

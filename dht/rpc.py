@@ -70,12 +70,12 @@ class RpcTimer:
         self.srtt: float | None = None
         self.rttvar = 0.0
         self.samples = 0
-        self.backoffs = 0
 
-    def timeout(self) -> float:
-        if self.srtt is None:
-            return self.initial_s
-        return min(self.ceiling_s, max(self.floor_s, self.srtt + 4 * self.rttvar))
+    def timeout(self, backoff: int = 0) -> float:
+        """Deadline for the next RPC; ``backoff`` = that peer's consecutive unanswered RPCs
+        doubles it per miss (RFC 6298 5.5) for that peer only, within the ceiling."""
+        base = self.initial_s if self.srtt is None else max(self.floor_s, self.srtt + 4 * self.rttvar)
+        return min(self.ceiling_s, base * 2 ** min(max(backoff, 0), 16))
 
     def observe(self, seconds: float) -> None:
         """One RPC answered after ``seconds``."""
@@ -87,16 +87,9 @@ class RpcTimer:
         self.rttvar = (1 - self.BETA) * self.rttvar + self.BETA * abs(self.srtt - seconds)
         self.srtt = (1 - self.ALPHA) * self.srtt + self.ALPHA * seconds
 
-    def timed_out(self) -> None:
-        """An RPC to a live (connected) peer took longer than ``timeout()``: double the estimate."""
-        self.backoffs += 1
-        current = self.timeout()
-        self.srtt = min(self.ceiling_s, 2 * current)
-        self.rttvar = 0.0
-
     def snapshot(self) -> dict:
         return {"timeout_s": round(self.timeout(), 3), "srtt_s": None if self.srtt is None else round(self.srtt, 4),
-                "samples": self.samples, "backoffs": self.backoffs}
+                "samples": self.samples}
 
 
 async def _end(stream, peer, *, good: bool) -> None:

@@ -58,19 +58,16 @@ def test_the_deadline_stays_within_floor_and_ceiling():
     assert t.srtt >= 0
 
 
-def test_a_timeout_doubles_the_deadline_and_answers_pull_it_back():
+def test_a_peers_unanswered_rpcs_double_its_deadline_within_the_ceiling():
     t = RpcTimer(1.0, 0.5, 10.0)
+    assert t.timeout(1) == 2.0                  # before any sample: the initial deadline, doubled
     t.observe(0.2)
-    before = t.timeout()
-    t.timed_out()
-    assert t.timeout() == pytest.approx(2 * before) and t.backoffs == 1
-    for _ in range(6):
-        t.timed_out()
-    assert t.timeout() == 10.0                  # capped
-    for _ in range(100):
-        t.observe(0.2)
-    assert t.timeout() < 1.0
-    assert t.snapshot()["backoffs"] == 7 and t.snapshot()["samples"] == 101
+    base = t.timeout()
+    assert t.timeout(1) == pytest.approx(2 * base) and t.timeout(2) == pytest.approx(4 * base)
+    assert t.timeout(7) == 10.0 and t.timeout(10_000) == 10.0     # capped, whatever the count
+    assert t.timeout(-3) == base
+    assert t.timeout() == base                  # the estimate itself is not moved by a miss
+    assert "backoffs" not in t.snapshot() and t.snapshot()["samples"] == 1
 
 
 @pytest.mark.parametrize("args", [(1.0, 2.0, 3.0), (5.0, 1.0, 3.0), (1.0, 0.0, 3.0)])
@@ -220,5 +217,58 @@ def test_a_table_peer_whose_address_entry_expired_does_not_break_the_answers_nam
                         await rpc.get_value(a.host, b_id, key)
                 finally:
                     assert peer_record_gc.apply()
+
+    trio.run(main)
+
+
+def test_a_stuck_peer_doubles_only_its_own_deadline_and_is_closed_after_two_misses():
+    """The fault: ``b`` takes every inbound DHT stream and never answers (a host whose
+    reader is gone). ``a``'s RPCs to ``b`` time out; the second miss uses a doubled
+    deadline; after STUCK_AFTER misses ``a`` closes the connection and drops ``b`` from
+    its table, while ``c``'s deadline never moved."""
+    from dht import node as node_mod
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b, c = await _nodes(stack, 3)
+                await connect_bootstrap(a.host, [f"{c.host.get_addrs()[0]}/p2p/{c.host.get_id()}"], 10)
+                b_id, c_id = b.host.get_id(), c.host.get_id()
+                hold = trio.Event()
+
+                async def silent(stream):
+                    await hold.wait()
+
+                b.host.set_stream_handler(PROTOCOL_ID, silent)
+                a.rpc_timer = RpcTimer(CUT_S, CUT_S, 10 * CUT_S)
+                key = K.model_key(DIGEST).encode()
+                durations = []
+                for _ in range(node_mod.STUCK_AFTER):
+                    start = trio.current_time()
+                    got = await a._rpc(b_id, rpc.get_value, key)
+                    durations.append(trio.current_time() - start)
+                    assert got is a._TIMED_OUT
+                assert durations[1] >= 2 * CUT_S * 0.95            # the second miss waited twice as long
+                assert a.rpc_counts["stuck_closed"] == 1
+                assert b_id not in a.host.get_network().connections
+                assert not a.kad.routing_table.peer_in_table(b_id)
+                assert a.rpc_timer.timeout() == CUT_S               # nobody else's deadline moved
+                record, _ = await a._rpc(c_id, rpc.get_value, key)  # c still answers at once
+                assert record is None and a._unanswered == {}
+                hold.set()
+
+    trio.run(main)
+
+
+def test_a_stopping_host_closes_its_connections_so_its_peers_see_it_leave():
+    """relay/host.py: py-libp2p 0.8.1's ``host.run`` leaves connections open when it
+    exits; ``running_host`` closes them, so the peer stops holding a dead link."""
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with running_host(identity(80), LOOPBACK) as a:
+                async with running_host(identity(81), LOOPBACK) as b:
+                    await connect_bootstrap(b, [f"{a.get_addrs()[0]}/p2p/{a.get_id()}"], 10)
+                    assert b.get_id() in a.get_network().connections
+                await _until(lambda: b.get_id() not in a.get_network().connections)
 
     trio.run(main)

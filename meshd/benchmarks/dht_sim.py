@@ -211,7 +211,7 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
                         items = [(i, n, d) for i, n in chosen for d in cmd["digests"]]
                         _emit({"event": "fetched", "results": await bounded(fetch, items, FETCH_CONCURRENCY)})
                     elif kind == "stats":
-                        counts = {"answered": 0, "timed_out": 0, "failed": 0}
+                        counts = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0}
                         for _, _, n in nodes:
                             for name in counts:
                                 counts[name] += n.rpc_counts[name]
@@ -298,7 +298,7 @@ def _holders(children: list[_Child], digests: list[str]) -> int:
 
 def _stats(children: list[_Child]) -> dict:
     """RPC outcomes summed over the children's nodes, and their connection counts."""
-    rpcs = {"answered": 0, "timed_out": 0, "failed": 0}
+    rpcs = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0}
     conns: list[int] = []
     timeouts: list[float] = []
     for c in children:
