@@ -81,6 +81,8 @@ REPLICATION = K_CLOSEST
 # a DHT RPC in milliseconds on a LAN, well under a second across the internet.
 # These are the first deadlines; measured latencies move them (RpcTimer).
 RPC_TIMEOUT_S = 3.0
+# Routing-table insertions of answering peers running at once in the background (``_learn``).
+MAX_PENDING_INSERTS = 32
 # Consecutive unanswered RPCs after which a connected peer's connection is closed (_rpc).
 STUCK_AFTER = 2
 # Dialing a peer we are not connected to: on loopback or a LAN a live peer
@@ -147,6 +149,9 @@ class DhtNode:
         self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0}
         # consecutive unanswered RPCs per connected peer: its own deadline doubles per miss
         self._unanswered: dict = {}
+        # routing-table insertions running in the background (``_learn``), and their nursery
+        self._inserting: set = set()
+        self._upkeep: trio.Nursery | None = None
         import importlib.metadata
 
         try:
@@ -157,8 +162,33 @@ class DhtNode:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator["DhtNode"]:
-        async with background_trio_service(self.kad):
-            yield self
+        async with background_trio_service(self.kad), trio.open_nursery() as upkeep:
+            self._upkeep = upkeep
+            try:
+                yield self
+            finally:
+                self._upkeep = None
+                upkeep.cancel_scope.cancel()
+
+    def _learn(self, peer) -> None:
+        """Put a peer that answered into the routing table, off the lookup's path: inserting
+        into a full bucket pings its oldest peer, which after churn is often dead and would
+        hold the lookup's round for a dial deadline. At most MAX_PENDING_INSERTS at once."""
+        if (self._upkeep is None or peer in self._inserting or len(self._inserting) >= MAX_PENDING_INSERTS
+                or self.kad.routing_table.peer_in_table(peer)):
+            return
+        self._inserting.add(peer)
+
+        async def insert() -> None:
+            try:
+                with trio.move_on_after(DIAL_TIMEOUT_S):
+                    await self.kad.add_peer(peer, skip_server_mode_check=True)
+            except Exception as exc:  # noqa: BLE001 - a full bucket pings its oldest peer
+                log.debug("could not add %s to the routing table: %s", peer, exc)
+            finally:
+                self._inserting.discard(peer)
+
+        self._upkeep.start_soon(insert)
 
     async def sync_peers(self) -> int:
         added = 0
@@ -323,7 +353,8 @@ class DhtNode:
         """Iterative Kademlia lookup of ``kb`` (dht/lookup.py) over GET_VALUE.
 
         Every answering peer's value is appended to ``values`` when given.
-        A peer that fails leaves our routing table; one that answers joins it.
+        A peer that fails leaves our routing table; one that answers joins it (in the
+        background: ``_learn``, so a full bucket's ping of its oldest peer never holds a round).
         With ``session`` the streams stay open for the caller's next RPCs.
         """
         me = self.host.get_id()
@@ -343,12 +374,7 @@ class DhtNode:
             lk.answered(peer, closer)
             if isinstance(got, Record) and got.value and values is not None:
                 values.append(got.value)
-            if not self.kad.routing_table.peer_in_table(peer):
-                with trio.move_on_after(DIAL_TIMEOUT_S):
-                    try:
-                        await self.kad.add_peer(peer, skip_server_mode_check=True)
-                    except Exception as exc:  # a full bucket pings its oldest peer
-                        log.debug("could not add %s to the routing table: %s", peer, exc)
+            self._learn(peer)
 
         while batch := lk.next_batch():
             async with trio.open_nursery() as nursery:
