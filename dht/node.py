@@ -40,7 +40,8 @@ and ``RPC_TIMEOUT_CEILING_S``, one for peers we must dial first, between
 raise the deadline instead of turning into failures that widen every
 lookup; fast answers never lower it below the first one (see the constants).
 A connected peer that leaves an RPC unanswered gets its own deadline doubled
-per consecutive miss; after STUCK_AFTER misses its connection is closed and it
+per consecutive miss (its first miss also counts as a latency sample of the
+deadline, so an overloaded machine raises every deadline); after STUCK_AFTER misses its connection is closed and it
 leaves the routing table (a peer whose host exited without closing its
 connections must not cost every later lookup a deadline).
 
@@ -82,9 +83,9 @@ REPLICATION = K_CLOSEST
 # These are the first deadlines; measured latencies move them (RpcTimer).
 RPC_TIMEOUT_S = 3.0
 # Routing-table insertions of answering peers running at once in the background (``_learn``).
-MAX_PENDING_INSERTS = 32
+MAX_PENDING_INSERTS = 4
 # Consecutive unanswered RPCs after which a connected peer's connection is closed (_rpc).
-STUCK_AFTER = 2
+STUCK_AFTER = 3
 # Dialing a peer we are not connected to: on loopback or a LAN a live peer
 # answers in milliseconds; a gone one would otherwise hold a publish for long.
 DIAL_TIMEOUT_S = 2.0
@@ -298,7 +299,8 @@ class DhtNode:
         or None when it failed (dial refused, stream reset). Feeds the latency into the timer.
 
         A connected peer that leaves RPCs unanswered gets a deadline doubled per consecutive
-        miss (its own, not everyone's); after STUCK_AFTER misses in a row its connection is
+        miss (its own, not everyone's; only its first miss counts as a latency sample, so a
+        machine-wide overload raises every deadline while one stuck peer cannot); after STUCK_AFTER misses in a row its connection is
         closed and it leaves the routing table: a connection whose far end stopped reading
         (a host that exited without closing it) must not cost every later RPC a deadline."""
         timer = self._timer_for(peer)
@@ -319,6 +321,8 @@ class DhtNode:
             return None
         self.rpc_counts["timed_out"] += 1
         if connected:    # a connected peer that did not answer in time: busy, or stuck
+            if misses == 0:   # a peer's first miss is a latency sample of at least the deadline
+                timer.observe(trio.current_time() - start)     # (its later misses are its own: backoff)
             self._unanswered[peer] = misses + 1
             if misses + 1 >= STUCK_AFTER:
                 await self._close_stuck(peer)
