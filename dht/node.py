@@ -131,6 +131,7 @@ class LookupResult:
     closest: tuple        # the k closest peers that answered, nearest first (PUT targets)
     rounds: int           # rounds of parallel asks the lookup took
     asked: int            # peers asked in all
+    failed: int = 0       # of them, how many did not answer (unreachable, cut by the deadline)
 
 
 class DhtNode:
@@ -386,7 +387,8 @@ class DhtNode:
                     nursery.start_soon(ask, peer)
             lk.round_done()
         result = LookupResult(closest=tuple(lk.answered_closest()), rounds=lk.rounds,
-                              asked=sum(s != "new" for s in lk.state.values()))
+                              asked=sum(s != "new" for s in lk.state.values()),
+                              failed=sum(s == "failed" for s in lk.state.values()))
         self.last_lookup = result
         return result
 

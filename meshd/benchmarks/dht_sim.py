@@ -29,7 +29,9 @@ the bench would measure CPU starvation, not the DHT.)
 Reported: ``nodes``, ``max_lookup_rounds`` (over every sampled lookup, with
 ``round_bound`` = ceil(log2 N) + 2), ``found_fraction`` (records found /
 records published, before churn), ``churn_converged_s`` (kill -> every
-sampled survivor's view holds every surviving record), and the replica
+sampled survivor's view holds every surviving record; its floor here is
+``read_pass_s``, one full read of every sampled view before the kill, since
+convergence is seen by reading: at least one pass plus the confirming one), and the replica
 counts of the model keys before the kill, right after it and one republish
 interval later (``min_replicas_*``): republishing re-replicates to the new
 k closest; ``republished_s``: kill -> every survivor's republish done
@@ -192,7 +194,9 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
         async def fetch(index: int, node: DhtNode, digest: str) -> dict:
             recs = await node.fetch(K.model_key(digest))
             return {"node": index, "digest": digest, "peers": sorted(r.peer_id for r in recs),
-                    "rounds": node.last_lookup.rounds if node.last_lookup else 0}
+                    "rounds": node.last_lookup.rounds if node.last_lookup else 0,
+                    "asked": node.last_lookup.asked if node.last_lookup else 0,
+                    "failed": node.last_lookup.failed if node.last_lookup else 0}
 
         stdin = trio.lowlevel.FdStream(os.dup(0))
         buf = b""
@@ -389,7 +393,9 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         samples = {c.index: sorted(rng.sample(range(c.first, c.first + c.count), min(SAMPLES_PER_PROCESS, c.count)))
                    for c in children}
         expected = {d: {peers[i] for i in peers if _assignment(i, models)[0] == d} for d in digests}
+        t_read = time.monotonic()
         views = _views(children, samples, digests)
+        read_pass_s = time.monotonic() - t_read
         found = sum(len(set(v["peers"]) & expected[v["digest"]]) for v in views)
         wanted = sum(len(expected[v["digest"]]) for v in views)
         rounds = [v["rounds"] for v in views]
@@ -450,6 +456,11 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         views = _views(survivors, samples, digests)
         churn_rounds += [v["rounds"] for v in views]
         missing = sum(len(live_expected[v["digest"]] - set(v["peers"])) for v in views)
+        short = [v for v in views if not live_expected[v["digest"]] <= set(v["peers"])]
+        for v in short:
+            _say(progress, f"  incomplete after the republish: node {v['node']} model {v['digest'][-4:]}: "
+                           f"{len(live_expected[v['digest']] - set(v['peers']))} missing; lookup asked {v['asked']}, "
+                           f"{v['failed']} did not answer, {v['rounds']} rounds")
         return {
             "nodes": nodes,
             "processes": processes,
@@ -462,9 +473,11 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             "found_fraction": round(found / wanted, 4),
             "killed_nodes": len(dead),
             "churn_converged_s": None if converged_s is None else round(converged_s, 2),
+            "read_pass_s": round(read_pass_s, 2),
             "republished_s": None if republished_s is None else round(republished_s, 1),
             "complete_after_republish": missing == 0,
             "missing_after_republish": missing,
+            "views_incomplete_after_republish": len(short),
             "republish_interval_s": republish_s,
             "republish_interval_base_s": base_republish_s,
             "survivors_republish_floor_s": round(floor_s, 1),
