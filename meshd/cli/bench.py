@@ -32,7 +32,7 @@ MODEL_OPTIONS = ("swarm", "pipeline")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line (progress stays on stderr)")
     parser.add_argument("--model", help="swarm, pipeline: a model artifact directory (default: SmolLM2-135M)")
     parser.add_argument("--layers", help="swarm, pipeline: a fixed split A:B,C:D,... (one daemon per range; "
                                          "default: swarm --layers auto, pipeline 2 and 3 even ranges)")
@@ -53,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"bench {args.name} takes no --model/--layers/--backend (only {', '.join(MODEL_OPTIONS)} do)", 2)
     module = importlib.import_module(BENCHMARKS[args.name])
     try:
-        result = module.run(quick=args.quick, progress=None if args.json else sys.stderr, options=args)
+        # progress lines go to stderr in both modes: stdout carries only the result
+        result = module.run(quick=args.quick, progress=sys.stderr, options=args)
     except MeshdError as exc:
         return fail(str(exc))
     print(json.dumps(result, indent=None if args.json else 2, sort_keys=True))
