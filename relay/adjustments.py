@@ -38,17 +38,16 @@ adjustment is on, a later call keeps reporting it on.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import threading
 from dataclasses import asdict, dataclass
+
+from relay.library_gate import TESTED_LIBP2P_VERSION, installed_version
 
 __all__ = ["Adjustment", "TESTED_LIBP2P_VERSION", "installed_version", "version_gate", "record",
            "snapshot", "apply_libp2p_adjustments", "record_dht_node", "library_status", "render_library",
            "RELEASE_ON_READ_ENV"]
 
-# The one py-libp2p release every adjustment was written and measured against.
-TESTED_LIBP2P_VERSION = "0.8.1"
 # py-libp2p's own yamux knob (read at call time): "0" stops crediting partial reads at once.
 RELEASE_ON_READ_ENV = "PY_YAMUX_RELEASE_ON_READ"
 
@@ -64,14 +63,6 @@ class Adjustment:
 _lock = threading.Lock()
 _apply_lock = threading.Lock()     # one apply at a time (two threads building hosts at once)
 _registry: dict[str, Adjustment] = {}
-
-
-def installed_version() -> str:
-    """The installed py-libp2p version, "" when it is not installed."""
-    try:
-        return importlib.metadata.version("libp2p")
-    except importlib.metadata.PackageNotFoundError:
-        return ""
 
 
 def version_gate(version: str) -> str | None:

@@ -22,9 +22,8 @@ the library is exactly TESTED_LIBP2P_VERSION and still has both methods;
 """
 from __future__ import annotations
 
-import os
+from relay.library_gate import gate, installed_version
 
-TESTED_LIBP2P_VERSION = "0.8.1"
 DISABLE_ENV = "MESHD_NO_AUTO_CONNECT"
 METHODS = ("run_background_task", "maybe_connect")
 APPLIED = False
@@ -33,18 +32,8 @@ _ORIGINAL: dict = {}
 
 def check(version: str) -> str | None:
     """None when the adjustment fits ``version`` and the installed library; else why it stays off."""
-    if os.environ.get(DISABLE_ENV) == "0":
-        return f"off: {DISABLE_ENV}=0"
-    if version != TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
-    try:
-        from libp2p.network.auto_connector import AutoConnector
-    except ImportError as exc:
-        return f"off: cannot import libp2p's auto-connector ({exc})"
-    missing = [m for m in METHODS if not callable(getattr(AutoConnector, m, None))]
-    if missing:
-        return f"off: the library's AutoConnector has no {', '.join(missing)}"
-    return None
+    return gate(version, module="libp2p.network.auto_connector", what="auto-connector", owner="AutoConnector",
+                needs=METHODS, disable_env=DISABLE_ENV)
 
 
 async def _no_background_task(self, nursery) -> None:
@@ -61,7 +50,6 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-        from relay.adjustments import installed_version   # imported here: adjustments imports this module
 
         version = installed_version()
     if check(version) is not None:

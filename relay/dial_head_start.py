@@ -16,9 +16,10 @@ still has the constant; ``MESHD_DIAL_HEAD_START=0`` leaves it off.
 """
 from __future__ import annotations
 
-import os
+import importlib
 
-TESTED_LIBP2P_VERSION = "0.8.1"
+from relay.library_gate import gate, installed_version
+
 DISABLE_ENV = "MESHD_DIAL_HEAD_START"
 LIBRARY_DELAY_S = 0.250
 APPLIED = False
@@ -27,15 +28,10 @@ _ORIGINAL: float | None = None
 
 def check(version: str) -> str | None:
     """None when the adjustment fits ``version`` and the installed library; else why it stays off."""
-    if os.environ.get(DISABLE_ENV) == "0":
-        return f"off: {DISABLE_ENV}=0"
-    if version != TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
-    try:
-        from libp2p.network import swarm
-    except ImportError as exc:
-        return f"off: cannot import libp2p's swarm ({exc})"
-    delay = getattr(swarm, "_HAPPY_EYEBALLS_DELAY", None)
+    refused = gate(version, module="libp2p.network.swarm", what="swarm", disable_env=DISABLE_ENV)
+    if refused is not None:
+        return refused
+    delay = getattr(importlib.import_module("libp2p.network.swarm"), "_HAPPY_EYEBALLS_DELAY", None)
     if delay not in (LIBRARY_DELAY_S, 0.0):
         return f"off: the library's dial head start is {delay!r}, not the {LIBRARY_DELAY_S} s this was written for"
     return None
@@ -47,7 +43,6 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-        from relay.adjustments import installed_version   # imported here: adjustments imports this module
 
         version = installed_version()
     if check(version) is not None:

@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import collections
 import contextvars
-import importlib.metadata
 import ipaddress
 import logging
-import os
 import time
 
 import trio
+
+from relay.library_gate import TESTED_LIBP2P_VERSION, gate, installed_version
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,6 @@ __all__ = ["apply", "check", "restore", "gate_of", "InboundGate", "APPLIED", "TE
            "MAX_PENDING_PER_ADDR", "MAX_PENDING_TOTAL", "MAX_INBOUND_PER_ADDR", "PRE_HANDSHAKE_TIMEOUT_S",
            "DISABLE_ENV"]
 
-TESTED_LIBP2P_VERSION = "0.8.1"
 DISABLE_ENV = "MESHD_INBOUND_LIMITS"
 # Handshakes one address may have in flight: a household behind one NAT starts
 # a few nodes at once; more than this from one address is not a new peer.
@@ -209,16 +208,8 @@ async def _upgrade_inbound_raw_conn(self, raw_conn, maddr):
 
 def check(version: str) -> str | None:
     """None when the gate fits ``version`` and the installed library; else why it stays off."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return f"off: {DISABLE_ENV}=0"
-    if version != TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
-    try:
-        from libp2p.network.swarm import Swarm
-    except ImportError as exc:  # libp2p missing or restructured: leave it alone
-        return f"off: cannot import libp2p's swarm ({exc})"
-    missing = [n for n in ("_handle_inbound_connection", "upgrade_inbound_raw_conn") if not hasattr(Swarm, n)]
-    return f"off: Swarm lacks {', '.join(missing)}" if missing else None
+    return gate(version, module="libp2p.network.swarm", what="swarm", owner="Swarm",
+                needs=("_handle_inbound_connection", "upgrade_inbound_raw_conn"), disable_env=DISABLE_ENV)
 
 
 def apply(version: str | None = None) -> bool:
@@ -227,10 +218,7 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-        try:
-            version = importlib.metadata.version("libp2p")
-        except importlib.metadata.PackageNotFoundError:
-            return False
+        version = installed_version()
     if check(version) is not None:
         return False
     from libp2p.network.swarm import Swarm

@@ -62,16 +62,14 @@ an unpatched one interoperate: nothing on the wire changes.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
-import os
 import struct
 
 import trio
 
+from relay.library_gate import TESTED_LIBP2P_VERSION, gate, installed_version
+
 __all__ = ["apply", "check", "APPLIED", "QuickLock", "TESTED_LIBP2P_VERSION", "TCP_READ_AHEAD_BYTES"]
 
-TESTED_LIBP2P_VERSION = "0.8.1"
 # MESHD_LIBP2P_FASTPATH=0 leaves the library exactly as it is (for comparison or a suspected bug).
 DISABLE_ENV = "MESHD_LIBP2P_FASTPATH"
 # One recv per wakeup: a whole Noise message (<= 65535 + 2 bytes) in one go in
@@ -286,15 +284,7 @@ def _install(libp2p_version: str) -> bool:
 
 def check(version: str) -> str | None:
     """None when the fast path may go in for ``version``; else why it stays off (no library change)."""
-    if os.environ.get(DISABLE_ENV, "1") == "0":
-        return f"off: {DISABLE_ENV}=0"
-    if version != TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
-    try:
-        importlib.import_module("libp2p.stream_muxer.yamux.yamux")
-    except ImportError as exc:  # libp2p missing or restructured: leave it alone
-        return f"off: cannot import libp2p's yamux ({exc})"
-    return None
+    return gate(version, module="libp2p.stream_muxer.yamux.yamux", what="yamux", disable_env=DISABLE_ENV)
 
 
 def apply(version: str | None = None) -> bool:
@@ -305,10 +295,7 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-        try:
-            version = importlib.metadata.version("libp2p")
-        except importlib.metadata.PackageNotFoundError:
-            return False
+        version = installed_version()
     if check(version) is not None:
         return False
     APPLIED = _install(version)

@@ -27,9 +27,8 @@ leaves the library's method.
 """
 from __future__ import annotations
 
-import os
+from relay.library_gate import gate, installed_version
 
-TESTED_LIBP2P_VERSION = "0.8.1"
 DISABLE_ENV = "MESHD_PEER_RECORD_GC"
 APPLIED = False
 _ORIGINAL: dict = {}
@@ -37,17 +36,8 @@ _ORIGINAL: dict = {}
 
 def check(version: str) -> str | None:
     """None when the adjustment fits ``version`` and the installed library; else why it stays off."""
-    if os.environ.get(DISABLE_ENV) == "0":
-        return f"off: {DISABLE_ENV}=0"
-    if version != TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
-    try:
-        from libp2p.peer.peerstore import PeerStore
-    except ImportError as exc:
-        return f"off: cannot import libp2p's peerstore ({exc})"
-    if not callable(getattr(PeerStore, "maybe_delete_peer_record", None)):
-        return "off: the library's PeerStore has no maybe_delete_peer_record"
-    return None
+    return gate(version, module="libp2p.peer.peerstore", what="peerstore", owner="PeerStore",
+                needs=("maybe_delete_peer_record",), disable_env=DISABLE_ENV)
 
 
 def _maybe_delete_peer_record(self, peer_id) -> None:
@@ -65,7 +55,6 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-        from relay.adjustments import installed_version   # imported here: adjustments imports this module
 
         version = installed_version()
     if check(version) is not None:

@@ -27,13 +27,13 @@ with or without the patch interoperates: WINDOW_UPDATE semantics are unchanged.
 """
 from __future__ import annotations
 
-import importlib.metadata
+from relay.library_gate import TESTED_LIBP2P_VERSION, gate, installed_version
 
 __all__ = ["apply", "check", "restore", "APPLIED", "TESTED_LIBP2P_VERSION"]
 
-# The library version whose YamuxStream internals (recv_window, target_recv_window,
-# _pending_recv_release, _grow_threshold, _apply_autotune_epoch) this was written against.
-TESTED_LIBP2P_VERSION = "0.8.1"
+# TESTED_LIBP2P_VERSION (relay/library_gate.py) is the one whose YamuxStream internals
+# (recv_window, target_recv_window, _pending_recv_release, _grow_threshold,
+# _apply_autotune_epoch) this was written against.
 APPLIED = False
 _ORIGINAL = None
 
@@ -58,14 +58,7 @@ _NEEDED = ("_auto_tune_and_send_window_update", "_grow_threshold", "_apply_autot
 
 def check(version: str) -> str | None:
     """None when the patch fits ``version`` and the installed library; else why it stays off."""
-    if version != TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {TESTED_LIBP2P_VERSION} only"
-    try:
-        from libp2p.stream_muxer.yamux.yamux import YamuxStream
-    except ImportError as exc:  # libp2p missing or restructured: leave it alone
-        return f"off: cannot import libp2p's yamux ({exc})"
-    missing = [name for name in _NEEDED if not hasattr(YamuxStream, name)]
-    return f"off: YamuxStream lacks {', '.join(missing)}" if missing else None
+    return gate(version, module="libp2p.stream_muxer.yamux.yamux", what="yamux", owner="YamuxStream", needs=_NEEDED)
 
 
 def apply(version: str | None = None) -> bool:
@@ -76,10 +69,7 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-        try:
-            version = importlib.metadata.version("libp2p")
-        except importlib.metadata.PackageNotFoundError:
-            return False
+        version = installed_version()
     if check(version) is not None:
         return False
     from libp2p.stream_muxer.yamux.yamux import YamuxStream

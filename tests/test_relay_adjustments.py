@@ -262,3 +262,21 @@ def test_the_peer_record_gc_gate_and_switch_are_honoured():
     assert not got["peerstore_patched"] and got["auto_connect_patched"]
     assert rows["peer_record_gc"] == {"name": "peer_record_gc", "applied": False,
                                       "reason": "off: MESHD_PEER_RECORD_GC=0", "library_version": "0.8.1"}
+
+
+def test_the_shared_library_gate_names_what_keeps_an_adjustment_off(monkeypatch):
+    from relay.library_gate import TESTED_LIBP2P_VERSION, gate
+
+    swarm = {"module": "libp2p.network.swarm", "what": "swarm", "owner": "Swarm"}
+    assert gate(TESTED_LIBP2P_VERSION, **swarm, needs=("upgrade_inbound_raw_conn",)) is None
+    assert gate(TESTED_LIBP2P_VERSION, **swarm, needs=("no_such_method",)) == \
+        "off: the library's Swarm has no no_such_method"
+    assert gate(TESTED_LIBP2P_VERSION, module="libp2p.network.swarm", what="swarm", owner="NoSuchClass") == \
+        "off: libp2p's swarm has no NoSuchClass"
+    assert gate(TESTED_LIBP2P_VERSION, module="libp2p.no_such_module", what="nothing").startswith(
+        "off: cannot import libp2p's nothing")
+    assert gate("", **swarm) == f"off: libp2p (none) is installed, written for {TESTED_LIBP2P_VERSION} only"
+    monkeypatch.setenv("MESHD_SOME_ADJUSTMENT", "0")
+    assert gate(TESTED_LIBP2P_VERSION, **swarm, disable_env="MESHD_SOME_ADJUSTMENT") == "off: MESHD_SOME_ADJUSTMENT=0"
+    monkeypatch.setenv("MESHD_SOME_ADJUSTMENT", "1")
+    assert gate(TESTED_LIBP2P_VERSION, **swarm, disable_env="MESHD_SOME_ADJUSTMENT") is None
