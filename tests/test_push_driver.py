@@ -278,3 +278,31 @@ def test_a_tail_that_cannot_reach_the_head_turns_the_loop_off(shards, reference)
     assert not driver.looped and driver.stats.routes[-1].peers == ("peer-a", "peer-b", "peer-c")
     assert driver.stats.continued_steps > 0
     assert all(s.active_sessions() == 0 for s in shards.values())
+
+
+def test_a_tail_that_cannot_reach_a_dead_head_fails_over_and_keeps_the_loop(model, shards, reference, monkeypatch):
+    """The race in which the tail's report that it cannot reach the head arrives before the head's own
+    stream breaks: the entry asks the head for Health, and a silent head is replaced like any failed
+    hop (E takes over, the loop stays on) -- not mistaken for a head the tail merely cannot dial.
+    A dead head whose stream has not broken yet cannot be caused on demand: its Health is mocked."""
+    from meshd.errors import CertificateMismatch
+    from meshd.generate.push import PushLink
+
+    spare = start_shard(model, "peer-e", 0, 2)
+    spare.service.push_dialer = _loopback_dialer
+    shards["peer-e"] = spare
+
+    def no_way_back(target: pb.PushTarget):
+        if target.peer_id == "peer-a":
+            raise CertificateMismatch("peer-a is gone")
+        return _loopback_dialer(target)
+
+    shards["peer-c"].service.push_dialer = no_way_back
+    real_probe = PushLink.probe
+    monkeypatch.setattr(PushLink, "probe",
+                        lambda link: link.spec.peer_id != "peer-a" and real_probe(link))
+    driver = driver_for(shards)
+    assert collect(driver, request()) == reference
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-a" and "not answering Health" in event.detail
+    assert driver.looped and driver.stats.routes[-1].peers == ("peer-e", "peer-b", "peer-c")

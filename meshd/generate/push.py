@@ -31,8 +31,10 @@ The head's decode inputs are numbered DECODE_STEP_BASE + position, by the
 entry and by the tail alike, so a second copy of one is a duplicate the head
 answers without running it. The head is a loop's head only when the tail can
 dial it: a peer's direct endpoint, or this node's own worker unless the node is
-private. A tail that cannot reach the head after all reports it; the head's
-own stream being fine, the entry turns the loop off for that generation and
+private. A tail that cannot reach the head after all reports it; the entry asks
+the head for Health: a silent head is a failed hop like any other (a replica
+takes over, still looped); a head that answers means the tail cannot dial it,
+and the entry turns the loop off for that generation and
 restarts the route entry-fed (``_unloop``). Entry-fed (unlooped) routes send
 the head every decode input themselves, from the tail's reader thread the
 moment the token arrives (the continuation, ``_arm``), before the driver
@@ -513,8 +515,14 @@ class PushDriver(star.SwarmDriver):
     def _failover(self, failure: HopFailure, target: int) -> None:
         links = self._links
         if self.looped and failure.index == len(links) and links and failure.peer_id == links[0].spec.peer_id:
-            self._unloop(failure, target)
-            return
+            # The tail could not reach the head. A head that is gone takes the ordinary failover (a
+            # replica, the loop kept); only a head that still answers means the tail cannot dial it.
+            head = links[0]
+            if head.probe():
+                self._unloop(failure, target)
+                return
+            failure = HopFailure(head.index, head.spec.peer_id,
+                                 f"not answering Health after the tail could not reach it ({failure.detail})")
         super()._failover(failure, target)
         while True:                                   # what the old route still says is history
             try:
