@@ -219,11 +219,11 @@ def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(l
     assert service.health().queued_chunks == 0 and service.health().batch_occupancy == 2
 
 
-def test_a_step_takes_every_decode_row_and_prefill_within_the_mixed_budget(llama):
-    """Decode rows always ride in the next forward; while they do, prefill chunks join only
-    within MIXED_PREFILL_TOKENS (whole chunks, first come first served; the first item always
-    goes); without decode rows the whole max_batch_tokens is open to prefill."""
-    from shard.batching import MIXED_PREFILL_TOKENS, _Item
+def test_a_step_takes_every_decode_row_and_prefill_within_the_prefill_budget(llama):
+    """Decode rows always ride in the next forward; prefill chunks join only within
+    PREFILL_TOKENS_PER_FORWARD (whole chunks, first come first served; the first item always
+    goes), with or without decode rows: a burst of prompts goes to the next hop in short forwards."""
+    from shard.batching import PREFILL_TOKENS_PER_FORWARD, _Item
 
     backend = TorchRangeBackend.load(llama, 0, None, progress=None)
     (service,) = services([backend])
@@ -232,13 +232,19 @@ def test_a_step_takes_every_decode_row_and_prefill_within_the_mixed_budget(llama
     def queue(*sizes):
         batcher._queue.extend(_Item(batcher.new_cache(512), np.zeros(n, np.int64), 0) for n in sizes)
 
-    chunk = MIXED_PREFILL_TOKENS // 2 + 1
+    chunk = PREFILL_TOKENS_PER_FORWARD // 2 + 1
     queue(chunk, 1, chunk, 1, 1)
     assert [i.tokens for i in batcher._take()] == [chunk, 1, 1, 1]
     assert [i.tokens for i in batcher._queue] == [chunk]
     batcher._queue.clear()
-    queue(chunk, chunk, chunk)                     # no decode row: prefill up to max_batch_tokens
-    assert [i.tokens for i in batcher._take()] == [chunk] * 3
-    queue(1, 300, 1)                               # a chunk over the mixed budget waits ...
+    queue(chunk, chunk, chunk)                     # no decode row: the same budget
+    assert [i.tokens for i in batcher._take()] == [chunk]
+    assert [i.tokens for i in batcher._take()] == [chunk]
+    batcher._queue.clear()
+    small = PREFILL_TOKENS_PER_FORWARD // 4
+    queue(small, small, small, small, small)
+    assert [i.tokens for i in batcher._take()] == [small] * 4
+    batcher._queue.clear()
+    queue(1, 300, 1)                               # a chunk over the budget waits ...
     assert [i.tokens for i in batcher._take()] == [1, 1]
     assert [i.tokens for i in batcher._take()] == [300]   # ... and goes once it is first
