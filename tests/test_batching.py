@@ -248,3 +248,40 @@ def test_a_step_takes_every_decode_row_and_prefill_within_the_prefill_budget(lla
     queue(1, 300, 1)                               # a chunk over the budget waits ...
     assert [i.tokens for i in batcher._take()] == [1, 1]
     assert [i.tokens for i in batcher._take()] == [300]   # ... and goes once it is first
+
+
+def test_with_other_sessions_active_rows_sent_back_to_back_run_as_one_forward(llama, monkeypatch):
+    """The gather: a lone session's row runs at once; with another session active, the row that
+    would start a forward alone waits while rows keep arriving, so two rows that come one after
+    the other share one forward (the quiet period is widened here: a loaded CI machine must not
+    turn this into a race)."""
+    import shard.batching as batching
+
+    monkeypatch.setattr(batching, "GATHER_QUIET_S", 0.5)
+    monkeypatch.setattr(batching, "GATHER_WINDOW_S", 5.0)
+    monkeypatch.setattr(batching, "ACTIVE_S", 60.0)
+    backend = TorchRangeBackend.load(llama, 0, None, progress=None)
+    (service,) = services([backend])
+    batcher = service.batcher
+    lone, a, b = (batcher.new_cache(64) for _ in range(3))
+    one = np.asarray([1, 2, 3], np.int64)
+    with service.lock:                     # one session: no gather, a forward of its own at once
+        batcher.forward(lone, one, effective_start=0)
+        lone.release()                     # released: no longer active
+        batcher.forward(a, one, effective_start=0)
+        assert batcher.last_batch_rows == 1 and batcher.batched_rows == 0
+        batcher.forward(b, one, effective_start=0)   # a was active: b gathered, nothing came
+        assert batcher.last_batch_rows == 1 and batcher.batched_rows == 0
+    outs: list = []
+    first = threading.Thread(target=lambda: outs.append(_locked_forward(service, a)))
+    second = threading.Thread(target=lambda: outs.append(_locked_forward(service, b)))
+    first.start()
+    second.start()
+    first.join(60)
+    second.join(60)
+    assert len(outs) == 2 and batcher.last_batch_rows == 2 and batcher.batched_rows == 2
+
+
+def _locked_forward(service, cache):
+    with service.lock:
+        return service.batcher.forward(cache, np.asarray([4], np.int64), effective_start=0)
