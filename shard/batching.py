@@ -12,15 +12,19 @@ becomes the leader. A short gather, no long waiting window: with one session
 active a row starts its forward at once (a lone user's hop pays nothing); with
 others active (a forward within ``ACTIVE_S``, not released) the row that would
 start a forward alone first waits, the lock free, while more rows keep
-arriving -- until ``GATHER_QUIET_S`` (1 ms) passes with none, ``GATHER_WINDOW_S``
-(3 ms) at most -- so the rows an upstream hop sent back to back from one
-batched forward stay one forward here instead of the first running alone and
-the rest waiting through it (seen in the traces: a 1-row forward followed at
-once by rows that had queued through it, the cohorts splitting at every hop).
-Measured through the ``/v1`` API, 3 daemons, 8 users: torch 33.6 -> 36.6 tok/s
-(its 8-row forward is ~4x one row's throughput); llama.cpp more rows per
-forward but the same 92 tok/s (its 8-row forward is only ~1.5x). A long
-window does not pay: on an in-process 3-hop llama.cpp pipeline of 8 sessions,
+arriving -- until a quiet period passes with none, three at most -- so the
+rows an upstream hop sent back to back from one batched forward stay one
+forward here instead of the first running alone and the rest waiting through
+it (seen in the traces: a 1-row forward followed at once by rows that had
+queued through it, the cohorts splitting at every hop). The quiet period is
+15% of a one-row decode forward's wall time (moving average), 0.5-3 ms: what
+pays depends on the backend. Measured through the ``/v1`` API, 3 daemons, 8
+users, tok/s over the round: torch 34 with no gather, 34-35 with 1 ms quiet /
+3 ms cap, 38.5-39 with 3 ms / 8 ms (its 8-row forward is ~4x one row's
+throughput, a one-row forward ~20-35 ms); llama.cpp 89 with 1 ms / 3 ms
+(more rows per forward, the same tok/s as none: its 8-row forward is only
+~1.5x one row's) but 72-76 with 3 ms / 8 ms (a one-row forward is ~5 ms). A
+long window does not pay: on an in-process 3-hop llama.cpp pipeline of 8 sessions,
 a leader that waited up to 30 ms for the other recently seen sessions' rows
 merged ~3.9 rows per forward instead of ~1.6 but decoded 30 tok/s instead of
 63 (every hop waiting; the sessions settle into two cohorts half a round
@@ -89,10 +93,14 @@ DEFAULT_BATCH_TOKENS = 512
 PREFILL_TOKENS_PER_FORWARD = 64
 TRACE_ENV = "MESHD_BATCH_TRACE"
 # The gather (module doc): with other sessions active, a row that would start a forward alone
-# first waits while rows keep arriving -- until GATHER_QUIET_S passes with none, at most
-# GATHER_WINDOW_S in all. A session counts as active for ACTIVE_S after its last forward.
-GATHER_WINDOW_S = 0.003
-GATHER_QUIET_S = 0.001
+# first waits while rows keep arriving -- until a quiet period passes with none, three quiet
+# periods at most. The quiet period is GATHER_SHARE of a one-row decode forward's wall time
+# (a moving average), within GATHER_QUIET_MIN_S..GATHER_QUIET_MAX_S. A session counts as
+# active for ACTIVE_S after its last forward.
+GATHER_SHARE = 0.15
+GATHER_QUIET_MIN_S = 0.0005
+GATHER_QUIET_MAX_S = 0.003
+GATHER_QUIETS = 3
 ACTIVE_S = 0.5
 # A bench run makes ~20k forwards per worker; the cap bounds a trace left on by mistake.
 MAX_TRACE_LINES = 200_000
@@ -165,6 +173,7 @@ class BatchingBackend:
         self._running = False
         self._active: dict[int, float] = {}   # id(cache) -> its last forward (perf_counter)
         self._gathering = False
+        self.row_s = 0.0              # moving average of a one-row decode forward's wall time (s)
         self.batches = 0          # forwards run (counters for tests and health)
         self.batched_rows = 0     # items that shared a forward with another item
         self.last_batch_rows = 0  # items in the last batch (HealthReport.batch_occupancy)
@@ -233,18 +242,24 @@ class BatchingBackend:
         return len(self._active) > 1
 
     def _gather(self) -> None:
-        """The first row of a forward waits (the lock free) while more rows arrive: a quiet
-        GATHER_QUIET_S or GATHER_WINDOW_S in all. Rows arriving meanwhile wait for it to lead."""
-        deadline = time.perf_counter() + GATHER_WINDOW_S
+        """The first row of a forward waits (the lock free) while more rows arrive: until a quiet
+        period passes with none, GATHER_QUIETS of them at most. Rows arriving meanwhile wait for it
+        to lead."""
+        quiet = min(GATHER_QUIET_MAX_S, max(GATHER_QUIET_MIN_S, GATHER_SHARE * self.row_s))
+        deadline = time.perf_counter() + GATHER_QUIETS * quiet
         self._gathering = True
         try:
             while (left := deadline - time.perf_counter()) > 0:
                 seen = len(self._queue)
-                self._cond.wait(min(left, GATHER_QUIET_S))
+                self._cond.wait(min(left, quiet))
                 if len(self._queue) == seen:
                     break
         finally:
             self._gathering = False
+
+    def _note_row(self, seconds: float) -> None:
+        """A one-row decode forward took ``seconds``: the moving average the gather scales by."""
+        self.row_s += 0.2 * (seconds - self.row_s)
 
     def forget(self, cache: BatchedCache) -> None:
         """A released session is no longer active (service lock held)."""
@@ -267,6 +282,8 @@ class BatchingBackend:
             self.batches += 1
             t1 = time.perf_counter()
             self.last_batch_rows, self.last_batch_ms = 1, (t1 - t0) * 1e3
+            if item.tokens == 1:
+                self._note_row(t1 - t0)
             if self._trace is not None:
                 self._trace.batch([item], t0, t1)
             self._finish(item)
@@ -312,6 +329,8 @@ class BatchingBackend:
             self.batches += 1
             t1 = time.perf_counter()
             self.last_batch_rows, self.last_batch_ms = len(batch), (t1 - t0) * 1e3
+            if len(batch) == 1 and batch[0].tokens == 1:
+                self._note_row(t1 - t0)
             if self._trace is not None:
                 self._trace.batch(batch, t0, t1)
             if len(batch) > 1:

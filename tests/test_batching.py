@@ -257,8 +257,8 @@ def test_with_other_sessions_active_rows_sent_back_to_back_run_as_one_forward(ll
     turn this into a race)."""
     import shard.batching as batching
 
-    monkeypatch.setattr(batching, "GATHER_QUIET_S", 0.5)
-    monkeypatch.setattr(batching, "GATHER_WINDOW_S", 5.0)
+    monkeypatch.setattr(batching, "GATHER_QUIET_MIN_S", 0.5)
+    monkeypatch.setattr(batching, "GATHER_QUIET_MAX_S", 0.5)
     monkeypatch.setattr(batching, "ACTIVE_S", 60.0)
     backend = TorchRangeBackend.load(llama, 0, None, progress=None)
     (service,) = services([backend])
