@@ -271,23 +271,7 @@ class BatchingBackend:
         item = _Item(cache, inputs, effective_start)
         item.lend = lend
         self._busy.add(id(cache))
-        self._running = True
-        self._lock.release()
-        t0 = time.perf_counter()
-        try:
-            self._compute([item])
-        finally:
-            self._lock.acquire()
-            self._running = False
-            self.batches += 1
-            t1 = time.perf_counter()
-            self.last_batch_rows, self.last_batch_ms = 1, (t1 - t0) * 1e3
-            if item.tokens == 1:
-                self._note_row(t1 - t0)
-            if self._trace is not None:
-                self._trace.batch([item], t0, t1)
-            self._finish(item)
-            self._cond.notify_all()
+        self._run([item])
         if item.error is not None:
             raise item.error
         return item.output
@@ -317,7 +301,11 @@ class BatchingBackend:
             item.cache.inner.release()
 
     def _lead(self) -> None:
-        batch = self._take()
+        self._run(self._take())
+
+    def _run(self, batch: list[_Item]) -> None:
+        """Runs ``batch`` with the lock released, then (the lock held again) its bookkeeping: the
+        counters, the one-row moving average, the trace, each item's completion, the waiters."""
         self._running = True
         self._lock.release()
         t0 = time.perf_counter()
