@@ -6,7 +6,8 @@ Checks the keys the issue names and that every concurrent request's greedy outpu
 request alone on the default llama.cpp lane and the torch lane. The shared pool (``kv_unified``,
 ``llama_kv_streams = 0``) lets running sessions' logits drift from the alone run once another
 session's cells are refilled (tests/test_batching_native.py), so there ``outputs_equal`` is
-reported, not assumed. The batch-trace breakdown (``itl_gap_causes_c8``) is present on every lane.
+reported, not assumed. The batch-trace breakdown (``itl_gap_causes_c8``) and the CPU accounting
+(``cpu_cores_busy_cN``, ``cpu_ms_per_token_cN``) are present on every lane.
 No timing is asserted.
 """
 from __future__ import annotations
@@ -39,6 +40,11 @@ def test_bench_serve_quick_json():
         assert got["bound_aggregate_ratio_c8"] == round(got["floor_batch8_throughput_ratio"] * got["parallel_hops"], 3)
         assert isinstance(got["outputs_equal"], bool)
         assert got["requests_compared"] == 16 and got["peak_streaming_c8"] >= 2
+        for c in (1, 4, 8):
+            assert 0 < got[f"cpu_cores_busy_c{c}"] and got[f"cpu_ms_per_token_c{c}"] > 0, (lane, c)
+        assert got["machine_cores"] >= 1 and got["cpu_per_token_ratio_c8"] > 0
+        assert got["cpu_bound_aggregate_ratio_c8"] == round(
+            got["machine_cores"] / got["cpu_cores_busy_c1"] * got["floor_batch8_throughput_ratio"], 3)
         causes = got["itl_gap_causes_c8"]
         assert causes["hops_traced"] == 3 and causes["with_prefill"] + causes["decode_only"] == causes["tail_gaps"] > 0
     assert result["lanes"]["torch"]["outputs_equal"] is True

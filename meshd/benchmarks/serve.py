@@ -48,6 +48,19 @@ workers' own batch traces (``MESHD_BATCH_TRACE``, shard/batching.py): ``with_pre
 forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
 gaps and the forwards' queue wait; decode-only forwards' mean ms and rows at c=1 and c=8.
 
+Where the CPU goes (per lane, c=1 and c=8 rounds, from ``/proc``): ``cpu_cores_busy_cN`` is the
+CPU time of every swarm process (the daemons and their workers) and of this client over the
+rounds' wall time, i.e. how many of the machine's ``machine_cores`` were busy on average;
+``cpu_ms_per_token_cN`` is that CPU time per generated token (prefill included, the same prompts
+at every concurrency). At c=8 the first says whether the lane is CPU-bound (busy cores near
+``machine_cores``: then only less CPU per token makes it faster), the ratio of the second
+(``cpu_per_token_ratio_c8`` = c1 / c8) is the batching gain the product achieved, to set against
+``floor_batch8_throughput_ratio``. Together they bound c=8 a second way:
+``cpu_bound_aggregate_ratio_c8`` = ``machine_cores`` / ``cpu_cores_busy_c1`` x the floor -- c=8 can at
+most keep every core busy where c=1 keeps ``cpu_cores_busy_c1`` of them, and at most cut the CPU
+per token by what the backend's own 8-row forward gains (optimistic: the entry's and the wire's
+share of it does not batch).
+
 ``load_average`` is the 1-minute load at the end (other work on the machine
 makes absolute numbers noisy; every ratio is side by side in this run).
 """
@@ -161,6 +174,50 @@ class _Stats:
         return gaps[min(len(gaps) - 1, int(q * len(gaps)))]
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all its threads); None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class _Cpu:
+    """CPU time of the swarm's processes plus this client's, accumulated per concurrency."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self.cpu_s: dict[int, float] = {}
+        self.wall_s: dict[int, float] = {}
+        self.tokens: dict[int, int] = {}
+
+    def _now(self) -> dict[int, float]:
+        return {pid: _cpu_seconds(pid) for pid in self.pids}
+
+    def measure(self, c: int, wave):
+        """Runs ``wave()`` (its runs returned) and books its CPU, wall time and tokens under ``c``."""
+        before, own, t0 = self._now(), time.process_time(), time.perf_counter()
+        runs = wave()
+        wall, own = time.perf_counter() - t0, time.process_time() - own
+        after = self._now()
+        used = own + sum(after[p] - before[p] for p in self.pids
+                         if before[p] is not None and after[p] is not None)
+        self.cpu_s[c] = self.cpu_s.get(c, 0.0) + used
+        self.wall_s[c] = self.wall_s.get(c, 0.0) + wall
+        self.tokens[c] = self.tokens.get(c, 0) + sum(len(pieces) for _, pieces, _ in runs)
+        return runs
+
+    def report(self) -> dict:
+        out: dict = {"machine_cores": len(os.sched_getaffinity(0))}
+        for c in sorted(self.cpu_s):
+            out[f"cpu_cores_busy_c{c}"] = round(self.cpu_s[c] / self.wall_s[c], 3)
+            out[f"cpu_ms_per_token_c{c}"] = round(1e3 * self.cpu_s[c] / max(1, self.tokens[c]), 3)
+        if {1, 8} <= self.cpu_s.keys():
+            out["cpu_per_token_ratio_c8"] = round(out["cpu_ms_per_token_c1"] / out["cpu_ms_per_token_c8"], 3)
+        return out
+
+
 def _read_traces(root: Path) -> list[list[dict]]:
     """Every worker's batch trace (shard/batching.py, MESHD_BATCH_TRACE): one list per hop."""
     hops = []
@@ -229,6 +286,7 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
         model_id = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
         _say(progress, f"{name}: swarm covered, entry {url}; {rounds} round(s), {new_tokens} tokens per request")
         _stream(url, model_id, PROMPTS[0], 4)   # warm the route
+        cpu = _Cpu([pid for d in daemons for pid in (d.proc.pid, *d.worker_pids())])
         stats = {c: _Stats() for c in (1, 4, 8)}
         alone: dict[int, list[str]] = {}
         equal, compared, together = True, 0, []
@@ -236,14 +294,14 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
         for r in range(rounds):
             for c in ((1, 4, 8) if r % 2 == 0 else (8, 4, 1)):
                 if c == 1:
-                    runs = [_wave(url, model_id, [i], new_tokens)[0] for i in everyone]
+                    runs = cpu.measure(1, lambda: [_wave(url, model_id, [i], new_tokens)[0] for i in everyone])
                     for index, pieces, _ in runs:
                         if index in alone and alone[index] != pieces:
                             equal = False   # the same request alone twice gave two answers
                         alone.setdefault(index, pieces)
                 else:
                     waves = [everyone[k:k + c] for k in range(0, len(everyone), c)]
-                    runs = [run for wave in waves for run in _wave(url, model_id, wave, new_tokens)]
+                    runs = cpu.measure(c, lambda: [run for wave in waves for run in _wave(url, model_id, wave, new_tokens)])
                 stats[c].add(runs, concurrent=c > 1)
                 _say(progress, f"{name} round {r + 1} c={c}: {len(runs)} requests done")
                 if c > 1:
@@ -265,6 +323,7 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
             out[f"p50_itl_s_c{c}"] = round(p50[c], 4)
             out[f"p95_itl_s_c{c}"] = round(p95[c], 4)
         out["itl_gap_causes_c8"] = _gap_causes(stats, _read_traces(root))
+        out.update(cpu.report())
         return out
     finally:
         if traced is None:
@@ -350,6 +409,8 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         lanes[name] = _lane(name, model, backend, quick, progress, worker_toml)
         lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
         lanes[name].update(bounds(floors[name], len(CUTS)))
+        lanes[name]["cpu_bound_aggregate_ratio_c8"] = round(
+            lanes[name]["machine_cores"] / lanes[name]["cpu_cores_busy_c1"] * floors[name], 3)
     lanes["llama.cpp"]["llama_kv_streams"] = STREAMS
     lanes["llama.cpp-shared"]["llama_kv_streams"] = 0
     return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
