@@ -106,8 +106,7 @@ def load_torch_gguf(path: str | Path, layer_range: LayerRange, *, dtype: str = "
     if missing:
         raise ArtifactError(f"{path.name} lacks tensors for {layer_range}: {sorted(missing)[:5]}")
     modules.load_state_dict(state, strict=True, assign=True)
-    if modules.embed is not None:
-        adapter.finish_embedding(modules.embed)
+    adapter.finish_modules(modules)
     modules.eval().requires_grad_(False)
     libraries = (("gguf", getattr(gguf_module, "__version__", "0.19.0")), ("torch", torch.__version__),
                  ("transformers", transformers.__version__))

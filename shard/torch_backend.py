@@ -171,8 +171,7 @@ class TorchRangeBackend:
             modules.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:  # size mismatch: the tensors are not the model config.json describes
             raise ArtifactError(f"{model_path}: tensors do not match config.json ({_one_line(exc)[:300]})") from exc
-        if modules.embed is not None:
-            adapter.finish_embedding(modules.embed)
+        adapter.finish_modules(modules)
         modules.eval().requires_grad_(False)
         leftover = [n for n, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
         if leftover:

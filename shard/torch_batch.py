@@ -19,13 +19,9 @@ Llama-family adapter (Gemma 3's extra norms and softcap and the MoE families'
 expert dispatch keep the one-session path: the scheduler runs their rows one
 after another).
 
-The LM head of a batch of 2 or 3 sessions runs on 4 rows (zero rows added, their
-logits dropped): with one thread, torch 2.13's CPU ``linear`` over SmolLM2's
-49152 x 576 head took 11 ms for one row, 22 ms for 2, 33 ms for 3 and 16.5-18 ms
-for 4 to 8 (it switches from a row-by-row kernel to a GEMM at 4 rows), and at
-c=8 most of a tail's decode forwards carry 2 or 3 rows. The whole-model
-3-row batched forward went from 118 to 101 ms, 2 rows from 92 to 85 ms. The
-layers' own projections (576 wide) showed no such cliff worth padding for.
+The LM head runs on one row per session (the last position of each), input-major
+(``adapters.InputMajorHead``: with one thread its 2- and 3-row products are a third
+to a half cheaper than ``nn.Linear``'s, which goes row by row below 4 rows).
 
 Exactness: the ops per row are the single-session ones, but a matrix product
 over R rows may take another kernel than over one row, so batched logits may
@@ -40,20 +36,6 @@ import numpy as np
 import torch
 
 from shard.adapters import ATTN_IMPLEMENTATION, LlamaFamily
-
-# The fewest rows the LM head runs on in a batch (module doc: below it the CPU kernel goes row by row).
-LM_HEAD_MIN_ROWS = 4
-
-
-def _lm_head(lm_head, last: torch.Tensor) -> torch.Tensor:
-    """``lm_head(last)`` for ``last`` [1, rows, hidden], run on at least LM_HEAD_MIN_ROWS rows when
-    there are 2 or more (one row keeps its own fast kernel: the same as the session alone)."""
-    rows = last.shape[1]
-    if 1 < rows < LM_HEAD_MIN_ROWS:
-        pad = last.new_zeros(1, LM_HEAD_MIN_ROWS - rows, last.shape[2])
-        return lm_head(torch.cat([last, pad], dim=1))[:, :rows]
-    return lm_head(last)
-
 
 def supports_batch(backend) -> bool:
     return type(backend.adapter) is LlamaFamily and backend.exchange is None
@@ -128,7 +110,7 @@ def forward_rows(backend, caches, inputs_list, effective_start: int, to_torch, t
         if backend.layer_range.is_tail:
             normed = modules.norm(hidden)
             last = torch.stack([normed[0, bounds[j + 1] - 1] for j in range(len(live))]).unsqueeze(0)
-            logits = _lm_head(modules.lm_head, last)[0].float()
+            logits = modules.lm_head(last)[0].float()
             for j, i in enumerate(live):
                 results[i] = logits[j].numpy().copy()
         else:

@@ -105,3 +105,38 @@ def test_wrong_range_and_unknown_architecture(tmp_path):
 
     with pytest.raises(UnsupportedArchitecture):
         adapter_for(Cfg())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
+    """Llama-family tails hold the head as [hidden, vocab] (adapters.InputMajorHead); a tied table is
+    one tensor for the embedding and the head; values and logits are the row-major ones."""
+    import torch
+    from safetensors.torch import load_file
+
+    from shard.adapters import ColumnEmbedding, InputMajorHead
+
+    path = testmodels.build_random_llama(seed=3, tie_word_embeddings=tied)
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    table = tensors["model.embed_tokens.weight"]
+    head = table if tied else tensors["lm_head.weight"]
+    whole = TorchRangeBackend.load(path, 0, None, progress=None)
+    tail = TorchRangeBackend.load(path, 2, None, progress=None)
+    for backend in (whole, tail):
+        assert isinstance(backend.modules.lm_head, InputMajorHead)
+        assert torch.equal(backend.modules.lm_head.weight_t, head.t())
+        assert backend.modules.lm_head.weight_t.is_contiguous()
+    ids = torch.tensor([[0, 5, 17, table.shape[0] - 1]])
+    assert torch.equal(whole.modules.embed(ids), table[ids])
+    if tied:
+        assert isinstance(whole.modules.embed, ColumnEmbedding)
+        assert whole.modules.embed.weight_t.data_ptr() == whole.modules.lm_head.weight_t.data_ptr()
+    else:
+        assert isinstance(whole.modules.embed, torch.nn.Embedding)
+    rows = torch.randn(1, 3, head.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        diff = float((whole.modules.lm_head(rows) - torch.nn.functional.linear(rows, head)).abs().max())
+    print(f"input-major head vs nn.Linear ({tied=}): max diff {diff:.3g}")
+    assert diff < 1e-4
