@@ -27,7 +27,7 @@ import numpy as np
 from native.errors import ArtifactError
 from native.gguf_file import GGUFFile, GGUFTensor
 from native.gguf_range import GGUFModelInfo, gguf_recipe, model_digest, open_reader, read_range
-from shard.artifact import make_fingerprint
+from shard.artifact import TORCH_LAYOUT, make_fingerprint
 from shard.backend import LayerRange
 
 __all__ = ["load_torch_gguf", "hf_config", "range_state_dict"]
@@ -106,9 +106,11 @@ def load_torch_gguf(path: str | Path, layer_range: LayerRange, *, dtype: str = "
     if missing:
         raise ArtifactError(f"{path.name} lacks tensors for {layer_range}: {sorted(missing)[:5]}")
     modules.load_state_dict(state, strict=True, assign=True)
+    state.clear()   # the modules hold the tensors now: each layout swap frees what it copies
+    arrays.clear()
     adapter.finish_modules(modules)
     modules.eval().requires_grad_(False)
-    libraries = (("gguf", getattr(gguf_module, "__version__", "0.19.0")), ("torch", torch.__version__),
+    libraries = (("gguf", getattr(gguf_module, "__version__", "0.19.0")), TORCH_LAYOUT, ("torch", torch.__version__),
                  ("transformers", transformers.__version__))
     recipe = gguf_recipe(backend="torch", info=info, compute_dtype=dtype, libraries=libraries)
     fingerprint = make_fingerprint(model_digest(path, progress, reader), recipe)

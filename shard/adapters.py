@@ -37,21 +37,30 @@ class UnsupportedArchitecture(ValueError):
     """The artifact's model_type has no adapter; the message lists the supported ones."""
 
 
-class InputMajorHead(nn.Module):
-    """The LM head with its weight stored input-major: ``weight_t`` [hidden, vocab], contiguous, and
-    ``forward(x) = x @ weight_t`` (the same product as ``nn.Linear`` with ``weight_t.T``).
+class InputMajorLinear(nn.Module):
+    """A dense projection with its weight stored input-major: ``weight_t`` [in, out], contiguous, and
+    ``forward(x) = x @ weight_t (+ bias)`` (the product of ``nn.Linear`` with weight ``weight_t.T``).
 
-    Why: with one thread, torch 2.13's CPU ``linear`` over SmolLM2's 49152 x 576 head took 10.8 ms for
-    one row and 22 / 33 ms for 2 / 3 rows (row-by-row below 4 rows, 16.5 ms from 4); ``x @ weight_t``
-    takes 5.0 ms for one row and 10.6 / 16 ms for 2 / 3 (20 ms from 4), measured interleaved. A
-    decode step's head is one row per session (prefill keeps only the last position), so this halves
-    the head of every lone step: the whole 30-layer forward went from ~55 to ~50 ms.
-    Every range that holds the tail uses it (whole model and split alike), so a split model's
-    logits stay the whole model's bit for bit."""
+    Why: with one thread, torch 2.13's CPU ``linear`` goes row by row below 4 rows. Over SmolLM2's
+    49152 x 576 LM head it took 10.8 ms for one row and 22 / 33 ms for 2 / 3 rows (16.5 ms from 4);
+    ``x @ weight_t`` takes 5.0 ms for one row and 10.6 / 16 ms for 2 / 3 (20 ms from 4). Over one
+    10-layer hop's projections (q/k/v/o, gate/up/down; 140 MB, cold in cache, interleaved A/B in one
+    process): 12.3 / 15.7 / 18.5 ms for 1 / 2 / 3 rows instead of 14.3 / 20.8 / 24.1, and 20.4 /
+    21.9 instead of 18.2 / 19.8 for 4 / 8 rows. A decode forward holds one row per session and a
+    worker batches 1-3 sessions' rows most of the time, so both the lone step and the usual batch
+    get cheaper. Every range (whole model and split alike, and the transformers reference) runs
+    the same layout, so a split model's logits stay the whole model's bit for bit."""
 
-    def __init__(self, weight_t: torch.Tensor) -> None:
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight_t = nn.Parameter(weight_t, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> "InputMajorLinear":
+        """The same projection as ``linear``, input-major (one transposed copy of its weight)."""
+        bias = None if linear.bias is None else linear.bias.detach()
+        return cls(linear.weight.detach().t().contiguous(), bias)
 
     @property
     def in_features(self) -> int:
@@ -62,11 +71,29 @@ class InputMajorHead(nn.Module):
         return self.weight_t.shape[1]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden @ self.weight_t
+        out = hidden @ self.weight_t
+        return out if self.bias is None else out + self.bias
+
+
+# The dense projections of a decoder layer that run input-major (``input_major_layers``).
+DENSE_PROJECTIONS = (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                     ("mlp", ("gate_proj", "up_proj", "down_proj")))
+
+
+def input_major_layers(layers) -> None:
+    """Swap every decoder layer's dense ``nn.Linear`` projections for ``InputMajorLinear`` in place,
+    one at a time (the old weight is freed as its copy replaces it)."""
+    for layer in layers:
+        for part, names in DENSE_PROJECTIONS:
+            parent = getattr(layer, part, None)
+            for name in names:
+                linear = getattr(parent, name, None)
+                if type(linear) is nn.Linear:
+                    setattr(parent, name, InputMajorLinear.of(linear))
 
 
 class ColumnEmbedding(nn.Module):
-    """Tied token embeddings read from an ``InputMajorHead``'s weight: token i is column i (the
+    """Tied token embeddings read from an ``InputMajorLinear`` head's weight: token i is column i (the
     same values as the row-major table, one copy of the tensor for both). The strided gather costs
     6 us for one token, 0.2 ms for 64, 4 ms for 512 on SmolLM2's table (row-major: 0.06 ms for 512):
     nothing beside a prefill's forward."""
@@ -160,20 +187,33 @@ class LlamaFamily:
     def finish_embedding(self, embed: nn.Module) -> None:
         """Fix up non-persistent buffers after weights were assigned (none here)."""
 
-    # The LM head runs input-major (``InputMajorHead``) in families whose embedding is a plain table.
+    # The LM head runs input-major (``InputMajorLinear``) in families whose embedding is a plain table.
     input_major_head = True
+    # The decoder layers' dense projections run input-major (``input_major_layers``).
+    input_major_layers = True
+
+    def apply_layout(self, layers, lm_head: nn.Module | None) -> nn.Module | None:
+        """This family's compute layout: its layers' projections swapped in place, and the LM head
+        to use (``InputMajorLinear`` where the family runs it input-major). The ranges and the
+        transformers reference (shard/reference.py) both go through here, so they compute alike."""
+        if self.input_major_layers:
+            input_major_layers(layers)
+        if self.input_major_head and type(lm_head) is nn.Linear:
+            return InputMajorLinear.of(lm_head)
+        return lm_head
 
     def finish_modules(self, modules: RangeModules) -> None:
-        """After the weights are assigned: the embedding's buffers, then the LM head's layout. A tied
-        head whose range also holds the embedding keeps one tensor: the embedding reads its columns."""
+        """After the weights are assigned: the embedding's buffers, then the layout (``apply_layout``).
+        A tied head whose range also holds the embedding keeps one tensor: the embedding reads its
+        columns. Callers drop their own references to the loaded tensors first, so that each swap
+        frees the tensor it copies (peak: the weights plus one matrix)."""
         if modules.embed is not None:
             self.finish_embedding(modules.embed)
-        if not self.input_major_head or not isinstance(modules.lm_head, nn.Linear):
-            return
-        weight = modules.lm_head.weight
-        tied = modules.embed is not None and modules.embed.weight.data_ptr() == weight.data_ptr()
-        modules.lm_head = InputMajorHead(weight.detach().t().contiguous())
-        if tied:
+        head = modules.lm_head
+        tied = (head is not None and modules.embed is not None
+                and modules.embed.weight.data_ptr() == head.weight.data_ptr())
+        modules.lm_head = self.apply_layout(modules.layers, head)
+        if tied and modules.lm_head is not head:
             modules.embed = ColumnEmbedding(modules.lm_head.weight_t)
 
     def finish_state(self, state: dict[str, torch.Tensor], layer_range: LayerRange) -> dict[str, torch.Tensor]:
@@ -234,6 +274,7 @@ class Gemma3Family(LlamaFamily):
     MODEL_TYPES = {"gemma3_text": "Gemma3"}
     name = "gemma3"
     input_major_head = False   # its embedding is scaled (a module of its own): the head stays nn.Linear
+    input_major_layers = False  # not measured on Gemma 3: its layers keep nn.Linear
 
     def __init__(self, config):
         self.config = config

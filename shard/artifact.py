@@ -84,12 +84,18 @@ class Recipe:
         return DIGEST_PREFIX + hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
+# How the torch backend lays out and multiplies its weights (shard/adapters.py: the LM head and the
+# Llama-family layers' projections input-major). Two ranges that differ here compute different last
+# bits, so a replica of another layout is not interchangeable mid-generation: the recipe names it.
+TORCH_LAYOUT = ("meshd.torch_layout", "input-major-2")
+
+
 def torch_recipe(dtype: str, adapter: str) -> Recipe:
     """The recipe of the torch/transformers backend on this interpreter."""
     import torch
     import transformers
 
-    libs = (("torch", torch.__version__), ("transformers", transformers.__version__))
+    libs = (TORCH_LAYOUT, ("torch", torch.__version__), ("transformers", transformers.__version__))
     return Recipe(backend="torch", dtype=dtype, adapter=adapter, libraries=tuple(sorted(libs)))
 
 

@@ -66,6 +66,7 @@ def is_moe_family(adapter) -> bool:
 
 class _MoeFamily(LlamaFamily):
     has_shared_expert = False
+    input_major_layers = False   # not measured on the MoE families: their layers keep nn.Linear
 
     def __init__(self, config) -> None:
         super().__init__(config)

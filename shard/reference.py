@@ -4,10 +4,11 @@ What split runs are compared against: ``AutoModelForCausalLM`` with the same
 attention implementation (sdpa), dtype, chunked prefill plan and a
 ``DynamicCache``; logits of the last position only (``logits_to_keep=1``, as
 ``generate`` does). One layout differs from a stock model, as in the ranges: the LM
-head of a family whose ranges run it input-major (``adapters.InputMajorHead``,
-the same product with a faster CPU kernel; within ~1e-6 relative of
-``nn.Linear``) runs input-major here too, so a split run and this reference
-compute every op alike and their logits stay equal bit for bit. Greedy ties break to the lowest token id; with a
+head and the decoder layers' dense projections of a family whose ranges run them
+input-major (``adapters.InputMajorLinear``, the same product with a faster CPU
+kernel; within ~1e-6 relative of ``nn.Linear``) run input-major here too, so a
+split run and this reference compute every op alike and their logits stay equal
+bit for bit. Greedy ties break to the lowest token id; with a
 ``SamplingSpec`` each token is drawn as a sampling tail draws it
 (shard/sampling.py: a pure function of the seed and the token's position).
 """
@@ -50,11 +51,10 @@ class WholeModel:
             Path(path), dtype=DTYPES[dtype][0], attn_implementation=ATTN_IMPLEMENTATION,
             experts_implementation="eager",
         ).eval()
-        from shard.adapters import InputMajorHead, adapter_for
+        from shard.adapters import adapter_for
 
-        head = getattr(self.model, "lm_head", None)
-        if isinstance(head, torch.nn.Linear) and adapter_for(self.model.config).input_major_head:
-            self.model.lm_head = InputMajorHead(head.weight.detach().t().contiguous())
+        self.model.lm_head = adapter_for(self.model.config).apply_layout(self.model.model.layers,
+                                                                         self.model.lm_head)
 
     def _step(self, ids: Sequence[int], cache) -> np.ndarray:
         out = self.model(input_ids=torch.tensor([list(ids)], dtype=torch.long), past_key_values=cache,

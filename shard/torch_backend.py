@@ -171,6 +171,7 @@ class TorchRangeBackend:
             modules.load_state_dict(state, strict=True, assign=True)
         except RuntimeError as exc:  # size mismatch: the tensors are not the model config.json describes
             raise ArtifactError(f"{model_path}: tensors do not match config.json ({_one_line(exc)[:300]})") from exc
+        state.clear()   # the modules hold the tensors now: each layout swap frees what it copies
         adapter.finish_modules(modules)
         modules.eval().requires_grad_(False)
         leftover = [n for n, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]

@@ -68,6 +68,10 @@ def test_fingerprint():
     recipe = torch_recipe("float32", "llama")
     fp = make_fingerprint("sha256:" + hashlib.sha256(b"x").hexdigest(), recipe)
     assert fp.runtime_recipe_digest == recipe.digest() and fp.recipe_id == "torch/llama/float32"
+    # the weight layout is part of the recipe: another layout computes other last bits
+    assert ("meshd.torch_layout", "input-major-2") in recipe.libraries
+    assert Recipe(recipe.backend, recipe.dtype, recipe.adapter,
+                  tuple(lib for lib in recipe.libraries if lib[0] != "meshd.torch_layout")).digest() != recipe.digest()
     other = make_fingerprint(fp.model_artifact_digest, recipe)
     other.recipe_id = "label only"
     assert fingerprints_match(fp, other)

@@ -47,7 +47,7 @@ def fresh_service(model_dir, backend=None) -> ShardService:
 def break_a_weight(backend: TorchRangeBackend) -> None:
     """A real fault: layer 1's query projection no longer fits the hidden size (torch raises)."""
     attn = backend.modules.layers[1].self_attn
-    attn.q_proj.weight = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)
+    attn.q_proj.weight_t = torch.nn.Parameter(torch.zeros(3, 3), requires_grad=False)
 
 
 def records(caplog, logger: str) -> list[logging.LogRecord]:

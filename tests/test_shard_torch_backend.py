@@ -109,12 +109,12 @@ def test_wrong_range_and_unknown_architecture(tmp_path):
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
-    """Llama-family tails hold the head as [hidden, vocab] (adapters.InputMajorHead); a tied table is
+    """Llama-family tails hold the head as [hidden, vocab] (adapters.InputMajorLinear); a tied table is
     one tensor for the embedding and the head; values and logits are the row-major ones."""
     import torch
     from safetensors.torch import load_file
 
-    from shard.adapters import ColumnEmbedding, InputMajorHead
+    from shard.adapters import ColumnEmbedding, InputMajorLinear
 
     path = testmodels.build_random_llama(seed=3, tie_word_embeddings=tied)
     tensors = {}
@@ -125,7 +125,7 @@ def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
     whole = TorchRangeBackend.load(path, 0, None, progress=None)
     tail = TorchRangeBackend.load(path, 2, None, progress=None)
     for backend in (whole, tail):
-        assert isinstance(backend.modules.lm_head, InputMajorHead)
+        assert isinstance(backend.modules.lm_head, InputMajorLinear)
         assert torch.equal(backend.modules.lm_head.weight_t, head.t())
         assert backend.modules.lm_head.weight_t.is_contiguous()
     ids = torch.tensor([[0, 5, 17, table.shape[0] - 1]])
@@ -140,3 +140,46 @@ def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
         diff = float((whole.modules.lm_head(rows) - torch.nn.functional.linear(rows, head)).abs().max())
     print(f"input-major head vs nn.Linear ({tied=}): max diff {diff:.3g}")
     assert diff < 1e-4
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_layers_dense_projections_run_input_major(bias):
+    """Every Llama-family layer's q/k/v/o and gate/up/down projection holds its weight as [in, out]
+    (adapters.InputMajorLinear), biases kept; each computes nn.Linear's product; a split run equals
+    the transformers reference (which runs the same layout) bit for bit."""
+    from safetensors.torch import load_file
+
+    from shard.adapters import DENSE_PROJECTIONS, InputMajorLinear
+
+    path = testmodels.build_random_llama(seed=4, attention_bias=bias, mlp_bias=bias)
+    tensors = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    middle = TorchRangeBackend.load(path, 2, 5, progress=None)
+    checked = 0
+    generator = torch.Generator().manual_seed(1)
+    for local, layer in enumerate(middle.modules.layers):
+        for part, names in DENSE_PROJECTIONS:
+            for name in names:
+                proj = getattr(getattr(layer, part), name)
+                key = f"model.layers.{2 + local}.{part}.{name}"
+                weight = tensors[f"{key}.weight"]
+                assert isinstance(proj, InputMajorLinear)
+                assert proj.weight_t.is_contiguous() and torch.equal(proj.weight_t, weight.t())
+                expected_bias = tensors.get(f"{key}.bias")
+                assert (expected_bias is not None) == bias
+                assert (proj.bias is None) == (not bias)
+                if bias:
+                    assert torch.equal(proj.bias, expected_bias)
+                rows = torch.randn(1, 3, weight.shape[1], generator=generator)
+                with torch.inference_mode():
+                    diff = float((proj(rows) - torch.nn.functional.linear(rows, weight, expected_bias)).abs().max())
+                assert diff < 1e-4
+                checked += 1
+    assert checked == 3 * 7
+    whole = WholeModel(path)
+    assert all(isinstance(layer.mlp.down_proj, InputMajorLinear) for layer in whole.model.model.layers)
+    ref = whole.generate(PROMPT, 8, chunk_tokens=16)
+    parts = [TorchRangeBackend.load(path, a, b, progress=None) for a, b in ((0, 2), (2, 5), (5, 6))]
+    tokens, logits = run_split(parts, PROMPT, 8, chunk=16)
+    assert tokens == ref.tokens and max_diff(logits, ref.logits) == 0.0
