@@ -6,7 +6,10 @@
                   /meshd/span/<digest>/<A>-<B>
     validator.py  py-libp2p glue: strict NamespacedValidator for "meshd", and a
                   ValueStore that merges index values instead of replacing them
-    node.py       DhtNode: KadDHT with the above; publish / fetch / sync_peers
+    node.py       DhtNode: KadDHT with the above; publish / fetch / sync_peers / refresh
+    lookup.py     pure iterative Kademlia lookup (alpha asks per round, final round, bounded)
+    rpc.py        cancel-safe GET_VALUE / PUT_VALUE, stream sessions, the deadline estimator
+    peer_health.py  pure per-peer bookkeeping: runs of misses, congestion, unreachable peers
     relay_records.py  signed relay records (a public relay announces itself)
     expert_records.py signed expert placement records (experts a peer serves without their layers)
     identity.py   the node's persistent Ed25519 identity and peer ids

@@ -22,6 +22,9 @@ Data flow:
   records under ``/meshd/experts/<digest>`` (dht/expert_records.py).
 * ``sync_peers()``: add every connected peer to the routing table; ``join()``:
   that, then a lookup of our own id (after bootstrap).
+* ``refresh()``: every REFRESH_INTERVAL_S at a random phase (``_maintain``, in
+  place of the library's maintenance loop: see REFRESH_INTERVAL_S), lookups of
+  our own id and of one random key, then the store's expiry sweep.
 
 In a home swarm (fewer than k peers) the k closest peers of every key are
 every node, so a read sees everything; beyond, lookups route. Measured by
@@ -43,7 +46,20 @@ A connected peer that leaves an RPC unanswered gets its own deadline doubled
 per consecutive miss (its first miss also counts as a latency sample of the
 deadline, so an overloaded machine raises every deadline); after STUCK_AFTER misses its connection is closed and it
 leaves the routing table (a peer whose host exited without closing its
-connections must not cost every later lookup a deadline).
+connections must not cost every later lookup a deadline) -- unless other
+connected peers missed deadlines too within CONGESTION_WINDOW_S: then this
+machine or the network is congested and the peer is kept (``stuck_kept``),
+since closing a busy peer's connection fails its RPCs in flight both ways and
+makes the next one pay a handshake, load added where there is too much (in
+a CI run of ``meshd bench dht``, congested by the library's maintenance burst
+-- see REFRESH_INTERVAL_S -- 7,911 connections to live peers were closed as
+stuck after the kill). For
+the same reason a PUT is sent again only when the peer refused it (reset the
+stream), never when our deadline cut it. Within one lookup,
+connected peers cut by the deadline are asked once more when several were
+(congestion; ``Lookup.late``); a lone late peer is given up at once. A peer
+whose dial failed (no connection) is left out of every lookup for
+UNREACHABLE_S unless it connects again (``Lookup``'s ``skip``).
 
 State: the KadDHT (routing table, value store), the record cache and the two
 RPC timers are owned here; records are owned by their signers. Concurrency
@@ -70,6 +86,7 @@ from dht.relay_records import RelayRecord, parse_relay_set_lenient
 from dht.validator import MergingValueStore, check_value, namespaced_validator
 from dht.errors import RecordRejected
 from dht.lookup import K_CLOSEST, SEED_PEERS, Lookup
+from dht.peer_health import CLOSE, KEEP, PeerHealth
 from dht import rpc
 from dht.rpc import RpcTimer
 
@@ -84,8 +101,18 @@ REPLICATION = K_CLOSEST
 RPC_TIMEOUT_S = 3.0
 # Routing-table insertions of answering peers running at once in the background (``_learn``).
 MAX_PENDING_INSERTS = 4
-# Consecutive unanswered RPCs after which a connected peer's connection is closed (_rpc).
+# Consecutive unanswered RPCs after which a connected peer's connection is closed (_rpc) --
+# unless another connected peer also left an RPC unanswered within CONGESTION_WINDOW_S:
+# then the machine or the network is congested, late means busy, and closing would turn
+# the peer's in-flight RPCs (both ways) into failures and its next RPC into a new handshake.
 STUCK_AFTER = 3
+CONGESTION_WINDOW_S = 30.0
+RECENT_MISSES = 64
+# A peer we could not reach (dial refused, no connection) is left out of our lookups for
+# UNREACHABLE_S, unless it is connected again (it came back and dialed us); at most
+# MAX_UNREACHABLE remembered (the oldest forgotten first).
+UNREACHABLE_S = 300.0
+MAX_UNREACHABLE = 1024
 # Dialing a peer we are not connected to: on loopback or a LAN a live peer
 # answers in milliseconds; a gone one would otherwise hold a publish for long.
 DIAL_TIMEOUT_S = 2.0
@@ -112,6 +139,19 @@ LIBRARY_INBOUND_HANDLERS = 12
 DHT_TESTED_LIBP2P_VERSION = "0.8.1"
 PUT_ATTEMPTS = 3
 PUT_RETRY_PAUSE_S = (0.05, 0.4)
+# py-libp2p 0.8.1's KadDHT runs a maintenance loop (``KadDHT._run_main_loop``): at its start and
+# every 600 s a routing-table refresh -- a lookup of its own id, then one per non-empty bucket,
+# one after another, through the library's own RPCs (not cancel-safe, see dht/rpc.py) -- and
+# republishes of values stored with ``put`` (meshd stores with ``put_record``: there are none).
+# Nodes started together refresh together: in ``meshd bench dht`` 200 nodes' ~1,800 library
+# lookups landed at once 600 s after the start, and whatever phase the bench was in collapsed
+# (a CI run: 52,598 RPCs cut after the kill, the survivors' views never complete again).
+# meshd replaces that loop with ``DhtNode._maintain``: a lookup of our own id and of one random
+# key (a far bucket) through meshd's lookup, and the store's expiry sweep, every
+# REFRESH_INTERVAL_S at a random phase (x uniform REFRESH_JITTER). Version-gated
+# (``replace_maintenance``), shown in ``meshd status`` as ``dht_maintenance``.
+REFRESH_INTERVAL_S = 600.0
+REFRESH_JITTER = (0.5, 1.5)
 
 
 def widen_inbound_handlers(kad, version: str) -> str | None:
@@ -123,6 +163,16 @@ def widen_inbound_handlers(kad, version: str) -> str | None:
             LIBRARY_INBOUND_HANDLERS, DHT_INBOUND_HANDLERS):
         return "off: the library's KadDHT has no 12-stream inbound limiter to widen"
     limiter.total_tokens = DHT_INBOUND_HANDLERS
+    return None
+
+
+def replace_maintenance(kad, version: str, loop) -> str | None:
+    """Run ``loop`` in place of ``kad``'s maintenance loop; None when done, else why not (left untouched)."""
+    if version != DHT_TESTED_LIBP2P_VERSION:
+        return f"off: libp2p {version or '(none)'} is installed, written for {DHT_TESTED_LIBP2P_VERSION} only"
+    if not callable(getattr(type(kad), "_run_main_loop", None)):
+        return "off: the library's KadDHT has no maintenance loop to replace"
+    kad._run_main_loop = loop        # KadDHT.run starts ``self._run_main_loop``: the instance's wins
     return None
 
 
@@ -148,9 +198,10 @@ class DhtNode:
         self.rpc_timer = RpcTimer(RPC_TIMEOUT_S, RPC_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
         self.dial_timer = RpcTimer(DIAL_TIMEOUT_S, DIAL_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
         # outcomes of this node's RPCs (``rpc_stats``): answered, cut by our deadline, failed
-        self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0}
-        # consecutive unanswered RPCs per connected peer: its own deadline doubles per miss
-        self._unanswered: dict = {}
+        self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0, "stuck_kept": 0}
+        # per peer: consecutive misses (its deadline doubles per miss), congestion, unreachable peers
+        self.health = PeerHealth(stuck_after=STUCK_AFTER, congestion_window_s=CONGESTION_WINDOW_S,
+                                 recent=RECENT_MISSES, unreachable_s=UNREACHABLE_S, max_unreachable=MAX_UNREACHABLE)
         # routing-table insertions running in the background (``_learn``), and their nursery
         self._inserting: set = set()
         self._upkeep: trio.Nursery | None = None
@@ -161,6 +212,27 @@ class DhtNode:
         except importlib.metadata.PackageNotFoundError:
             version = ""
         self.inbound_handlers_off = widen_inbound_handlers(self.kad, version)   # None: widened
+        self.maintenance_off = replace_maintenance(self.kad, version, self._maintain)   # None: ours runs
+        self.refreshes = 0
+
+    async def _maintain(self) -> None:
+        """The routing-table refresh (in place of the library's; see REFRESH_INTERVAL_S): our
+        own id's neighbourhood and one random far bucket, then the expiry sweep; at a random
+        phase so that nodes started together do not refresh together."""
+        rng = random.Random()
+        while True:
+            await trio.sleep(REFRESH_INTERVAL_S * rng.uniform(*REFRESH_JITTER))
+            try:
+                await self.refresh(rng.randbytes(32))
+            except Exception as exc:  # noqa: BLE001 - the next refresh tries again
+                log.info("DHT refresh failed: %s", exc)
+
+    async def refresh(self, far_key: bytes) -> None:
+        """One refresh: lookups of our own id and of ``far_key``, then drop expired values."""
+        await self.lookup(self.host.get_id().to_bytes())
+        await self.lookup(far_key)
+        self.store.cleanup_expired()
+        self.refreshes += 1
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator["DhtNode"]:
@@ -273,12 +345,12 @@ class DhtNode:
                 if attempt:   # refused (a busy peer resets) but still connected: it is alive
                     await trio.sleep(random.uniform(*PUT_RETRY_PAUSE_S))
                 async with limiter:
-                    stored = await self._rpc(peer, rpc.put_value, kb, value, session=session) is True
-                if stored:
+                    answer = await self._rpc(peer, rpc.put_value, kb, value, session=session)
+                if answer is True:
                     acked += 1
                     return
-                if peer not in network.connections:
-                    return
+                if answer is self._TIMED_OUT or peer not in network.connections:
+                    return      # late: busy (asking again adds load where there is too much); gone
 
         async with trio.open_nursery() as nursery:
             for peer in targets:
@@ -306,33 +378,34 @@ class DhtNode:
         (a host that exited without closing it) must not cost every later RPC a deadline."""
         timer = self._timer_for(peer)
         connected = timer is self.rpc_timer
-        misses = self._unanswered.get(peer, 0) if connected else 0
+        misses = self.health.misses(peer) if connected else 0
         start = trio.current_time()
         try:
             with trio.move_on_after(timer.timeout(misses)):
                 result = await call(self.host, peer, *args, session=session)
                 timer.observe(trio.current_time() - start)
                 self.rpc_counts["answered"] += 1
-                self._unanswered.pop(peer, None)
+                self.health.answered(peer)
                 return result
         except Exception as exc:  # noqa: BLE001 - dial and stream errors of every kind (groups too)
             log.debug("DHT RPC to %s failed: %s", peer, exc)
             self.rpc_counts["failed"] += 1
-            self._unanswered.pop(peer, None)
+            self.health.failed(peer)
             return None
         self.rpc_counts["timed_out"] += 1
         if connected:    # a connected peer that did not answer in time: busy, or stuck
             if misses == 0:   # a peer's first miss is a latency sample of at least the deadline
                 timer.observe(trio.current_time() - start)     # (its later misses are its own: backoff)
-            self._unanswered[peer] = misses + 1
-            if misses + 1 >= STUCK_AFTER:
+            verdict = self.health.missed(peer, trio.current_time())
+            if verdict == KEEP:
+                self.rpc_counts["stuck_kept"] += 1     # busy among busy peers: kept, at its backoff
+            elif verdict == CLOSE:
                 await self._close_stuck(peer)
         return self._TIMED_OUT
 
     async def _close_stuck(self, peer) -> None:
         """Drop a connected peer that left STUCK_AFTER RPCs in a row unanswered: out of the
         routing table, its connection closed (shielded, bounded); a live peer reconnects."""
-        self._unanswered.pop(peer, None)
         self.rpc_counts["stuck_closed"] += 1
         log.info("DHT peer %s left %d RPCs in a row unanswered: closing its connection", peer, STUCK_AFTER)
         try:
@@ -363,17 +436,22 @@ class DhtNode:
         With ``session`` the streams stay open for the caller's next RPCs.
         """
         me = self.host.get_id()
-        lk = Lookup(kb, self._seeds(kb), to_bytes=lambda p: p.to_bytes(), exclude=me)
         network = self.host.get_network()
+        lk = Lookup(kb, self._seeds(kb), to_bytes=lambda p: p.to_bytes(), exclude=me,
+                    skip=self.health.skip(trio.current_time(), network.connections))
 
         async def ask(peer) -> None:
             answer = await self._rpc(peer, rpc.get_value, kb, session=session)
+            if answer is self._TIMED_OUT and peer in network.connections:
+                lk.late(peer)        # past the quorum, asked once more, under its doubled deadline
+                return
             if answer is None or answer is self._TIMED_OUT:
                 lk.failed(peer)
                 # a peer we cannot reach leaves the table; one cut by our deadline
                 # or refused on a live connection (a busy peer) stays
                 if answer is None and peer not in network.connections:
                     self.kad.routing_table.remove_peer(peer)
+                    self.health.mark_unreachable(peer, trio.current_time())
                 return
             got, closer = answer
             lk.answered(peer, closer)

@@ -19,6 +19,8 @@ meshd changes a few things inside py-libp2p 0.8.1 (see each module for why):
                             (MESHD_PEER_RECORD_GC=0 leaves the library's)
     dht_inbound_handlers    dht/node.py: KadDHT serves 64 inbound DHT streams at once, not 12
                             (recorded by the daemon for its DhtNode: ``record_dht_node``)
+    dht_maintenance         dht/node.py: KadDHT's 10-minute maintenance loop (library lookups, all
+                            nodes started together at once) replaced by DhtNode's jittered refresh
     dcutr_policy            meshd/reach/direct_upgrade.py: our DCUtR service narrows the library's
                             (no auto-drive, no relay close, bounded inbound punches); recorded here
                             by the code that sets DCUtR up
@@ -132,15 +134,19 @@ def apply_libp2p_adjustments(version: str | None = None) -> list[Adjustment]:
         return out
 
 
-def record_dht_node(dht_node, version: str | None = None) -> Adjustment:
-    """Record dht/node.py's per-node adjustment (KadDHT's inbound stream cap, 12 -> 64)."""
-    from dht.node import DHT_INBOUND_HANDLERS
+def record_dht_node(dht_node, version: str | None = None) -> list[Adjustment]:
+    """Record dht/node.py's per-node adjustments (KadDHT's inbound stream cap, 12 -> 64; its
+    maintenance loop replaced by meshd's jittered refresh)."""
+    from dht.node import DHT_INBOUND_HANDLERS, REFRESH_INTERVAL_S
 
     version = installed_version() if version is None else version
-    off = dht_node.inbound_handlers_off
-    if off is None:
-        return record("dht_inbound_handlers", True, _on(version) + f" ({DHT_INBOUND_HANDLERS} streams)", version)
-    return record("dht_inbound_handlers", False, off, version)
+    out = []
+    for name, off, on in (
+            ("dht_inbound_handlers", dht_node.inbound_handlers_off, f" ({DHT_INBOUND_HANDLERS} streams)"),
+            ("dht_maintenance", dht_node.maintenance_off,
+             f" (meshd's refresh, every {REFRESH_INTERVAL_S:g} s at a random phase)")):
+        out.append(record(name, True, _on(version) + on, version) if off is None else record(name, False, off, version))
+    return out
 
 
 def library_status() -> dict:

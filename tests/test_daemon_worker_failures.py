@@ -233,7 +233,7 @@ def test_a_daemon_whose_worker_cannot_load_the_model_says_why_in_status_not_with
         assert {a["name"]: a["applied"] for a in s["libp2p"]["adjustments"]} == {
             "dcutr_policy": True, "libp2p_fastpath": True, "yamux_release_on_read": True, "inbound_limits": True,
             "yamux_window_batching": True, "dial_head_start": True, "no_auto_connect": True, "peer_record_gc": True,
-            "dht_inbound_handlers": True}
+            "dht_inbound_handlers": True, "dht_maintenance": True}
         text = status(as_json=False)
         assert "the worker exited with code 1 before it was ready" in text and why in text
         assert f"log      {data / 'worker.log'}" in text

@@ -17,7 +17,7 @@ from libp2p.kad_dht.common import PROTOCOL_ID
 
 from dht import keys as K
 from dht import rpc
-from dht.node import DhtNode
+from dht.node import DhtNode, replace_maintenance
 from dht.records import parse_record_set_lenient
 from dht.rpc import RpcTimer
 from relay.host import connect_bootstrap, running_host
@@ -27,6 +27,8 @@ LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TEST_TIMEOUT_S = 60
 # how long the caller waits for a stalled peer before cutting the RPC (not a measured threshold)
 CUT_S = 0.3
+# the same where the second ask must answer within twice the deadline on a machine busy with other work
+LATE_CUT_S = 1.0
 
 
 def wall_ms() -> int:
@@ -259,10 +261,240 @@ def test_a_stuck_peer_doubles_only_its_own_deadline_and_is_closed_after_stuck_af
                 assert b_id not in a.host.get_network().connections
                 assert not a.kad.routing_table.peer_in_table(b_id)
                 record, _ = await a._rpc(c_id, rpc.get_value, key)  # c still answers at once
-                assert record is None and a._unanswered == {}
+                assert record is None and a.health.unanswered == {}
                 hold.set()
 
     trio.run(main)
+
+
+def test_peers_late_together_stay_connected_past_stuck_after():
+    """The fault: ``b`` and ``c`` both take every inbound DHT stream and never answer (busy).
+    ``a``'s RPCs to each time out STUCK_AFTER times in a row, but each peer's misses come
+    while the other is late too (within CONGESTION_WINDOW_S): congestion, so neither
+    connection is closed (``stuck_kept``), and an answer later clears the backoff."""
+    from dht import node as node_mod
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b, c = await _nodes(stack, 3)
+                await connect_bootstrap(a.host, [f"{c.host.get_addrs()[0]}/p2p/{c.host.get_id()}"], 10)
+                hold = trio.Event()
+
+                async def silent(stream):
+                    with trio.move_on_after(TEST_TIMEOUT_S / 2):
+                        await hold.wait()
+
+                for busy in (b, c):
+                    busy.host.set_stream_handler(PROTOCOL_ID, silent)
+                a.rpc_timer = RpcTimer(CUT_S, CUT_S, 20 * CUT_S)
+                a.rpc_timer.observe(0.01)
+                key = K.model_key(DIGEST).encode()
+
+                async def misses(peer):
+                    for _ in range(node_mod.STUCK_AFTER):
+                        assert await a._rpc(peer, rpc.get_value, key) is a._TIMED_OUT
+
+                async with trio.open_nursery() as nursery:
+                    for busy in (b, c):
+                        nursery.start_soon(misses, busy.host.get_id())
+                assert a.rpc_counts["stuck_closed"] == 0 and a.rpc_counts["stuck_kept"] == 2
+                for busy in (b, c):
+                    assert busy.host.get_id() in a.host.get_network().connections
+                assert a.kad.routing_table.peer_in_table(b.host.get_id())      # (c was never put in it)
+                b.host.set_stream_handler(PROTOCOL_ID, b.kad.handle_stream)
+                record, _ = await a._rpc(b.host.get_id(), rpc.get_value, key)
+                assert record is None and b.host.get_id() not in a.health.unanswered
+                hold.set()
+
+    trio.run(main)
+
+
+class _StallPutAcks:
+    """A served stream whose PUT_VALUE acknowledgements wait for ``release`` (a peer busy
+    after storing); everything else passes through."""
+
+    def __init__(self, stream, release: trio.Event, stalled: list) -> None:
+        self._stream, self._release, self._stalled = stream, release, stalled
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    async def write(self, data: bytes) -> None:
+        from libp2p.kad_dht.pb.kademlia_pb2 import Message
+
+        msg = Message()
+        try:
+            msg.ParseFromString(data)
+        except Exception:  # noqa: BLE001 - a length prefix
+            msg = None
+        if len(data) > 8 and msg is not None and msg.type == Message.MessageType.PUT_VALUE:
+            self._stalled.append(1)
+            with trio.move_on_after(TEST_TIMEOUT_S / 2):
+                await self._release.wait()
+        await self._stream.write(data)
+
+
+def test_a_put_cut_by_the_deadline_is_not_sent_again():
+    """The fault: ``b`` answers GET_VALUE at once but acknowledges a PUT_VALUE only much
+    later (busy). ``a``'s publish cuts the PUT at its deadline and does not send it again:
+    a retry would only add work where there is too much (a refused PUT is retried)."""
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b = await _nodes(stack, 2)
+                release, stalled = trio.Event(), []
+
+                async def handler(stream):
+                    async with b.kad._inbound_limiter:
+                        await b.kad._do_handle_stream(_StallPutAcks(stream, release, stalled))
+
+                b.host.set_stream_handler(PROTOCOL_ID, handler)
+                a.rpc_timer = RpcTimer(CUT_S, CUT_S, 20 * CUT_S)
+                a.rpc_timer.observe(0.01)
+                key = K.model_key(DIGEST)
+                acked = await a.put_remote(key, as_record_set(good(identity(70), now=wall_ms())))
+                assert acked == 0 and len(stalled) == 1
+                assert a.rpc_counts["answered"] == 1 and a.rpc_counts["timed_out"] == 1   # the lookup's GET; the PUT
+                assert b.store.get(key.encode()) is not None          # it did store: it was only late
+                release.set()
+
+    trio.run(main)
+
+
+def test_a_read_asks_late_holders_once_more_when_several_are_late_and_gives_up_a_lone_one():
+    """The fault: holders stall past the reader's deadline on their first GET_VALUEs (busy).
+    Both holders late in one lookup (LATE_QUORUM): congestion, each is asked once more under
+    its doubled deadline and the record is found. One holder late while the other answers:
+    it is given up after one deadline (a host gone without closing its connection must not
+    cost every read two more)."""
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b, c = await _nodes(stack, 3)
+                await connect_bootstrap(a.host, [f"{c.host.get_addrs()[0]}/p2p/{c.host.get_id()}"], 10)
+                key = K.model_key(DIGEST).encode()
+                for holder in (b, c):
+                    holder.store_locally(key.decode(), as_record_set(good(identity(70), now=wall_ms())))
+                release = trio.Event()
+                entered: dict[str, int] = {"b": 0, "c": 0}
+                late_for = {"b": 1, "c": 1}            # how many of its first streams each holder stalls
+
+                def busy(name: str, node: DhtNode):
+                    async def handler(stream):
+                        entered[name] += 1
+                        async with node.kad._inbound_limiter:
+                            if entered[name] <= late_for[name]:
+                                with trio.move_on_after(3 * LATE_CUT_S if late_for[name] == 1 else TEST_TIMEOUT_S / 4):
+                                    await release.wait()
+                            await node.kad._do_handle_stream(stream)
+                    return handler
+
+                b.host.set_stream_handler(PROTOCOL_ID, busy("b", b))
+                c.host.set_stream_handler(PROTOCOL_ID, busy("c", c))
+                a.rpc_timer = RpcTimer(LATE_CUT_S, LATE_CUT_S, 20 * LATE_CUT_S)
+                a.rpc_timer.observe(0.01)
+                recs = await a.fetch(key.decode())
+                assert [r.peer_id for r in recs] == [identity(70).peer_id]
+                # each holder was cut once and answered its second ask (their stream counts may include
+                # a routing-table ping of a's, so a's own RPC counts are the measure)
+                assert a.rpc_counts == {"answered": 2, "timed_out": 2, "failed": 0, "stuck_closed": 0,
+                                        "stuck_kept": 0}
+                assert a.last_lookup.rounds == 2 and a.last_lookup.failed == 0
+                await _until(lambda: _serving(b) == 0 and _serving(c) == 0)
+
+                entered.update(b=0, c=0)               # b stalls for good, c answers at once
+                late_for.update(b=1_000, c=0)
+                counts_before = dict(a.rpc_counts)
+                a.health.unanswered.clear()
+                a.rpc_timer = RpcTimer(LATE_CUT_S, LATE_CUT_S, 20 * LATE_CUT_S)
+                a.rpc_timer.observe(0.01)
+                recs = await a.fetch(key.decode())
+                assert [r.peer_id for r in recs] == [identity(70).peer_id]
+                counts = {k: a.rpc_counts[k] - counts_before[k] for k in counts_before}
+                assert counts == {"answered": 1, "timed_out": 1, "failed": 0, "stuck_closed": 0,
+                                        "stuck_kept": 0}
+                assert a.last_lookup.failed == 1
+                assert b.host.get_id() in a.host.get_network().connections   # under STUCK_AFTER: connected
+                release.set()
+
+    trio.run(main)
+
+
+def test_a_dead_peer_other_peers_still_name_is_dialed_once_then_left_out_of_lookups():
+    """``c`` exits; ``b`` still lists it and names it in every answer. ``a``'s first lookup
+    dials ``c`` (refused: it fails); its next lookups leave ``c`` out (UNREACHABLE_S), until
+    that has passed."""
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b = await _nodes(stack, 2)
+                async with AsyncExitStack() as c_stack:
+                    c_host = await c_stack.enter_async_context(running_host(identity(79), LOOPBACK))
+                    c = await c_stack.enter_async_context(DhtNode(c_host, wall_ms).running())
+                    await connect_bootstrap(c_host, [f"{b.host.get_addrs()[0]}/p2p/{b.host.get_id()}"], 10)
+                    while not b.kad.routing_table.peer_in_table(c_host.get_id()):
+                        await b.sync_peers()
+                        await trio.sleep(0.05)
+                    c_id = c_host.get_id()
+                    key = K.model_key(DIGEST).encode()
+                    await a.lookup(key)                  # a learns c's address from b's answer, and asks it
+                    assert a.rpc_counts["answered"] == 2
+                await _until(lambda: c_id not in b.host.get_network().connections)
+                assert b.kad.routing_table.peer_in_table(c_id)      # b has not tried c since: still names it
+                await a.lookup(key)
+                assert a.rpc_counts["failed"] == 1 and c_id in a.health.unreachable
+                for _ in range(3):
+                    await a.lookup(key)
+                assert a.rpc_counts["failed"] == 1 and a.rpc_counts["answered"] == 6    # b each time, c never
+                a.health.unreachable_s = 0.0
+                await trio.sleep(0.01)
+                await a.lookup(key)                  # past UNREACHABLE_S: dialed again
+                assert a.rpc_counts["failed"] == 2
+
+    trio.run(main)
+
+
+def test_the_librarys_maintenance_loop_gives_way_to_a_jittered_refresh_through_meshds_lookups(monkeypatch):
+    """py-libp2p's KadDHT maintenance (at start and every 600 s: a library lookup per bucket,
+    every node started together at once) does not run; DhtNode's refresh does, at a random
+    phase, through meshd's lookup (its RPC counts move)."""
+    from libp2p.kad_dht.kad_dht import KadDHT
+
+    from dht import node as node_mod
+
+    library_refreshes = []
+
+    async def library_refresh(self):
+        library_refreshes.append(self)
+
+    monkeypatch.setattr(KadDHT, "refresh_routing_table", library_refresh)
+    monkeypatch.setattr(node_mod, "REFRESH_INTERVAL_S", 0.2)
+
+    async def main():
+        with trio.fail_after(TEST_TIMEOUT_S):
+            async with AsyncExitStack() as stack:
+                a, b = await _nodes(stack, 2)
+                assert a.maintenance_off is None and a.kad._run_main_loop == a._maintain
+                answered = a.rpc_counts["answered"]
+                await _until(lambda: a.refreshes >= 2 and b.refreshes >= 2)
+                assert a.rpc_counts["answered"] >= answered + 2        # its lookups asked b
+                assert library_refreshes == []
+
+    trio.run(main)
+
+
+def test_the_maintenance_loop_is_left_alone_on_another_library_version():
+    class Kad:
+        async def _run_main_loop(self):
+            pass
+
+    kad = Kad()
+    loop = object()
+    assert replace_maintenance(kad, "0.9.0", loop).startswith("off: libp2p 0.9.0 is installed")
+    assert "_run_main_loop" not in vars(kad)
+    assert replace_maintenance(object(), "0.8.1", loop) == "off: the library's KadDHT has no maintenance loop to replace"
+    assert replace_maintenance(kad, "0.8.1", loop) is None and kad._run_main_loop is loop
 
 
 def test_a_stopping_host_closes_its_connections_so_its_peers_see_it_leave():

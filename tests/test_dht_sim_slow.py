@@ -7,10 +7,12 @@ lookup rounds; after 20% of the nodes die at once, every sampled survivor's
 view holds every surviving record again within one republish interval, and
 republishing keeps every model key replicated.
 
-The republish interval is the bench's 60 s, stretched to twice what this
-machine takes to publish the survivors' 160 records when that is longer
+The republish interval is the bench's 60 s, stretched to three times what
+this machine takes to publish the survivors' 160 records when that is longer
 (``interval_stretched_to_cpu``): 200 nodes share 2 cores here, where each real
-node has a CPU of its own. The bench reports both intervals and the floor.
+node has a CPU of its own, and that publish keeps both cores busy
+(``cores_busy_publishing``). The bench reports both intervals, the floor and
+the cores its nodes kept busy after the kill.
 """
 from __future__ import annotations
 
@@ -27,12 +29,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 2400
 
 
+# Its own bound is the subprocess timeout: pytest-timeout's suite-wide 600 s would cut a run that
+# takes its usual ~10 minutes on a loaded 2-core machine (it did once in CI, at 600 s).
+@pytest.mark.timeout(TIMEOUT_S + 60)
 def test_two_hundred_nodes_find_every_record_and_converge_after_churn():
     out = subprocess.run([sys.executable, "-m", "meshd", "bench", "dht", "--json"], cwd=REPO_ROOT,
                          capture_output=True, text=True, timeout=TIMEOUT_S)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)
     print(json.dumps(result, sort_keys=True))
+    print(out.stderr[-6000:], file=sys.stderr)      # its progress: on a failure, which reads missed what
     assert result["nodes"] == 200 and result["killed_nodes"] == 40
     assert result["found_fraction"] == 1.0
     assert result["max_lookup_rounds"] <= result["round_bound"] == 10

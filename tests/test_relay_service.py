@@ -48,7 +48,7 @@ def test_meshd_relay_relays_and_counts(tmp_path):
                     assert on == {"libp2p_fastpath": True, "yamux_release_on_read": True, "inbound_limits": True,
                                   "yamux_window_batching": True, "dial_head_start": True,
                                   "no_auto_connect": True, "peer_record_gc": True,
-                                  "dht_inbound_handlers": True}, s["libp2p"]
+                                  "dht_inbound_handlers": True, "dht_maintenance": True}, s["libp2p"]
                 finally:
                     server.close()
 

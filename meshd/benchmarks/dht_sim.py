@@ -23,7 +23,7 @@ the bench would measure CPU starvation, not the DHT.)
     republish (spread over one interval) ->   every survivor publishes again at a random moment
     fetch again, every few seconds ------->   the views not yet complete, until none is left;
                                               then one full pass confirms
-    holders ------------------------------>   how many live nodes hold each model key (replicas)
+    holders ------------------------------>   how many live nodes hold each model key, and each record
     stats -------------------------------->   RPC outcomes, connections per node
 
 Reported: ``nodes``, ``max_lookup_rounds`` (over every sampled lookup, with
@@ -34,10 +34,19 @@ sampled survivor's view holds every surviving record; its floor here is
 convergence is seen by reading: at least one pass plus the confirming one), and the replica
 counts of the model keys before the kill, right after it and one republish
 interval later (``min_replicas_*``): republishing re-replicates to the new
-k closest; ``republished_s``: kill -> every survivor's republish done
+k closest; ``min_record_replicas_*``: the same per record (the holders
+of a key may hold different subsets of its records; a record held by few
+nodes was published to a poor view of the key's closest peers, one held by
+many and still missed was lost by the reader's lookup); ``republished_s``: kill -> every survivor's republish done
 (null when not within REPUBLISH_WAIT_INTERVALS intervals). Also the nodes'
 RPC outcomes (answered, cut by the caller's deadline, failed: ``rpcs_*``,
-see ``DhtNode.rpc_stats``) and connections per node at the end.
+see ``DhtNode.rpc_stats``) and connections per node at the end; and how many
+cores the nodes kept busy (their processes' CPU seconds per wall second:
+``cores_busy_publishing``, ``cores_busy_converging`` from the kill to a complete
+view, ``cores_busy_after_kill`` to the end of the republishes): near the
+machine's core count, the figures are CPU starvation's, not the DHT's.
+After the kill the views are polled at most half of the time (``POLL_DUTY``):
+reading without pause would double the survivors' load while they republish.
 
 Commands and answers are JSON lines on the children's stdin / stdout. Every
 wait is bounded; a child exits when its stdin closes.
@@ -77,9 +86,13 @@ COMMAND_TIMEOUT_S = 600.0
 # How long after the kill the survivors' republishes may take (in republish intervals).
 REPUBLISH_WAIT_INTERVALS = 3
 CONVERGE_POLL_S = 2.0
+# After a poll that read the views for T seconds, the next one starts at least T later: reads
+# take at most half of the survivors' time, next to their republishing (see ``simulate``).
+POLL_DUTY = 0.5
+RPC_OUTCOMES = ("answered", "timed_out", "failed", "stuck_closed", "stuck_kept")
 # The republish interval is at least this many times the time this machine takes to
 # publish the survivors' records (measured in the publish phase; see ``simulate``).
-INTERVAL_HEADROOM = 2.0
+INTERVAL_HEADROOM = 3.0
 # Extra lifetime of the records of the first publish (see ``_child_main``), within the
 # validator's one-hour cap: the daemon's advertiser would have republished them every
 # interval while the sim joins and reads, which on 2 cores takes several minutes.
@@ -122,7 +135,7 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
     from dht import keys as K
     from dht.identity import Identity
     from dht.node import DhtNode
-    from dht.records import CapabilityClaim, sign_capability, validate_capability
+    from dht.records import CapabilityClaim, parse_record_set_lenient, sign_capability, validate_capability
     from relay.host import connect_bootstrap, running_host
 
     def wall_ms() -> int:
@@ -236,20 +249,27 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
                             items = [(i, n, d) for i, n in chosen for d in cmd["digests"]]
                         _emit({"event": "fetched", "results": await bounded(fetch, items, FETCH_CONCURRENCY)})
                     elif kind == "stats":
-                        counts = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0}
+                        counts = {name: 0 for name in RPC_OUTCOMES}
                         for _, _, n in nodes:
                             for name in counts:
                                 counts[name] += n.rpc_counts[name]
                         _emit({"event": "stats", "rpcs": counts,
                                "connections": [len(n.host.get_network().connections) for _, _, n in nodes],
-                               "rpc_timeout_s": [n.rpc_timer.timeout() for _, _, n in nodes]})
+                               "rpc_timeout_s": [n.rpc_timer.timeout() for _, _, n in nodes],
+                               "cpu_s": time.process_time()})
                     elif kind == "holders":
                         held: dict[str, int] = {}
+                        by_record: dict[str, dict[str, int]] = {}     # key -> record's peer -> holders
                         for _, _, n in nodes:
                             for key in n.store.index_keys():
                                 if key.startswith("/meshd/model/"):
                                     held[key] = held.get(key, 0) + 1
-                        _emit({"event": "holders", "held": held})
+                                    stored = n.store.get(key.encode())
+                                    recs = parse_record_set_lenient(stored.value, wall_ms()) if stored else []
+                                    counts = by_record.setdefault(key, {})
+                                    for r in recs:
+                                        counts[r.peer_id] = counts.get(r.peer_id, 0) + 1
+                        _emit({"event": "holders", "held": held, "records": by_record})
 
 
 # ---------------------------------------------------------------------------------------- parent
@@ -315,22 +335,35 @@ def _views(children: list[_Child], samples: dict[int, list[int]], digests: list[
     return [r for c in children for r in c.expect("fetched")["results"]]
 
 
-def _holders(children: list[_Child], digests: list[str]) -> int:
-    """The fewest live holders of any model key."""
+def _holders(children: list[_Child], digests: list[str]) -> tuple[int, dict[str, dict[str, int]]]:
+    """The fewest live holders of any model key; and per model, per record (its peer id), how many
+    live nodes hold that record (holders of a key may hold different subsets of its records)."""
     held: dict[str, int] = {}
+    records: dict[str, dict[str, int]] = {d: {} for d in digests}
     for c in children:
         c.send(cmd="holders")
     for c in children:
-        for key, n in c.expect("holders")["held"].items():
+        got = c.expect("holders")
+        for key, n in got["held"].items():
             held[key] = held.get(key, 0) + n
-    return min(held.get(f"/meshd/model/{d}", 0) for d in digests)
+        for key, counts in got["records"].items():
+            into = records.setdefault(key.rsplit("/", 1)[-1], {})
+            for peer, n in counts.items():
+                into[peer] = into.get(peer, 0) + n
+    return min(held.get(f"/meshd/model/{d}", 0) for d in digests), records
+
+
+def _record_replicas(records: dict[str, dict[str, int]], expected: dict[str, set[str]]) -> int:
+    """The fewest live holders of any expected record."""
+    return min((records.get(d, {}).get(p, 0) for d, peers in expected.items() for p in peers), default=0)
 
 
 def _stats(children: list[_Child]) -> dict:
     """RPC outcomes summed over the children's nodes, and their connection counts."""
-    rpcs = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0}
+    rpcs = {name: 0 for name in RPC_OUTCOMES}
     conns: list[int] = []
     timeouts: list[float] = []
+    cpu_s = 0.0
     for c in children:
         c.send(cmd="stats")
     for c in children:
@@ -339,8 +372,15 @@ def _stats(children: list[_Child]) -> dict:
             rpcs[name] += got["rpcs"][name]
         conns += got["connections"]
         timeouts += got["rpc_timeout_s"]
+        cpu_s += got["cpu_s"]
     return {"rpcs": rpcs, "connections_max": max(conns), "connections_mean": round(sum(conns) / len(conns), 1),
-            "rpc_timeout_max_s": round(max(timeouts), 2)}
+            "rpc_timeout_max_s": round(max(timeouts), 2), "cpu_s": cpu_s, "at": time.monotonic()}
+
+
+def _cores_busy(before: dict, after: dict) -> float:
+    """CPU seconds the children spent between two ``_stats`` per second of wall time: how many
+    of the machine's cores they kept busy (the children's own work only)."""
+    return round((after["cpu_s"] - before["cpu_s"]) / max(1e-9, after["at"] - before["at"]), 2)
 
 
 def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> dict:
@@ -375,16 +415,22 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         tables = [n for c in children for n in c.expect("refreshed")["routing_table"]]
         _say(progress, f"joined ({time.monotonic() - t0:.1f} s); routing tables {min(tables)}..{max(tables)} peers")
         t_publish = time.monotonic()
+        stats_joined = _stats(children)
         for c in children:
             c.send(cmd="publish")
         for c in children:
             c.expect("published")
         publish_phase_s = time.monotonic() - t_publish
-        _say(progress, f"published {nodes} records over {models} models ({time.monotonic() - t0:.1f} s)")
+        stats_published = _stats(children)
+        _say(progress, f"published {nodes} records over {models} models ({time.monotonic() - t0:.1f} s; "
+                       f"{_cores_busy(stats_joined, stats_published)} cores busy)")
         # The floor: this machine publishes the N records in publish_phase_s (PUBLISH_CONCURRENCY
         # per process). Republishing the survivors' records within one interval must fit in what
         # the 2 cores carry, or the bench measures CPU starvation (each real node has a CPU of
         # its own): the interval is stretched to INTERVAL_HEADROOM x that floor when it is shorter.
+        # Three, not two: that publish keeps both cores busy (``cores_busy_publishing``, 1.9 of 2
+        # here), so at 2 x the republishing alone takes about one core and the convergence reads,
+        # at full speed, the other: no headroom left for a slower period of a shared machine.
         floor_s = publish_phase_s * (nodes - nodes // processes) / nodes
         base_republish_s = republish_s
         republish_s = max(republish_s, math.ceil(INTERVAL_HEADROOM * floor_s))
@@ -399,10 +445,18 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         found = sum(len(set(v["peers"]) & expected[v["digest"]]) for v in views)
         wanted = sum(len(expected[v["digest"]]) for v in views)
         rounds = [v["rounds"] for v in views]
-        replicas_before = _holders(children, digests)
+        replicas_before, records_before = _holders(children, digests)
+        record_replicas_before = _record_replicas(records_before, expected)
         stats_before = _stats(children)
         _say(progress, f"{len(views)} lookups: found {found}/{wanted}, rounds max {max(rounds)}, "
-                       f"fewest replicas {replicas_before}; {stats_before}")
+                       f"fewest replicas {replicas_before} of a key, {record_replicas_before} of a record; "
+                       f"{stats_before['rpcs']}, connections max {stats_before['connections_max']} mean "
+                       f"{stats_before['connections_mean']}, {_cores_busy(stats_published, stats_before)} cores busy")
+        for v in views:     # a record a lookup missed: how many nodes hold it tells publish from read
+            for peer in sorted(expected[v["digest"]] - set(v["peers"])):
+                _say(progress, f"  not found: node {v['node']} model {v['digest'][-4:]} record of {peer[-6:]} "
+                               f"(held by {records_before[v['digest']].get(peer, 0)} nodes); lookup asked "
+                               f"{v['asked']}, {v['failed']} did not answer, {v['rounds']} rounds")
 
         # churn: the last process (1/P of the nodes) dies at once
         _say(progress, f"republish interval {republish_s:g} s (base {base_republish_s:g} s; the survivors' "
@@ -414,7 +468,8 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         t_kill = time.monotonic()
         survivors = children[:-1]
         live_expected = {d: ids - dead for d, ids in expected.items()}
-        replicas_after_kill = _holders(survivors, digests)
+        replicas_after_kill, _ = _holders(survivors, digests)
+        stats_kill = _stats(survivors)
         for c in survivors:       # each survivor's advertiser republishes once per interval, at its own phase
             c.send(cmd="republish", spread_s=republish_s)
         # Poll the views that are not complete yet (each poll re-reading all 160 would load
@@ -425,7 +480,9 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         pending = {(i, d) for c in survivors for i in samples[c.index] for d in digests}
         confirming = False
         while time.monotonic() - t_kill < 2 * republish_s:
+            t_pass = time.monotonic()
             views = _views(survivors, samples, digests, None if confirming else pending)
+            pass_s = time.monotonic() - t_pass
             churn_rounds += [v["rounds"] for v in views]
             incomplete = {(v["node"], v["digest"]) for v in views if not live_expected[v["digest"]] <= set(v["peers"])}
             pending = (pending - {(v["node"], v["digest"]) for v in views}) | incomplete
@@ -436,9 +493,11 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             _say(progress, f"  {time.monotonic() - t_kill:.0f} s after the kill: {len(incomplete)} of "
                            f"{len(views)} views read incomplete")
             if pending:
-                time.sleep(CONVERGE_POLL_S)
+                time.sleep(max(CONVERGE_POLL_S, pass_s * (1 - POLL_DUTY) / POLL_DUTY))
+        stats_converged = _stats(survivors)
         _say(progress, f"after killing {len(dead)} nodes: view complete after "
-                       f"{converged_s if converged_s is None else round(converged_s, 1)} s")
+                       f"{converged_s if converged_s is None else round(converged_s, 1)} s; "
+                       f"{_cores_busy(stats_kill, stats_converged)} cores busy; {stats_converged['rpcs']}")
         # the survivors' republishes, one deadline for all: a republish still running after
         # REPUBLISH_WAIT_INTERVALS intervals is reported (``republished_s`` null), not waited for
         deadline = t_kill + REPUBLISH_WAIT_INTERVALS * republish_s
@@ -451,7 +510,7 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             pass
         _say(progress, f"every survivor republished: {republished_s if republished_s is None else round(republished_s)}"
                        f" s after the kill")
-        replicas_after_republish = _holders(survivors, digests)
+        replicas_after_republish, records_after = _holders(survivors, digests)
         stats_after = _stats(survivors)
         views = _views(survivors, samples, digests)
         churn_rounds += [v["rounds"] for v in views]
@@ -486,6 +545,8 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             "min_replicas_before": replicas_before,
             "min_replicas_after_kill": replicas_after_kill,
             "min_replicas_after_republish": replicas_after_republish,
+            "min_record_replicas_before": record_replicas_before,
+            "min_record_replicas_after_republish": _record_replicas(records_after, live_expected),
             "routing_table_min": min(tables),
             "routing_table_max": max(tables),
             "rpcs_before_churn": stats_before["rpcs"],
@@ -493,6 +554,9 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
             "connections_per_node_max": stats_after["connections_max"],
             "connections_per_node_mean": stats_after["connections_mean"],
             "rpc_timeout_max_s": stats_after["rpc_timeout_max_s"],
+            "cores_busy_publishing": _cores_busy(stats_joined, stats_published),
+            "cores_busy_converging": _cores_busy(stats_kill, stats_converged),
+            "cores_busy_after_kill": _cores_busy(stats_kill, stats_after),
             "elapsed_s": round(time.monotonic() - t0, 1),
         }
     except BaseException:
