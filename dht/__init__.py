@@ -6,7 +6,7 @@
                   /meshd/span/<digest>/<A>-<B>
     validator.py  py-libp2p glue: strict NamespacedValidator for "meshd", and a
                   ValueStore that merges index values instead of replacing them
-    kademlia/     the sans-I/O Kademlia core (lookup, publish, fetch and refresh as steps;
+    kademlia/     the sans-I/O Kademlia core (lookup, publish, fetch, join, refresh as steps;
                   deadlines and peer health; the value rules; a k-bucket table that
                   follows py-libp2p's)
     node.py       DhtNode: runs the core over py-libp2p (KadDHT's table and server)

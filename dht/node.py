@@ -30,7 +30,8 @@ Data flow:
 * ``publish_experts`` / ``fetch_experts``: the same for expert placement
   records under ``/meshd/experts/<digest>`` (dht/expert_records.py).
 * ``sync_peers()``: add every connected peer to the routing table; ``join()``:
-  that, then a lookup of our own id (after bootstrap).
+  that, then a lookup of our own id and one per bucket beyond our neighbourhood
+  (after bootstrap).
 * ``refresh()``: every REFRESH_INTERVAL_S at a random phase (``_maintain``, in
   place of the library's maintenance loop: see LIBRARY_MAINTENANCE below), lookups
   of our own id and of one random key, then the store's expiry sweep.
@@ -245,11 +246,11 @@ class DhtNode:
 
     async def join(self) -> int:
         """Kademlia's join: the connected peers (bootstrap) into the table, then a lookup of our own
-        id, which fills our neighbourhood and makes the peers it asks add us to theirs.
-        Returns the routing table's size."""
+        id, which fills our neighbourhood and makes the peers it asks add us to theirs, and one
+        lookup per bucket beyond it (dht/kademlia/ops.py ``join``). Returns the routing table's size."""
         await self.sync_peers()
         if self.host.get_connected_peers():
-            await self.lookup(self.host.get_id().to_bytes())
+            await self._drive(ops.join(self._view))
         return self.routing_table_size()
 
     def routing_table_size(self) -> int:

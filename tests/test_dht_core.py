@@ -243,6 +243,32 @@ def test_late_peers_past_the_quorum_are_asked_once_more():
     assert asks == {1: 2, 2: 2, 3: 1} and sorted(result.closest) == [1, 2, 3]
 
 
+# ------------------------------------------------------------------------------------- join
+
+@settings(max_examples=50, deadline=None)
+@given(me=st.integers(0, 2 ** 256 - 1), bits=st.integers(0, 10), seed=st.integers(0, 1000))
+def test_a_key_in_bucket_shares_exactly_that_many_leading_bits(me, bits, seed):
+    key = ops.key_in_bucket(me, bits, random.Random(seed))
+    assert 256 - (me ^ key_hash(key)).bit_length() == bits
+
+
+def test_a_join_looks_up_its_own_id_then_one_key_per_bucket_beyond_its_neighbourhood():
+    net = FakeNetwork(200)
+    node = net.nodes[3]
+    seen: list = []
+    lookups = drive(ops.join(node), net.answer, seen)
+    me = position(3)
+    radius = 256 - (me ^ position(node.lookups[0].closest[-1])).bit_length()    # our k-th closest's
+    assert radius >= 2 and lookups == 1 + radius == len(node.lookups)
+    keys = list(dict.fromkeys(e.key for e in seen if isinstance(e, Get)))
+    assert keys[0] == peer_bytes(3)
+    assert sorted(256 - (me ^ key_hash(k)).bit_length() for k in keys[1:]) == list(range(radius))
+
+
+def test_a_lone_node_joins_with_one_lookup():
+    assert drive(ops.join(FakeNode(0, [0], [NOW_MS])), lambda e: pytest.fail("nobody to ask")) == 1
+
+
 # ------------------------------------------------------------------------------------- schedules
 
 def test_the_refresh_comes_at_a_random_phase_of_its_interval_and_the_republish_at_a_third_of_the_ttl():

@@ -1,4 +1,4 @@
-"""A node's DHT operations as sans-I/O steps: lookup, publish, fetch, refresh.
+"""A node's DHT operations as sans-I/O steps: lookup, publish, fetch, join, refresh.
 
 Each operation is a generator (a *step*) that yields effects and gets their
 results sent back; it never touches a socket or a clock of its own. Two
@@ -38,6 +38,9 @@ What each operation decides:
   never is (that adds load where there is too much).
 * ``fetch(node, key)``: a lookup keeping every answering peer's value; the
   values (with our own copy) that validate are merged (kademlia/values.py).
+* ``join(node)``: once the bootstrap peers are in our table, a lookup of our
+  own id, then one lookup per bucket beyond our neighbourhood (the Kademlia
+  paper's bucket refresh).
 * ``refresh(node, far_key)``: lookups of our own id and of one random key
   (a far bucket), every REFRESH_INTERVAL_S at a random phase
   (``refresh_delay``); the record owner republishes every
@@ -57,7 +60,7 @@ from typing import Any, Protocol, TypeVar
 
 from dht import keys as K
 from dht.kademlia import values
-from dht.lookup import FAILED as FAILED_ASK, NEW, Lookup
+from dht.lookup import FAILED as FAILED_ASK, NEW, Lookup, key_hash
 from dht.records import CapabilityRecord, RecordCache, encode_record_set
 
 # Concurrent PUTs of one key's fan-out (Kademlia's alpha is 3; ours is a small swarm).
@@ -72,6 +75,13 @@ PUT_RETRY_PAUSE_S = (0.05, 0.4)
 # every node's lookups at one moment collapses whatever phase it meets).
 REFRESH_INTERVAL_S = 600.0
 REFRESH_JITTER = (0.5, 1.5)
+# A join refreshes at most this many buckets beyond its neighbourhood: 2^JOIN_BUCKETS x k nodes
+# (a million) before the farthest buckets are left to the periodic refresh.
+JOIN_BUCKETS = 16
+KEYSPACE_BITS = 256
+# Keys drawn in search of one in a bucket: the farthest, JOIN_BUCKETS - 1 shared bits, takes
+# 2^JOIN_BUCKETS tries on average (sha256 each); this bound is never reached but keeps the loop finite.
+KEY_SEARCH_LIMIT = 1 << 24
 # The record owner republishes every ttl / REPUBLISHES_PER_TTL (meshd/daemon/advertiser.py):
 # two republishes may fail before the record expires.
 REPUBLISHES_PER_TTL = 3
@@ -229,6 +239,38 @@ def fetch(node: Node[P], key: str) -> Step:
         found.append(local)
     result = yield from lookup(node, kb, found)
     return Fetched(values.fetched(key, found, node.wall_ms(), node.cache), result)
+
+
+def join(node: Node[P]) -> Step:
+    """Kademlia's join, once the bootstrap peers are in our table: a lookup of our own id (our
+    neighbourhood), then at once one lookup per bucket farther away than our k-th closest
+    neighbour, each of a key in that bucket (the paper's bucket refresh; at most
+    JOIN_BUCKETS). Without them a new node knows only its own neighbourhood, and so do the
+    peers it asks (py-libp2p's table holds whoever it met): lookups from one region of the
+    keyspace can stall short of a key's holders in another. Returns the number of lookups."""
+    me = node.position(node.me)
+    near = yield from lookup(node, node.to_bytes(node.me))
+    if not near.closest:
+        return 1
+    radius = _shared_bits(me, node.position(near.closest[-1]))
+    keys = [key_in_bucket(me, bits, node.rng) for bits in range(min(radius, JOIN_BUCKETS))]
+    yield Together(tuple(lookup(node, key) for key in keys))
+    return 1 + len(keys)
+
+
+def _shared_bits(a: int, b: int) -> int:
+    """How many leading bits two keyspace positions share."""
+    return KEYSPACE_BITS - (a ^ b).bit_length()
+
+
+def key_in_bucket(me: int, bits: int, rng: random.Random) -> bytes:
+    """A random key whose position shares exactly ``bits`` leading bits with ``me``: keys are
+    hashed into the keyspace (sha256), so drawn until one lands there (2^(bits+1) tries on average)."""
+    for _ in range(KEY_SEARCH_LIMIT):
+        key = rng.randbytes(32)
+        if _shared_bits(me, key_hash(key)) == bits:
+            return key
+    raise ValueError(f"no key found sharing {bits} bits")
 
 
 def refresh(node: Node[P], far_key: bytes) -> Step:
