@@ -4,8 +4,8 @@ The decisions live in the sans-I/O core (dht/kademlia/): every operation
 below is a step generator of dht/kademlia/ops.py that this node carries out
 over py-libp2p streams (``_drive``: GET/PUT under the deadline of
 dht/kademlia/book.py's ``RpcBook``, pauses, concurrent sub-steps in a
-nursery); a simulation can run the same steps on an in-memory network.
-What stays here is I/O: the library's KadDHT (its routing
+nursery); the simulation (dht/kademlia/sim.py) runs the same steps on an
+in-memory network. What stays here is I/O: the library's KadDHT (its routing
 table and its GET_VALUE/PUT_VALUE server, around dht/validator.py), streams,
 connections, background table insertions.
 
@@ -37,8 +37,9 @@ Data flow:
   of our own id and of one random key, then the store's expiry sweep.
 
 In a home swarm (fewer than k peers) the k closest peers of every key are
-every node, so a read sees everything; beyond, lookups route (``meshd bench
-dht`` runs real hosts).
+every node, so a read sees everything; beyond, lookups route: the simulation
+(``meshd bench dht --sim``, tests/test_dht_sim.py) checks 1,000 nodes with
+NAT'd and slow peers and 20% churn; ``meshd bench dht`` runs real hosts.
 
 RPCs: GET_VALUE and PUT_VALUE go through dht/rpc.py (the library's wire,
 but a stream cut by our deadline is reset, not left open at the peer). Each
