@@ -4,8 +4,9 @@ The deterministic 1,000-node simulation (tests/test_dht_sim.py) checks the
 DHT's logic on a virtual clock; this checks the same core over real hosts
 on loopback, in one trio process: every host joins through the first,
 publishes one signed record (one of MODELS models) and reads every model;
-then a fifth of the hosts stop at once, every survivor republishes and reads
-again.
+then a fifth of the hosts stop at once, every survivor republishes (up to
+REPUBLISHES times, as the advertiser would every ttl / 3) until each holds
+every survivor's record, and every survivor reads again.
 
 Every verdict holds whatever the machine's load: with at most k + 1 hosts
 (k = 20) the k closest peers of every key are all the other live hosts, so
@@ -42,6 +43,10 @@ MODELS = 3
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 # A loopback RPC answers in milliseconds, in seconds on a starved machine: never in this.
 DEADLINE_S = 30.0
+# A record outlives two failed republishes (ttl / 3 apart): the survivors' records must be
+# everywhere within this many. On a starved machine a PUT can still fail below meshd's
+# deadlines (py-libp2p negotiates a new stream within its own 10 s, then resets it).
+REPUBLISHES = 3
 TTL_MS = 600_000
 TEST_TIMEOUT_S = 110
 ROUND_BOUND = math.ceil(math.log2(HOSTS)) + 2
@@ -69,6 +74,14 @@ def signed_record(i: int, sequence: int, host):
 
 def expected(alive: list[int]) -> dict[int, set[str]]:
     return {m: {ident(i).peer_id for i in alive if i % MODELS == m} for m in range(MODELS)}
+
+
+def republished(node: DhtNode, model: int) -> set[str]:
+    """The peers whose republished record (sequence 2 or later) ``node`` holds under the model's key."""
+    key = K.model_key(digest(model))
+    stored = node.store.get(key.encode())
+    records = lenient(K.parse_key(key), stored.value, wall_ms()) if stored is not None else []
+    return {r.peer_id for r in records if r.sequence > 1}
 
 
 async def read_all(nodes: dict[int, DhtNode]) -> tuple[dict[tuple[int, int], dict[str, int]], int]:
@@ -120,20 +133,19 @@ def test_fifteen_hosts_find_every_record_and_hold_every_survivors_record_after_c
                 for i in reversed(range(HOSTS - STOPPED, HOSTS)):
                     await stacks[i].aclose()
                     del nodes[i]
-                async with trio.open_nursery() as nursery:   # every survivor republishes
-                    for i, node in nodes.items():
-                        nursery.start_soon(node.publish, signed_record(i, 2, node.host))
-                views, rounds = await read_all(nodes)
                 want = expected(list(nodes))
-                for (i, m), view in views.items():
-                    assert {p for p, seq in view.items() if seq == 2} == want[m], (i, m)
-                assert rounds <= ROUND_BOUND
-                for i, node in nodes.items():                # every survivor holds every survivor's record
+                for sequence in range(2, 2 + REPUBLISHES):     # every survivor republishes, as the
+                    async with trio.open_nursery() as nursery:   # advertiser does every ttl / 3
+                        for i, node in nodes.items():
+                            nursery.start_soon(node.publish, signed_record(i, sequence, node.host))
+                    if all(republished(node, m) == want[m] for node in nodes.values() for m in range(MODELS)):
+                        break
+                for i, node in nodes.items():              # every survivor holds every survivor's record
                     for m in range(MODELS):
-                        key = K.model_key(digest(m))
-                        stored = node.store.get(key.encode())
-                        held = {r.peer_id for r in lenient(K.parse_key(key), stored.value, wall_ms())
-                                if r.sequence == 2}
-                        assert held == want[m], (i, m)
+                        assert republished(node, m) == want[m], (i, m, sequence)
+                views, rounds = await read_all(nodes)
+                for (i, m), view in views.items():
+                    assert {p for p, seq in view.items() if seq > 1} == want[m], (i, m)
+                assert rounds <= ROUND_BOUND
 
     trio.run(main)
