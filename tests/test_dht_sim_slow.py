@@ -1,4 +1,4 @@
-"""A small real-host DHT: 15 py-libp2p hosts with meshd's DhtNode, churn, republish.
+"""A small real-host DHT: 10 py-libp2p hosts with meshd's DhtNode, churn, republish.
 
 The deterministic 1,000-node simulation (tests/test_dht_sim.py) checks the
 DHT's logic on a virtual clock; this checks the same core over real hosts
@@ -37,7 +37,7 @@ from relay.host import connect_bootstrap, running_host
 
 pytestmark = pytest.mark.slow
 
-HOSTS = 15
+HOSTS = 10
 STOPPED = HOSTS // 5
 MODELS = 3
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -102,7 +102,7 @@ async def read_all(nodes: dict[int, DhtNode]) -> tuple[dict[tuple[int, int], dic
     return views, rounds[0]
 
 
-def test_fifteen_hosts_find_every_record_and_hold_every_survivors_record_after_churn_and_republish():
+def test_ten_hosts_find_every_record_and_hold_every_survivors_record_after_churn_and_republish():
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):
             async with AsyncExitStack() as everything:
