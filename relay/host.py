@@ -65,7 +65,7 @@ def build_host(identity: Identity):
     idempotent), so the host's connections are built on the adjusted data path."""
     from libp2p import new_host
 
-    from relay.adjustments import apply_libp2p_adjustments
+    from dht.compat.registry import apply_libp2p_adjustments
 
     apply_libp2p_adjustments()
     key_pair = identity.libp2p_key_pair()

@@ -189,13 +189,13 @@ def test_a_session_reuses_one_stream_per_peer_and_closes_it_at_the_end():
 
 
 def test_a_table_peer_whose_address_entry_expired_does_not_break_the_answers_naming_it():
-    """relay/peer_record_gc.py: py-libp2p 0.8.1 raises inside KadDHT's answer for such a peer.
+    """dht/compat/peer_record_gc.py: py-libp2p 0.8.1 raises inside KadDHT's answer for such a peer.
 
     ``c`` asks ``b`` once (so ``b`` holds ``c``'s signed peer record and has ``c`` in
     its table); ``c``'s entry at ``b`` then outlives its TTL (its last refresh moved
     into the past, as ten quiet minutes would). ``a``'s GET at ``b`` names ``c``:
     with the library's garbage collection ``b`` resets the stream, with ours it answers."""
-    from relay import peer_record_gc
+    from dht.compat import peer_record_gc
 
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):

@@ -29,7 +29,7 @@ import trio
 from libp2p.tools.anyio_service import background_trio_service
 
 from meshd.config import DaemonConfig
-from relay.adjustments import library_status, record_dht_node, render_library
+from dht.compat.registry import library_status, render_library
 from relay.announce import announce_relay, public_addrs
 from relay.conn_watch import ConnectionWatch
 from relay.host import connect_bootstrap, running_host
@@ -131,9 +131,7 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
         serve_dialback(host)   # home nodes ask us whether they can be dialed
         async with background_trio_service(hop):
             await hop.event_started.wait()
-            dht = DhtNode(host, _wall_ms) if with_dht else None
-            if dht is not None:
-                record_dht_node(dht)
+            dht = DhtNode(host, _wall_ms) if with_dht else None   # records its library adjustments
             async with (dht.running() if dht is not None else nullcontext()):
                 node = RelayNode(identity.peer_id, host, hop, dht)
                 progress("relay listening on " + " ".join(node.addrs()))

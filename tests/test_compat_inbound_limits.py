@@ -1,4 +1,4 @@
-"""Inbound limits (relay/inbound_limits.py) with real hosts and real idle TCP connections on loopback.
+"""Inbound limits (dht/compat/inbound_limits.py) with real hosts and real idle TCP connections on loopback.
 
 Loopback is exempt from the per-address caps in production (a local swarm dials from
 127.0.0.1); these tests turn the exemption off so that one address here (127.0.0.2) plays
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from relay import inbound_limits as IL
+from dht.compat import inbound_limits as IL
 from relay.conn_watch import peer_text
 from tests._relay_helpers import LOOPBACK, info, new_host
 
