@@ -7,17 +7,16 @@
     handoff.py       bounded cross-thread hand-offs that wake the other side only when it waits
     client.py        circuit v2 client: reserve, dial through a relay (end-to-end Noise), STOP side
     hop.py           HopService: the relay's hop with meshd admission limits, bounded forwarding, counters
-    host.py          the libp2p host: Noise-only security, yamux, bootstrap dialing
     reachability.py  dial-back probe (public/private) and the reservation keeper (renewal, failover)
     syncchannel.py   grpc.Channel look-alike so the route driver drives relayed hops unchanged
     local_link.py    trio-native link to this node's own worker over its Unix frame socket
     announce.py      a relay announces itself in the DHT
     node.py          `python -m relay.node`: a home node serving its worker through a relay
     trace.py         opt-in cross-process timestamps along the relayed frame path (benchmark breakdown)
-    errors.py        RelayError and HostError trees
+    errors.py        RelayError tree
 
 `meshd relay` itself (host + hop + DHT server + control API) is meshd/daemon/relay_mode.py.
 
-Library adjustments (yamux window updates, the lean data path, inbound limits, ...) live in
-dht/compat/, behind one version gate; the host builder applies them.
+The libp2p host every node runs on (relay/ included) is built by dht/host/; its library
+adjustments live in dht/compat/, behind one version gate.
 """

@@ -28,7 +28,8 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import Identity, load_or_create_identity
 from relay.client import stop_service
 from relay.reachability import keep_reserved, probe, serve_dialback

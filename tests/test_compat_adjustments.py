@@ -50,7 +50,7 @@ def report():
 {setup}
 report()
 """
-BUILD_A_HOST = ("import os; from relay.host import build_host; from dht.identity import Identity; "
+BUILD_A_HOST = ("import os; from dht.host.build import build_host; from dht.identity import Identity; "
                 "build_host(Identity.from_seed(os.urandom(32)))")
 
 
@@ -119,7 +119,7 @@ def test_a_dht_node_records_its_own_adjustments():
 
 
 def test_importing_compat_or_relay_applies_nothing_and_building_a_host_applies_them():
-    imported, built = _children("import relay, relay.host, relay.transport, dht.compat, dht.compat.registry, "
+    imported, built = _children("import relay, relay.transport, dht.host, dht.host.build, dht.compat, dht.compat.registry, "
                                 "dht.compat.lean_datapath, dht.compat.yamux_window, dht.node, "
                                 "meshd.reach.direct_upgrade, meshd.daemon.node; report(); " + BUILD_A_HOST)
     assert imported == {"registry": [], "yamux_patched": False, "tcp_read_patched": False,

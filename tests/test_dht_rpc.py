@@ -20,7 +20,8 @@ from dht import rpc
 from dht.node import DhtNode, replace_maintenance
 from dht.records import parse_record_set_lenient
 from dht.rpc import RpcTimer
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from tests._daemon_helpers import DIGEST, as_record_set, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -498,7 +499,7 @@ def test_the_maintenance_loop_is_left_alone_on_another_library_version():
 
 
 def test_a_stopping_host_closes_its_connections_so_its_peers_see_it_leave():
-    """relay/host.py: py-libp2p 0.8.1's ``host.run`` leaves connections open when it
+    """dht/host/build.py: py-libp2p 0.8.1's ``host.run`` leaves connections open when it
     exits; ``running_host`` closes them, so the peer stops holding a dead link."""
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):

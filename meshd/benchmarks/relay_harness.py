@@ -216,7 +216,7 @@ def drive(spec: dict, on_sent=None) -> dict:
     from meshd.generate.routes import discover_fingerprint, fixed_route
     from meshd.reach.tls import loopback_channel
     from relay.client import dial_relayed, parse_relayed_addr
-    from relay.host import build_host
+    from dht.host.build import build_host
     from relay.syncchannel import TrioPortal, relayed_channel_factory
     from shard.server import GRPC_OPTIONS
 
@@ -258,7 +258,7 @@ def relayed_echo_rtts(relayed_addr: str, *, frame_bytes: int, count: int) -> lis
     import multiaddr
     import trio
 
-    from relay.host import build_host
+    from dht.host.build import build_host
     from dht.identity import Identity
     from relay.client import dial_relayed, parse_relayed_addr
     from relay.node import ECHO_PROTOCOL

@@ -1,7 +1,7 @@
 """The meshd daemon: one trio process, one tree of nurseries.
 
     run_daemon(config)
-    └── host (libp2p, Noise + yamux)              relay/host.py
+    └── host (libp2p, Noise + yamux)              dht/host/build.py
         └── DHT service (KadDHT, our validator)   dht/node.py
             └── nursery
                 ├── peer sync   (routing table <- connected peers, re-bootstrap)
@@ -54,7 +54,8 @@ from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.daemon.swarm_part import Swarm
 from dht.compat.registry import library_status
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import Identity, load_or_create_identity
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from relay.reachability import serve_dialback

@@ -1,7 +1,7 @@
 """Relay mode: a meshd on a public host that relays circuits and serves the DHT.
 
     run_relay(config)
-    └── host (libp2p, Noise + yamux; relay/host.py)
+    └── host (libp2p, Noise + yamux; dht/host/build.py)
         └── HopService (circuit relay v2 hop with meshd limits; relay/hop.py)
             └── DHT server (dht/node.py), unless disabled
                 └── nursery
@@ -31,8 +31,9 @@ from libp2p.tools.anyio_service import background_trio_service
 from meshd.config import DaemonConfig
 from dht.compat.registry import library_status, render_library
 from relay.announce import announce_relay, public_addrs
-from relay.conn_watch import ConnectionWatch
-from relay.host import connect_bootstrap, running_host
+from dht.host.conn_watch import ConnectionWatch
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import load_or_create_identity
 from relay.hop import DEFAULT_HOP_LIMITS, HopLimits, HopService
 from relay.reachability import serve_dialback
