@@ -1,22 +1,29 @@
-"""Relay mode and relayed hops: opaque length-prefixed frames over libp2p circuits.
+"""The relay role: relay mode, circuits, NAT traversal, and relayed hops (opaque frames over circuits).
+
+Relay mode -- a public peer carries circuits for peers that cannot dial each other:
+
+    hop.py           HopService: circuit relay v2's hop with meshd admission limits, bounded forwarding, counters
+    announce.py      a relay announces itself in the DHT (sign, publish, republish)
+
+Circuits and NAT -- every node, as a client of relays:
+
+    client.py        circuit v2 client: reserve a slot, dial through a relay (end-to-end Noise), the STOP side
+    reachability.py  dial-back probe (public/private) and the reservation keeper (renewal, failover)
+
+Relayed hops -- one route session as length-prefixed frames on a stream through a circuit:
 
     framing.py       sans-I/O frame core of a relayed stream (bounded; counters; node byte budget)
     transport.py     RelayedFrameChannel (frames over a libp2p stream) + RelayedSessionServer
-                     (serving side: each relayed session -> the node's worker over local gRPC)
-    bridge.py        trio <-> grpc.aio bridge: one worker Session call as raw bytes, one thread hop per frame
-    handoff.py       bounded cross-thread hand-offs that wake the other side only when it waits
-    client.py        circuit v2 client: reserve, dial through a relay (end-to-end Noise), STOP side
-    hop.py           HopService: the relay's hop with meshd admission limits, bounded forwarding, counters
-    reachability.py  dial-back probe (public/private) and the reservation keeper (renewal, failover)
-    syncchannel.py   grpc.Channel look-alike so the route driver drives relayed hops unchanged
-    local_link.py    trio-native link to this node's own worker over its Unix frame socket
-    announce.py      a relay announces itself in the DHT
-    node.py          `python -m relay.node`: a home node serving its worker through a relay
+                     (serving side: each relayed session -> the node's own worker)
+    local_link.py    to the own worker over its Unix frame socket (trio-native, no threads)
+    bridge.py        to the own worker over loopback gRPC (grpc.aio in a thread, one hop per frame)
+    syncchannel.py   a grpc.Channel look-alike so the route driver drives relayed hops unchanged
+    handoff.py       bounded cross-thread hand-offs (credits, inbox) used by bridge and syncchannel
     trace.py         opt-in cross-process timestamps along the relayed frame path (benchmark breakdown)
-    errors.py        RelayError tree
 
-`meshd relay` itself (host + hop + DHT server + control API) is meshd/daemon/relay_mode.py.
+    errors.py        RelayError tree (RelayRefused, RelayUnreachable, WorkerUnavailable)
 
-The libp2p host every node runs on (relay/ included) is built by dht/host/; its library
-adjustments live in dht/compat/, behind one version gate.
+`meshd relay` itself (host + hop + DHT server + control API) is meshd/daemon/relay_mode.py; a
+home node reached through relays is the daemon (meshd/reach/relaying.py). The libp2p host every
+node runs on is built by dht/host/, and its library adjustments live in dht/compat/.
 """

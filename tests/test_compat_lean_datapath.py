@@ -17,7 +17,7 @@ from libp2p.stream_muxer.yamux import yamux as Y
 
 from dht.compat import lean_datapath as F
 from relay.framing import FramedStream
-from relay.node import ECHO_PROTOCOL, _echo
+from meshd.benchmarks.relay_home import ECHO_PROTOCOL, echo
 from relay.transport import RelayedFrameChannel
 from tests._relay_helpers import new_host, triangle
 
@@ -118,7 +118,7 @@ def test_writes_cancelled_before_they_start_leave_the_relayed_connection_usable(
     message; otherwise every later message on that connection fails to decrypt."""
     async def main():
         async with triangle() as t:
-            t.home.set_stream_handler(ECHO_PROTOCOL, _echo)
+            t.home.set_stream_handler(ECHO_PROTOCOL, echo)
             stream = await t.dialer.new_stream(t.home.get_id(), [ECHO_PROTOCOL])
             channel = RelayedFrameChannel(stream)
             for size in (10, 5000, 70_000):
@@ -247,7 +247,7 @@ def test_concurrent_streams_on_one_relayed_connection_keep_their_bytes_apart():
 
     async def main():
         async with triangle() as t:
-            t.home.set_stream_handler(ECHO_PROTOCOL, _echo)
+            t.home.set_stream_handler(ECHO_PROTOCOL, echo)
 
             async def one(seed):
                 channel = RelayedFrameChannel(await t.dialer.new_stream(t.home.get_id(), [ECHO_PROTOCOL]))

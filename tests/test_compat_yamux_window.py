@@ -12,7 +12,7 @@ import trio
 from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, YamuxStream
 
 from dht.compat import yamux_window
-from relay.node import ECHO_PROTOCOL, _echo
+from meshd.benchmarks.relay_home import ECHO_PROTOCOL, echo
 from relay.transport import RelayedFrameChannel
 from tests._relay_helpers import new_host, triangle
 
@@ -39,7 +39,7 @@ def _echo_round_trips(sizes: list[int], *, library_rule: bool = False) -> int:
         async with triangle() as t:
             if library_rule:
                 yamux_window.restore()
-            t.home.set_stream_handler(ECHO_PROTOCOL, _echo)
+            t.home.set_stream_handler(ECHO_PROTOCOL, echo)
             channel = RelayedFrameChannel(await t.dialer.new_stream(t.home.get_id(), [ECHO_PROTOCOL]))
             await channel.send(b"warm-up")
             assert await channel.receive() == b"warm-up"
