@@ -79,6 +79,8 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.tools.anyio_service import background_trio_service
 
 from dht import keys as K
+from dht.compat.gate import gate, installed_version
+from dht.compat.registry import decide
 from dht.records import CapabilityRecord, RecordCache, encode_record_set, merge_records, \
     parse_record_set_lenient, validate_capability
 from dht.expert_records import parse_expert_set_lenient
@@ -133,10 +135,9 @@ MAX_PARALLEL_RPCS = 8
 # DHT_INBOUND_HANDLERS (each a task holding one stream; bounded) and retries
 # a refused PUT at a live peer (PUT_ATTEMPTS, after a short random pause).
 # The adjustment is version-gated (``widen_inbound_handlers``) and listed in
-# ``meshd status`` as ``dht_inbound_handlers`` (relay/adjustments.py).
+# ``meshd status`` as ``dht_inbound_handlers`` (dht/compat/; no upstream issue found).
 DHT_INBOUND_HANDLERS = 64
 LIBRARY_INBOUND_HANDLERS = 12
-DHT_TESTED_LIBP2P_VERSION = "0.8.1"
 PUT_ATTEMPTS = 3
 PUT_RETRY_PAUSE_S = (0.05, 0.4)
 # py-libp2p 0.8.1's KadDHT runs a maintenance loop (``KadDHT._run_main_loop``): at its start and
@@ -149,15 +150,17 @@ PUT_RETRY_PAUSE_S = (0.05, 0.4)
 # meshd replaces that loop with ``DhtNode._maintain``: a lookup of our own id and of one random
 # key (a far bucket) through meshd's lookup, and the store's expiry sweep, every
 # REFRESH_INTERVAL_S at a random phase (x uniform REFRESH_JITTER). Version-gated
-# (``replace_maintenance``), shown in ``meshd status`` as ``dht_maintenance``.
+# (``replace_maintenance``), shown in ``meshd status`` as ``dht_maintenance`` (dht/compat/;
+# no upstream issue found).
 REFRESH_INTERVAL_S = 600.0
 REFRESH_JITTER = (0.5, 1.5)
 
 
 def widen_inbound_handlers(kad, version: str) -> str | None:
     """Raise ``kad``'s inbound stream cap; None when done, else why not (left untouched)."""
-    if version != DHT_TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {DHT_TESTED_LIBP2P_VERSION} only"
+    refused = gate(version)
+    if refused is not None:
+        return refused
     limiter = getattr(kad, "_inbound_limiter", None)
     if not isinstance(limiter, trio.CapacityLimiter) or limiter.total_tokens not in (
             LIBRARY_INBOUND_HANDLERS, DHT_INBOUND_HANDLERS):
@@ -168,8 +171,9 @@ def widen_inbound_handlers(kad, version: str) -> str | None:
 
 def replace_maintenance(kad, version: str, loop) -> str | None:
     """Run ``loop`` in place of ``kad``'s maintenance loop; None when done, else why not (left untouched)."""
-    if version != DHT_TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {DHT_TESTED_LIBP2P_VERSION} only"
+    refused = gate(version)
+    if refused is not None:
+        return refused
     if not callable(getattr(type(kad), "_run_main_loop", None)):
         return "off: the library's KadDHT has no maintenance loop to replace"
     kad._run_main_loop = loop        # KadDHT.run starts ``self._run_main_loop``: the instance's wins
@@ -205,14 +209,13 @@ class DhtNode:
         # routing-table insertions running in the background (``_learn``), and their nursery
         self._inserting: set = set()
         self._upkeep: trio.Nursery | None = None
-        import importlib.metadata
-
-        try:
-            version = importlib.metadata.version("libp2p")
-        except importlib.metadata.PackageNotFoundError:
-            version = ""
+        version = installed_version()
         self.inbound_handlers_off = widen_inbound_handlers(self.kad, version)   # None: widened
         self.maintenance_off = replace_maintenance(self.kad, version, self._maintain)   # None: ours runs
+        # both shown by ``meshd status`` (dht/compat/registry.py)
+        decide("dht_inbound_handlers", self.inbound_handlers_off, version, f" ({DHT_INBOUND_HANDLERS} streams)")
+        decide("dht_maintenance", self.maintenance_off, version,
+               f" (meshd's refresh, every {REFRESH_INTERVAL_S:g} s at a random phase)")
         self.refreshes = 0
 
     async def _maintain(self) -> None:

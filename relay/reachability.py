@@ -17,7 +17,7 @@ when one fails, and report the relayed multiaddrs (for
 Reachability.relayed_addrs) through ``on_addrs`` whenever they change (an
 empty tuple while no relay holds us). Several keepers share one list through
 ``claim`` (each relay held or tried by one keeper at a time). The held
-relay's connection closing (relay/conn_watch.py, the swarm's disconnected
+relay's connection closing (dht/host/conn_watch.py, the swarm's disconnected
 notification) ends the wait at once: addresses withdrawn, a log line, a new
 reservation elsewhere. The schedule is a pure function (``renew_delay``)
 tested with trio's MockClock.
@@ -190,7 +190,7 @@ async def keep_reserved(host, relays: Callable[[], Sequence[PeerInfo]],
     for the fake-clock schedule test). ``claim(relay_id)`` is asked, with no
     await between it and the RESERVE, before each attempt: False (another
     keeper holds or tries that relay) skips it; ``claim(None)`` lets go.
-    ``watch`` (relay/conn_watch.py) wakes us when the held relay's connection
+    ``watch`` (dht/host/conn_watch.py) wakes us when the held relay's connection
     closes: the addresses are withdrawn at once (``on_addrs(())``), logged,
     and we reserve elsewhere (the lost relay tried last). ``wake()`` is an
     event set when the relay list changed; an empty keeper tries again then.

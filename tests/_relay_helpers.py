@@ -11,7 +11,7 @@ import grpc
 import multiaddr
 from libp2p.peer.peerinfo import PeerInfo
 
-from relay.host import build_host
+from dht.host.build import build_host
 from dht.identity import Identity
 from relay.bridge import GRPC_OPTIONS, SESSION_METHOD
 from relay.client import dial_relayed, reserve, stop_service

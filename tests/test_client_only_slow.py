@@ -149,7 +149,7 @@ def test_a_directive_to_a_client_only_node_is_refused(client):
     from meshd.plan.tracker import epoch_at
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange, sign_directive
     from proto import shard_runtime_pb2 as pb
-    from relay.host import running_host
+    from dht.host.build import running_host
 
     signer = Identity.from_seed(bytes([77]) * 32)
     me = client.query("status")

@@ -16,7 +16,8 @@ from dht import keys as K
 from dht.node import DhtNode
 from dht.records import validate_capability
 from meshd.errors import RecordRejected
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from tests._daemon_helpers import DIGEST, as_record_set, forged_records, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -199,7 +199,7 @@ def _push_forgeries(target: Daemon, victim: Daemon) -> None:
     import multiaddr
 
     from dht import keys as K
-    from relay.host import running_host
+    from dht.host.build import running_host
     from dht.identity import Identity
     from tests._daemon_helpers import as_record_set, forged_records, identity
 

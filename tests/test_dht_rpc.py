@@ -20,7 +20,8 @@ from dht import rpc
 from dht.node import DhtNode, replace_maintenance
 from dht.records import parse_record_set_lenient
 from dht.rpc import RpcTimer
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from tests._daemon_helpers import DIGEST, as_record_set, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -189,13 +190,13 @@ def test_a_session_reuses_one_stream_per_peer_and_closes_it_at_the_end():
 
 
 def test_a_table_peer_whose_address_entry_expired_does_not_break_the_answers_naming_it():
-    """relay/peer_record_gc.py: py-libp2p 0.8.1 raises inside KadDHT's answer for such a peer.
+    """dht/compat/peer_record_gc.py: py-libp2p 0.8.1 raises inside KadDHT's answer for such a peer.
 
     ``c`` asks ``b`` once (so ``b`` holds ``c``'s signed peer record and has ``c`` in
     its table); ``c``'s entry at ``b`` then outlives its TTL (its last refresh moved
     into the past, as ten quiet minutes would). ``a``'s GET at ``b`` names ``c``:
     with the library's garbage collection ``b`` resets the stream, with ours it answers."""
-    from relay import peer_record_gc
+    from dht.compat import peer_record_gc
 
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):
@@ -498,7 +499,7 @@ def test_the_maintenance_loop_is_left_alone_on_another_library_version():
 
 
 def test_a_stopping_host_closes_its_connections_so_its_peers_see_it_leave():
-    """relay/host.py: py-libp2p 0.8.1's ``host.run`` leaves connections open when it
+    """dht/host/build.py: py-libp2p 0.8.1's ``host.run`` leaves connections open when it
     exits; ``running_host`` closes them, so the peer stops holding a dead link."""
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):

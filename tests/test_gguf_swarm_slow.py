@@ -183,7 +183,7 @@ def _deliver_from_tracker(swarm, target, span):
     from meshd.plan.tracker import epoch_at
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange, sign_directive
     from proto import shard_runtime_pb2 as pb
-    from relay.host import running_host
+    from dht.host.build import running_host
 
     view = target.swarm()
     tracker_id = view["tracker"]

@@ -2,8 +2,16 @@
 functions) are checked against the layer rules of ARCHITECTURE.md / README.
 
 Top-level folders: ``proto`` <- ``shard`` <- ``native``; ``proto`` <- ``dht`` <-
-``relay``; ``meshd`` on top of all. Inside ``meshd/`` the rooms form layers, top
-first; a room imports only rooms below it (or itself):
+``relay``; ``meshd`` on top of all. Inside ``dht/`` a node's libp2p host sits below
+the records and Kademlia code, so that ``relay/`` can build on it too:
+
+    records, Kademlia        the flat modules of dht/ (records, keys, validator, node, ...)
+    host                     dht/host/: building and running a node's libp2p host
+    compat                   dht/compat/: every py-libp2p patch, behind one version gate
+    errors, identity         the ground floor
+
+Inside ``meshd/`` the rooms form layers, top first; a room imports only rooms below
+it (or itself):
 
     cli                      the entry point and one module per command
     benchmarks               ``meshd bench``, local-swarm and relay harnesses
@@ -36,6 +44,10 @@ GROUND = {"config", "errors", "sizes", "__init__"}
 RANK = {"__main__": 9, "cli": 8, "benchmarks": 7, "daemon": 6, "api": 5, "swarm": 4, "generate": 3,
         "plan": 2, "reach": 2, "testing": 2}
 TESTING_USERS = {"benchmarks", "testing"}
+# dht/'s sub-rooms below its flat (records, Kademlia) modules, which rank DHT_FLAT.
+DHT_GROUND = {"errors", "identity", "__init__"}
+DHT_RANK = {"compat": 1, "host": 2}
+DHT_FLAT = 3
 
 
 def _room(module: str) -> str:
@@ -45,6 +57,11 @@ def _room(module: str) -> str:
 
 def _rank(room: str) -> int:
     return 0 if room in GROUND else RANK[room]
+
+
+def _dht_rank(module: str) -> int:
+    room = _room(module)
+    return 0 if room in DHT_GROUND else DHT_RANK.get(room, DHT_FLAT)
 
 
 def _imports(path: Path, root: Path) -> list[tuple[int, str]]:
@@ -81,6 +98,10 @@ def violations(root: Path = ROOT) -> list[str]:
                 if head not in ALLOWED_TOP[top]:
                     found.append(f"{where}: {top}/ may import only {sorted(ALLOWED_TOP[top])}")
                     continue
+                if top == "dht" and head == "dht" and _room(module) != _room(target):
+                    src, dst = _dht_rank(module), _dht_rank(target)
+                    if src < DHT_FLAT and dst > 0 and dst >= src:
+                        found.append(f"{where}: dht/{_room(module)} may import only the dht rooms below it")
                 if top == "meshd" and head == "meshd":
                     src, dst = _room(module), _room(target)
                     if dst == "testing" and src not in TESTING_USERS:
@@ -103,17 +124,23 @@ def test_the_checker_sees_upward_imports(tmp_path):
     # the rules are live: a small fake tree with one upward import of each kind is reported
     for rel, src in {
         "shard/a.py": "import meshd.config\n",
-        "dht/b.py": "from relay import host\n",
+        "dht/b.py": "from relay import hop\n",
+        "dht/compat/c.py": "from dht import node\n",
+        "dht/host/h.py": "from dht.records import CapabilityRecord\nfrom dht.compat import c\nimport dht.identity\n",
+        "dht/node.py": "from dht.host import h\nfrom dht.compat import c\n",
         "meshd/plan/c.py": "from meshd.generate import driver\n",
         "meshd/daemon/d.py": "from meshd import testing\n",
         "meshd/testing/__init__.py": "",
         "meshd/generate/driver.py": "from meshd.plan import c\nimport proto\n",
-        "relay/host.py": "",
+        "relay/hop.py": "",
     }.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(src)
     found = violations(tmp_path)
-    assert {v.split(":")[0] for v in found} == {"shard/a.py", "dht/b.py", "meshd/plan/c.py", "meshd/daemon/d.py"}, found
+    assert {v.split(":")[0] for v in found} == {"shard/a.py", "dht/b.py", "meshd/plan/c.py", "meshd/daemon/d.py",
+                                              "dht/compat/c.py", "dht/host/h.py"}, found
+    assert [v for v in found if v.startswith("dht/host/h.py")] == [
+        "dht/host/h.py:1 imports dht.records: dht/host may import only the dht rooms below it"], found
 
 
 def test_repo_root_constants_point_at_the_checkout():

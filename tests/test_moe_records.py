@@ -173,7 +173,8 @@ def test_expert_records_propagate_through_a_real_dht():
     import time
 
     from dht.node import DhtNode
-    from relay.host import connect_bootstrap, running_host
+    from dht.host.bootstrap import connect_bootstrap
+    from dht.host.build import running_host
 
     def wall_ms() -> int:
         return int(time.time() * 1000)

@@ -11,7 +11,8 @@ import trio
 from dht.node import DhtNode
 from dht.relay_records import sign_relay, validate_relay
 from meshd.config import DaemonConfig
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import Identity
 from meshd.reach.relaying import MAX_RELAY_SLOTS, Relaying, relay_candidates
 from relay.client import parse_relayed_addr

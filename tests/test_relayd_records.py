@@ -16,7 +16,8 @@ from dht.relay_records import (MAX_RELAY_ADDRS, parse_relay_set_lenient, sign_re
                                validate_relay_set)
 from dht.validator import MeshdValidator, check_value
 from meshd.errors import RecordRejected
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import Identity
 from proto import shard_runtime_pb2 as pb
 from proto.records import sign_record

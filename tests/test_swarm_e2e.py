@@ -159,7 +159,7 @@ def test_meshd_generate_streams_the_same_text(swarm, whole, model):
 
 
 def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
-    from relay.host import running_host
+    from dht.host.build import running_host
     from dht.identity import Identity
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange
     from proto import shard_runtime_pb2 as pb

@@ -136,7 +136,8 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
     from dht.identity import Identity
     from dht.node import DhtNode
     from dht.records import CapabilityClaim, parse_record_set_lenient, sign_capability, validate_capability
-    from relay.host import connect_bootstrap, running_host
+    from dht.host.bootstrap import connect_bootstrap
+    from dht.host.build import running_host
 
     def wall_ms() -> int:
         return int(time.time() * 1000)

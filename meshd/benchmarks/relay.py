@@ -3,7 +3,7 @@
 Setup (real processes on loopback): a seeded random Llama with hidden 1024 and
 2 layers; worker A serves layer 0:1 (the head, always direct), worker B serves
 1:2 (the tail). B is reached either directly over gRPC, or through
-``meshd relay`` via a home node (``python -m relay.node``) that forwards the
+``meshd relay`` via a bare home node (meshd/benchmarks/relay_home.py) that forwards the
 relayed session to B over its local gRPC. The entry node is this process:
 the route driver (SwarmDriver over a fixed route) with a libp2p host in a
 TrioPortal (meshd/benchmarks/relay_harness.py).

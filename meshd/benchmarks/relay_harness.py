@@ -7,7 +7,7 @@ ready file (waited for with a bound; an early exit fails at once).
 
     spawn_relay        meshd relay                       -> {peer_id, addrs}
     spawn_worker       meshd worker (shard)              -> {listen, pid}
-    spawn_home_node    python -m relay.node              -> {peer_id, relayed_addrs, verdict}
+    spawn_home_node    python -m meshd.benchmarks.relay_home -> {peer_id, relayed_addrs, verdict}
     drive(...)         the entry node: a libp2p host in a TrioPortal, circuits to
                        the relayed hops, the route driver (SwarmDriver) over a fixed
                        route of mixed hops
@@ -121,7 +121,7 @@ def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, work
                     prefix: Sequence[str] = (), bench_echo: bool = False) -> Child:
     d = workdir / name
     d.mkdir(parents=True, exist_ok=True)
-    return spawn_ready(name, ["relay.node", "--listen", listen, "--relay", relay_addr, "--worker", worker,
+    return spawn_ready(name, ["meshd.benchmarks.relay_home", "--listen", listen, "--relay", relay_addr, "--worker", worker,
                               "--data-dir", str(d), "--ready-file", str(d / "ready.json"),
                               *(["--bench-echo"] if bench_echo else [])], d / "ready.json",
                        prefix=prefix, check=lambda r: bool(r.get("relayed_addrs")))
@@ -216,7 +216,7 @@ def drive(spec: dict, on_sent=None) -> dict:
     from meshd.generate.routes import discover_fingerprint, fixed_route
     from meshd.reach.tls import loopback_channel
     from relay.client import dial_relayed, parse_relayed_addr
-    from relay.host import build_host
+    from dht.host.build import build_host
     from relay.syncchannel import TrioPortal, relayed_channel_factory
     from shard.server import GRPC_OPTIONS
 
@@ -258,10 +258,10 @@ def relayed_echo_rtts(relayed_addr: str, *, frame_bytes: int, count: int) -> lis
     import multiaddr
     import trio
 
-    from relay.host import build_host
+    from dht.host.build import build_host
     from dht.identity import Identity
     from relay.client import dial_relayed, parse_relayed_addr
-    from relay.node import ECHO_PROTOCOL
+    from meshd.benchmarks.relay_home import ECHO_PROTOCOL
     from relay.transport import RelayedFrameChannel
 
     async def main() -> list[float]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from relay.adjustments import render_library
+from dht.compat.registry import render_library
 
 # Bars wider than this are scaled down so a 120-layer model fits a terminal.
 MAX_BAR_CHARS = 64

@@ -1,7 +1,7 @@
 """The meshd daemon: one trio process, one tree of nurseries.
 
     run_daemon(config)
-    └── host (libp2p, Noise + yamux)              relay/host.py
+    └── host (libp2p, Noise + yamux)              dht/host/build.py
         └── DHT service (KadDHT, our validator)   dht/node.py
             └── nursery
                 ├── peer sync   (routing table <- connected peers, re-bootstrap)
@@ -53,8 +53,9 @@ from meshd.reach.direct_upgrade import DirectUpgrader
 from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.daemon.swarm_part import Swarm
-from relay.adjustments import library_status, record_dht_node
-from relay.host import connect_bootstrap, running_host
+from dht.compat.registry import library_status
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import Identity, load_or_create_identity
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from relay.reachability import serve_dialback
@@ -306,8 +307,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
     progress(f"peer id {identity.peer_id}")
     async with running_host(identity, config.listen) as host:
         serve_dialback(host)   # every node answers other peers' reachability probes
-        dht = DhtNode(host, wall_ms)
-        record_dht_node(dht)   # its library adjustment, shown by meshd status
+        dht = DhtNode(host, wall_ms)   # records its library adjustments, shown by meshd status
         async with dht.running():
             progress("listening on " + " ".join(str(a) for a in host.get_addrs()))
             reached = await connect_bootstrap(host, config.bootstrap, config.bootstrap_timeout_s)

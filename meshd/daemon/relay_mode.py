@@ -1,7 +1,7 @@
 """Relay mode: a meshd on a public host that relays circuits and serves the DHT.
 
     run_relay(config)
-    └── host (libp2p, Noise + yamux; relay/host.py)
+    └── host (libp2p, Noise + yamux; dht/host/build.py)
         └── HopService (circuit relay v2 hop with meshd limits; relay/hop.py)
             └── DHT server (dht/node.py), unless disabled
                 └── nursery
@@ -29,10 +29,11 @@ import trio
 from libp2p.tools.anyio_service import background_trio_service
 
 from meshd.config import DaemonConfig
-from relay.adjustments import library_status, record_dht_node, render_library
+from dht.compat.registry import library_status, render_library
 from relay.announce import announce_relay, public_addrs
-from relay.conn_watch import ConnectionWatch
-from relay.host import connect_bootstrap, running_host
+from dht.host.conn_watch import ConnectionWatch
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import load_or_create_identity
 from relay.hop import DEFAULT_HOP_LIMITS, HopLimits, HopService
 from relay.reachability import serve_dialback
@@ -131,9 +132,7 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
         serve_dialback(host)   # home nodes ask us whether they can be dialed
         async with background_trio_service(hop):
             await hop.event_started.wait()
-            dht = DhtNode(host, _wall_ms) if with_dht else None
-            if dht is not None:
-                record_dht_node(dht)
+            dht = DhtNode(host, _wall_ms) if with_dht else None   # records its library adjustments
             async with (dht.running() if dht is not None else nullcontext()):
                 node = RelayNode(identity.peer_id, host, hop, dht)
                 progress("relay listening on " + " ".join(node.addrs()))

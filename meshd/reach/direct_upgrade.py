@@ -23,10 +23,11 @@ keep its circuit). The library logs hole-punch failures at WARNING/ERROR;
 ``quiet_dcutr_logs`` demotes its records to DEBUG (fall back silently).
 
 These overrides reach into py-libp2p 0.8.1's private methods, so they are a
-library adjustment like the data-path patches (relay/adjustments.py): ``run``
-checks the exact version and the methods first (``dcutr_policy_check``) and
-records the decision as ``dcutr_policy`` in the registry ``meshd status``
-shows. On any other version the DCUtR service is not started at all (the
+library adjustment like the data-path patches (dht/compat/): ``run`` checks
+the exact version and the methods first (``dcutr_policy_check``, through
+``dht.compat.gate``) and records the decision as ``dcutr_policy`` in the
+registry ``meshd status`` shows. Upstream: no upstream issue found; the
+overridden members are ``DCUtRProtocol``'s (libp2p/relay/circuit_v2/dcutr.py). On any other version the DCUtR service is not started at all (the
 library's own policy would punch every relayed peer and close circuits under
 live sessions): relayed hops simply stay relayed, and status says why.
 
@@ -47,7 +48,8 @@ from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 
-from relay.adjustments import Adjustment, installed_version, record, version_gate
+from dht.compat.gate import gate, installed_version
+from dht.compat.registry import Adjustment, record
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +154,8 @@ DCUTR_POLICY = "dcutr_policy"
 
 def dcutr_policy_check(version: str) -> str | None:
     """None when our DCUtR overrides fit ``version`` and the installed class; else why not."""
-    refused = version_gate(version)
-    if refused:
-        return refused
-    missing = [name for name in _DCUTR_MEMBERS if not hasattr(DCUtRProtocol, name)]
-    return f"off: DCUtRProtocol lacks {', '.join(missing)}" if missing else None
+    return gate(version, module="libp2p.relay.circuit_v2.dcutr", what="DCUtR service", owner="DCUtRProtocol",
+                needs=_DCUTR_MEMBERS)
 
 
 def apply_dcutr_policy(version: str | None = None) -> Adjustment:

@@ -16,7 +16,7 @@
             together. Each CLAIMS a relay (synchronously, right before its
             RESERVE) and skips relays another slot claims, so two slots never
             sit on one relay while more than one is known. A slot's relay
-            connection closing (relay/conn_watch.py) withdraws that slot's
+            connection closing (dht/host/conn_watch.py) withdraws that slot's
             addresses at once (logged) and the slot reserves elsewhere; the
             relayed addrs of all slots, deduplicated, are ``relayed_addrs``,
             and every change calls ``on_change`` (the advertiser republishes)
@@ -46,7 +46,7 @@ import trio
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
 from relay.client import stop_service
-from relay.conn_watch import ConnectionWatch
+from dht.host.conn_watch import ConnectionWatch
 from relay.reachability import Verdict, keep_reserved, probe
 from relay.transport import RelayedSessionServer
 

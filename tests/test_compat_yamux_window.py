@@ -11,15 +11,15 @@ import pytest
 import trio
 from libp2p.stream_muxer.yamux.yamux import DEFAULT_WINDOW_SIZE, YamuxStream
 
-from relay import yamux_tuning
-from relay.node import ECHO_PROTOCOL, _echo
+from dht.compat import yamux_window
+from meshd.benchmarks.relay_home import ECHO_PROTOCOL, echo
 from relay.transport import RelayedFrameChannel
 from tests._relay_helpers import new_host, triangle
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _host_built():
-    """The host builder installs the patch (relay/adjustments.py), not the import: build one first."""
+    """The host builder installs the patch (dht/compat/registry.py), not the import: build one first."""
     new_host()
 
 
@@ -38,8 +38,8 @@ def _echo_round_trips(sizes: list[int], *, library_rule: bool = False) -> int:
     async def main():
         async with triangle() as t:
             if library_rule:
-                yamux_tuning.restore()
-            t.home.set_stream_handler(ECHO_PROTOCOL, _echo)
+                yamux_window.restore()
+            t.home.set_stream_handler(ECHO_PROTOCOL, echo)
             channel = RelayedFrameChannel(await t.dialer.new_stream(t.home.get_id(), [ECHO_PROTOCOL]))
             await channel.send(b"warm-up")
             assert await channel.receive() == b"warm-up"
@@ -60,8 +60,8 @@ def _echo_round_trips(sizes: list[int], *, library_rule: bool = False) -> int:
 
 
 def test_the_patch_is_installed_by_the_host_builder():
-    assert yamux_tuning.APPLIED
-    assert YamuxStream._auto_tune_and_send_window_update is yamux_tuning._batched_window_update
+    assert yamux_window.APPLIED
+    assert YamuxStream._auto_tune_and_send_window_update is yamux_window._batched_window_update
 
 
 def test_small_frames_draw_no_window_updates_and_the_library_rule_draws_many():
@@ -70,7 +70,7 @@ def test_small_frames_draw_no_window_updates_and_the_library_rule_draws_many():
     try:
         per_read = _echo_round_trips(frames, library_rule=True)
     finally:
-        assert yamux_tuning.apply()
+        assert yamux_window.apply()
     # 20 round trips of < 100 KiB in all stay under half of one window at every layer.
     assert batched == 0
     assert per_read >= 2 * len(frames), per_read

@@ -1,5 +1,10 @@
 """An expired address-book entry no longer breaks DHT answers (the adjustment ``peer_record_gc``).
 
+Upstream: no upstream issue about KadDHT's answers found; the exception it
+hits is the TTL check of https://github.com/libp2p/py-libp2p/issues/371
+(``PeerStore.addrs`` raises for an expired peer). Replaces
+``PeerStore.maybe_delete_peer_record`` (libp2p/peer/peerstore.py).
+
 py-libp2p 0.8.1's ``PeerStore.get_peer_record`` first garbage-collects the
 peer's signed peer record (``maybe_delete_peer_record``), which asks
 ``self.addrs(peer)`` whether any address is left -- and ``addrs`` *raises*
@@ -21,14 +26,15 @@ collection without the exception: the signed record goes when the peer has
 no live (unexpired, non-empty) addresses, as the library intends, and the
 caller carries on (``get_peer_record`` then returns None, and the answer
 names the peer without a record). State: the original method, to restore
-(tests). Applied by relay/adjustments.py when the library is exactly
-TESTED_LIBP2P_VERSION and still has the method; ``MESHD_PEER_RECORD_GC=0``
+(tests). Applied by dht/compat/registry.py when ``dht.compat.gate`` lets it
+and the library still has the method; ``MESHD_PEER_RECORD_GC=0``
 leaves the library's method.
 """
 from __future__ import annotations
 
-from relay.library_gate import gate, installed_version
+from dht.compat.gate import gate, installed_version
 
+NAME = "peer_record_gc"
 DISABLE_ENV = "MESHD_PEER_RECORD_GC"
 APPLIED = False
 _ORIGINAL: dict = {}
@@ -41,7 +47,7 @@ def check(version: str) -> str | None:
 
 
 def _maybe_delete_peer_record(self, peer_id) -> None:
-    """meshd (relay/peer_record_gc.py): drop the signed record of a peer with no live addresses; never raise."""
+    """meshd (dht/compat/peer_record_gc.py): drop the signed record of a peer with no live addresses; never raise."""
     if peer_id not in self.peer_record_map:
         return
     data = self.peer_data_map.get(peer_id)
@@ -55,7 +61,6 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-
         version = installed_version()
     if check(version) is not None:
         return False

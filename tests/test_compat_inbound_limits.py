@@ -1,4 +1,4 @@
-"""Inbound limits (relay/inbound_limits.py) with real hosts and real idle TCP connections on loopback.
+"""Inbound limits (dht/compat/inbound_limits.py) with real hosts and real idle TCP connections on loopback.
 
 Loopback is exempt from the per-address caps in production (a local swarm dials from
 127.0.0.1); these tests turn the exemption off so that one address here (127.0.0.2) plays
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from relay import inbound_limits as IL
-from relay.conn_watch import peer_text
+from dht.compat import inbound_limits as IL
+from dht.host.conn_watch import peer_text
 from tests._relay_helpers import LOOPBACK, info, new_host
 
 # More idle connections than py-libp2p 0.8.1's inbound cap (300 - 50 = 250).
@@ -157,10 +157,11 @@ def test_bootstrap_tries_again_when_no_peer_answered_the_first_round(monkeypatch
     import socket
 
     from dht.identity import Identity
-    from relay import host as H
-    from relay.errors import BootstrapUnreachable
+    from dht.host import bootstrap as B
+    from dht.host.build import running_host
+    from dht.host.errors import BootstrapUnreachable
 
-    monkeypatch.setattr(H, "BOOTSTRAP_RETRY_PAUSES_S", (2.0, 2.0))
+    monkeypatch.setattr(B, "BOOTSTRAP_RETRY_PAUSES_S", (2.0, 2.0))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -169,16 +170,16 @@ def test_bootstrap_tries_again_when_no_peer_answered_the_first_round(monkeypatch
 
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):
-            async with H.running_host(Identity.from_seed(b"\x2d" * 32), ["/ip4/127.0.0.1/tcp/0"]) as me:
+            async with running_host(Identity.from_seed(b"\x2d" * 32), ["/ip4/127.0.0.1/tcp/0"]) as me:
                 with pytest.raises(BootstrapUnreachable):
-                    await H.connect_bootstrap(me, [addr], 5.0, rounds=1)
+                    await B.connect_bootstrap(me, [addr], 5.0, rounds=1)
                 async with trio.open_nursery() as nursery:
                     async def come_up_late():
                         await trio.sleep(0.3)
-                        async with H.running_host(late, [f"/ip4/127.0.0.1/tcp/{port}"]):
+                        async with running_host(late, [f"/ip4/127.0.0.1/tcp/{port}"]):
                             await trio.sleep_forever()
                     nursery.start_soon(come_up_late)
-                    reached = await H.connect_bootstrap(me, [addr], 5.0)
+                    reached = await B.connect_bootstrap(me, [addr], 5.0)
                     nursery.cancel_scope.cancel()
                 return reached
 

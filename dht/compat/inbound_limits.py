@@ -1,4 +1,11 @@
-"""Inbound connection limits that keep the door open, for py-libp2p 0.8.1.
+"""Inbound connection limits that keep the door open, for py-libp2p 0.8.1 (the adjustment ``inbound_limits``).
+
+Upstream: no upstream issue for a per-address cap found; the nearest are
+https://github.com/libp2p/py-libp2p/issues/553 (connection management,
+including rate limiting of incoming connections; open) and
+https://github.com/libp2p/py-libp2p/issues/1451 (the inbound cap not
+enforced atomically). Wraps ``Swarm._handle_inbound_connection`` and
+``Swarm.upgrade_inbound_raw_conn`` (libp2p/network/swarm.py).
 
 Why: py-libp2p 0.8.1's ``Swarm._handle_inbound_connection`` takes one slot of
 a single inbound limiter (``max_connections - min_connections`` = 250 by
@@ -38,9 +45,9 @@ Connections arriving over relay circuits reach ``upgrade_inbound_raw_conn``
 from the STOP handler, not through the listener: no ticket, no change.
 
 State: per swarm, the gate's counters (``gate_of(swarm).snapshot()``); the
-patch is per process, applied by ``relay.adjustments.apply_libp2p_adjustments``
-(called by the host builder, never at import), only for the tested libp2p
-version, and only when the two methods exist. ``MESHD_INBOUND_LIMITS=0``
+patch is per process, applied by ``dht.compat.registry.apply_libp2p_adjustments``
+(called by the host builder, never at import), only when ``dht.compat.gate``
+lets it (the tested release, the two methods there). ``MESHD_INBOUND_LIMITS=0``
 leaves the library untouched (for comparison).
 """
 from __future__ import annotations
@@ -53,14 +60,14 @@ import time
 
 import trio
 
-from relay.library_gate import TESTED_LIBP2P_VERSION, gate, installed_version
+from dht.compat.gate import gate, installed_version
 
 log = logging.getLogger(__name__)
 
-__all__ = ["apply", "check", "restore", "gate_of", "InboundGate", "APPLIED", "TESTED_LIBP2P_VERSION",
-           "MAX_PENDING_PER_ADDR", "MAX_PENDING_TOTAL", "MAX_INBOUND_PER_ADDR", "PRE_HANDSHAKE_TIMEOUT_S",
-           "DISABLE_ENV"]
+__all__ = ["NAME", "apply", "check", "restore", "gate_of", "InboundGate", "APPLIED", "MAX_PENDING_PER_ADDR",
+           "MAX_PENDING_TOTAL", "MAX_INBOUND_PER_ADDR", "PRE_HANDSHAKE_TIMEOUT_S", "DISABLE_ENV"]
 
+NAME = "inbound_limits"
 DISABLE_ENV = "MESHD_INBOUND_LIMITS"
 # Handshakes one address may have in flight: a household behind one NAT starts
 # a few nodes at once; more than this from one address is not a new peer.

@@ -1,8 +1,8 @@
-"""py-libp2p adjustments (relay/adjustments.py): applied by the host builder, gated on the version, reported.
+"""py-libp2p adjustments (dht/compat/): applied by the host builder, gated on the version, reported.
 
 What a fresh process does is checked in a fresh process (the patches are process-wide):
-importing ``relay`` changes nothing, another version string leaves the library alone,
-MESHD_LIBP2P_FASTPATH=0 and a user's PY_YAMUX_RELEASE_ON_READ are honoured."""
+importing ``dht.compat`` or ``relay`` changes nothing, another version string leaves the
+library alone, MESHD_LIBP2P_FASTPATH=0 and a user's PY_YAMUX_RELEASE_ON_READ are honoured."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,9 @@ from libp2p.stream_muxer.yamux.yamux import YamuxStream
 from meshd.cli.status_view import render_status
 from meshd.daemon.relay_mode import render_relay_status
 from meshd.reach.direct_upgrade import DCUTR_POLICY, DirectUpgrader, apply_dcutr_policy, dcutr_policy_check
-from relay import adjustments as A
-from relay import auto_connect, inbound_limits, libp2p_fastpath, peer_record_gc, yamux_tuning
+from dht.compat import inbound_limits, lean_datapath, no_auto_connect, peer_record_gc, release_on_read, yamux_window
+from dht.compat import registry as A
+from dht.compat.gate import TESTED_LIBP2P_VERSION, gate
 from tests._relay_helpers import LOOPBACK, REPO_ROOT, info, new_host
 
 CHILD_TIMEOUT_S = 120
@@ -34,7 +35,7 @@ def report():
     from libp2p.network.auto_connector import AutoConnector
     from libp2p.network.swarm import Swarm
     from libp2p.peer.peerstore import PeerStore
-    from relay import adjustments as A
+    from dht.compat import registry as A
     print(json.dumps({{
         "registry": A.snapshot(),
         "yamux_patched": Y.YamuxStream._auto_tune_and_send_window_update.__module__ != Y.__name__,
@@ -43,21 +44,21 @@ def report():
         "inbound_patched": Swarm._handle_inbound_connection.__module__ != "libp2p.network.swarm",
         "auto_connect_patched": AutoConnector.maybe_connect.__module__ != "libp2p.network.auto_connector",
         "peerstore_patched": PeerStore.maybe_delete_peer_record.__module__ != "libp2p.peer.peerstore",
-        "release_env": os.environ.get(A.RELEASE_ON_READ_ENV),
+        "release_env": os.environ.get("PY_YAMUX_RELEASE_ON_READ"),
     }}))
 
 {setup}
 report()
 """
-BUILD_A_HOST = ("import os; from relay.host import build_host; from dht.identity import Identity; "
+BUILD_A_HOST = ("import os; from dht.host.build import build_host; from dht.identity import Identity; "
                 "build_host(Identity.from_seed(os.urandom(32)))")
 
 
 def _children(setup: str, **env_extra: str) -> list[dict]:
     """Every ``report()`` of a child running ``setup`` (and one more at its end)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MESHD_LIBP2P_FASTPATH", "MESHD_INBOUND_LIMITS",
-                                                      auto_connect.DISABLE_ENV, peer_record_gc.DISABLE_ENV,
-                                                      A.RELEASE_ON_READ_ENV)}
+                                                      no_auto_connect.DISABLE_ENV, peer_record_gc.DISABLE_ENV,
+                                                      release_on_read.ENV)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     env.update(env_extra)
     out = subprocess.run([sys.executable, "-c", PROBE.format(setup=setup)], env=env, cwd=REPO_ROOT,
@@ -80,30 +81,47 @@ def test_building_a_host_turns_every_data_path_adjustment_on_for_the_tested_vers
     assert DATA_PATH <= set(rows)
     for name in DATA_PATH:
         assert rows[name]["applied"], rows[name]
-        assert rows[name]["library_version"] == A.TESTED_LIBP2P_VERSION == "0.8.1"
+        assert rows[name]["library_version"] == TESTED_LIBP2P_VERSION == "0.8.1"
         assert rows[name]["reason"].startswith("on: libp2p 0.8.1")
-    assert yamux_tuning.APPLIED and libp2p_fastpath.APPLIED
-    assert YamuxStream._auto_tune_and_send_window_update is yamux_tuning._batched_window_update
-    assert os.environ[A.RELEASE_ON_READ_ENV] == "0"
+    assert yamux_window.APPLIED and lean_datapath.APPLIED and release_on_read.APPLIED
+    assert YamuxStream._auto_tune_and_send_window_update is yamux_window._batched_window_update
+    assert os.environ[release_on_read.ENV] == "0"
     # a second build (another host in the same process) keeps them on and changes nothing
     new_host()
     assert _by_name(A.snapshot()) == rows
 
 
 def test_the_gates_refuse_any_other_version_and_say_which():
-    assert A.version_gate("0.8.1") is None
+    assert gate("0.8.1") is None
     for other in ("0.8.2", "0.9.0", "0.8.1rc1"):
-        for reason in (A.version_gate(other), yamux_tuning.check(other), libp2p_fastpath.check(other),
-                       inbound_limits.check(other), dcutr_policy_check(other)):
+        for reason in (gate(other), yamux_window.check(other), lean_datapath.check(other),
+                       inbound_limits.check(other), release_on_read.check(other), dcutr_policy_check(other)):
             assert reason is not None and reason.startswith("off:") and other in reason and "0.8.1" in reason
-    assert A.version_gate("") == "off: py-libp2p is not installed"
-    assert dcutr_policy_check("0.8.1") is None and yamux_tuning.check("0.8.1") is None
+    assert gate("") == "off: py-libp2p is not installed"
+    assert dcutr_policy_check("0.8.1") is None and yamux_window.check("0.8.1") is None
 
 
-def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them():
-    imported, built = _children("import relay, relay.host, relay.transport, relay.libp2p_fastpath, "
-                                "relay.yamux_tuning, meshd.reach.direct_upgrade, meshd.daemon.node; report(); "
-                                + BUILD_A_HOST)
+def test_one_tested_version_and_the_package_pin_name_the_same_release():
+    import tomllib
+
+    pins = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert f"libp2p=={TESTED_LIBP2P_VERSION}" in pins
+
+
+def test_a_dht_node_records_its_own_adjustments():
+    from dht.node import DhtNode
+
+    DhtNode(new_host(), lambda: 0)
+    rows = _by_name(A.snapshot())
+    for name in ("dht_inbound_handlers", "dht_maintenance"):
+        assert rows[name]["applied"] and rows[name]["reason"].startswith("on: libp2p 0.8.1"), rows[name]
+    assert rows["dht_inbound_handlers"]["reason"].endswith("(64 streams)")
+
+
+def test_importing_compat_or_relay_applies_nothing_and_building_a_host_applies_them():
+    imported, built = _children("import relay, relay.transport, dht.host, dht.host.build, dht.compat, dht.compat.registry, "
+                                "dht.compat.lean_datapath, dht.compat.yamux_window, dht.node, "
+                                "meshd.reach.direct_upgrade, meshd.daemon.node; report(); " + BUILD_A_HOST)
     assert imported == {"registry": [], "yamux_patched": False, "tcp_read_patched": False,
                         "write_patched": False, "inbound_patched": False, "auto_connect_patched": False,
                         "peerstore_patched": False, "release_env": None}
@@ -114,7 +132,7 @@ def test_importing_relay_alone_applies_nothing_and_building_a_host_applies_them(
 
 
 def test_another_version_leaves_the_library_untouched_and_the_registry_says_why():
-    got = _child("from relay.adjustments import apply_libp2p_adjustments as go; go('0.9.3'); "
+    got = _child("from dht.compat.registry import apply_libp2p_adjustments as go; go('0.9.3'); "
                  "from meshd.reach.direct_upgrade import apply_dcutr_policy; apply_dcutr_policy('0.9.3')")
     assert not (got["yamux_patched"] or got["tcp_read_patched"] or got["write_patched"] or got["inbound_patched"]
                 or got["auto_connect_patched"] or got["peerstore_patched"])
@@ -127,7 +145,7 @@ def test_another_version_leaves_the_library_untouched_and_the_registry_says_why(
     assert "direct upgrades disabled" in rows[DCUTR_POLICY]["reason"]
 
 
-def test_the_fast_path_switch_and_a_users_yamux_knob_are_honoured():
+def test_the_lean_data_path_switch_and_a_users_yamux_knob_are_honoured():
     got = _child(BUILD_A_HOST, MESHD_LIBP2P_FASTPATH="0", PY_YAMUX_RELEASE_ON_READ="1")
     rows = _by_name(got["registry"])
     assert not got["tcp_read_patched"] and not got["write_patched"] and got["yamux_patched"]
@@ -195,10 +213,10 @@ def test_the_inbound_limits_switch_is_honoured():
 
 
 def test_dial_head_start_is_off_after_the_adjustments_and_back_on_restore():
-    """py-libp2p 0.8.1 waits 250 ms after starting even a successful dial (relay/dial_head_start.py)."""
+    """py-libp2p 0.8.1 waits 250 ms after starting even a successful dial (dht/compat/dial_head_start.py)."""
     from libp2p.network import swarm as S
 
-    from relay import dial_head_start
+    from dht.compat import dial_head_start
 
     assert dial_head_start.check("0.7.0").startswith("off:")
     A.apply_libp2p_adjustments()
@@ -212,7 +230,7 @@ def test_dial_head_start_is_off_after_the_adjustments_and_back_on_restore():
 
 
 def test_no_auto_connect_stops_the_library_dialing_its_peerstore_and_restore_brings_it_back():
-    """py-libp2p 0.8.1's AutoConnector dials peers it merely heard of (relay/auto_connect.py).
+    """py-libp2p 0.8.1's AutoConnector dials peers it merely heard of (dht/compat/no_auto_connect.py).
 
     Two real hosts: ``a`` knows ``b``'s address (as a DHT answer leaves it in the
     peerstore). With the adjustment ``a``'s auto-connect pass dials nobody; with the
@@ -220,10 +238,10 @@ def test_no_auto_connect_stops_the_library_dialing_its_peerstore_and_restore_bri
     from libp2p.network.auto_connector import AutoConnector
 
     for other in ("0.7.0", "0.8.2", ""):
-        assert auto_connect.check(other).startswith("off:")
+        assert no_auto_connect.check(other).startswith("off:")
     A.apply_libp2p_adjustments()
-    assert auto_connect.APPLIED and _by_name(A.snapshot())["no_auto_connect"]["applied"]
-    assert AutoConnector.maybe_connect is auto_connect._no_connect
+    assert no_auto_connect.APPLIED and _by_name(A.snapshot())["no_auto_connect"]["applied"]
+    assert AutoConnector.maybe_connect is no_auto_connect._no_connect
 
     async def main() -> tuple[bool, bool]:
         a, b = new_host(), new_host()
@@ -232,18 +250,18 @@ def test_no_auto_connect_stops_the_library_dialing_its_peerstore_and_restore_bri
             connector = a.get_network().auto_connector
             await connector.maybe_connect()
             quiet = b.get_id() not in a.get_network().connections
-            auto_connect.restore()
+            no_auto_connect.restore()
             try:
                 with trio.move_on_after(CHILD_TIMEOUT_S):
                     await connector.maybe_connect()
                 dialed = b.get_id() in a.get_network().connections
             finally:
-                assert auto_connect.apply()
+                assert no_auto_connect.apply()
             return quiet, dialed
 
     quiet, dialed = trio.run(main)
     assert quiet and dialed
-    assert AutoConnector.maybe_connect is auto_connect._no_connect
+    assert AutoConnector.maybe_connect is no_auto_connect._no_connect
 
 
 def test_the_no_auto_connect_switch_is_honoured():
@@ -265,8 +283,6 @@ def test_the_peer_record_gc_gate_and_switch_are_honoured():
 
 
 def test_the_shared_library_gate_names_what_keeps_an_adjustment_off(monkeypatch):
-    from relay.library_gate import TESTED_LIBP2P_VERSION, gate
-
     swarm = {"module": "libp2p.network.swarm", "what": "swarm", "owner": "Swarm"}
     assert gate(TESTED_LIBP2P_VERSION, **swarm, needs=("upgrade_inbound_raw_conn",)) is None
     assert gate(TESTED_LIBP2P_VERSION, **swarm, needs=("no_such_method",)) == \
@@ -275,7 +291,7 @@ def test_the_shared_library_gate_names_what_keeps_an_adjustment_off(monkeypatch)
         "off: libp2p's swarm has no NoSuchClass"
     assert gate(TESTED_LIBP2P_VERSION, module="libp2p.no_such_module", what="nothing").startswith(
         "off: cannot import libp2p's nothing")
-    assert gate("", **swarm) == f"off: libp2p (none) is installed, written for {TESTED_LIBP2P_VERSION} only"
+    assert gate("", **swarm) == "off: py-libp2p is not installed"
     monkeypatch.setenv("MESHD_SOME_ADJUSTMENT", "0")
     assert gate(TESTED_LIBP2P_VERSION, **swarm, disable_env="MESHD_SOME_ADJUSTMENT") == "off: MESHD_SOME_ADJUSTMENT=0"
     monkeypatch.setenv("MESHD_SOME_ADJUSTMENT", "1")

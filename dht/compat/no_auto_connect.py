@@ -1,5 +1,10 @@
 """No background dialing by py-libp2p 0.8.1's AutoConnector (the adjustment ``no_auto_connect``).
 
+Upstream: https://github.com/libp2p/py-libp2p/issues/1451 (the
+auto-connector's dial bursts and wasted dials at scale). Replaces
+``AutoConnector.run_background_task`` and ``AutoConnector.maybe_connect``
+(libp2p/network/auto_connector.py).
+
 py-libp2p 0.8.1's swarm runs an ``AutoConnector`` (network/auto_connector.py):
 while a host has fewer than ``low_watermark`` (100) connections it dials up to
 32 peers of its peerstore per cycle -- every 10 s below ``min_connections``
@@ -16,14 +21,15 @@ meshd dials the peers it needs itself -- bootstrap (``connect_bootstrap``,
 re-bootstrapped by the daemon's peer sync), the peers a DHT lookup asks,
 relays, route hops -- so this adjustment makes the AutoConnector's two entry
 points (``run_background_task``, ``maybe_connect``) do nothing. State: the
-original methods, to restore (tests). Applied by relay/adjustments.py when
-the library is exactly TESTED_LIBP2P_VERSION and still has both methods;
+original methods, to restore (tests). Applied by dht/compat/registry.py when
+``dht.compat.gate`` lets it and the library still has both methods;
 ``MESHD_NO_AUTO_CONNECT=0`` leaves the library's auto-connector on.
 """
 from __future__ import annotations
 
-from relay.library_gate import gate, installed_version
+from dht.compat.gate import gate, installed_version
 
+NAME = "no_auto_connect"
 DISABLE_ENV = "MESHD_NO_AUTO_CONNECT"
 METHODS = ("run_background_task", "maybe_connect")
 APPLIED = False
@@ -37,11 +43,11 @@ def check(version: str) -> str | None:
 
 
 async def _no_background_task(self, nursery) -> None:
-    """meshd: no periodic auto-connect loop (relay/auto_connect.py)."""
+    """meshd: no periodic auto-connect loop (dht/compat/no_auto_connect.py)."""
 
 
 async def _no_connect(self) -> None:
-    """meshd: no auto-connect dials (relay/auto_connect.py)."""
+    """meshd: no auto-connect dials (dht/compat/no_auto_connect.py)."""
 
 
 def apply(version: str | None = None) -> bool:
@@ -50,7 +56,6 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-
         version = installed_version()
     if check(version) is not None:
         return False

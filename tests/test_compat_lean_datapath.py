@@ -1,4 +1,4 @@
-"""The lean py-libp2p data path (relay/libp2p_fastpath.py): same bytes, same errors, fewer scheduler passes.
+"""The lean py-libp2p data path (dht/compat/lean_datapath.py): same bytes, same errors, fewer scheduler passes.
 
 Real sockets and real libp2p hosts on loopback; counts and bytes, never timings."""
 from __future__ import annotations
@@ -15,20 +15,20 @@ from libp2p.io.exceptions import IncompleteReadError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.stream_muxer.yamux import yamux as Y
 
-from relay import libp2p_fastpath as F
+from dht.compat import lean_datapath as F
 from relay.framing import FramedStream
-from relay.node import ECHO_PROTOCOL, _echo
+from meshd.benchmarks.relay_home import ECHO_PROTOCOL, echo
 from relay.transport import RelayedFrameChannel
 from tests._relay_helpers import new_host, triangle
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _host_built():
-    """The host builder installs the fast path (relay/adjustments.py), not the import: build one first."""
+    """The host builder installs the lean data path (dht/compat/registry.py), not the import: build one first."""
     new_host()
 
 
-def test_the_fast_path_is_installed_on_the_tested_version():
+def test_the_lean_data_path_is_installed_on_the_tested_version():
     assert F.APPLIED
     assert Y.YamuxStream.write is not F.LIBRARY["YamuxStream.write"]
     assert Y.read_exactly is not F.LIBRARY["read_exactly"]
@@ -118,7 +118,7 @@ def test_writes_cancelled_before_they_start_leave_the_relayed_connection_usable(
     message; otherwise every later message on that connection fails to decrypt."""
     async def main():
         async with triangle() as t:
-            t.home.set_stream_handler(ECHO_PROTOCOL, _echo)
+            t.home.set_stream_handler(ECHO_PROTOCOL, echo)
             stream = await t.dialer.new_stream(t.home.get_id(), [ECHO_PROTOCOL])
             channel = RelayedFrameChannel(stream)
             for size in (10, 5000, 70_000):
@@ -230,7 +230,7 @@ class _Capture:
 
 @pytest.mark.parametrize("size", [1, 1000, Y.MAX_MESSAGE_SIZE - Y.HEADER_SIZE, Y.MAX_MESSAGE_SIZE + 5,
                                   Y.DEFAULT_WINDOW_SIZE - 1])
-def test_a_fast_write_frames_exactly_like_the_library(size):
+def test_a_lean_write_frames_exactly_like_the_library(size):
     data = os.urandom(size)
 
     async def frames(write):
@@ -247,7 +247,7 @@ def test_concurrent_streams_on_one_relayed_connection_keep_their_bytes_apart():
 
     async def main():
         async with triangle() as t:
-            t.home.set_stream_handler(ECHO_PROTOCOL, _echo)
+            t.home.set_stream_handler(ECHO_PROTOCOL, echo)
 
             async def one(seed):
                 channel = RelayedFrameChannel(await t.dialer.new_stream(t.home.get_id(), [ECHO_PROTOCOL]))

@@ -1,5 +1,19 @@
 """A leaner data path through py-libp2p 0.8.1's TCP, Noise and yamux layers (same bytes on the wire).
 
+The adjustment is named ``libp2p_fastpath`` in ``meshd status``, with the
+off switch ``MESHD_LIBP2P_FASTPATH=0``: both are what users and tests know,
+so they stay (the module's name says what it is: not proto/fastpath.py's
+decode message, not the worker's framed port).
+
+Upstream: no upstream issue found. Replaces, in the library:
+``TrioTCPStream.read`` and the locks of ``TrioTCPStream``, ``NetStream``,
+``Yamux`` and ``YamuxStream`` (libp2p/io/trio.py,
+libp2p/network/stream/net_stream.py, libp2p/stream_muxer/yamux/yamux.py);
+``Yamux._write_frame``, ``Yamux.read_stream``, ``Yamux._read_data_body``,
+``YamuxStream.write``; ``read_exactly`` as imported by yamux and msgio
+(libp2p/io/utils.py); ``BaseNoiseMsgReadWriter.read_msg``
+(libp2p/security/noise/io.py).
+
 Why: a relayed hop crosses the TCP/Noise/yamux stack six times per direction
 (entry: its session stream and its circuit stream; relay: in and out; home:
 circuit and session), and in py-libp2p 0.8.1 each crossing is mostly Python
@@ -51,14 +65,14 @@ Cancellation: ``QuickLock`` raises a pending cancel before taking the lock,
 as ``trio.Lock`` does. Without that, a writer whose scope was cancelled got
 as far as Noise-encrypting its message (spending a nonce) and was stopped at
 the socket; the peer then failed to decrypt the next message and closed the
-connection (found by the DCUtR test; tests/test_relay_fastpath.py keeps it).
+connection (found by the DCUtR test; tests/test_compat_lean_datapath.py keeps it).
 
 State: none of ours beyond the per-connection read-ahead. Applied per process
-by ``relay.adjustments.apply_libp2p_adjustments`` (called by
-``relay.host.build_host``, never at import), only when the installed libp2p
-is ``TESTED_LIBP2P_VERSION`` and has every method it replaces (otherwise
-nothing is touched, ``APPLIED`` stays False and ``check`` or the registry says why). A patched peer and
-an unpatched one interoperate: nothing on the wire changes.
+by ``dht.compat.registry.apply_libp2p_adjustments`` (called by
+``dht.host.build.build_host``, never at import), only when ``dht.compat.gate``
+lets it and the library has every method it replaces (otherwise nothing is
+touched, ``APPLIED`` stays False and ``check`` or the registry says why). A
+patched peer and an unpatched one interoperate: nothing on the wire changes.
 """
 from __future__ import annotations
 
@@ -66,10 +80,11 @@ import struct
 
 import trio
 
-from relay.library_gate import TESTED_LIBP2P_VERSION, gate, installed_version
+from dht.compat.gate import gate, installed_version
 
-__all__ = ["apply", "check", "APPLIED", "QuickLock", "TESTED_LIBP2P_VERSION", "TCP_READ_AHEAD_BYTES"]
+__all__ = ["NAME", "apply", "check", "APPLIED", "QuickLock", "TCP_READ_AHEAD_BYTES"]
 
+NAME = "libp2p_fastpath"     # the status name users and tests know (see above)
 # MESHD_LIBP2P_FASTPATH=0 leaves the library exactly as it is (for comparison or a suspected bug).
 DISABLE_ENV = "MESHD_LIBP2P_FASTPATH"
 # One recv per wakeup: a whole Noise message (<= 65535 + 2 bytes) in one go in
@@ -165,7 +180,7 @@ def _install(libp2p_version: str) -> bool:
     from libp2p.security.secure_session import SecureSession
     from libp2p.stream_muxer.yamux import yamux as Y
 
-    if libp2p_version != TESTED_LIBP2P_VERSION:
+    if gate(libp2p_version) is not None:
         return False
     needed = [(TrioTCPStream, "read"), (Y.Yamux, "_write_frame"), (Y.Yamux, "read_stream"),
               (Y.Yamux, "_read_data_body"), (Y.YamuxStream, "write"), (SecureSession, "_drain"),
@@ -283,12 +298,12 @@ def _install(libp2p_version: str) -> bool:
 
 
 def check(version: str) -> str | None:
-    """None when the fast path may go in for ``version``; else why it stays off (no library change)."""
+    """None when the lean data path may go in for ``version``; else why it stays off (no library change)."""
     return gate(version, module="libp2p.stream_muxer.yamux.yamux", what="yamux", disable_env=DISABLE_ENV)
 
 
 def apply(version: str | None = None) -> bool:
-    """Install the fast path (idempotent). True when it is in place.
+    """Install the lean data path (idempotent). True when it is in place.
 
     ``version``: the library version to decide for (default: the installed one)."""
     global APPLIED

@@ -1,14 +1,18 @@
-"""A node that serves its worker to peers through a relay (``python -m relay.node``).
+"""A bare relayed home node for the relay benchmark and its tests (``python -m meshd.benchmarks.relay_home``).
 
-The smallest real "home node" until the daemon (issue 5) wires these parts
-in itself: the same pieces, in the same order the daemon will use them.
+``meshd join`` is the real home node: its daemon reserves on relays and
+serves its own worker to peers through them (meshd/daemon/, meshd/reach/).
+This harness keeps the relay path and nothing else, so ``meshd bench relay``
+can put the same already-running worker behind a direct and a relayed hop
+and measure only the transport: no DHT, no tracker, no worker of its own.
 
-    host (Noise + yamux, listening where told)
+    host (Noise + yamux, listening where told; dht/host/)
     ├── dial-back service (answers other peers' probes)
     ├── STOP service (accepts circuits addressed to us)
-    ├── RelayedSessionServer -> local worker (Unix frame socket or gRPC; relay/transport.py)
+    ├── RelayedSessionServer -> the given worker (Unix frame socket or gRPC; relay/transport.py)
     ├── probe: dial-back through the relay -> PUBLIC / PRIVATE / UNKNOWN
-    └── keep_reserved on the relay (renewed), relayed addrs -> ready file
+    ├── keep_reserved on the relay (renewed), relayed addrs -> ready file
+    └── with --bench-echo: ECHO_PROTOCOL, every frame sent back (the benchmark's libp2p floor)
 
 Ready file (JSON, written atomically once the first reservation answered):
 ``{"peer_id", "direct_addrs", "relayed_addrs", "verdict", "pid"}``.
@@ -28,12 +32,13 @@ import trio
 from libp2p.custom_types import TProtocol
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from relay.host import connect_bootstrap, running_host
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import Identity, load_or_create_identity
-from relay.client import stop_service
-from relay.reachability import keep_reserved, probe, serve_dialback
 from proto.errors import ProtocolError
+from relay.client import stop_service
 from relay.errors import RelayUnreachable
+from relay.reachability import keep_reserved, probe, serve_dialback
 from relay.transport import RelayedFrameChannel, RelayedSessionServer
 
 # Only with --bench-echo (benchmarks): frames sent back as they came, bounded by the framing.
@@ -50,7 +55,7 @@ async def run_home_node(identity: Identity, listen: list[str], relay_addr: str, 
         server = RelayedSessionServer(worker)
         server.attach(host)
         if bench_echo:
-            host.set_stream_handler(ECHO_PROTOCOL, _echo)
+            host.set_stream_handler(ECHO_PROTOCOL, echo)
         try:
             async with stop_service(host):
                 await connect_bootstrap(host, [relay_addr], timeout_s=15.0)
@@ -70,7 +75,7 @@ async def run_home_node(identity: Identity, listen: list[str], relay_addr: str, 
             server.close()
 
 
-async def _echo(stream) -> None:
+async def echo(stream) -> None:
     """Send every frame back (the benchmark's floor: libp2p through the relay, no bridge)."""
     channel = RelayedFrameChannel(stream)
     try:
@@ -89,7 +94,8 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m relay.node", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m meshd.benchmarks.relay_home",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--listen", action="append", required=True)
     parser.add_argument("--relay", required=True, help="the relay's multiaddr, with /p2p/<id>")
     parser.add_argument("--worker", required=True,

@@ -1,6 +1,9 @@
 """Dial without py-libp2p 0.8.1's fixed 250 ms wait (the adjustment ``dial_head_start``).
 
-py-libp2p 0.8.1's ``Swarm._dial_peer`` (network/swarm.py) starts a dial per
+Upstream: no upstream issue found. Sets ``_HAPPY_EYEBALLS_DELAY`` in
+libp2p/network/swarm.py (read by ``Swarm.dial_peer``).
+
+py-libp2p 0.8.1's ``Swarm.dial_peer`` (network/swarm.py) starts a dial per
 selected address (at most MAX_ADDRS_PER_PEER = 2) and, after each start,
 waits ``_HAPPY_EYEBALLS_DELAY`` (0.25 s) unless that dial *failed*. A dial
 that succeeds does not end the wait, and it also follows the last address,
@@ -11,15 +14,16 @@ lookup that dials a new peer per round pays it every round).
 This adjustment sets the module's head start to 0: the (at most two)
 selected addresses are dialed at once and the dial returns when they are
 done. State: the original value, to restore (tests). Applied by
-relay/adjustments.py when the library is exactly TESTED_LIBP2P_VERSION and
+dht/compat/registry.py when ``dht.compat.gate`` lets it and the library
 still has the constant; ``MESHD_DIAL_HEAD_START=0`` leaves it off.
 """
 from __future__ import annotations
 
 import importlib
 
-from relay.library_gate import gate, installed_version
+from dht.compat.gate import gate, installed_version
 
+NAME = "dial_head_start"
 DISABLE_ENV = "MESHD_DIAL_HEAD_START"
 LIBRARY_DELAY_S = 0.250
 APPLIED = False
@@ -43,7 +47,6 @@ def apply(version: str | None = None) -> bool:
     if APPLIED:
         return True
     if version is None:
-
         version = installed_version()
     if check(version) is not None:
         return False

@@ -1,20 +1,20 @@
-"""The libp2p host: Noise as the only security transport, yamux as the only muxer.
+"""A node's libp2p host: Noise as the only security transport, yamux as the only muxer.
 
 py-libp2p's ``new_host`` offers Noise, TLS, secio *and plaintext* unless the
 security options are restricted, so this module passes exactly one security
 transport (``/noise``) and one muxer (``/yamux/1.0.0``): a dialer that offers
 anything else fails multistream negotiation and never gets a connection.
 
-Library adjustments: ``build_host`` applies them (``relay/adjustments.py``)
+Library adjustments: ``build_host`` applies them (dht/compat/registry.py)
 before the host exists; nothing is patched at import.
 
 Data flow: ``running_host(identity, listen)`` builds the host from the
 persistent identity and listens only on the configured multiaddrs; it raises
 ``PortInUse`` when a listener could not bind (the library only logs that).
-``connect_bootstrap`` dials the configured peers, each under a timeout, in up
-to BOOTSTRAP_ROUNDS rounds (a peer whose door was shut for a moment -- a
-flood of idle connections, a restart -- gets another try), and raises
-``BootstrapUnreachable`` when none answered in any round.
+On the way out it closes the host's connections itself: py-libp2p 0.8.1's
+``host.run`` stops listening but leaves them open
+(https://github.com/libp2p/py-libp2p/issues/1485). Dialing the bootstrap
+peers is dht/host/bootstrap.py.
 """
 from __future__ import annotations
 
@@ -26,15 +26,12 @@ from typing import AsyncIterator, Sequence
 
 import trio
 
+from dht.host.errors import ListenAddressInvalid, PortInUse
 from dht.identity import Identity
-from relay.errors import BootstrapUnreachable, ListenAddressInvalid, PortInUse
 
 log = logging.getLogger(__name__)
 
 NOISE_PROTOCOL = "/noise"
-# Rounds of bootstrap dials before giving up, and the pause before each retry round.
-BOOTSTRAP_ROUNDS = 3
-BOOTSTRAP_RETRY_PAUSES_S = (1.0, 3.0)
 # Bound on closing a host's connections when it stops (py-libp2p 0.8.1's ``host.run``
 # leaves them open: the peer would keep a live-looking connection nobody reads).
 CLOSE_S = 5.0
@@ -61,11 +58,11 @@ def muxer_options() -> dict:
 def build_host(identity: Identity):
     """A BasicHost with the persistent identity, Noise-only security and yamux.
 
-    Applies meshd's py-libp2p adjustments first (relay/adjustments.py: version-gated,
+    Applies meshd's py-libp2p adjustments first (dht/compat/registry.py: version-gated,
     idempotent), so the host's connections are built on the adjusted data path."""
     from libp2p import new_host
 
-    from relay.adjustments import apply_libp2p_adjustments
+    from dht.compat.registry import apply_libp2p_adjustments
 
     apply_libp2p_adjustments()
     key_pair = identity.libp2p_key_pair()
@@ -133,64 +130,3 @@ async def _close_connections(host) -> None:
             await host.get_network().close()
         except Exception as exc:  # noqa: BLE001 - connections may already be gone
             log.debug("closing a stopping host's connections: %s", exc)
-
-
-async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float, *,
-                            rounds: int = BOOTSTRAP_ROUNDS) -> list[str]:
-    """Dial every bootstrap peer (concurrently, each under ``timeout_s``), in up to ``rounds``
-    rounds until one answered (pauses BOOTSTRAP_RETRY_PAUSES_S between rounds).
-
-    Returns the peer ids reached; raises BootstrapUnreachable when the list was
-    non-empty and none answered in any round. Partial failures are logged, not fatal.
-    """
-    import multiaddr
-    from libp2p.peer.peerinfo import info_from_p2p_addr
-
-    if not bootstrap:
-        return []
-    reached: list[str] = []
-    failures: list[str] = []
-    attempt = 0
-
-    async def dial(text: str) -> None:
-        try:
-            info = info_from_p2p_addr(multiaddr.Multiaddr(text))
-        except Exception as exc:  # library raises assorted types for a bad address
-            failures.append(f"{text}: {exc}")
-            return
-        if info.peer_id == host.get_id():
-            return
-        if attempt:
-            # py-libp2p 0.8.1 refuses to redial a peer whose dial failed in the last 60 s
-            # (its negative cache); a retry round is a deliberate redial
-            unblock = getattr(host.get_network(), "unblock_peer", None)
-            if unblock is not None:
-                unblock(info.peer_id)
-        with trio.move_on_after(timeout_s) as scope:
-            try:
-                await host.connect(info)
-            except Exception as exc:  # dial errors: refused, negotiation failed, ...
-                failures.append(f"{text}: {type(exc).__name__}")
-                return
-        if scope.cancelled_caught:
-            failures.append(f"{text}: no answer within {timeout_s:g} s")
-            return
-        reached.append(info.peer_id.to_base58())
-
-    for attempt in range(max(1, rounds)):
-        if attempt:
-            pause = BOOTSTRAP_RETRY_PAUSES_S[min(attempt, len(BOOTSTRAP_RETRY_PAUSES_S)) - 1]
-            log.info("no bootstrap peer answered (%s); trying again in %g s", failures[0], pause)
-            await trio.sleep(pause)
-        failures = []
-        async with trio.open_nursery() as nursery:
-            for text in bootstrap:
-                nursery.start_soon(dial, text)
-        if reached or not failures:
-            break
-    if not reached and failures:
-        raise BootstrapUnreachable(
-            f"no bootstrap peer answered ({failures[0]}); check the address and that the peer is running")
-    for failure in failures:
-        log.warning("bootstrap peer unreachable: %s", failure)
-    return reached

@@ -1,4 +1,10 @@
-"""Yamux receive-window updates batched at half the window (go-yamux's rule) for py-libp2p 0.8.1.
+"""Yamux receive-window updates batched at half the window, go-yamux's rule (the adjustment ``yamux_window_batching``).
+
+Upstream: the per-read updates came with
+https://github.com/libp2p/py-libp2p/pull/1337 (tuned for large transfers); no
+upstream issue about their cost for small frames found. Replaces
+``YamuxStream._auto_tune_and_send_window_update``
+(libp2p/stream_muxer/yamux/yamux.py).
 
 Why: py-libp2p 0.8.1's ``YamuxStream._auto_tune_and_send_window_update`` runs
 after every read and, whenever the consumed-but-uncredited bytes are above
@@ -18,22 +24,21 @@ credit twice the bytes read); a reader that consumes keeps its sender going
 (at most half a window waits for credit); a reader that stops stops its
 sender (backpressure intact).
 
-State: none of ours; the patch is per process, applied by
-``relay.adjustments.apply_libp2p_adjustments`` (called by the host builder,
-never at import), only when the installed libp2p is the version it was
-written against and still has the method (otherwise it leaves the library
-alone, ``APPLIED`` stays False and ``check`` says why). A peer
-with or without the patch interoperates: WINDOW_UPDATE semantics are unchanged.
+State: the library's method, to restore (tests). Applied per process by
+``dht.compat.registry.apply_libp2p_adjustments`` (called by the host
+builder, never at import), only when ``dht.compat.gate`` lets it (the tested
+release, and the method and the internals it uses --
+``_grow_threshold``, ``_apply_autotune_epoch``, ``send_window_update`` --
+still there). A peer with or without the patch interoperates:
+WINDOW_UPDATE semantics are unchanged.
 """
 from __future__ import annotations
 
-from relay.library_gate import TESTED_LIBP2P_VERSION, gate, installed_version
+from dht.compat.gate import gate, installed_version
 
-__all__ = ["apply", "check", "restore", "APPLIED", "TESTED_LIBP2P_VERSION"]
+__all__ = ["NAME", "apply", "check", "restore", "APPLIED"]
 
-# TESTED_LIBP2P_VERSION (relay/library_gate.py) is the one whose YamuxStream internals
-# (recv_window, target_recv_window, _pending_recv_release, _grow_threshold,
-# _apply_autotune_epoch) this was written against.
+NAME = "yamux_window_batching"
 APPLIED = False
 _ORIGINAL = None
 
