@@ -1,6 +1,6 @@
 """``LlamaRangeBackend``: a layer range of a GGUF file executed by llama.cpp.
 
-Implements ``shard.backend.RangeBackend`` / ``BackendCache``, so shard's
+Implements ``shard.model.backend.RangeBackend`` / ``BackendCache``, so shard's
 session manager, servicer and worker serve it unchanged.
 
 Data flow: ``forward(cache, inputs, effective_start)`` validates the inputs
@@ -38,8 +38,8 @@ from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, loa
 from native.slice import FAKE_VOCAB, slice_path
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, ProtocolViolation
-from shard.artifact import make_fingerprint
-from shard.backend import LayerRange, ids_in_range
+from shard.model.artifact import make_fingerprint
+from shard.model.backend import LayerRange, ids_in_range
 from shard.errors import ResourceExhausted
 
 __all__ = ["LlamaBackendConfig", "LlamaRangeBackend", "LlamaSeqCache", "KvBudgetExhausted"]

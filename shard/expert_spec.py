@@ -26,7 +26,7 @@ from typing import Iterable
 
 from proto import shard_runtime_pb2 as pb
 from proto.moe_wire import MAX_EXPERTS_PER_LAYER, SHARED
-from shard.backend import MAX_LAYERS
+from shard.model.backend import MAX_LAYERS
 
 __all__ = ["ExpertSpec", "ExpertSpecError", "SHARED", "MAX_SPEC_PAIRS"]
 

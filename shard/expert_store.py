@@ -39,11 +39,11 @@ import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
-from shard.artifact import artifact_digest, make_fingerprint, torch_recipe
+from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
 from shard.expert_spec import SHARED, ExpertSpec
 from shard.moe import expert_ffn
 from shard.moe_adapters import EXPERTS_IMPLEMENTATION, moe_layers
-from shard.torch_backend import DTYPES
+from shard.model.torch_backend import DTYPES
 
 __all__ = ["ExpertStore", "ExpertValidation", "VALIDATION_ROWS"]
 
@@ -81,7 +81,7 @@ class ExpertStore:
         from safetensors import safe_open
         from transformers import AutoConfig
 
-        from shard.adapters import adapter_for
+        from shard.model.adapters import adapter_for
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

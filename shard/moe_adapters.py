@@ -1,6 +1,6 @@
 """Adapters for the MoE families: Qwen3-MoE and Qwen2-MoE ranges through transformers' own classes.
 
-Both are pre-norm decoders like Llama (``shard/adapters.py``): the range is
+Both are pre-norm decoders like Llama (``shard/model/adapters.py``): the range is
 built from ``Qwen3MoeDecoderLayer`` / ``Qwen2MoeDecoderLayer`` on the meta
 device with local layer indices, and only the range's tensors are read. What
 differs is the feed-forward of the sparse layers, and which tensors a range
@@ -38,8 +38,8 @@ import re
 import torch
 from transformers.activations import ACT2FN
 
-from shard.adapters import LlamaFamily, RangeModules
-from shard.backend import LayerRange
+from shard.model.adapters import LlamaFamily, RangeModules
+from shard.model.backend import LayerRange
 from shard.expert_spec import SHARED, ExpertSpec
 from shard.moe import ExpertExchange, MoeDispatch
 

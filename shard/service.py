@@ -28,7 +28,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
-from shard.backend import RangeBackend
+from shard.model.backend import RangeBackend
 from shard.batching import BatchingBackend
 from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
 from shard.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy

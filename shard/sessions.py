@@ -63,7 +63,7 @@ from typing import Callable
 import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
-from shard.backend import RangeBackend, ids_in_range
+from shard.model.backend import RangeBackend, ids_in_range
 from shard.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
                                MAX_SESSION_ID_CHARS, MIN_OWNER_TOKEN_BYTES, Owner, SessionKey)
 from shard.errors import (CacheMiss, Cancelled, EpochStale, PermissionDenied, ResourceExhausted, log_failure,

@@ -37,7 +37,7 @@ session's Owner (shard/sessions.py); in-stream release and cancel act as the
 stream's owner.
 
 Tail: a tail opened with ``TailOptions.sample`` draws the next token itself
-(shard/sampling.py: a pure function of the seed and the token's position, so
+(shard/model/sampling.py: a pure function of the seed and the token's position, so
 a replacement tail draws the same one) on decode steps and on a prompt's
 final chunk, and answers with a ``TailSample`` (plus logprobs, top
 alternatives or the logits row only when the open asked for them); a tail
@@ -64,10 +64,10 @@ from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
 from shard import forward
-from shard.artifact import fingerprints_match
+from shard.model.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
                           log_failure, map_failure, to_shard_error)
-from shard.sampling import SamplingSpec, check_top_logprobs, sample_token, token_logprobs
+from shard.model.sampling import SamplingSpec, check_top_logprobs, sample_token, token_logprobs
 from shard.service import ACCEPTED_COMPRESSION, ShardService
 from shard.sessions import LOCAL_OWNER, Owner, SessionKey
 

@@ -9,7 +9,7 @@ from meshd.plan.adverts import ShardAd
 from shard.server import build_server
 from shard.service import ShardService
 from shard.sessions import SessionPolicy
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
 
 FAR_FUTURE_MS = 2**62
 

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshd.api.entry import EntryLimits
 from meshd.generate.tokenizer import EntryTokenizer
 from meshd.testing.models import build_random_llama
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 from tests._api_helpers import MODEL_ID, InProcessCore, chat_tokenizer_dir, running_api
 from tests._swarm_helpers import start_shard
 

@@ -1,4 +1,4 @@
-"""Continuous batching on the torch lane (shard/batching.py, shard/torch_batch.py).
+"""Continuous batching on the torch lane (shard/batching.py, shard/model/torch_batch.py).
 
 Several sessions' steps through one ShardService from several threads share
 forwards; every session's greedy tokens equal the same request run alone,
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from proto.errors import ProtocolViolation
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
 from meshd.testing.models import build_random_llama, build_random_gemma3
 from tests._batching_helpers import Gate, concurrent, generate, hold_batches, max_diff, services, step
 from shard.sessions import SessionKey

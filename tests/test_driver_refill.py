@@ -27,7 +27,7 @@ from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.plan.adverts import Span
 from meshd.reach.tls import loopback_channel
 from meshd.testing.models import build_random_llama
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 from shard.server import GRPC_OPTIONS
 from tests._swarm_helpers import start_shard
 

@@ -16,8 +16,8 @@ from proto import moe_wire as W
 from shard.expert_pool import ExpertRouter, Placement
 from shard.expert_spec import ExpertSpec
 from shard.moe import ExpertsUnavailable
-from shard.reference import WholeModel
-from shard.torch_backend import TorchRangeBackend
+from shard.model.reference import WholeModel
+from shard.model.torch_backend import TorchRangeBackend
 
 NEW_TOKENS = 12
 # The drift gate's fixed prompt set: 4 sequences x 16 positions = 64 positions.

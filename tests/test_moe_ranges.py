@@ -10,8 +10,8 @@ from meshd.testing.models import build_random_llama, build_random_qwen2_moe, bui
 from shard.expert_spec import SHARED, ExpertSpec, ExpertSpecError
 from shard.moe import MoeDispatch
 from shard.moe_adapters import moe_layers
-from shard.reference import WholeModel
-from shard.torch_backend import TorchRangeBackend
+from shard.model.reference import WholeModel
+from shard.model.torch_backend import TorchRangeBackend
 
 FAMILIES = {"qwen3_moe": (build_random_qwen3_moe, 6), "qwen2_moe": (build_random_qwen2_moe, 4)}
 NEW_TOKENS = 12

@@ -18,8 +18,8 @@ from meshd.generate.routes import AdsRouteSource, PeerConnector, fixed_route
 from meshd.reach.tls import loopback_channel
 from meshd.testing.models import build_random_llama
 from proto import shard_runtime_pb2 as pb
-from shard.reference import WholeModel
-from shard.sampling import SamplingSpec
+from shard.model.reference import WholeModel
+from shard.model.sampling import SamplingSpec
 from shard.server import GRPC_OPTIONS
 from tests._swarm_helpers import start_shard
 

@@ -64,7 +64,7 @@ def test_private_home_node_through_two_relays_survives_a_relay_death(tmp_path):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
 
     torch.set_num_threads(1)

@@ -53,7 +53,7 @@ def test_a_home_node_holds_two_relays_and_heals_when_one_dies(tmp_path):
 
     from meshd.generate.tokenizer import EntryTokenizer
     from meshd.testing.models import build_random_llama
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=0)

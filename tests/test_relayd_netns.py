@@ -67,7 +67,7 @@ def _head_activation_probes(model: Path, ids: list[int]) -> tuple[list[bytes], b
     from proto import shard_runtime_pb2 as pb
     from proto import wire
     from shard.stream import HIDDEN
-    from shard.torch_backend import TorchRangeBackend
+    from shard.model.torch_backend import TorchRangeBackend
 
     backend = TorchRangeBackend.load(model, 0, 2)
     hidden = backend.forward(backend.new_cache(len(ids) + 8), np.asarray(ids, dtype=np.int64), effective_start=0)
@@ -80,7 +80,7 @@ def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
 
     torch.set_num_threads(1)

@@ -85,7 +85,7 @@ def test_tls_port_serves_a_generation(tmp_path):
     import grpc
 
     from meshd.generate.routes import fixed_route
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from shard.server import GRPC_OPTIONS
     from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed
 

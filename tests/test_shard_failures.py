@@ -26,7 +26,7 @@ from shard.errors import MAX_DETAIL_CHARS, ResourceExhausted, is_out_of_memory, 
 from shard.service import ShardService
 from shard.sessions import SessionPolicy
 from shard.stream import SessionStream
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
 from tests.test_shard_stream import decode_req, error_of, open_req, opened, parse
 
 torch.set_num_threads(1)

@@ -12,7 +12,7 @@ from shard import forward
 from shard.service import ShardService
 from shard.sessions import SessionPolicy
 from shard.stream import SessionStream
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
 
 
 @pytest.fixture(scope="module")

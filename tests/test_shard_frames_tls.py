@@ -23,7 +23,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
 from proto.limits import MAX_FRAME_BYTES
 from shard.expert_transport import client_tls_context
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 from shard.server import GRPC_OPTIONS
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 

@@ -12,7 +12,7 @@ from meshd.testing import models as testmodels
 from shard.service import ShardService
 from shard.sessions import SessionPolicy
 from shard.stream import SessionStream
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
 
 torch.set_num_threads(1)
 
@@ -203,7 +203,7 @@ def sampling_tail(svc, session, *, logits=False, **tail):
 
 def test_a_sampling_tail_answers_with_the_token_only(service):
     from proto.zerocopy import read_response
-    from shard.sampling import SamplingSpec, sample_token, token_logprobs
+    from shard.model.sampling import SamplingSpec, sample_token, token_logprobs
 
     spec = SamplingSpec(temperature=0.9, top_k=40, seed=77)
     s, out = sampling_tail(service, "tok", sampling=spec.to_pb())

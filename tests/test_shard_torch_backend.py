@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from meshd.testing import models as testmodels
-from shard.adapters import UnsupportedArchitecture, adapter_for
-from shard.backend import BackendCache, RangeBackend
-from shard.reference import WholeModel
-from shard.torch_backend import BackendInputError, TorchRangeBackend
+from shard.model.adapters import UnsupportedArchitecture, adapter_for
+from shard.model.backend import BackendCache, RangeBackend
+from shard.model.reference import WholeModel
+from shard.model.torch_backend import BackendInputError, TorchRangeBackend
 from tests._shard_helpers import max_diff, run_split
 
 torch.set_num_threads(1)
@@ -114,7 +114,7 @@ def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
     import torch
     from safetensors.torch import load_file
 
-    from shard.adapters import ColumnEmbedding, InputMajorLinear
+    from shard.model.adapters import ColumnEmbedding, InputMajorLinear
 
     path = testmodels.build_random_llama(seed=3, tie_word_embeddings=tied)
     tensors = {}
@@ -149,7 +149,7 @@ def test_the_layers_dense_projections_run_input_major(bias):
     the transformers reference (which runs the same layout) bit for bit."""
     from safetensors.torch import load_file
 
-    from shard.adapters import DENSE_PROJECTIONS, InputMajorLinear
+    from shard.model.adapters import DENSE_PROJECTIONS, InputMajorLinear
 
     path = testmodels.build_random_llama(seed=4, attention_bias=bias, mlp_bias=bias)
     tensors = {}

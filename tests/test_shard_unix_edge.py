@@ -22,7 +22,7 @@ from meshd.testing import models as testmodels
 from meshd.generate.routes import PeerConnector, discover_fingerprint
 from meshd.reach.tls import loopback_channel
 from meshd.testing.procs import spawn_workers
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 from shard.server import GRPC_OPTIONS
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 

@@ -80,7 +80,7 @@ def swarm(model, tmp_path_factory):
 def whole(model):
     import torch
 
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     return WholeModel(model)

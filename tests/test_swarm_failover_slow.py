@@ -71,14 +71,14 @@ def whole(model):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     return WholeModel(model), EntryTokenizer(model)
 
 
 def expected_tokens(whole, n: int, sampling=None) -> list[int]:
-    from shard.sampling import SamplingSpec
+    from shard.model.sampling import SamplingSpec
 
     model, tok = whole
     spec = SamplingSpec(**sampling) if sampling else None

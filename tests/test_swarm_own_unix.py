@@ -15,7 +15,7 @@ from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
 from meshd.plan.routing import Hop
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.unix_channel import UnixFrameChannel
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 from meshd.testing.models import build_random_llama
 from shard.unix_server import UnixFrameServer
 from tests._swarm_helpers import start_shard

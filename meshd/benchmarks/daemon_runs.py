@@ -11,7 +11,7 @@
                    op, as ``meshd generate`` does) and returns the done event, which carries
                    the driver's own timings (prefill, per-step wall and execution time,
                    tail bytes per decode step)
-    reference      ``Reference``: shard/reference.py's WholeModel in this process, with the
+    reference      ``Reference``: shard/model/reference.py's WholeModel in this process, with the
                    same thread count, greedy, cut at the tokenizer's stop ids as the
                    daemon's generation is
     logits check   ``route_logits``: the same route driven by the route driver in this
@@ -163,7 +163,7 @@ class Reference:
         import torch
 
         from meshd.generate.tokenizer import EntryTokenizer
-        from shard.reference import WholeModel
+        from shard.model.reference import WholeModel
 
         torch.set_num_threads(threads)
         self.whole = WholeModel(model)

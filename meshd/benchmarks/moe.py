@@ -56,7 +56,7 @@ def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
     from meshd.testing.experts import spawn_expert_worker, tls_files
     from proto import moe_wire as W
     from shard.expert_pool import ExpertRouter
-    from shard.torch_backend import TorchRangeBackend
+    from shard.model.torch_backend import TorchRangeBackend
 
     local = TorchRangeBackend.load(path, 0, 6, progress=None)
     want, want_logits, local_s = _teacher_forced(local)

@@ -5,7 +5,7 @@
 Default model: SmolLM2-135M-Instruct dequantized to fp32 (30 layers). In one
 run, side by side:
 
-* the whole model in this process (shard/reference.py: transformers CausalLM,
+* the whole model in this process (shard/model/reference.py: transformers CausalLM,
   sdpa, DynamicCache, ``THREADS`` compute threads);
 * (torch lane) the bare split floor (meshd/benchmarks/torch_floor.py): the
   same ranges in bare processes on the worker's own backend, rows over a ring

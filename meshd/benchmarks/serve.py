@@ -364,8 +364,8 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
 
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
-    from shard.torch_backend import TorchRangeBackend
+    from shard.model.backend import LayerRange
+    from shard.model.torch_backend import TorchRangeBackend
 
     rounds = 2 if quick else 4
     layers = model_info(open_reader(gguf)).num_layers

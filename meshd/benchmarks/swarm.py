@@ -13,7 +13,7 @@ Steps (progress lines on the given stream):
    records living as long as a user's (daemon_runs.BENCH_RECORD_TTL_S);
 3. generation through the entry daemon's control socket (the generate op, what
    ``meshd generate`` does; the entry is the layer-0 daemon) and through the
-   whole model in this process (shard/reference.py, same thread count), in
+   whole model in this process (shard/model/reference.py, same thread count), in
    alternating rounds after a warm-up of each: ``decode_ratio`` = best swarm
    decode tok/s / best whole tok/s (``decode_ratio_median``: the medians),
    ``prefill_ratio`` = whole prefill time / the swarm's time to its first token

@@ -106,7 +106,7 @@ def _floor(model: Path, reference: LlamaReference, prompt: str, n: int, specs: l
     """(tokens, decode tok/s, prefill s) of the bare split floor of ``specs``."""
     from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS
     from native.llama_floor import floor_generate
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     ranges = [LayerRange.parse(spec, reference.num_layers) for spec in specs]
     run = floor_generate(model, ranges, reference.ids(prompt), n, n_threads=reference.threads,

@@ -22,7 +22,7 @@ in its namespace, bootstrapped from the first, and the entry: a client-only
 daemon. It holds no layers, so every hop of its route is remote, as for a
 user whose machine serves nothing. In the same run, alternating rounds after
 a warm-up of each: a generation with ``topology: star``, the whole model in
-this process (shard/reference.py, one thread like each worker: the compute
+this process (shard/model/reference.py, one thread like each worker: the compute
 per token) and a generation with ``topology: push`` through the entry's
 control socket (the generate op a user runs). Then the same daemons' figures
 on loopback (a LocalSwarm of the same ranges plus a client-only entry, same

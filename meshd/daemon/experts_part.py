@@ -159,7 +159,7 @@ class ExpertAdvertiser(Advertiser):
 
 def _model_facts(model: Path, dtype: str) -> tuple[dict, ExpertFootprint, str]:
     """(config.json, the expert footprint, the torch recipe digest) -- blocking, run in a thread."""
-    from shard.artifact import torch_recipe
+    from shard.model.artifact import torch_recipe
     from shard.moe_adapters import moe_layers
 
     config = json.loads((model / "config.json").read_text())
@@ -198,7 +198,7 @@ class ExpertPart:
         return W.ACT_Q8 if self.config.expert_act == "q8" else W.ACT_F32
 
     async def _describe(self) -> str:
-        from shard.artifact import artifact_digest
+        from shard.model.artifact import artifact_digest
 
         self.digest = await trio.to_thread.run_sync(artifact_digest, self.config.model)
         _, self.footprint, recipe = await trio.to_thread.run_sync(_model_facts, self.config.model,

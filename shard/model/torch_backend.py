@@ -1,7 +1,7 @@
 """The torch/transformers RangeBackend: exact execution of one layer range.
 
 Loading (``TorchRangeBackend.load``): read ``config.json``, pick the family
-adapter (``shard/adapters.py``), build the range's modules on the meta device
+adapter (``shard/model/adapters.py``), build the range's modules on the meta device
 with local layer indices, then stream only the range's tensors out of the
 safetensors files with ``safe_open`` and assign them (cast to the compute
 dtype). Nothing outside the range is ever materialised, so resident memory
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from proto import shard_runtime_pb2 as pb
-from shard.adapters import RangeModules, adapter_for, range_config
-from shard.artifact import artifact_digest, make_fingerprint, torch_recipe
-from shard.backend import LayerRange, ids_in_range
+from shard.model.adapters import RangeModules, adapter_for, range_config
+from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
+from shard.model.backend import LayerRange, ids_in_range
 from shard.errors import ArtifactError
 
 DTYPES = {"float32": (torch.float32, np.dtype(np.float32)), "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16))}
@@ -249,8 +249,8 @@ class TorchRangeBackend:
 
     def forward_batch(self, caches: list[TorchCache], inputs: list[np.ndarray], *,
                       effective_start: int) -> list:
-        """Several sessions' rows in one forward (shard/torch_batch.py); one result or exception each."""
-        from shard.torch_batch import forward_rows, supports_batch
+        """Several sessions' rows in one forward (shard/model/torch_batch.py); one result or exception each."""
+        from shard.model.torch_batch import forward_rows, supports_batch
 
         if not supports_batch(self):
             results = []

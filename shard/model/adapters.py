@@ -28,7 +28,7 @@ import importlib
 import torch
 from torch import nn
 
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 
 ATTN_IMPLEMENTATION = "sdpa"
 
@@ -195,7 +195,7 @@ class LlamaFamily:
     def apply_layout(self, layers, lm_head: nn.Module | None) -> nn.Module | None:
         """This family's compute layout: its layers' projections swapped in place, and the LM head
         to use (``InputMajorLinear`` where the family runs it input-major). The ranges and the
-        transformers reference (shard/reference.py) both go through here, so they compute alike."""
+        transformers reference (shard/model/reference.py) both go through here, so they compute alike."""
         if self.input_major_layers:
             input_major_layers(layers)
         if self.input_major_head and type(lm_head) is nn.Linear:

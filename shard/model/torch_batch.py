@@ -36,7 +36,7 @@ import importlib
 import numpy as np
 import torch
 
-from shard.adapters import ATTN_IMPLEMENTATION, LlamaFamily
+from shard.model.adapters import ATTN_IMPLEMENTATION, LlamaFamily
 
 def supports_batch(backend) -> bool:
     return type(backend.adapter) is LlamaFamily and backend.exchange is None

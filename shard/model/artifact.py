@@ -9,7 +9,7 @@
   both digests match, so both go into every ``pb.Fingerprint``.
 
 Functions over the file system. The artifact digest is computed once per
-file: ``shard/digests.py`` caches it on disk keyed by every file's (path,
+file: ``shard/model/digests.py`` caches it on disk keyed by every file's (path,
 size, mtime_ns, inode), so a restart, a LOAD directive or a worker respawn
 never rehashes an unchanged model (and hashing a large one shows progress).
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from proto import shard_runtime_pb2 as pb
-from shard import digests
+from shard.model import digests
 
 DIGEST_PREFIX = "sha256:"
 # Version of the recipe description itself; bump if its fields change.
@@ -84,7 +84,7 @@ class Recipe:
         return DIGEST_PREFIX + hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-# How the torch backend lays out and multiplies its weights (shard/adapters.py: the LM head and the
+# How the torch backend lays out and multiplies its weights (shard/model/adapters.py: the LM head and the
 # Llama-family layers' projections input-major). Two ranges that differ here compute different last
 # bits, so a replica of another layout is not interchangeable mid-generation: the recipe names it.
 TORCH_LAYOUT = ("meshd.torch_layout", "input-major-2")

@@ -10,7 +10,7 @@ kernel; within ~1e-6 relative of ``nn.Linear``) run input-major here too, so a
 split run and this reference compute every op alike and their logits stay equal
 bit for bit. Greedy ties break to the lowest token id; with a
 ``SamplingSpec`` each token is drawn as a sampling tail draws it
-(shard/sampling.py: a pure function of the seed and the token's position).
+(shard/model/sampling.py: a pure function of the seed and the token's position).
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from shard.adapters import ATTN_IMPLEMENTATION
-from shard.sampling import SamplingSpec, sample_token
-from shard.torch_backend import DTYPES
+from shard.model.adapters import ATTN_IMPLEMENTATION
+from shard.model.sampling import SamplingSpec, sample_token
+from shard.model.torch_backend import DTYPES
 
 DEFAULT_CHUNK_TOKENS = 128
 
@@ -51,7 +51,7 @@ class WholeModel:
             Path(path), dtype=DTYPES[dtype][0], attn_implementation=ATTN_IMPLEMENTATION,
             experts_implementation="eager",
         ).eval()
-        from shard.adapters import adapter_for
+        from shard.model.adapters import adapter_for
 
         self.model.lm_head = adapter_for(self.model.config).apply_layout(self.model.model.layers,
                                                                          self.model.lm_head)
