@@ -232,7 +232,7 @@ class LlamaRangeBackend:
         return exc
 
     # ``forward(..., lend=True)`` may return the tail's logits as llama.cpp's own buffer, valid until
-    # this backend's next forward: shard/batching.py asks only when the caller reads them at once.
+    # this backend's next forward: shard/session/batching.py asks only when the caller reads them at once.
     lends_outputs = True
 
     def forward(self, cache: LlamaSeqCache, inputs: np.ndarray, *, effective_start: int,
@@ -256,7 +256,7 @@ class LlamaRangeBackend:
         """Sessions this backend can hold at once (llama.cpp sequences; with kv_unified off, streams)."""
         return self.config.max_sessions
 
-    # The scheduler (shard/batching.py) keeps a batch within llama.cpp's n_batch.
+    # The scheduler (shard/session/batching.py) keeps a batch within llama.cpp's n_batch.
     max_batch_tokens = MAX_BATCH_TOKENS
 
     def forward_batch(self, caches: list[LlamaSeqCache], inputs: list[np.ndarray], *,

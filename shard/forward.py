@@ -62,7 +62,7 @@ from proto.limits import MAX_STOP_TOKENS
 from proto.frames import SCHEMA_VERSION
 from shard.errors import CacheMiss, to_shard_error
 from shard.forwarder import Forwarder, PushError
-from shard.sessions import SessionKey
+from shard.session.sessions import SessionKey
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ def hub_of(service) -> PushHub:
     return hub
 
 
-# -- hooks the sans-I/O core (shard/stream.py) calls ----------------------------------------
+# -- hooks the sans-I/O core (shard/session/stream.py) calls ----------------------------------------
 def open_control(stream, key: SessionKey, o: pb.SessionOpen) -> None:
     """The entry opened a pushed session on ``stream`` (its KV is open): register it."""
     service = stream.service
@@ -355,7 +355,7 @@ def after_chunk(stream, env: pb.Envelope, tensors: dict, sample: pb.TailSample |
 def after_decode(stream, d: pb.DecodeStep, result) -> None:
     """A pushed decode step ran (``result``: the manager's StepResult): the tail answers the entry,
     others push the row on (one leg more)."""
-    from shard.stream import decode_answer
+    from shard.session.stream import decode_answer
 
     session: PushSession = stream.push
     if session.is_tail:

@@ -30,7 +30,7 @@ from proto import wire
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
 from proto.limits import DECODE_STEP_BASE
-from shard.request_queue import RequestQueue
+from shard.session.request_queue import RequestQueue
 
 if TYPE_CHECKING:
     from shard.forward import PushSession

@@ -7,7 +7,7 @@ threads) -- most of a hop's cost above its compute on a small CPU
 grpc_round_trip_floor_ms). The SAME frames (proto.frames: 4-byte big-endian
 length || SessionRequest / SessionResponse body) that already travel on
 relay circuits and the worker's Unix socket go here over TLS on a TCP port
-of their own, to the SAME sans-I/O core (shard.stream.SessionStream): one
+of their own, to the SAME sans-I/O core (shard.session.stream.SessionStream): one
 connection thread reads a frame, runs it, writes the answers; nothing else
 is between the socket and the core.
 
@@ -45,8 +45,8 @@ from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
 from shard.expert_transport import server_tls_context
 from shard.server import MAX_STREAMS
-from shard.service import ShardService
-from shard.stream import SessionStream, _status
+from shard.session.service import ShardService
+from shard.session.stream import SessionStream, _status
 
 log = logging.getLogger(__name__)
 

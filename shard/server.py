@@ -21,7 +21,7 @@ tests/test_shard_unary_memory.py measures both paths. Messages above
 proto.limits.MAX_FRAME_BYTES are refused by gRPC itself (RESOURCE_EXHAUSTED
 on that call only).
 
-Who is calling (session ownership, shard/sessions.py): a call on the TLS
+Who is calling (session ownership, shard/session/sessions.py): a call on the TLS
 port is a remote peer, identified by its address (``addr:<ip>``) and the
 owner_token it must send; a call on the plaintext port (loopback only: the
 node's own daemon) is a private edge, "local", where the daemon may name a
@@ -42,9 +42,9 @@ from proto.frames import parse_unary
 from proto.limits import MAX_FRAME_BYTES
 from shard.errors import MAX_DETAIL_CHARS
 from shard.forward import serve_control
-from shard.service import ShardService
-from shard.sessions import LOCAL_OWNER
-from shard.stream import SessionStream
+from shard.session.service import ShardService
+from shard.session.sessions import LOCAL_OWNER
+from shard.session.stream import SessionStream
 
 SERVICE_NAME = "meshd.shard.v1.ShardRuntime"
 # Concurrent RPCs one worker serves; each live Session stream holds a thread.

@@ -5,7 +5,7 @@ libp2p stream; forwarding them to the worker over loopback gRPC cost a full
 gRPC round trip (~1.7 ms on a small VM, most of it grpcio's thread hand-offs)
 on every decode step. This edge carries the SAME frames (proto.frames: 4-byte
 big-endian length || SessionRequest / SessionResponse body) to the SAME
-sans-I/O core (shard.stream.SessionStream over the worker's ShardService), so
+sans-I/O core (shard.session.stream.SessionStream over the worker's ShardService), so
 one core now has three edges: gRPC, TLS gRPC, and this socket.
 
     daemon (trio) ── unix stream ──▶ accept thread ──▶ one thread per connection:
@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shard.frame_server import serve_frames
 from shard.server import MAX_STREAMS
-from shard.service import ShardService
+from shard.session.service import ShardService
 
 __all__ = ["UnixFrameServer", "MAX_CONNECTIONS", "UNIX_SCHEME"]
 

@@ -105,7 +105,7 @@ class RawStream:
     def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:
         import grpc
 
-        from shard.request_queue import RequestQueue
+        from shard.session.request_queue import RequestQueue
         from shard.server import GRPC_OPTIONS, SERVICE_NAME
 
         self.channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)

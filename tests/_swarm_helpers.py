@@ -7,8 +7,8 @@ import grpc
 
 from meshd.plan.adverts import ShardAd
 from shard.server import build_server
-from shard.service import ShardService
-from shard.sessions import SessionPolicy
+from shard.session.service import ShardService
+from shard.session.sessions import SessionPolicy
 from shard.model.torch_backend import TorchRangeBackend
 
 FAR_FUTURE_MS = 2**62

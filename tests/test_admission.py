@@ -25,7 +25,7 @@ from meshd.plan.assignment import JoinRequest
 from meshd.reach.tls import load_or_create_tls
 from meshd.testing.models import build_random_llama
 from shard.model.reference import WholeModel
-from shard.sessions import Owner, SessionKey, SessionPolicy
+from shard.session.sessions import Owner, SessionKey, SessionPolicy
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

@@ -217,7 +217,7 @@ def test_busy_entry_answers_429_with_retry_after(core, shards):
 
 
 def test_a_full_swarm_answers_429_with_the_workers_retry_hint(api, shards):
-    from shard.sessions import Owner, SessionKey
+    from shard.session.sessions import Owner, SessionKey
 
     url, _ = api
     m, hog = shards[1].service.manager, SessionKey("hog", 0)

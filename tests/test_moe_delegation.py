@@ -255,8 +255,8 @@ def test_the_expert_store_reads_only_its_experts(qwen3):
 
 
 def test_a_validated_holder_reports_the_experts_it_needs(qwen2, tls):
-    from shard.service import ShardService
-    from shard.sessions import SessionPolicy
+    from shard.session.service import ShardService
+    from shard.session.sessions import SessionPolicy
 
     path, _ = qwen2
     peer = ExpertPeer.start(path, "0-3:E4-E7+shared", tls)

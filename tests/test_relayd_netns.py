@@ -66,7 +66,7 @@ def _head_activation_probes(model: Path, ids: list[int]) -> tuple[list[bytes], b
     COMPRESSION_NONE only, so these bytes cross the wire as they are, unless encrypted)."""
     from proto import shard_runtime_pb2 as pb
     from proto import wire
-    from shard.stream import HIDDEN
+    from shard.session.stream import HIDDEN
     from shard.model.torch_backend import TorchRangeBackend
 
     backend = TorchRangeBackend.load(model, 0, 2)

@@ -9,9 +9,9 @@ from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolViolation
 from shard import forward
-from shard.service import ShardService
-from shard.sessions import SessionPolicy
-from shard.stream import SessionStream
+from shard.session.service import ShardService
+from shard.session.sessions import SessionPolicy
+from shard.session.stream import SessionStream
 from shard.model.torch_backend import TorchRangeBackend
 
 

@@ -109,7 +109,7 @@ def test_unreachable_frames_port_falls_back_to_grpc(model, workers, tls):
 def test_wrong_pin_is_refused_and_never_falls_back(workers, tls):
     fell_back = []
     ch = TlsFrameChannel(workers[0].frames_endpoint, bytes(32), lambda: fell_back.append(1))
-    from shard.request_queue import RequestQueue
+    from shard.session.request_queue import RequestQueue
 
     with pytest.raises(CertificateMismatch):
         ch.stream_stream("/x/Session")(RequestQueue(4))

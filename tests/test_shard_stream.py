@@ -9,9 +9,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from proto import shard_runtime_pb2 as pb
 from proto.tensors import encode_bundle, encode_tensor
 from meshd.testing import models as testmodels
-from shard.service import ShardService
-from shard.sessions import SessionPolicy
-from shard.stream import SessionStream
+from shard.session.service import ShardService
+from shard.session.sessions import SessionPolicy
+from shard.session.stream import SessionStream
 from shard.model.torch_backend import TorchRangeBackend
 
 torch.set_num_threads(1)

@@ -60,7 +60,7 @@ def test_the_frame_socket_call_is_cut_from_another_thread_and_a_gone_worker_is_a
 
     import grpc
 
-    from shard.request_queue import RequestQueue
+    from shard.session.request_queue import RequestQueue
     from meshd.generate.unix_channel import UnixLinkError
     from proto import shard_runtime_pb2 as pb
 

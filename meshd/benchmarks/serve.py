@@ -44,7 +44,7 @@ one token alone costs hops x t: ``bound_aggregate_ratio_c8`` = F P and ``bound_p
 this machine's reach for that backend.
 
 ``itl_gap_causes_c8`` (per lane): what the slowest 5% of the c=8 gaps overlapped in the
-workers' own batch traces (``MESHD_BATCH_TRACE``, shard/batching.py): ``with_prefill`` (a
+workers' own batch traces (``MESHD_BATCH_TRACE``, shard/session/batching.py): ``with_prefill`` (a
 forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
 gaps and the forwards' queue wait; decode-only forwards' mean ms and rows at c=1 and c=8.
 
@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import TextIO
 
 from meshd.benchmarks.sse import choices
-from shard.batching import TRACE_ENV
+from shard.session.batching import TRACE_ENV
 
 PROMPTS = (
     "Tell me about the history of Rome.", "What is a transformer model?", "Write a short poem about the sea.",
@@ -219,7 +219,7 @@ class _Cpu:
 
 
 def _read_traces(root: Path) -> list[list[dict]]:
-    """Every worker's batch trace (shard/batching.py, MESHD_BATCH_TRACE): one list per hop."""
+    """Every worker's batch trace (shard/session/batching.py, MESHD_BATCH_TRACE): one list per hop."""
     hops = []
     for path in sorted(root.glob("batch-trace.*.jsonl")):
         with path.open() as fh:

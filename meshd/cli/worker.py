@@ -14,7 +14,7 @@ forward -> listen -> write the ready file ({"listen", "tls_listen", "frames_tls"
 atomically) and print one "ready" line on stdout -> serve until SIGTERM /
 SIGINT. Plaintext listens only on loopback; peers use the TLS port.
 
-Errors: stderr is the worker's log (shard/worklog.py: tracebacks marked so the
+Errors: stderr is the worker's log (shard/session/worklog.py: tracebacks marked so the
 daemon keeps them in worker.log, off the user's terminal). A model that cannot
 be loaded or validated ends the worker with exit code 1 and one clear last
 line, ``cannot load MODEL layers A:B: why``; an unexpected exception logs its
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, machine_cores
-from shard.sessions import DEFAULT_MAX_QUEUED_STEPS
+from shard.session.sessions import DEFAULT_MAX_QUEUED_STEPS
 from proto.errors import MeshdError
 
 log = logging.getLogger("meshd.worker")
@@ -139,9 +139,9 @@ def _one_line(exc: BaseException) -> str:
 def _load_and_validate(args: argparse.Namespace):
     """(service, router, None) once validated, or (None, None, the one-line reason it cannot serve)."""
     from meshd.cli import expert_worker
-    from shard.service import ShardService
-    from shard.sessions import SessionPolicy
-    from shard.worklog import LOG_ONLY
+    from shard.session.service import ShardService
+    from shard.session.sessions import SessionPolicy
+    from shard.session.worklog import LOG_ONLY
 
     try:
         held, router = expert_worker.holder_exchange(args)
@@ -198,7 +198,7 @@ def push_dialer(target):
 
 def run(args: argparse.Namespace) -> int:
     from meshd.cli import expert_worker
-    from shard import worklog
+    from shard.session import worklog
 
     worklog.install(sys.stderr)
     if args.layers is None:

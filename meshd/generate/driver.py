@@ -65,7 +65,7 @@ Ownership: each driver holds a random secret; every hop's SessionOpen (and
 unary Release) carries ``owner_token(peer, range)`` = HMAC-SHA256(secret,
 peer id and range), so a hop knows only its own token: no hop of the route
 (and no one who learns the session id) can release, cancel, re-attach or
-supersede the session on another hop (shard/sessions.py).
+supersede the session on another hop (shard/session/sessions.py).
 
 Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
 daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses

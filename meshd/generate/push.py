@@ -85,7 +85,7 @@ from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DECODE_STEP_BASE
 from shard.server import SERVICE_NAME
-from shard.stream import HIDDEN, TOKEN_IDS
+from shard.session.stream import HIDDEN, TOKEN_IDS
 
 TOPOLOGIES = ("push", "star")
 # Health probe of a hop after the route's step deadline passed.

@@ -1,6 +1,6 @@
 """The backend interface: one loaded layer range of one model artifact.
 
-Data flow: the session manager (``shard/sessions.py``) owns one
+Data flow: the session manager (``shard/session/sessions.py``) owns one
 ``BackendCache`` per (route session, epoch) and calls
 ``RangeBackend.forward(cache, inputs, effective_start=...)`` for each prefill
 chunk or decode step. The backend owns the weights; the cache owns the

@@ -34,7 +34,7 @@ Admission (``open``): reservations are counted in tokens against
 ``kv_budget_tokens``; a peer holds at most ``max_sessions_per_peer`` sessions;
 no new session while ``max_queued_steps`` steps wait for the next batched
 forward (queue depth; weights and the forward's scratch are bounded where the
-plan counts them: meshd/plan/footprint.py, shard/batching.py).
+plan counts them: meshd/plan/footprint.py, shard/session/batching.py).
 Eviction happens only under pressure (the budget or the table is full), oldest
 (least recently used) first, and only of sessions that are idle: the opener's
 same owner's after ``min_idle_before_evict_s``, anyone else's only after
@@ -64,7 +64,7 @@ import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
 from shard.model.backend import RangeBackend, ids_in_range
-from shard.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
+from shard.session.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
                                MAX_SESSION_ID_CHARS, MIN_OWNER_TOKEN_BYTES, Owner, SessionKey)
 from shard.errors import (CacheMiss, Cancelled, EpochStale, PermissionDenied, ResourceExhausted, log_failure,
                           map_failure)
@@ -94,7 +94,7 @@ EPOCH_MEMORY = 4096
 # Smallest retry hint: below this a retry storm costs more than it saves.
 MIN_RETRY_AFTER_MS = 100
 # New sessions are refused while this many steps wait for the worker's next
-# batched forward (shard/batching.py): each waiting step already pays one batch
+# batched forward (shard/session/batching.py): each waiting step already pays one batch
 # of latency, and a newcomer's prefill chunks would add to every one of them.
 # 32 waiting steps is four full c=8 rounds of decode rows.
 DEFAULT_MAX_QUEUED_STEPS = 32
@@ -320,7 +320,7 @@ class SessionManager:
              inputs: np.ndarray, effective_start: int,
              post: Callable[[np.ndarray], object] | None = None, lend: bool = False) -> StepResult:
         """Apply one prefill chunk or decode step (rules in the module docstring). ``lend``: ``post``
-        keeps nothing of the output, so the backend may lend it (shard/batching.py)."""
+        keeps nothing of the output, so the backend may lend it (shard/session/batching.py)."""
         now = self.clock()
         if now >= self._next_expiry_check:     # idle TTLs are minutes: no need to sweep every token
             self._next_expiry_check = now + min(EXPIRE_CHECK_S, self.policy.ttl_s / 4)

@@ -1,4 +1,4 @@
-"""Which session and whose: the keys and owners the session manager (shard/sessions.py) keys on.
+"""Which session and whose: the keys and owners the session manager (shard/session/sessions.py) keys on.
 
 ``SessionKey`` is a route session id and its epoch, bounded so a peer cannot
 make a worker keep large keys. ``Owner`` is the authenticated peer an edge saw

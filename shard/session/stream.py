@@ -33,7 +33,7 @@ whether it is a private edge (``private``: the Unix frame socket, loopback
 gRPC), where the node's own daemon may name the relayed circuit's Noise peer
 id in ``SessionOpen.relayed_peer_id``; elsewhere that field is ignored. The
 open's ``owner_token`` (required on non-private edges) and that peer are the
-session's Owner (shard/sessions.py); in-stream release and cancel act as the
+session's Owner (shard/session/sessions.py); in-stream release and cancel act as the
 stream's owner.
 
 Tail: a tail opened with ``TailOptions.sample`` draws the next token itself
@@ -68,8 +68,8 @@ from shard.model.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
                           log_failure, map_failure, to_shard_error)
 from shard.model.sampling import SamplingSpec, check_top_logprobs, sample_token, token_logprobs
-from shard.service import ACCEPTED_COMPRESSION, ShardService
-from shard.sessions import LOCAL_OWNER, Owner, SessionKey
+from shard.session.service import ACCEPTED_COMPRESSION, ShardService
+from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey
 
 log = logging.getLogger(__name__)
 

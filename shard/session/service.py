@@ -3,9 +3,9 @@
 Owns the backend (weights), the SessionManager (per-session KV), one lock that
 serializes every manager call (the manager is sans-I/O and single-threaded),
 the continuous-batching scheduler every manager forward goes through
-(``shard/batching.py``: it waits on that lock's condition, so streams whose
+(``shard/session/batching.py``: it waits on that lock's condition, so streams whose
 steps are ready together share one forward), and the capability report. Unary RPCs (GetCapability, Health, Release, Cancel) are plain methods
-here taking and returning protobuf messages; ``shard/stream.py`` runs the
+here taking and returning protobuf messages; ``shard/session/stream.py`` runs the
 Session stream on top; ``shard/server.py`` is the gRPC edge.
 
 Capability is *validated*: ``validate()`` runs a bounded real forward over the
@@ -29,9 +29,9 @@ from proto.errors import ProtocolError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
 from shard.model.backend import RangeBackend
-from shard.batching import BatchingBackend
+from shard.session.batching import BatchingBackend
 from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
-from shard.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
+from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
 
 # Validation forward: enough positions to exercise prefill and the cache, few
 # enough to finish in well under a second on the smallest machine.
