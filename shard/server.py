@@ -41,7 +41,7 @@ from proto.errors import ProtocolError
 from proto.frames import parse_unary
 from proto.limits import MAX_FRAME_BYTES
 from shard.errors import MAX_DETAIL_CHARS
-from shard.forward import serve_control
+from shard.push.hub import serve_control
 from shard.session.service import ShardService
 from shard.session.sessions import LOCAL_OWNER
 from shard.session.stream import SessionStream

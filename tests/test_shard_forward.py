@@ -1,4 +1,4 @@
-"""The push topology's worker side, sans-I/O: who may attach, push, repoint and release (shard/forward.py)."""
+"""The push topology's worker side, sans-I/O: who may attach, push, repoint and release (shard/push/hub.py)."""
 from __future__ import annotations
 
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolViolation
-from shard import forward
+from shard.push import hub
 from shard.session.service import ShardService
 from shard.session.sessions import SessionPolicy
 from shard.session.stream import SessionStream
@@ -59,7 +59,7 @@ def test_a_feeder_attaches_only_to_a_session_the_entry_opened(tail):
     assert resp.status.error.code == pb.ERROR_CODE_PROTOCOL_VIOLATION          # only the entry releases
     control.receive(release)
     with pytest.raises(Exception):
-        forward.hub_of(tail).get(control.key)                                     # forgotten on release
+        hub.hub_of(tail).get(control.key)                                     # forgotten on release
 
 
 def test_a_pushed_non_tail_needs_a_target_and_a_dialer(head):
@@ -84,7 +84,7 @@ def test_push_targets_are_checked_with_a_typed_error(peer, endpoint, pin):
     target = pb.PushTarget(peer_id=peer, endpoint=endpoint, tls_cert_sha256=pin)
     ok = bool(peer) and bool(endpoint) and len(endpoint) <= 300 and len(pin) in (0, 32)
     if ok:
-        forward.check_target(target)
+        hub.check_target(target)
     else:
         with pytest.raises(ProtocolViolation):
-            forward.check_target(target)
+            hub.check_target(target)

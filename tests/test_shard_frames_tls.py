@@ -246,7 +246,7 @@ def _health(worker, tls) -> pb.HealthReport:
 
 @pytest.mark.parametrize("frames_to_successor", [True, False])
 def test_a_pushed_hop_reaches_its_successor_over_frames(model, workers, tls, frames_to_successor):
-    """Push topology between real workers: the head's forwarder dials the successor's framed port
+    """Push topology between real workers: the head's successor stream dials the successor's framed port
     (the real ``meshd worker`` push dialer, pinned TLS) when the entry names it, gRPC when not;
     same tokens and logits as the whole model either way."""
     from meshd.generate.driver import GenerationRequest

@@ -172,7 +172,7 @@ def _load_and_validate(args: argparse.Namespace):
 
 
 def push_dialer(target):
-    """How this worker reaches the successor an entry named (push topology, shard/forward.py).
+    """How this worker reaches the successor an entry named (push topology, shard/push/hub.py).
 
     The worker dials itself rather than through its daemon: the rows are here, and a detour
     through the daemon would add a process hop and a thread hand-off to every step. Only TLS

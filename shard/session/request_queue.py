@@ -1,6 +1,7 @@
 """Request bodies of one Session call, from the caller's thread to whatever sends them.
 
-Used by the entry's hop links (meshd/generate) and by a pushed hop's forwarder (shard/forwarder.py).
+Used by the entry's hop links (meshd/generate) and by a pushed hop's successor stream
+(shard/push/successor.py).
 
 gRPC's synchronous stream takes an iterator and drains it on a thread of its
 own: ``RequestQueue`` is that iterator (a bounded ``queue.Queue``, ended by

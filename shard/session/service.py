@@ -71,7 +71,7 @@ class ShardService:
                                          max_chunk_bytes=MAX_FRAME_BYTES,
                                          max_prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS)
         self._capability: pb.CapabilityReport | None = None
-        # Push topology (shard/forward.py): how this worker dials a successor the entry named
+        # Push topology (shard/push/hub.py): how this worker dials a successor the entry named
         # (set by the worker CLI: TLS pinned to the target's certificate hash), and its pushed sessions.
         self.push_dialer = None
         self.push_hub = None

@@ -63,7 +63,7 @@ from proto.flow import CreditLedger, negotiate
 from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
-from shard import forward
+from shard.push import hub
 from shard.model.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
                           log_failure, map_failure, to_shard_error)
@@ -191,7 +191,7 @@ class SessionStream:
         self.tail = pb.TailOptions()
         self.sampling: SamplingSpec | None = None   # the tail samples (a pure function of seed and position)
         self.ledger: CreditLedger | None = None
-        self.push = None            # shard.forward.PushSession of a pushed session (issue 18)
+        self.push = None            # shard.push.hub.PushSession of a pushed session
         self.push_role = ""         # "control" (the entry's stream) or "feed" (the upstream hop's)
 
     @property
@@ -204,7 +204,7 @@ class SessionStream:
         return self.push.sink if self.push_role == "control" else None
 
     def push_closed(self) -> None:
-        """The stream ended: a control stream's pushed session (and its forwarder) goes too."""
+        """The stream ended: a control stream's pushed session (and its successor stream) goes too."""
         if self.push_role == "control" and self.push is not None:
             self.push.close()
         self.push = None
@@ -251,7 +251,7 @@ class SessionStream:
         peer = RELAYED_PEER_PREFIX + o.relayed_peer_id if self.private and o.relayed_peer_id else self.peer
         owner = Owner.of(peer, o.owner_token)
         if o.push_feed:
-            return forward.attach_feeder(self, key, o, owner)
+            return hub.attach_feeder(self, key, o, owner)
         sampling = None
         if lr.is_tail and o.tail.sample:
             sampling = SamplingSpec.from_pb(o.tail.sampling)
@@ -263,7 +263,7 @@ class SessionStream:
         self.key, self.effective_start, self.tail, self.state = key, r.effective_start_layer, o.tail, OPEN
         self.sampling, self.owner = sampling, owner
         if o.push:
-            forward.open_control(self, key, o)
+            hub.open_control(self, key, o)
         return [pb.SessionResponse(accepted=pb.SessionAccepted(
             schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
             flow_control=flow, accepted_compression=ACCEPTED_COMPRESSION,
@@ -350,7 +350,7 @@ class SessionStream:
         out_env.position.token_count = span.token_count
         tensors, sample = _parts(result.payload)
         if self.push is not None:
-            forward.after_chunk(self, out_env, tensors, sample)
+            hub.after_chunk(self, out_env, tensors, sample)
             return self._grant()
         return [wire.response_chunk(out_env, tensors, sample=sample), *self._grant()]
 
@@ -364,7 +364,7 @@ class SessionStream:
         except (ProtocolError, ShardRefusal) as exc:
             return self._work_error(exc, d.work_id, d.idempotency_step)
         if self.push is not None:
-            forward.after_decode(self, d, result)
+            hub.after_decode(self, d, result)
             return self._grant()
         return [decode_answer(d.idempotency_step, result.past_len, result.duplicate, result.execution_nanos,
                               result.payload), *self._grant()]

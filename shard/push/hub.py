@@ -1,13 +1,14 @@
 """Push topology, worker side: a hop sends its output rows straight to the next hop.
 
-In a pushed session (issue 18) the entry sends only the head its input; each
+In a pushed session the entry sends only the head its input; each
 hop pushes its boundary rows to the successor the entry named; the tail sends
 the sampled token back to the entry. Legs per decode token: hops + 1. A looped
 session's tail (``SessionOpen.push_loop``) also sends each token it draws to the
 head (its ``push_next``) as the head's next decode input, first, unless it is a
 stop token (``TailOptions.stop_token_ids``), the session's last position, or
 before ``push_loop_from`` (positions the entry feeds the head itself); its
-forwarder keeps nothing (a replacement head gets its history from the entry).
+successor stream carries tokens only and keeps nothing (a replacement head
+gets its history from the entry).
 
 Streams of one pushed session (route session id + epoch) on this worker:
 
@@ -22,7 +23,7 @@ Streams of one pushed session (route session id + epoch) on this worker:
               to the session the control stream opened (none: CACHE_MISS) and
               carries this hop's inputs; it is answered with credits and
               refusals only.
-    Forwarder this hop's own stream to its successor (``push_next``): dialed
+    successor this hop's own stream to its successor (``push_next``): dialed
               lazily on the first output, only to the PushTarget the entry
               named, through the worker's ``push_dialer`` (the worker CLI pins
               the target's TLS certificate hash; a target without one is
@@ -34,17 +35,18 @@ Streams of one pushed session (route session id + epoch) on this worker:
               replacement's prefill -- then continues.
 
 Answers leaving a control stream come from other threads (a feeder's, a
-forwarder's reader), so a pushed control stream sends through a
+successor stream's reader), so a pushed control stream sends through a
 ``ControlSink``: over gRPC the handler, once the open is accepted, yields from
 the sink's bounded queue while a pump thread feeds the stream's own requests
 through the core (``serve_control``); on the Unix edge the sink writes frames
 under a lock.
 
-Legs: a decode step carries ``legs`` (the entry sends 1); every forward adds
+Legs: a decode step carries ``legs`` (the entry sends 1); every hop's push adds
 one, the tail's answer one more, so the entry *counts* the legs a token took.
 
 Bounds: PUSH_MAX_SESSIONS registered sessions per worker, a sink queue of
-SINK_DEPTH answers; the forwarder's own bounds are in shard/forwarder.py.
+SINK_DEPTH answers; the successor stream's own bounds are in
+shard/push/successor.py.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ from proto.errors import LimitExceeded, ProtocolViolation
 from proto.limits import MAX_STOP_TOKENS
 from proto.frames import SCHEMA_VERSION
 from shard.errors import CacheMiss, to_shard_error
-from shard.forwarder import Forwarder, PushError
+from shard.push.successor import PushError, SuccessorStream
 from shard.session.sessions import SessionKey
 
 log = logging.getLogger(__name__)
@@ -151,7 +153,7 @@ def serve_control(stream, request_iterator):
 
 
 class PushSession:
-    """One pushed session on this worker: its control sink, its forwarder (non-tail hops)."""
+    """One pushed session on this worker: its control sink, its successor stream (non-tail hops)."""
 
     def __init__(self, hub: "PushHub", key: SessionKey, open_msg: pb.SessionOpen, fingerprint: pb.Fingerprint,
                  is_tail: bool) -> None:
@@ -167,7 +169,7 @@ class PushSession:
         self.loop = is_tail and open_msg.push_loop
         self.loop_from = int(open_msg.push_loop_from)
         self.stop_ids = frozenset(open_msg.tail.stop_token_ids)
-        self.forwarder = Forwarder(self, open_msg.push_next, loop=self.loop) if (not is_tail or self.loop) else None
+        self.successor = SuccessorStream(self, open_msg.push_next, loop=self.loop) if (not is_tail or self.loop) else None
 
     def report(self, detail: str, failed_peer: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
         try:
@@ -181,12 +183,12 @@ class PushSession:
 
     def push(self, first: int, rows: np.ndarray, **kw) -> None:
         try:
-            self.forwarder.push(first, rows, **kw)
+            self.successor.push(first, rows, **kw)
         except PushError as exc:
-            self.report(str(exc), self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+            self.report(str(exc), self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
         except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
             self.report(f"cannot push to the successor: {to_shard_error(exc).detail or type(exc).__name__}",
-                        self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+                        self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
 
     def loop_token(self, position: int, token: int | None) -> None:
         """A looped tail drew ``token`` for ``position``: the head's next input, unless the
@@ -195,27 +197,27 @@ class PushSession:
                 or (self.max_tokens and position + 1 >= self.max_tokens)):
             return
         try:
-            self.forwarder.push_token(position, token)
+            self.successor.push_token(position, token)
         except PushError as exc:
-            self.report(str(exc), self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+            self.report(str(exc), self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
         except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
             self.report(f"cannot send the token to the head: {to_shard_error(exc).detail or type(exc).__name__}",
-                        self.forwarder.target.peer_id, pb.ERROR_CODE_INTERNAL)
+                        self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
 
     def repoint(self, target: pb.PushTarget) -> None:
-        if self.forwarder is None:
+        if self.successor is None:
             raise ProtocolViolation("the tail has no successor to repoint")
         check_target(target)
         try:
-            self.forwarder.repoint(target)
+            self.successor.repoint(target)
         except Exception as exc:  # noqa: BLE001
             self.report(f"cannot push to the replacement: {exc}", target.peer_id)
 
     def release(self) -> None:
-        """The entry released the session: forget it and close the forwarder (the sink still answers)."""
+        """The entry released the session: forget it and close the successor stream (the sink still answers)."""
         self.hub.drop(self.key, self)
-        if self.forwarder is not None:
-            self.forwarder.close()
+        if self.successor is not None:
+            self.successor.close()
 
     def close(self) -> None:
         self.release()

@@ -1,7 +1,7 @@
 """A pushed hop's own Session stream to its successor, and the rows it keeps for a replacement.
 
-Part of the push topology (shard/forward.py has the whole picture). The
-forwarder dials lazily, on the first output, only the PushTarget the entry
+Part of the push topology (shard/push/hub.py has the whole picture). The
+successor stream dials lazily, on the first output, only the PushTarget the entry
 named, through the worker's ``push_dialer``; it opens a feeder stream
 (``SessionOpen.push_feed``) and then mirrors the batch shapes it was fed: a
 decode step stays a decode step (one more leg counted in ``legs``), a prefill
@@ -33,7 +33,7 @@ from proto.limits import DECODE_STEP_BASE
 from shard.session.request_queue import RequestQueue
 
 if TYPE_CHECKING:
-    from shard.forward import PushSession
+    from shard.push.hub import PushSession
 
 # A successor that grants no credit for this long is reported as failed.
 CREDIT_WAIT_S = 60.0
@@ -51,7 +51,7 @@ class PushError(Exception):
     """The successor could not be reached or refused the pushed work."""
 
 
-class Forwarder:
+class SuccessorStream:
     """This hop's stream to its successor; keeps what it sent for a replacement (see module doc)."""
 
     def __init__(self, session: "PushSession", target: pb.PushTarget, *, loop: bool = False) -> None:
