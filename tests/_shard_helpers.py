@@ -106,7 +106,7 @@ class RawStream:
         import grpc
 
         from shard.session.request_queue import RequestQueue
-        from shard.server import GRPC_OPTIONS, SERVICE_NAME
+        from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 
         self.channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
         self._queue = RequestQueue(16)

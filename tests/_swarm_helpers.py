@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshd.plan.adverts import ShardAd
-from shard.server import build_server
+from shard.edges.grpc_server import build_server
 from shard.session.service import ShardService
 from shard.session.sessions import SessionPolicy
 from shard.model.torch_backend import TorchRangeBackend

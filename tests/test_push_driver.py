@@ -20,7 +20,7 @@ from meshd.testing.models import build_random_llama
 from proto import shard_runtime_pb2 as pb
 from shard.model.reference import WholeModel
 from shard.model.sampling import SamplingSpec
-from shard.server import GRPC_OPTIONS
+from shard.edges.grpc_server import GRPC_OPTIONS
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

@@ -15,7 +15,7 @@ from meshd.generate.driver import GenerationRequest, RouteFailed, SwarmDriver, c
 from meshd.generate.routes import AdsRouteSource
 from meshd.reach.tls import loopback_channel
 from shard.model.reference import WholeModel
-from shard.server import GRPC_OPTIONS
+from shard.edges.grpc_server import GRPC_OPTIONS
 from meshd.testing.models import build_random_llama
 from tests._swarm_helpers import start_shard
 

@@ -21,7 +21,7 @@ from meshd.generate.driver import RouteFailed
 from meshd.generate.routes import fixed_route
 from meshd.testing.procs import spawn_workers
 from shard.model.reference import WholeModel
-from shard.server import GRPC_OPTIONS, SERVICE_NAME
+from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 from tests._shard_helpers import (PROMPT, RawStream, StatusError, check_route_equals_whole, drive_fixed,
                                   fixed_source)
 

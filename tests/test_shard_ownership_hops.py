@@ -25,7 +25,7 @@ from meshd.testing import models as testmodels
 from meshd.testing.procs import spawn_worker
 from relay.client import dial_relayed
 from relay.transport import RelayedSessionServer, open_session_channel
-from shard.server import GRPC_OPTIONS, SERVICE_NAME
+from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 from tests._relay_helpers import LOOPBACK, info, new_host, triangle
 
 BUDGET = 512

@@ -17,7 +17,7 @@ from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.unix_channel import UnixFrameChannel
 from shard.model.reference import WholeModel
 from meshd.testing.models import build_random_llama
-from shard.unix_server import UnixFrameServer
+from shard.edges.unix_server import UnixFrameServer
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

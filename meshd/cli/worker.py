@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unix-listen", help="also serve Session frames on this Unix socket (mode 0600; "
                         "the daemon's own link for relayed sessions)")
     parser.add_argument("--frames-listen", help="HOST:PORT of the framed fast path (Session frames over TLS, "
-                        "the --tls-cert certificate; shard/frame_server.py)")
+                        "the --tls-cert certificate; shard/edges/frame_server.py)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
     parser.add_argument("--llama-kv-streams", type=_kv_streams, default="auto", metavar="N|auto",
                         help="llama.cpp KV layout: N = one stream of kv-budget/N tokens per session, at most N "
@@ -185,7 +185,7 @@ def push_dialer(target):
     from meshd.errors import ConfigError
     from meshd.generate.unix_channel import TlsFrameChannel
     from meshd.reach.tls import pinned_channel
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     pin = bytes(target.tls_cert_sha256)
     if len(pin) != 32:
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from shard.server import build_server
+    from shard.edges.grpc_server import build_server
 
     service, router, failure = _load_and_validate(args)
     if service is None:
@@ -226,12 +226,12 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     unix = None
     if args.unix_listen:
-        from shard.unix_server import UnixFrameServer
+        from shard.edges.unix_server import UnixFrameServer
 
         unix = UnixFrameServer(service, args.unix_listen).start()
     frames = None
     if args.frames_listen:
-        from shard.frame_server import TlsFrameServer
+        from shard.edges.frame_server import TlsFrameServer
 
         frames = TlsFrameServer(service, args.frames_listen, cert_file=args.tls_cert, key_file=args.tls_key).start()
     host = args.listen.rpartition(":")[0]

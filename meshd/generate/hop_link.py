@@ -42,7 +42,7 @@ from proto.frames import SCHEMA_VERSION
 from proto.frames import parse_response
 from proto.tensors import decode_bundle
 from proto.zerocopy import read_response
-from shard.server import SERVICE_NAME
+from shard.edges.grpc_server import SERVICE_NAME
 from shard.session.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
 SESSION_METHOD = f"/{SERVICE_NAME}/Session"

@@ -84,7 +84,7 @@ from proto.chunking import plan_prefill_chunks
 from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DECODE_STEP_BASE
-from shard.server import SERVICE_NAME
+from shard.edges.grpc_server import SERVICE_NAME
 from shard.session.stream import HIDDEN, TOKEN_IDS
 
 TOPOLOGIES = ("push", "star")

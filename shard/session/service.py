@@ -6,7 +6,7 @@ the continuous-batching scheduler every manager forward goes through
 (``shard/session/batching.py``: it waits on that lock's condition, so streams whose
 steps are ready together share one forward), and the capability report. Unary RPCs (GetCapability, Health, Release, Cancel) are plain methods
 here taking and returning protobuf messages; ``shard/session/stream.py`` runs the
-Session stream on top; ``shard/server.py`` is the gRPC edge.
+Session stream on top; ``shard/edges/grpc_server.py`` is the gRPC edge.
 
 Capability is *validated*: ``validate()`` runs a bounded real forward over the
 range (a short prefill and decode steps on a throwaway cache, outputs checked

@@ -2,7 +2,7 @@
 
 One ``SessionStream`` per gRPC bidi call or relay circuit. It never touches a
 socket: ``receive(frame_body) -> [response bodies]``. Transports (gRPC in
-``shard/server.py``; libp2p relay framing later) only move bytes.
+``shard/edges/grpc_server.py``; libp2p relay framing later) only move bytes.
 
 States and transitions (one table, the rules of the stream):
 

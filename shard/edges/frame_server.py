@@ -44,7 +44,7 @@ from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
 from shard.expert_transport import server_tls_context
-from shard.server import MAX_STREAMS
+from shard.edges.grpc_server import MAX_STREAMS
 from shard.session.service import ShardService
 from shard.session.stream import SessionStream, _status
 

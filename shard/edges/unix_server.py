@@ -9,7 +9,7 @@ sans-I/O core (shard.session.stream.SessionStream over the worker's ShardService
 one core now has three edges: gRPC, TLS gRPC, and this socket.
 
     daemon (trio) ── unix stream ──▶ accept thread ──▶ one thread per connection:
-        shard.frame_server.serve_frames: FrameReader ─ body ─▶ SessionStream.receive ─▶ sendall
+        shard.edges.frame_server.serve_frames: FrameReader ─ body ─▶ SessionStream.receive ─▶ sendall
 
 Who may connect: the socket is created inside the daemon's private run
 directory with mode 0600 (owner only); it never listens on a network.
@@ -25,8 +25,8 @@ import socket
 import threading
 from pathlib import Path
 
-from shard.frame_server import serve_frames
-from shard.server import MAX_STREAMS
+from shard.edges.frame_server import serve_frames
+from shard.edges.grpc_server import MAX_STREAMS
 from shard.session.service import ShardService
 
 __all__ = ["UnixFrameServer", "MAX_CONNECTIONS", "UNIX_SCHEME"]
