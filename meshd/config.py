@@ -313,7 +313,7 @@ class DaemonConfig:
             if not (self.memory_bytes and self.memory_bytes > 0):
                 raise ConfigError("--experts auto needs --memory SIZE: the experts taken are sized to it")
             return
-        from shard.expert_spec import ExpertSpec, ExpertSpecError
+        from shard.experts.spec import ExpertSpec, ExpertSpecError
 
         try:
             ExpertSpec.parse(self.experts)

@@ -22,7 +22,7 @@ from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
 from proto.limits import MAX_FRAME_BYTES
-from shard.expert_transport import client_tls_context
+from shard.experts.transport import client_tls_context
 from shard.model.reference import WholeModel
 from shard.edges.grpc_server import GRPC_OPTIONS
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source

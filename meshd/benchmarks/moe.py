@@ -55,7 +55,7 @@ def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
 
     from meshd.testing.experts import spawn_expert_worker, tls_files
     from proto import moe_wire as W
-    from shard.expert_pool import ExpertRouter
+    from shard.experts.pool import ExpertRouter
     from shard.model.torch_backend import TorchRangeBackend
 
     local = TorchRangeBackend.load(path, 0, 6, progress=None)

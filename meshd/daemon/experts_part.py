@@ -160,7 +160,7 @@ class ExpertAdvertiser(Advertiser):
 def _model_facts(model: Path, dtype: str) -> tuple[dict, ExpertFootprint, str]:
     """(config.json, the expert footprint, the torch recipe digest) -- blocking, run in a thread."""
     from shard.model.artifact import torch_recipe
-    from shard.moe_adapters import moe_layers
+    from shard.experts.adapters import moe_layers
 
     config = json.loads((model / "config.json").read_text())
     from transformers import AutoConfig
@@ -264,7 +264,7 @@ class ExpertPart:
         if relaying.private:
             self._note("expert peers must be directly dialable; this node is behind NAT: not advertising")
             return
-        from shard.expert_spec import ExpertSpec
+        from shard.experts.spec import ExpertSpec
 
         info, fp = ready.info, self.footprint
         claim = ExpertClaim(model_artifact_digest=info["fingerprint"]["artifact"],
@@ -287,7 +287,7 @@ class ExpertPart:
 
     # ------------------------------------------------------------------ holder
     async def _directory(self, recipe: str) -> None:
-        from shard.expert_pool import placements_to_json
+        from shard.experts.pool import placements_to_json
 
         me = self.node.identity.peer_id
         last = None

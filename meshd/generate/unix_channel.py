@@ -46,7 +46,7 @@ from meshd.reach.tls import PEER_TLS_NAME, split_endpoint
 from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
-from shard.expert_transport import client_tls_context
+from shard.experts.transport import client_tls_context
 
 __all__ = ["UnixFrameChannel", "TlsFrameChannel", "UnixLinkError"]
 

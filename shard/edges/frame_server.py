@@ -43,7 +43,7 @@ import threading
 from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
-from shard.expert_transport import server_tls_context
+from shard.experts.transport import server_tls_context
 from shard.edges.grpc_server import MAX_STREAMS
 from shard.session.service import ShardService
 from shard.session.stream import SessionStream, _status

@@ -17,7 +17,7 @@ Families:
 * ``Gemma3Family``: gemma3_text: embeddings scaled by sqrt(hidden), (1 + w)
   RMSNorm, per-layer-type rotary bases, sliding/full masks, final logit
   softcap.
-* ``Qwen3MoeFamily`` / ``Qwen2MoeFamily`` (shard/moe_adapters.py): sparse MoE
+* ``Qwen3MoeFamily`` / ``Qwen2MoeFamily`` (shard/experts/adapters.py): sparse MoE
   layers (router, top-k, experts; Qwen2-MoE's gated shared expert), ranges
   that hold only some experts and delegate the rest to expert peers.
 """
@@ -318,7 +318,7 @@ class Gemma3Family(LlamaFamily):
 
 
 def _families() -> tuple:
-    from shard.moe_adapters import Qwen2MoeFamily, Qwen3MoeFamily  # they build on LlamaFamily
+    from shard.experts.adapters import Qwen2MoeFamily, Qwen3MoeFamily  # they build on LlamaFamily
 
     return (LlamaFamily, Gemma3Family, Qwen3MoeFamily, Qwen2MoeFamily)
 

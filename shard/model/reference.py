@@ -46,7 +46,7 @@ class WholeModel:
     def __init__(self, path: str | os.PathLike, dtype: str = "float32") -> None:
         from transformers import AutoModelForCausalLM
 
-        # Experts (MoE models) run the per-expert loop, as the range adapters do (shard/moe_adapters.py).
+        # Experts (MoE models) run the per-expert loop, as the range adapters do (shard/experts/adapters.py).
         self.model = AutoModelForCausalLM.from_pretrained(
             Path(path), dtype=DTYPES[dtype][0], attn_implementation=ATTN_IMPLEMENTATION,
             experts_implementation="eager",

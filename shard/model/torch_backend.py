@@ -104,7 +104,7 @@ class TorchRangeBackend:
     @classmethod
     def load(cls, path: str | os.PathLike, start: int, end: int | None = None, *, dtype: str = "float32",
              progress: TextIO | None = sys.stderr, experts=None, exchange=None) -> "TorchRangeBackend":
-        """``experts`` (shard.expert_spec.ExpertSpec) / ``exchange`` (shard.moe.ExpertExchange):
+        """``experts`` (shard.experts.spec.ExpertSpec) / ``exchange`` (shard.experts.dispatch.ExpertExchange):
         MoE families only -- the experts this range loads, and where the others run."""
         from safetensors import safe_open
         from transformers import AutoConfig

@@ -25,7 +25,7 @@ Which experts a range holds comes from ``configure_experts(held, exchange)``
 (default: every expert of every owned layer). A sparse layer that holds all
 its experts (and its shared expert), with nothing to delegate, runs
 transformers' block unchanged; any other sparse layer gets ``MoeDispatch``
-(shard/moe.py), which keeps the router and the additions here and runs the
+(shard/experts/dispatch.py), which keeps the router and the additions here and runs the
 missing experts on expert peers. Experts run transformers' "eager"
 implementation (the per-expert loop): it is the one an expert peer can
 reproduce row for row, so delegating is bit-exact; "grouped_mm" differs in
@@ -40,8 +40,8 @@ from transformers.activations import ACT2FN
 
 from shard.model.adapters import LlamaFamily, RangeModules
 from shard.model.backend import LayerRange
-from shard.expert_spec import SHARED, ExpertSpec
-from shard.moe import ExpertExchange, MoeDispatch
+from shard.experts.spec import SHARED, ExpertSpec
+from shard.experts.dispatch import ExpertExchange, MoeDispatch
 
 __all__ = ["Qwen3MoeFamily", "Qwen2MoeFamily", "EXPERTS_IMPLEMENTATION", "is_moe_family", "moe_layers"]
 

@@ -29,7 +29,7 @@ import numpy as np
 from proto import moe_wire as W
 from proto.errors import ProtocolError
 from proto.moe_link import PREFIX_BYTES, ServerLink
-from shard.expert_transport import recv_exactly, server_tls_context
+from shard.experts.transport import recv_exactly, server_tls_context
 
 log = logging.getLogger(__name__)
 

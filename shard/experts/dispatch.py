@@ -12,7 +12,7 @@ eager experts path, ``Qwen3MoeExperts.forward`` / ``Qwen2MoeSparseMoeBlock``)::
 
 ``MoeDispatch`` computes exactly that, but each ``y_e`` (and the shared
 expert's output) comes from wherever the expert is: ``expert_ffn`` here for
-held experts, an ``ExpertExchange`` (shard/expert_pool.py: the expert peers)
+held experts, an ``ExpertExchange`` (shard/experts/pool.py: the expert peers)
 for the others. The peers return the *unweighted* ``y_e`` for exactly the
 rows, in exactly the order, this node would have fed the expert; the
 weighting and the additions stay here in the local order -- so with float32
@@ -43,7 +43,7 @@ class ExpertsUnavailable(MeshdError):
 
 
 class ExpertExchange(Protocol):
-    """Runs experts of one layer elsewhere (shard/expert_pool.ExpertRouter)."""
+    """Runs experts of one layer elsewhere (shard/experts/pool.py: ExpertRouter)."""
 
     prefer_remote: bool
 

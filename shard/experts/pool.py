@@ -1,6 +1,6 @@
 """ExpertRouter: the shard holder's view of the expert peers, and failover between them.
 
-Data flow of one delegated layer step (``run``, called by shard/moe.py's
+Data flow of one delegated layer step (``run``, called by shard/experts/dispatch.py's
 MoeDispatch inside the forward):
 
     items (expert, row indices into the batch)      from the router, local order
@@ -38,8 +38,8 @@ import numpy as np
 
 from proto import moe_wire as W
 from proto.moe_link import LinkFailed, PeerRefused
-from shard.expert_spec import ExpertSpec
-from shard.expert_transport import ExpertConnection
+from shard.experts.spec import ExpertSpec
+from shard.experts.transport import ExpertConnection
 
 __all__ = ["Placement", "ExpertRouter", "placements_from_json", "placements_to_json", "COOLDOWN_S",
            "MAX_PLACEMENT_FILE_BYTES", "MAX_PEERS"]

@@ -8,7 +8,7 @@ projection; a fused checkpoint is sliced). Nothing else of the model is
 read: not the attention, not the router, not the embeddings.
 
 ``compute(layer, expert, rows)`` runs one expert on float32 rows [n, hidden]
-with the same ops the holder would run (shard/moe.py ``expert_ffn``; the
+with the same ops the holder would run (shard/experts/dispatch.py ``expert_ffn``; the
 shared expert through transformers' own ``Qwen2MoeMLP``), in the recipe's
 dtype, and returns the unweighted output as float32 [n, hidden].
 
@@ -40,9 +40,9 @@ import torch
 from transformers.activations import ACT2FN
 
 from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
-from shard.expert_spec import SHARED, ExpertSpec
-from shard.moe import expert_ffn
-from shard.moe_adapters import EXPERTS_IMPLEMENTATION, moe_layers
+from shard.experts.spec import SHARED, ExpertSpec
+from shard.experts.dispatch import expert_ffn
+from shard.experts.adapters import EXPERTS_IMPLEMENTATION, moe_layers
 from shard.model.torch_backend import DTYPES
 
 __all__ = ["ExpertStore", "ExpertValidation", "VALIDATION_ROWS"]
