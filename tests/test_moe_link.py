@@ -1,4 +1,4 @@
-"""Expert exchange link states (proto/moe_link.py) and the one exchange function over socket pairs.
+"""Expert exchange link states (proto/moe/link.py) and the one exchange function over socket pairs.
 
 The rule under test: a transport or protocol failure marks the link failed,
 and every later exchange on it fails at once without sending or reading -- so
@@ -14,10 +14,10 @@ import threading
 import numpy as np
 import pytest
 
-from proto import moe_wire as W
+from proto.moe import wire as W
 from proto.errors import LocalError, ProtocolViolation
 from proto.frames import encode_frame
-from proto.moe_link import ClientLink, LinkFailed, PeerRefused, ServerLink
+from proto.moe.link import ClientLink, LinkFailed, PeerRefused, ServerLink
 from shard.experts.server import serve_connection
 from shard.experts.transport import ExpertConnection, recv_exactly
 

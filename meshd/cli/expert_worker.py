@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from proto import moe_wire as W
+from proto.moe import wire as W
 from proto.errors import MeshdError
 
 # How often the holder looks at the daemon's placement file.

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from proto.errors import MeshdError
-from proto.moe_wire import SHARED
+from proto.moe.wire import SHARED
 
 __all__ = ["MoeDispatch", "ExpertExchange", "ExpertsUnavailable", "expert_ffn", "route_rows", "HeldExperts"]
 

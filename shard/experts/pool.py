@@ -36,8 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from proto import moe_wire as W
-from proto.moe_link import LinkFailed, PeerRefused
+from proto.moe import wire as W
+from proto.moe.link import LinkFailed, PeerRefused
 from shard.experts.spec import ExpertSpec
 from shard.experts.transport import ExpertConnection
 

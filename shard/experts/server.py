@@ -4,7 +4,7 @@
 certificate; its hash is the pin in the node's signed expert record) and
 runs one thread per connection, at most ``MAX_CONNECTIONS`` at once:
 
-    accept -> TLS handshake -> ServerLink (proto/moe_link.py):
+    accept -> TLS handshake -> ServerLink (proto/moe/link.py):
       hello   -> WELCOME, or REFUSE (naming our versions and acts) and close
       request -> every item served here? compute each expert on its rows
                  (under one compute lock: CPU experts gain nothing from running
@@ -26,9 +26,9 @@ from typing import Protocol
 
 import numpy as np
 
-from proto import moe_wire as W
+from proto.moe import wire as W
 from proto.errors import ProtocolError
-from proto.moe_link import PREFIX_BYTES, ServerLink
+from proto.moe.link import PREFIX_BYTES, ServerLink
 from shard.experts.transport import recv_exactly, server_tls_context
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ Text form (``meshd join --experts``, the ``experts`` config key, ``meshd worker
 
 A spec is a set of (layer, expert) pairs; the shared expert of a layer is the
 pair (layer, ``SHARED``) -- the same id the exchange protocol puts on the wire
-for it (proto/moe_wire.py). ``str(spec)`` is canonical (one entry per run of
+for it (proto/moe/wire.py). ``str(spec)`` is canonical (one entry per run of
 layers holding the same experts), so two specs are equal exactly when their
 text forms are.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from proto import shard_runtime_pb2 as pb
-from proto.moe_wire import MAX_EXPERTS_PER_LAYER, SHARED
+from proto.moe.wire import MAX_EXPERTS_PER_LAYER, SHARED
 from shard.model.backend import MAX_LAYERS
 
 __all__ = ["ExpertSpec", "ExpertSpecError", "SHARED", "MAX_SPEC_PAIRS"]

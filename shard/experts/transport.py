@@ -2,7 +2,7 @@
 
 ``ExpertConnection.exchange`` is THE one exchange function of a shard holder:
 send the framed request, read the 4-byte prefix, read exactly that body,
-hand it to the link core (proto/moe_link.py) -- which checks it answers
+hand it to the link core (proto/moe/link.py) -- which checks it answers
 this request. Any failure on the way (connect, TLS, short read, EOF, timeout,
 a bad frame, a reply that is not ours) marks the link FAILED; a failed link
 raises ``LinkFailed`` at once on every later exchange, without sending or
@@ -31,9 +31,9 @@ import ssl
 
 import numpy as np
 
-from proto import moe_wire as W
+from proto.moe import wire as W
 from proto.errors import MeshdError, ProtocolError
-from proto.moe_link import PREFIX_BYTES, ClientLink, LinkFailed, PeerRefused
+from proto.moe.link import PREFIX_BYTES, ClientLink, LinkFailed, PeerRefused
 
 __all__ = ["ExpertConnection", "recv_exactly", "client_tls_context", "server_tls_context",
            "CONNECT_TIMEOUT_S", "EXCHANGE_TIMEOUT_S", "PEER_TLS_NAME"]

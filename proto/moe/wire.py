@@ -277,5 +277,5 @@ def encode_failure(version: int, request_id: int, code: int, reason: str) -> byt
     return _header(version, KIND_FAILURE, ACT_F32) + _FAIL.pack(request_id, code) + _text(reason, MAX_REASON_BYTES)
 
 
-# Decoding lives in proto/moe_decode.py (every bound checked before allocation); re-exported here.
-from proto.moe_decode import decode, peek_header  # noqa: E402
+# Decoding lives in proto/moe/decode.py (every bound checked before allocation); re-exported here.
+from proto.moe.decode import decode, peek_header  # noqa: E402

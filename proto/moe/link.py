@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto import moe_wire as W
+from proto.moe import wire as W
 from proto.errors import LimitExceeded, LocalError, MeshdError, ProtocolError, ProtocolViolation
 from proto.frames import PREFIX_BYTES, encode_frame
 
