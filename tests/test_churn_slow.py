@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from meshd.benchmarks.local_swarm import REPO_ROOT, LocalSwarm, child_env, wait_for
+from meshd.daemon.local_swarm import REPO_ROOT, LocalSwarm, child_env, wait_for
 
 # Long enough that a kill right after the first token reaches us lands mid-decode.
 FAILOVER_TOKENS = 300

@@ -118,8 +118,8 @@ def test_the_checker_sees_upward_imports(tmp_path):
 
 def test_repo_root_constants_point_at_the_checkout():
     # children get PYTHONPATH=REPO_ROOT: after a module moves, its REPO_ROOT must still be the checkout
-    from meshd.benchmarks import local_swarm, recipes, relay_harness
-    from meshd.daemon import worker_process
+    from meshd.benchmarks import recipes, relay_harness
+    from meshd.daemon import local_swarm, worker_process
     from meshd.testing import procs
 
     for module in (local_swarm, recipes, relay_harness, worker_process, procs):

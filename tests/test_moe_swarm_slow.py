@@ -19,7 +19,7 @@ import signal
 import pytest
 import torch
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 from meshd.daemon.worker_process import HEALTH_INTERVAL_S
 from meshd.testing.models import build_random_qwen3_moe
 

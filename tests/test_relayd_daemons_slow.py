@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
+from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from meshd.benchmarks import relay_harness as H
 from relay.client import parse_relayed_addr
 

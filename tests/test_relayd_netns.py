@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from meshd.daemon.control import request as control_request
-from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
+from meshd.daemon.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
 from meshd.benchmarks import relay_harness as H
 from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
 

@@ -4,8 +4,8 @@
                    split: one ``meshd join --layers`` daemon per range), --backend
                    (passed to the daemons); ``bench_model`` / ``parse_splits`` check them
     daemons        ``start_split`` starts one fixed-range daemon per range (1 compute
-                   thread each, local_swarm.THREADS; the product's record lifetime,
-                   BENCH_RECORD_TTL_S) and waits until the entry sees the model
+                   thread each, THREADS of meshd/daemon/local_swarm.py; the product's record
+                   lifetime, BENCH_RECORD_TTL_S) and waits until the entry sees the model
                    covered; ``entry_of`` is the daemon serving layer 0
     one run        ``generate`` asks a daemon through its control socket (the generate
                    op, as ``meshd generate`` does) and returns the done event, which carries
@@ -18,7 +18,7 @@
                    process over the daemons' pinned TLS endpoints (from ``status``), asking
                    the tail for its logits rows -- only for max_abs_logit_diff, never timed
 
-Blocking code; every wait is bounded (local_swarm).
+Blocking code; every wait is bounded (meshd/daemon/local_swarm.py).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def even_splits(num_layers: int, parts: int) -> list[str]:
 def start_split(root: Path, model: Path, specs: Sequence[str], *, backend: str | None = None,
                 kv_budget_tokens: int = 1024, record_ttl_s: float = BENCH_RECORD_TTL_S):
     """One ``meshd join --layers SPEC`` daemon per range, covering the model; returns the LocalSwarm."""
-    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.daemon.local_swarm import LocalSwarm
 
     root.mkdir(parents=True, exist_ok=True)
     swarm = LocalSwarm(root, model, kv_budget_tokens=kv_budget_tokens, backend=backend, record_ttl_s=record_ttl_s)

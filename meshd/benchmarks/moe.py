@@ -103,7 +103,7 @@ def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
 
 
 def _decode(path: Path, root: Path, quick: bool, progress) -> dict:
-    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.daemon.local_swarm import LocalSwarm
 
     new_tokens, rounds = (8, 1) if quick else (32, 3)
     out: dict = {"decode_new_tokens": new_tokens, "decode_rounds": rounds}
@@ -127,7 +127,7 @@ def _decode(path: Path, root: Path, quick: bool, progress) -> dict:
                 speeds[name].append(float(done.get("decode_tokens_per_s") or 0.0))
                 tokens.setdefault(name, done["tokens"])
                 _say(progress, f"round {r}: {name} {speeds[name][-1]:.1f} tok/s")
-        from meshd.benchmarks.local_swarm import wait_for
+        from meshd.daemon.local_swarm import wait_for
 
         try:   # the worker's health (polled every 5 s) carries the exchange's bytes per position
             status = wait_for(lambda: (lambda s: s if (s.get("worker") or {}).get("health", {}).get("experts")

@@ -53,7 +53,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshd.benchmarks.local_swarm import THREADS
+from meshd.daemon.local_swarm import THREADS
 
 # A decode step's hidden-row frame for SmolLM2 (576 fp32 + headers), for the floor echo.
 FLOOR_FRAME_BYTES = 576 * 4 + 64

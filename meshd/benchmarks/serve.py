@@ -5,7 +5,7 @@ layout (one KV stream per session), sized for c=8: ``[worker] llama_kv_streams =
 8 streams of 512 tokens from the 4096-token budget (``auto`` would make 2 of 2048), the same with the shared
 KV pool (``llama.cpp-shared``, ``llama_kv_streams = 0``, opt-in), torch on the
 SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
-(0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
+(0:10, 10:20, 20:30; ``meshd.daemon.local_swarm.LocalSwarm``, one compute thread each,
 ``--api-listen 127.0.0.1:0``); node0 is the entry. Its config sets
 ``[api] max_running = 8``: the default (4) would queue half of the c=8
 requests at the entry and hide what the workers do; ``peak_streaming_c8``
@@ -94,7 +94,7 @@ SHARED_TOML = "llama_kv_streams = 0"
 # The llama.cpp lane: the default layout (a stream per session), 8 streams for 8 users at once.
 STREAMS = 8
 STREAMS_TOML = f"llama_kv_streams = {STREAMS}"
-FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
+FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (meshd/daemon/local_swarm.py THREADS)
 
 
 def _say(progress: TextIO | None, line: str) -> None:
@@ -265,7 +265,7 @@ def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
 def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_toml: str = "") -> dict:
     import httpx
 
-    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.daemon.local_swarm import LocalSwarm
 
     new_tokens = 16 if quick else 48
     rounds = 1 if quick else 2

@@ -9,7 +9,7 @@ Steps (progress lines on the given stream):
 2. the daemons: by default three ``meshd join --layers auto`` (memory sized as in
    ``meshd demo``; ``join_to_routable_s`` = from starting the last joiners to the
    entry seeing every layer covered), or with ``--layers`` one ``meshd join
-   --layers A:B`` per range; one compute thread per worker (local_swarm.THREADS),
+   --layers A:B`` per range; one compute thread per worker (meshd/daemon/local_swarm.py THREADS),
    records living as long as a user's (daemon_runs.BENCH_RECORD_TTL_S);
 3. generation through the entry daemon's control socket (the generate op, what
    ``meshd generate`` does; the entry is the layer-0 daemon) and through the
@@ -54,7 +54,7 @@ def _say(progress: TextIO | None, line: str) -> None:
 
 def _start(root: Path, model: Path, options, progress, result: dict):
     from meshd.benchmarks import daemon_runs as R
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
     from meshd.plan.assignment import even_memory_for
     from meshd.plan.footprint import artifact_footprint
     from meshd.plan.modelinfo import model_num_layers
@@ -97,7 +97,7 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         return wan.run(options.rtt_ms, quick=quick, progress=progress, options=options)
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks import route_plan
-    from meshd.benchmarks.local_swarm import THREADS
+    from meshd.daemon.local_swarm import THREADS
     from meshd.benchmarks.torch_floor import TorchFloor
     from native.packaged import smollm2_artifact
 

@@ -104,7 +104,7 @@ class LlamaReference:
 
 def _floor(model: Path, reference: LlamaReference, prompt: str, n: int, specs: list[str]):
     """(tokens, decode tok/s, prefill s) of the bare split floor of ``specs``."""
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS
     from native.llama_floor import floor_generate
     from shard.model.backend import LayerRange
 
@@ -195,7 +195,7 @@ def _python_capture():
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks.llama_cpu import engine_cpu
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, THREADS
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS, THREADS
     from meshd.benchmarks.swarm import _failover
     from meshd.plan.modelinfo import model_num_layers
 

@@ -1,4 +1,4 @@
-"""A swarm of real ``meshd join`` daemons on loopback (demo, benchmark, slow tests).
+"""A swarm of real ``meshd join`` daemons on loopback (``meshd demo``, benchmarks, slow tests).
 
 Each ``LocalDaemon`` is a subprocess ``python -m meshd join --layers auto``
 (or a fixed range) with its own data dir under one root, listening on
@@ -22,10 +22,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
-from meshd.daemon.control import stream_events
-from meshd.daemon.control import request
+from meshd.daemon.control import request, stream_events
 from proto.errors import MeshdError
-from meshd.testing import procs
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 POLL_S = 0.25
 STOP_GRACE_S = 15.0
@@ -44,7 +43,15 @@ class SwarmTimeout(MeshdError):
 
 
 def child_env(torch_threads: int = THREADS) -> dict[str, str]:
-    return procs.child_env(torch_threads)
+    """The environment of a daemon of this checkout: PYTHONPATH from its root (a clean clone runs
+    without an install), unbuffered output, no model hub, ``torch_threads`` torch/BLAS threads."""
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(torch_threads)
+    return env
 
 
 class LocalDaemon:
