@@ -12,7 +12,7 @@ import pytest
 from _shard_helpers import PROMPT
 from meshd.testing.experts import ExpertPeer, generate, teacher_forced, tls_files
 from meshd.testing.models import build_random_qwen2_moe, build_random_qwen3_moe
-from proto.moe import wire as W
+from proto import moe as W
 from shard.experts.pool import ExpertRouter, Placement
 from shard.experts.spec import ExpertSpec
 from shard.experts.dispatch import ExpertsUnavailable

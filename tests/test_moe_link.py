@@ -14,7 +14,7 @@ import threading
 import numpy as np
 import pytest
 
-from proto.moe import wire as W
+from proto import moe as W
 from proto.errors import LocalError, ProtocolViolation
 from proto.frames import encode_frame
 from proto.moe.link import ClientLink, LinkFailed, PeerRefused, ServerLink

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from proto.moe import wire as W
+from proto import moe as W
 from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolError, ProtocolViolation, \
     VersionUnsupported
 from proto.q8 import BLOCK

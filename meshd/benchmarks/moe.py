@@ -54,7 +54,7 @@ def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
     import numpy as np
 
     from meshd.testing.experts import spawn_expert_worker, tls_files
-    from proto.moe import wire as W
+    from proto import moe as W
     from shard.experts.pool import ExpertRouter
     from shard.model.torch_backend import TorchRangeBackend
 

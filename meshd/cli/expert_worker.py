@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from proto.moe import wire as W
+from proto import moe as W
 from proto.errors import MeshdError
 
 # How often the holder looks at the daemon's placement file.

@@ -41,7 +41,7 @@ from meshd.daemon.supervisor import Backoff, Supervisor, WorkerState
 from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, _stop, ready_or_exit
 from meshd.errors import WorkerFailed
 from meshd.plan.experts import ExpertFootprint, coverage, demand, placements, plan_experts, runs_of
-from proto.moe import wire as W
+from proto import moe as W
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from dht.expert_records import ExpertRecord
-from proto.moe import wire as W
+from proto import moe as W
 from proto import shard_runtime_pb2 as pb
 from shard.experts.pool import Placement
 from shard.experts.spec import SHARED, ExpertSpec

@@ -1,7 +1,7 @@
 """Decoding of expert exchange bodies (proto/moe/wire.py has the layout and the bounds).
 
 Every read goes through a bounded cursor that checks the bytes are there
-first; counts and sizes are checked against the named limits of moe_wire
+first; counts and sizes are checked against the named limits of wire.py
 before any array is built; the payload must end exactly where the
 declarations say. Bad bytes raise ProtocolError subclasses only.
 """
@@ -12,7 +12,6 @@ import struct
 import numpy as np
 
 from proto.errors import LimitExceeded, PayloadCorrupt, ProtocolViolation, VersionUnsupported
-# moe_wire imports this module last, once all of these exist.
 from proto.moe.wire import (_FAIL, _HEADER, _KINDS, _PAIR, _REP, _REQ, _U16, ACT_F32, ACT_Q8, ACTS, KIND_FAILURE,
                             KIND_HELLO, KIND_REFUSE, KIND_REPLY, KIND_REQUEST, KIND_WELCOME, MAGIC,
                             MAX_DIGEST_BYTES, MAX_EXCHANGE_FRAME_BYTES, MAX_EXPERTS_PER_LAYER, MAX_HIDDEN,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from proto.moe import wire as W
+from proto.moe.decode import decode
 from proto.errors import LimitExceeded, LocalError, MeshdError, ProtocolError, ProtocolViolation
 from proto.frames import PREFIX_BYTES, encode_frame
 
@@ -145,7 +146,7 @@ class ClientLink:
         self._enter("receive")
         self.bytes_received += len(body)
         try:
-            msg = W.decode(body)
+            msg = decode(body)
         except ProtocolError as exc:
             if self.state == HELLO_SENT:
                 raise self._refused(f"answered the hello with bytes we cannot read ({exc})") from exc
@@ -234,7 +235,7 @@ class ServerLink:
             raise LocalError("ServerLink is closed")
         self.bytes_received += len(body)
         try:
-            msg = W.decode(body)
+            msg = decode(body)
         except ProtocolError as exc:
             self._close(str(exc))
             if self.version == 0:  # still awaiting the hello

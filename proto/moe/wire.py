@@ -58,7 +58,7 @@ __all__ = [
     "SHARED", "MAX_ROWS", "MAX_HIDDEN", "MAX_ITEMS", "MAX_EXPERTS_PER_LAYER", "MAX_EXCHANGE_FRAME_BYTES",
     "Hello", "Welcome", "Refuse", "Item", "Request", "Reply", "Failure",
     "encode_hello", "encode_welcome", "encode_refuse", "encode_request", "encode_reply", "encode_failure",
-    "decode", "peek_header", "act_name",
+    "act_name",
 ]
 
 MAGIC = b"MEXP"
@@ -276,6 +276,3 @@ def encode_reply(req: Request, outputs: list[np.ndarray]) -> bytes:
 def encode_failure(version: int, request_id: int, code: int, reason: str) -> bytes:
     return _header(version, KIND_FAILURE, ACT_F32) + _FAIL.pack(request_id, code) + _text(reason, MAX_REASON_BYTES)
 
-
-# Decoding lives in proto/moe/decode.py (every bound checked before allocation); re-exported here.
-from proto.moe.decode import decode, peek_header  # noqa: E402

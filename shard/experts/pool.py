@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from proto.moe import wire as W
+from proto import moe as W
 from proto.moe.link import LinkFailed, PeerRefused
 from shard.experts.spec import ExpertSpec
 from shard.experts.transport import ExpertConnection

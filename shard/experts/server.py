@@ -26,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from proto.moe import wire as W
+from proto import moe as W
 from proto.errors import ProtocolError
 from proto.moe.link import PREFIX_BYTES, ServerLink
 from shard.experts.transport import recv_exactly, server_tls_context

@@ -31,7 +31,7 @@ import ssl
 
 import numpy as np
 
-from proto.moe import wire as W
+from proto import moe as W
 from proto.errors import MeshdError, ProtocolError
 from proto.moe.link import PREFIX_BYTES, ClientLink, LinkFailed, PeerRefused
 
