@@ -13,6 +13,7 @@ from _shard_helpers import PROMPT
 from meshd.testing.experts import ExpertPeer, generate, teacher_forced, tls_files
 from meshd.testing.models import build_random_qwen2_moe, build_random_qwen3_moe
 from proto import moe as W
+import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
 from shard.experts.pool import ExpertRouter, Placement
 from shard.experts.spec import ExpertSpec
 from shard.experts.dispatch import ExpertsUnavailable

@@ -37,6 +37,7 @@ HEALTH_SNAPSHOTS = 6      # health snapshots to wait for one taken after the kil
 
 def _reference_tokens(path, prompt_ids, new_tokens):
     """The whole model in this process, at the workers' one compute thread (numerics depend on it)."""
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
     from shard.model.reference import WholeModel
 
     threads = torch.get_num_threads()

@@ -69,6 +69,7 @@ def test_a_slice_carries_exactly_its_layers_experts(ggufs, tmp_path, monkeypatch
 
 def test_llama_cpp_and_torch_agree_on_the_same_inputs(ggufs):
     """Across runtimes only the logits on the same inputs compare (random weights have near-tied logits)."""
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
     from shard.model.torch_backend import TorchRangeBackend
 
     artifact, files = ggufs

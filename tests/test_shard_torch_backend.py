@@ -107,6 +107,31 @@ def test_wrong_range_and_unknown_architecture(tmp_path):
         adapter_for(Cfg())
 
 
+def test_model_families_register_themselves_one_family_per_model_type(monkeypatch):
+    # The model room never imports the families that extend it: they register where they are defined.
+    import shard.experts.adapters as moe   # importing registers (before the registry is copied below)
+    from shard.model import adapters
+
+    assert {moe.Qwen3MoeFamily, moe.Qwen2MoeFamily} <= set(adapters._FAMILIES)
+    monkeypatch.setattr(adapters, "_FAMILIES", list(adapters._FAMILIES))   # the registry as it was, after
+
+    @adapters.register_family
+    class ToyFamily(adapters.LlamaFamily):
+        MODEL_TYPES = {"toy": "Toy"}
+
+        def __init__(self, config) -> None:
+            self.config = config
+
+    class Cfg:
+        model_type = "toy"
+
+    assert isinstance(adapters.adapter_for(Cfg()), ToyFamily)
+    with pytest.raises(ValueError, match="both serve"):
+        @adapters.register_family
+        class Impostor(adapters.LlamaFamily):
+            MODEL_TYPES = {"llama": "Llama"}
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
     """Llama-family tails hold the head as [hidden, vocab] (adapters.InputMajorLinear); a tied table is

@@ -55,6 +55,7 @@ def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
 
     from meshd.testing.experts import spawn_expert_worker, tls_files
     from proto import moe as W
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
     from shard.experts.pool import ExpertRouter
     from shard.model.torch_backend import TorchRangeBackend
 

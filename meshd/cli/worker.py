@@ -120,6 +120,7 @@ def load_backend(args: argparse.Namespace, experts=None, exchange=None):
                                  progress=sys.stderr)
     if args.backend != "torch":
         raise ValueError("the llama.cpp backend serves .gguf files; use --backend torch for artifact directories")
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves (qwen3_moe, qwen2_moe)
     from shard.model.torch_backend import TorchRangeBackend
 
     return TorchRangeBackend.load(args.model, start, end, dtype=args.dtype, progress=sys.stderr,

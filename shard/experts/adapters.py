@@ -30,6 +30,10 @@ missing experts on expert peers. Experts run transformers' "eager"
 implementation (the per-expert loop): it is the one an expert peer can
 reproduce row for row, so delegating is bit-exact; "grouped_mm" differs in
 the last bits (measured 1.5e-7 on the logits of the test model).
+
+Both families register themselves with the model room's registry
+(shard/model/adapters.py ``register_family``) when this module is imported:
+a process that loads a MoE range imports it first.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import re
 import torch
 from transformers.activations import ACT2FN
 
-from shard.model.adapters import LlamaFamily, RangeModules
+from shard.model.adapters import LlamaFamily, RangeModules, register_family
 from shard.model.backend import LayerRange
 from shard.experts.spec import SHARED, ExpertSpec
 from shard.experts.dispatch import ExpertExchange, MoeDispatch
@@ -178,6 +182,7 @@ class _MoeFamily(LlamaFamily):
         return modules
 
 
+@register_family
 class Qwen3MoeFamily(_MoeFamily):
     """Qwen3-MoE: Q/K norm, top-k router with normalized weights, routed experts."""
 
@@ -185,6 +190,7 @@ class Qwen3MoeFamily(_MoeFamily):
     name = "qwen3-moe"
 
 
+@register_family
 class Qwen2MoeFamily(_MoeFamily):
     """Qwen2-MoE: Q/K/V biases, top-k router, routed experts plus a sigmoid-gated shared expert."""
 

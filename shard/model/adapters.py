@@ -20,6 +20,12 @@ Families:
 * ``Qwen3MoeFamily`` / ``Qwen2MoeFamily`` (shard/experts/adapters.py): sparse MoE
   layers (router, top-k, experts; Qwen2-MoE's gated shared expert), ranges
   that hold only some experts and delegate the rest to expert peers.
+
+Registry: a family registers itself where it is defined (``@register_family``)
+and ``adapter_for`` looks it up by ``config.model_type``. This room never
+imports the rooms that extend it: the MoE families register when
+shard/experts/adapters.py is imported, which every process that loads a
+MoE range does first (the worker, the expert peer).
 """
 from __future__ import annotations
 
@@ -133,6 +139,23 @@ def range_config(config, layer_range: LayerRange):
     return sub
 
 
+# Model families by the model types they serve, in registration order (see the module doc).
+_FAMILIES: list[type] = []
+
+
+def register_family(family: type) -> type:
+    """Class decorator: ``adapter_for`` answers ``family`` for each of its ``MODEL_TYPES``.
+    A model type that another family already serves is our own bug (ValueError)."""
+    for other in _FAMILIES:
+        taken = set(other.MODEL_TYPES) & set(family.MODEL_TYPES)
+        if other is not family and taken:
+            raise ValueError(f"{family.__name__} and {other.__name__} both serve {sorted(taken)}")
+    if family not in _FAMILIES:
+        _FAMILIES.append(family)
+    return family
+
+
+@register_family
 class LlamaFamily:
     """Llama, Mistral, Qwen2, Qwen3: pre-norm decoder, plain embedding, one rotary."""
 
@@ -268,6 +291,7 @@ class LlamaFamily:
         return modules.lm_head(hidden[:, -1:, :])
 
 
+@register_family
 class Gemma3Family(LlamaFamily):
     """Gemma 3 text: scaled embedding, (1 + w) norms, two rotary bases, softcap."""
 
@@ -317,17 +341,12 @@ class Gemma3Family(LlamaFamily):
         return logits
 
 
-def _families() -> tuple:
-    from shard.experts.adapters import Qwen2MoeFamily, Qwen3MoeFamily  # they build on LlamaFamily
-
-    return (LlamaFamily, Gemma3Family, Qwen3MoeFamily, Qwen2MoeFamily)
-
-
 def adapter_for(config) -> LlamaFamily:
-    """The adapter for ``config.model_type``, or UnsupportedArchitecture."""
-    FAMILIES = _families()
-    for family in FAMILIES:
+    """The adapter of the registered family for ``config.model_type``, or UnsupportedArchitecture."""
+    for family in _FAMILIES:
         if config.model_type in family.MODEL_TYPES:
             return family(config)
-    supported = sorted(t for f in FAMILIES for t in f.MODEL_TYPES)
-    raise UnsupportedArchitecture(f"model_type {config.model_type!r} is not supported; supported: {supported}")
+    supported = sorted(t for f in _FAMILIES for t in f.MODEL_TYPES)
+    raise UnsupportedArchitecture(
+        f"model_type {config.model_type!r} is not supported; supported: {supported} (the MoE families "
+        "qwen3_moe and qwen2_moe register when shard.experts.adapters is imported)")
