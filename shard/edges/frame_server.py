@@ -12,7 +12,7 @@ connection thread reads a frame, runs it, writes the answers; nothing else
 is between the socket and the core.
 
     peer ── TLS/TCP ──▶ accept thread ──▶ one thread per connection:
-        TLS handshake (bounded) ─▶ serve_frames: FrameReader ─ body ─▶ SessionStream.receive ─▶ sendall
+        TLS handshake (bounded) ─▶ serve_frames: FrameReader ─ body ─▶ push.actions.receive ─▶ sendall
 
 gRPC stays the interoperable protocol and the fallback: the frames port is
 advertised beside the gRPC endpoint in the node's signed capability record
@@ -44,6 +44,7 @@ from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
 from shard.experts.transport import server_tls_context
+from shard.push.actions import receive, sink_of, stream_ended
 from shard.edges.grpc_server import MAX_STREAMS
 from shard.session.service import ShardService
 from shard.session.stream import SessionStream, _status
@@ -108,8 +109,8 @@ def serve_frames(conn, service: ShardService, *, idle_timeout_s: float | None = 
                     return
             while not stream.closed and (body := one if one is not None else reader.next_frame()) is not None:
                 one = None
-                out = stream.receive(body)
-                sink = stream.push_sink         # pushed: other threads answer here too
+                out = receive(stream, body)
+                sink = sink_of(stream)          # pushed: other threads answer here too
                 if sink is not None:
                     if not sink.attached:
                         sink.attach(write)
@@ -121,7 +122,7 @@ def serve_frames(conn, service: ShardService, *, idle_timeout_s: float | None = 
     except (OSError, ssl.SSLError):
         pass                                # the peer went away or idled out: nothing to answer
     finally:
-        stream.push_closed()
+        stream_ended(stream)
 
 
 class TlsFrameServer:

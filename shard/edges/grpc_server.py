@@ -41,7 +41,7 @@ from proto.errors import ProtocolError
 from proto.frames import parse_unary
 from proto.limits import MAX_FRAME_BYTES
 from shard.errors import MAX_DETAIL_CHARS
-from shard.push.hub import serve_control
+from shard.push.actions import receive, serve_control, sink_of
 from shard.session.service import ShardService
 from shard.session.sessions import LOCAL_OWNER
 from shard.session.stream import SessionStream
@@ -71,11 +71,11 @@ def _session(service: ShardService):
         peer, private = caller(context)
         stream = SessionStream(service, peer=peer, private=private)
         for body in request_iterator:
-            for response in stream.receive(body):
+            for response in receive(stream, body):
                 yield response
             if stream.closed:
                 return
-            if stream.push_sink is not None:   # pushed: answers also come from other streams
+            if sink_of(stream) is not None:   # pushed: answers also come from other streams
                 yield from serve_control(stream, request_iterator)
                 return
     return handler

@@ -9,7 +9,7 @@ sans-I/O core (shard.session.stream.SessionStream over the worker's ShardService
 one core now has three edges: gRPC, TLS gRPC, and this socket.
 
     daemon (trio) ── unix stream ──▶ accept thread ──▶ one thread per connection:
-        shard.edges.frame_server.serve_frames: FrameReader ─ body ─▶ SessionStream.receive ─▶ sendall
+        shard.edges.frame_server.serve_frames: FrameReader ─ body ─▶ push.actions.receive ─▶ sendall
 
 Who may connect: the socket is created inside the daemon's private run
 directory with mode 0600 (owner only); it never listens on a network.

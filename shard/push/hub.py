@@ -38,8 +38,12 @@ Answers leaving a control stream come from other threads (a feeder's, a
 successor stream's reader), so a pushed control stream sends through a
 ``ControlSink``: over gRPC the handler, once the open is accepted, yields from
 the sink's bounded queue while a pump thread feeds the stream's own requests
-through the core (``serve_control``); on the Unix edge the sink writes frames
-under a lock.
+through the core (shard/push/actions.py ``serve_control``); on the framed
+edges the sink writes frames under a lock.
+
+This module holds the state (PushHub: the sessions by key; PushSession: one
+session's sink and successor stream); shard/push/actions.py carries out the
+stream core's push actions against it.
 
 Legs: a decode step carries ``legs`` (the entry sends 1); every hop's push adds
 one, the tail's answer one more, so the entry *counts* the legs a token took.
@@ -53,17 +57,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Callable
 
 import numpy as np
 
 from proto import shard_runtime_pb2 as pb
-from proto import wire
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.limits import MAX_STOP_TOKENS
-from proto.frames import SCHEMA_VERSION
 from shard.errors import CacheMiss, to_shard_error
-from shard.push.successor import PushError, SuccessorStream
+from shard.push.successor import Dialer, PushError, SuccessorStream
 from shard.session.sessions import SessionKey
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,7 @@ PUSH_MAX_SESSIONS = 256
 # Answers queued on one control stream before a producer waits (the entry reads them at once).
 SINK_DEPTH = 64
 SINK_PUT_TIMEOUT_S = 30.0
-HIDDEN = "h"
 _END = object()
-
-Dialer = Callable[[pb.PushTarget], object]   # -> a grpc.Channel to the target
 
 
 def _status(detail: str, *, code: int, session_id: str, failed_peer: str = "", terminal: bool = False) -> bytes:
@@ -122,34 +120,13 @@ class ControlSink:
         except queue.Full:
             pass
 
-
-def serve_control(stream, request_iterator):
-    """The rest of a pushed control stream over gRPC: the stream's own requests go through the
-    core in a pump thread; the handler yields whatever the sink holds, from any thread."""
-    sink: ControlSink = stream.push_sink
-
-    def pump() -> None:
-        try:
-            for body in request_iterator:
-                for out in stream.receive(body):
-                    sink.emit(out)
-                if stream.closed:
-                    break
-        except Exception:  # noqa: BLE001 - the call ended (cancel, peer gone): nothing to answer
-            pass
-        finally:
-            sink.end()
-
-    thread = threading.Thread(target=pump, name="shard-push-control", daemon=True)
-    thread.start()
-    try:
+    def drain(self):
+        """The queued answers, blocking for each, until ``end()`` (the gRPC handler yields them)."""
         while True:
-            item = sink._queue.get()
+            item = self._queue.get()
             if item is _END:
                 return
             yield item
-    finally:
-        stream.push_closed()
 
 
 class PushSession:
@@ -169,7 +146,16 @@ class PushSession:
         self.loop = is_tail and open_msg.push_loop
         self.loop_from = int(open_msg.push_loop_from)
         self.stop_ids = frozenset(open_msg.tail.stop_token_ids)
+        self.owner_digest = b""   # the control stream's owner: what a feeder must prove (actions.py)
         self.successor = SuccessorStream(self, open_msg.push_next, loop=self.loop) if (not is_tail or self.loop) else None
+
+    # -- what the successor stream needs of its session (successor.Upstream) ------------
+    @property
+    def dialer(self) -> Dialer | None:
+        return self.hub.dialer
+
+    def note_stream(self, transport: str) -> None:
+        self.hub.note_stream(transport)
 
     def report(self, detail: str, failed_peer: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
         try:
@@ -292,83 +278,3 @@ def hub_of(service) -> PushHub:
     if hub is None:
         hub = service.push_hub = PushHub(service)
     return hub
-
-
-# -- hooks the sans-I/O core (shard/session/stream.py) calls ----------------------------------------
-def open_control(stream, key: SessionKey, o: pb.SessionOpen) -> None:
-    """The entry opened a pushed session on ``stream`` (its KV is open): register it."""
-    service = stream.service
-    try:
-        session = hub_of(service).register(key, o, service.backend.fingerprint, service.backend.layer_range.is_tail)
-    except BaseException:
-        with service.lock:
-            service.manager.release(key, stream.owner)
-        raise
-    session.sampling = stream.sampling
-    session.owner_digest = stream.owner.token_digest   # what a feeder must prove (attach_feeder)
-    stream.push, stream.push_role = session, "control"
-
-
-def attach_feeder(stream, key: SessionKey, o: pb.SessionOpen, owner) -> list[bytes]:
-    """The upstream hop attaches to the session the entry opened here (ranges already checked).
-
-    Only a feeder holding this session's owner token (the entry gave it to the upstream hop in
-    its PushTarget) may attach: anyone else gets PERMISSION_DENIED, whatever it knows."""
-    import hmac
-
-    from proto.flow import CreditLedger, negotiate
-    from shard.errors import PermissionDenied, RangeMismatch
-
-    service = stream.service
-    session = hub_of(service).get(key)
-    expected = getattr(session, "owner_digest", b"")
-    if expected and not hmac.compare_digest(owner.token_digest, expected):
-        raise PermissionDenied("only the hop the entry named may feed this session")
-    if o.shard_range.effective_start_layer != session.effective_start:
-        raise RangeMismatch("the feeder names another effective start than the entry opened")
-    with service.lock:
-        past_len = service.manager.past_len(key) or 0
-    flow = negotiate(o.proposed_flow_control, service.local_flow)
-    stream.ledger = CreditLedger(flow)
-    stream.key, stream.effective_start, stream.tail = key, session.effective_start, session.tail
-    stream.sampling, stream.state = session.sampling, "open"
-    stream.push, stream.push_role = session, "feed"
-    return [pb.SessionResponse(accepted=pb.SessionAccepted(
-        schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
-        flow_control=flow, fingerprint=service.backend.fingerprint, past_len=past_len)).SerializeToString()]
-
-
-def after_chunk(stream, env: pb.Envelope, tensors: dict, sample: pb.TailSample | None) -> None:
-    """A pushed prefill chunk ran: the tail answers the entry (final chunk only; a looped tail
-    first sends the token to the head), others push on."""
-    session: PushSession = stream.push
-    final = env.chunk.final_chunk if env.HasField("chunk") else True
-    if session.is_tail:
-        if final:
-            if sample is not None:
-                session.loop_token(env.position.first_position + env.position.token_count, sample.token_id)
-            session.answer(wire.response_chunk(env, tensors, sample=sample))
-        return
-    c = env.chunk
-    session.push(env.position.first_position, tensors[HIDDEN], index=c.chunk_index,
-                 count=max(1, c.chunk_count), final=final)
-
-
-def after_decode(stream, d: pb.DecodeStep, result) -> None:
-    """A pushed decode step ran (``result``: the manager's StepResult): the tail answers the entry,
-    others push the row on (one leg more)."""
-    from shard.session.stream import decode_answer
-
-    session: PushSession = stream.push
-    if session.is_tail:
-        if session.loop and not result.duplicate:       # the head waits for this one: it goes first
-            session.loop_token(int(d.position) + 1, getattr(result.payload, "token", None))
-        # the route's compute, summed along the way, for the entry's figures; this answer's leg too
-        session.answer(decode_answer(d.idempotency_step, result.past_len, result.duplicate,
-                                     result.execution_nanos + d.route_execution_nanos, result.payload,
-                                     legs=d.legs + 1))
-        return
-    if result.duplicate:
-        return      # a step that already ran: its rows went on when it first ran
-    session.push(int(d.position), result.payload[HIDDEN], decode=True, legs=d.legs + 1,
-                 execution=d.route_execution_nanos + result.execution_nanos)

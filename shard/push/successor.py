@@ -13,6 +13,10 @@ kept with their batch shapes, bounded by the session's max tokens:
 batches (its prefill), then pushing continues there. A generation counter
 keeps an old stream's last words from being reported after a repoint.
 
+The session that drives a successor stream is seen through ``Upstream``, a
+small protocol (shard/push/hub.py PushSession implements it): its key and
+bounds, how to dial, where to count the stream, and where to report.
+
 Bounds: credit waits of CREDIT_WAIT_S, the open's answer within
 OPEN_TIMEOUT_S, a send queue of SEND_DEPTH bodies.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 import numpy as np
 
@@ -31,9 +35,7 @@ from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
 from proto.limits import DECODE_STEP_BASE
 from shard.session.request_queue import RequestQueue
-
-if TYPE_CHECKING:
-    from shard.push.hub import PushSession
+from shard.session.session_ids import SessionKey
 
 # A successor that grants no credit for this long is reported as failed.
 CREDIT_WAIT_S = 60.0
@@ -47,14 +49,39 @@ HIDDEN = "h"
 TOKEN_IDS = "token_ids"
 
 
+Dialer = Callable[[pb.PushTarget], object]   # -> a grpc.Channel (or a framed channel) to the target
+
+
 class PushError(Exception):
     """The successor could not be reached or refused the pushed work."""
+
+
+class Upstream(Protocol):
+    """The pushed session a successor stream works for (shard/push/hub.py PushSession)."""
+
+    key: SessionKey
+    fingerprint: pb.Fingerprint
+    max_tokens: int          # bounds the rows kept (0: no bound)
+    chunk_tokens: int        # the prefill chunk size proposed to the successor
+
+    @property
+    def dialer(self) -> Dialer | None:
+        """How this worker dials a target (None: it cannot push)."""
+        ...
+
+    def note_stream(self, transport: str) -> None:
+        """A stream to a successor opened over ``transport`` ("frames" or "grpc")."""
+        ...
+
+    def report(self, detail: str, failed_peer: str, code: int = ...) -> None:
+        """Tell the entry (once) that the successor failed."""
+        ...
 
 
 class SuccessorStream:
     """This hop's stream to its successor; keeps what it sent for a replacement (see module doc)."""
 
-    def __init__(self, session: "PushSession", target: pb.PushTarget, *, loop: bool = False) -> None:
+    def __init__(self, session: Upstream, target: pb.PushTarget, *, loop: bool = False) -> None:
         self.session, self.target = session, target
         self.loop = loop                        # a looped tail's stream to the head: tokens, nothing kept
         self._lock = threading.Lock()           # one send / repoint at a time
@@ -98,7 +125,7 @@ class SuccessorStream:
     # -- the successor's stream --------------------------------------------------------
     def _open(self) -> None:
         s, t = self.session, self.target
-        dial = s.hub.dialer
+        dial = s.dialer
         if dial is None:
             raise PushError("this worker has no push dialer")
         self._generation += 1
@@ -108,7 +135,7 @@ class SuccessorStream:
         call = self._channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
         self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
         self.transport = getattr(self._channel, "used", "") or "grpc"
-        s.hub.note_stream(self.transport)
+        s.note_stream(self.transport)
         self._queue.put(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.key.session_id, route_epoch=t.route_epoch,
             fingerprint=s.fingerprint, shard_range=t.shard_range, push_feed=True, max_tokens=s.max_tokens,

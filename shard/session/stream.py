@@ -1,8 +1,29 @@
-"""Sans-I/O core of one Session stream: request bytes in, response bytes out.
+"""Sans-I/O core of one Session stream: request bytes in, response bytes and push actions out.
 
-One ``SessionStream`` per gRPC bidi call or relay circuit. It never touches a
-socket: ``receive(frame_body) -> [response bodies]``. Transports (gRPC in
-``shard/edges/grpc_server.py``; libp2p relay framing later) only move bytes.
+One ``SessionStream`` per gRPC bidi call, frame connection or relay circuit.
+It never touches a socket or a thread: ``receive(frame_body)`` returns, in
+order, the response bodies to send and the push actions to carry out. The
+edges (shard/edges/) only move bytes; they hand whatever ``receive`` returns
+to shard/push/actions.py, which carries the actions out (h11 style: the core
+says what happens, the edge does it) and gives back the bodies to send.
+
+Push actions (a pushed session's work leaves through the push machinery, not
+as this stream's answer):
+
+    OpenPushed      the entry opened a pushed session (KV open): register it, then
+                    send ``accepted``; if it cannot be registered, ``undo_open``
+    AttachFeeder    the upstream hop asks to feed a pushed session: find it, check
+                    the feeder, then ``feeder_attached`` answers (or the open is refused)
+    PushChunk       a pushed prefill chunk ran: the tail answers the entry, others push on
+    PushDecode      a pushed decode step ran: likewise, one leg more
+    Repoint         the entry names a replacement successor
+    ReleasePushed   the entry released the session (its KV is already freed)
+
+The edge records what it registered with ``attach_push(handle, role)``; the
+core keeps that handle without looking into it and remembers the role
+(``control``: the entry's stream; ``feed``: the upstream hop's), which
+decides what the stream may still receive. A failure while an action is
+carried out ends the stream like a failure here (``fail``).
 
 States and transitions (one table, the rules of the stream):
 
@@ -51,7 +72,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Union
 
 import numpy as np
 
@@ -63,13 +85,12 @@ from proto.flow import CreditLedger, negotiate
 from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
-from shard.push import hub
 from shard.model.artifact import fingerprints_match
 from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
                           log_failure, map_failure, to_shard_error)
 from shard.model.sampling import SamplingSpec, check_top_logprobs, sample_token, token_logprobs
 from shard.session.service import ACCEPTED_COMPRESSION, ShardService
-from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey
+from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +198,61 @@ def decode_answer(step: int, past_len: int, duplicate: bool, execution_nanos: in
 # How the owner's peer is spelled when the daemon names a relayed circuit's peer.
 RELAYED_PEER_PREFIX = "noise:"
 
+# Roles of a pushed session's streams (see the module doc).
+CONTROL, FEED = "control", "feed"
+
+
+# -- push actions: what the edge carries out (shard/push/actions.py) ----------------------
+@dataclass(frozen=True, slots=True)
+class OpenPushed:
+    """The entry opened a pushed session on this stream (its KV is open)."""
+
+    key: SessionKey
+    open: pb.SessionOpen
+    accepted: bytes           # the answer to send once the session is registered
+
+
+@dataclass(frozen=True, slots=True)
+class AttachFeeder:
+    """The upstream hop asks to feed the pushed session ``key`` (ranges already checked)."""
+
+    key: SessionKey
+    open: pb.SessionOpen
+    owner: Owner
+
+
+@dataclass(frozen=True, slots=True)
+class PushChunk:
+    """A pushed prefill chunk ran; ``envelope`` is the answer's (token count set)."""
+
+    envelope: pb.Envelope
+    tensors: dict
+    sample: pb.TailSample | None
+
+
+@dataclass(frozen=True, slots=True)
+class PushDecode:
+    """A pushed decode step ran (``result``: the manager's StepResult)."""
+
+    step: pb.DecodeStep
+    result: StepResult
+
+
+@dataclass(frozen=True, slots=True)
+class Repoint:
+    """The entry names a replacement successor for this hop."""
+
+    target: pb.PushTarget
+
+
+@dataclass(frozen=True, slots=True)
+class ReleasePushed:
+    """The entry released the pushed session (its KV is freed already)."""
+
+
+PushAction = Union[OpenPushed, AttachFeeder, PushChunk, PushDecode, Repoint, ReleasePushed]
+Output = Union[bytes, PushAction]
+
 
 class SessionStream:
     def __init__(self, service: ShardService, *, wall_ns: Callable[[], int] = time.time_ns,
@@ -191,27 +267,17 @@ class SessionStream:
         self.tail = pb.TailOptions()
         self.sampling: SamplingSpec | None = None   # the tail samples (a pure function of seed and position)
         self.ledger: CreditLedger | None = None
-        self.push = None            # shard.push.hub.PushSession of a pushed session
-        self.push_role = ""         # "control" (the entry's stream) or "feed" (the upstream hop's)
+        self.push: object | None = None   # what the edge registered for a pushed session (opaque here)
+        self.push_role = ""               # CONTROL (the entry's stream), FEED (the upstream hop's) or ""
 
     @property
     def closed(self) -> bool:
         return self.state == CLOSED
 
-    @property
-    def push_sink(self):
-        """A pushed session's control stream answers through this sink, from any thread."""
-        return self.push.sink if self.push_role == "control" else None
-
-    def push_closed(self) -> None:
-        """The stream ended: a control stream's pushed session (and its successor stream) goes too."""
-        if self.push_role == "control" and self.push is not None:
-            self.push.close()
-        self.push = None
-
     # -- entry point -------------------------------------------------------------------
-    def receive(self, data: bytes) -> list[bytes]:
-        """Handle one request body; returns the response bodies to send, in order."""
+    def receive(self, data: bytes) -> list[Output]:
+        """Handle one request body; returns the response bodies to send and the push actions to
+        carry out, in order."""
         if self.state == CLOSED:
             return []
         session_id = self.key.session_id if self.key else ""
@@ -224,18 +290,52 @@ class SessionStream:
             if kind == "decode" or kind == "chunk":
                 self.ledger.on_chunk(len(data))
             return getattr(self, _HANDLERS[kind])(req, tensors)
-        except (ProtocolError, ShardRefusal) as exc:  # frame-level, a refused open, or a cancel
-            self.state = CLOSED
-            return [_status(exc, terminal=True, session_id=session_id)]
-        except Exception as exc:  # our bug: end this stream only, never the worker
-            self.state = CLOSED
-            doing = (f"handling the {kind} message" if kind else "reading a request") + (
-                f" of session {session_id[:32]}" if session_id else "")
+        except Exception as exc:
+            return self.fail(exc, f"handling the {kind} message" if kind else "reading a request", session_id)
+
+    def fail(self, exc: Exception, doing: str, session_id: str) -> list[bytes]:
+        """End this stream with a terminal ShardStatus for ``exc`` (raised while ``doing``).
+
+        A protocol error, a refused open or a cancel is answered as it is; anything else is our
+        bug, logged with its traceback and answered as a typed failure: it ends this stream
+        only, never the worker."""
+        self.state = CLOSED
+        if not isinstance(exc, (ProtocolError, ShardRefusal)):
+            doing += f" of session {session_id[:32]}" if session_id else ""
             log_failure(log, exc, doing)
-            return [_status(map_failure(exc, doing), terminal=True, session_id=session_id)]
+            exc = map_failure(exc, doing)
+        return [_status(exc, terminal=True, session_id=session_id)]
+
+    # -- what the edge reports back while carrying out push actions ------------------------
+    def attach_push(self, handle: object, role: str) -> None:
+        """The edge registered this stream's pushed session as ``handle``; ``role``: CONTROL or FEED."""
+        self.push, self.push_role = handle, role
+
+    def undo_open(self) -> None:
+        """The pushed session this stream opened could not be registered: free its KV, close."""
+        self.state = CLOSED
+        with self.service.lock:
+            self.service.manager.release(self.key, self.owner)
+
+    def feeder_attached(self, handle: object, *, effective_start: int, tail: pb.TailOptions,
+                        sampling: SamplingSpec | None, open_msg: pb.SessionOpen) -> list[bytes]:
+        """The edge found the pushed session the upstream hop may feed: this stream carries its
+        inputs from now on (answered with credits and refusals only)."""
+        key = SessionKey(open_msg.route_session_id, int(open_msg.route_epoch))
+        with self.service.lock:
+            past_len = self.service.manager.past_len(key) or 0
+        flow = negotiate(open_msg.proposed_flow_control, self.service.local_flow)
+        self.ledger = CreditLedger(flow)
+        self.key, self.effective_start, self.tail = key, effective_start, tail
+        self.sampling, self.state = sampling, OPEN
+        self.attach_push(handle, FEED)
+        return [pb.SessionResponse(accepted=pb.SessionAccepted(
+            schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
+            flow_control=flow, fingerprint=self.service.backend.fingerprint,
+            past_len=past_len)).SerializeToString()]
 
     # -- open ---------------------------------------------------------------------------
-    def _on_open(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
+    def _on_open(self, req: pb.SessionRequest, _tensors) -> list[Output]:
         o = req.open
         check_schema_version(o.schema_version)
         backend = self.service.backend
@@ -251,7 +351,7 @@ class SessionStream:
         peer = RELAYED_PEER_PREFIX + o.relayed_peer_id if self.private and o.relayed_peer_id else self.peer
         owner = Owner.of(peer, o.owner_token)
         if o.push_feed:
-            return hub.attach_feeder(self, key, o, owner)
+            return [AttachFeeder(key, o, owner)]
         sampling = None
         if lr.is_tail and o.tail.sample:
             sampling = SamplingSpec.from_pb(o.tail.sampling)
@@ -262,12 +362,11 @@ class SessionStream:
         self.ledger = CreditLedger(flow)
         self.key, self.effective_start, self.tail, self.state = key, r.effective_start_layer, o.tail, OPEN
         self.sampling, self.owner = sampling, owner
-        if o.push:
-            hub.open_control(self, key, o)
-        return [pb.SessionResponse(accepted=pb.SessionAccepted(
+        accepted = pb.SessionResponse(accepted=pb.SessionAccepted(
             schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
             flow_control=flow, accepted_compression=ACCEPTED_COMPRESSION,
-            fingerprint=backend.fingerprint, past_len=past_len)).SerializeToString()]
+            fingerprint=backend.fingerprint, past_len=past_len)).SerializeToString()
+        return [OpenPushed(key, o, accepted)] if o.push else [accepted]
 
     # -- work ----------------------------------------------------------------------------
     def _input(self, tensors: dict[str, np.ndarray]) -> np.ndarray:
@@ -319,7 +418,7 @@ class SessionStream:
         return [_status(exc, terminal=self.state == CLOSED, work_id=work_id,
                         session_id=self.key.session_id, step=step), *self._grant()]
 
-    def _on_chunk(self, req: pb.SessionRequest, tensors) -> list[bytes]:
+    def _on_chunk(self, req: pb.SessionRequest, tensors) -> list[Output]:
         env = req.chunk.envelope
         if env.route_session_id != self.key.session_id or env.route_epoch != self.key.epoch:
             raise ProtocolViolation("chunk names another session or epoch than this stream's")
@@ -350,11 +449,10 @@ class SessionStream:
         out_env.position.token_count = span.token_count
         tensors, sample = _parts(result.payload)
         if self.push is not None:
-            hub.after_chunk(self, out_env, tensors, sample)
-            return self._grant()
+            return [PushChunk(out_env, tensors, sample), *self._grant()]
         return [wire.response_chunk(out_env, tensors, sample=sample), *self._grant()]
 
-    def _on_decode(self, req: pb.SessionRequest, tensors) -> list[bytes]:
+    def _on_decode(self, req: pb.SessionRequest, tensors) -> list[Output]:
         d = req.decode
         try:
             if self._input(tensors).shape[0] != 1:
@@ -364,32 +462,29 @@ class SessionStream:
         except (ProtocolError, ShardRefusal) as exc:
             return self._work_error(exc, d.work_id, d.idempotency_step)
         if self.push is not None:
-            hub.after_decode(self, d, result)
-            return self._grant()
+            return [PushDecode(d, result), *self._grant()]
         return [decode_answer(d.idempotency_step, result.past_len, result.duplicate, result.execution_nanos,
                               result.payload), *self._grant()]
 
     def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         return []  # responses answer requests one to one; the peer's grants need no bookkeeping
 
-    def _on_repoint(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
-        if self.push_role != "control":
+    def _on_repoint(self, req: pb.SessionRequest, _tensors) -> list[Output]:
+        if self.push_role != CONTROL:
             raise ProtocolViolation("repoint is only for a pushed session's entry stream")
-        self.push.repoint(req.repoint.next)
-        return []
+        return [Repoint(req.repoint.next)]
 
-    def _on_release(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
-        if self.push_role == "feed":
+    def _on_release(self, req: pb.SessionRequest, _tensors) -> list[Output]:
+        if self.push_role == FEED:
             raise ProtocolViolation("a feeder stream cannot release the session")
         r = req.release
         if r.route_session_id != self.key.session_id or r.route_epoch != self.key.epoch:
             raise ProtocolViolation("release names another session or epoch than this stream's")
         with self.service.lock:
             self.service.manager.release(self.key, self.owner)
-        if self.push is not None:
-            self.push.release()
         self.state = CLOSED
-        return [pb.SessionResponse(ack=pb.Ack(work_id=r.work_id)).SerializeToString()]
+        ack = pb.SessionResponse(ack=pb.Ack(work_id=r.work_id)).SerializeToString()
+        return [ReleasePushed(), ack] if self.push is not None else [ack]
 
     def _on_cancel(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         c = req.cancel
