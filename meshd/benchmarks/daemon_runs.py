@@ -1,4 +1,4 @@
-"""What ``meshd bench swarm`` and ``pipeline`` share: the product path timed beside the whole model.
+"""What ``meshd bench swarm`` (both lanes) and ``pipeline`` share: the product path timed beside the whole model.
 
     options        --model PATH (an artifact directory), --layers A:B,C:D (a fixed
                    split: one ``meshd join --layers`` daemon per range), --backend
@@ -17,6 +17,9 @@
     logits check   ``route_logits``: the same route driven by the route driver in this
                    process over the daemons' pinned TLS endpoints (from ``status``), asking
                    the tail for its logits rows -- only for max_abs_logit_diff, never timed
+    failover       ``measure_failover``: a backup for the middle hop's range, that hop's
+                   daemon killed after the first token; same tokens? how long to recover?
+                   (both lanes of ``meshd bench swarm``)
 
 Blocking code; every wait is bounded (meshd/daemon/local_swarm.py).
 """
@@ -212,3 +215,36 @@ def route_logits(entry, prompt_ids: Sequence[int], n: int):
     tokens = [t.id for t in driver.generate(GenerationRequest(tuple(prompt_ids), n, return_logits=True))]
     # the sessions' channels are the last ones made (after the capability questions)
     return tokens, driver.stats.logits, [getattr(c, "used", "") or "grpc" for c in made[-len(hops):]]
+
+
+def measure_failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dict,
+                     say: Callable[[str], None]) -> None:
+    """A backup for the middle hop's range, then that hop's daemon SIGKILLed after the first token
+    (``meshd bench swarm``, both lanes): ``result`` gets whether the tokens stayed the same and
+    the recovery time."""
+    by_peer = {(d.swarm() or {}).get("peer_id"): d for d in swarm.daemons}
+    ads = {a["peer_id"]: a for a in entry.swarm()["ads"]}
+    route = result["route"]
+    middle = ads[route[len(route) // 2].split(":")[0]]
+    backup = swarm.add(layers=f"{middle['start']}:{middle['end']}", name="backup")
+    swarm.wait_serving(backup, START_TIMEOUT_S)
+    swarm.wait_covered(120, peers=len(ads) + 1)
+    probe = generate(entry, prompt, 2)["route"]  # which of the two twins this entry's route uses
+    victim = by_peer.get(probe[len(probe) // 2].split(":")[0]) or backup
+    say(f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
+                   f"killing {victim.name} (middle hop, daemon and worker) after the first token")
+    killed: list[float] = []
+
+    def kill(count: int) -> None:
+        if count == 1 and not killed:
+            killed.append(victim.kill_node())
+
+    n = max(new_tokens, 48)
+    failed = generate(entry, prompt, n, on_token=kill)
+    expected = reference.generate(prompt, n)[0]
+    fo = failed["failovers"]
+    result.update(tokens_equal_with_failure=failed["tokens"] == expected, failovers=len(fo))
+    if fo and fo[0].get("next_token_at") and killed:
+        result["recovery_s"] = round(fo[0]["next_token_at"] - killed[0], 3)
+        result["failover_to_token_s"] = round(fo[0]["next_token_at"] - fo[0]["failed_at"], 3)
+    say(f"failure run: {len(fo)} failover(s), recovery {result.get('recovery_s')} s")

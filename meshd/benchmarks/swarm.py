@@ -155,7 +155,7 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
             decode_ratio_vs_bare_split=round(max(swarm_rates) / max(b[0] for b in bares), 3),
             bare_split_tokens_equal=all(b[1][:len(whole_tokens)] == whole_tokens for b in bares),
         )
-        _failover(swarm, entry, reference, prompt, new_tokens, result, progress)
+        R.measure_failover(swarm, entry, reference, prompt, new_tokens, result, lambda line: _say(progress, line))
     finally:
         _say(progress, "stopping the daemons")
         if swarm is not None:
@@ -163,34 +163,3 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         shutil.rmtree(root, ignore_errors=True)
     return result
 
-
-def _failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dict, progress) -> None:
-    """A backup for the middle hop's range, then that hop's daemon SIGKILLed after the first token."""
-    from meshd.benchmarks import daemon_runs as R
-
-    by_peer = {(d.swarm() or {}).get("peer_id"): d for d in swarm.daemons}
-    ads = {a["peer_id"]: a for a in entry.swarm()["ads"]}
-    route = result["route"]
-    middle = ads[route[len(route) // 2].split(":")[0]]
-    backup = swarm.add(layers=f"{middle['start']}:{middle['end']}", name="backup")
-    swarm.wait_serving(backup, R.START_TIMEOUT_S)
-    swarm.wait_covered(120, peers=len(ads) + 1)
-    probe = R.generate(entry, prompt, 2)["route"]  # which of the two twins this entry's route uses
-    victim = by_peer.get(probe[len(probe) // 2].split(":")[0]) or backup
-    _say(progress, f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
-                   f"killing {victim.name} (middle hop, daemon and worker) after the first token")
-    killed: list[float] = []
-
-    def kill(count: int) -> None:
-        if count == 1 and not killed:
-            killed.append(victim.kill_node())
-
-    n = max(new_tokens, 48)
-    failed = R.generate(entry, prompt, n, on_token=kill)
-    expected = reference.generate(prompt, n)[0]
-    fo = failed["failovers"]
-    result.update(tokens_equal_with_failure=failed["tokens"] == expected, failovers=len(fo))
-    if fo and fo[0].get("next_token_at") and killed:
-        result["recovery_s"] = round(fo[0]["next_token_at"] - killed[0], 3)
-        result["failover_to_token_s"] = round(fo[0]["next_token_at"] - fo[0]["failed_at"], 3)
-    _say(progress, f"failure run: {len(fo)} failover(s), recovery {result.get('recovery_s')} s")

@@ -196,7 +196,6 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks.llama_cpu import engine_cpu
     from meshd.daemon.local_swarm import DEMO_KV_TOKENS, THREADS
-    from meshd.benchmarks.swarm import _failover
     from meshd.plan.modelinfo import model_num_layers
 
     if getattr(options, "layers", None):
@@ -244,7 +243,8 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
                     result[f"{key}_{n}"] = value
                 if n == SPLITS[-1] and not quick:
                     failure: dict = {"route": figures["route"]}
-                    _failover(swarm, R.entry_of(swarm), reference, prompt, new_tokens, failure, progress)
+                    R.measure_failover(swarm, R.entry_of(swarm), reference, prompt, new_tokens, failure,
+                                       lambda line: _say(progress, line))
                     failure.pop("route")
                     result.update(failure)
             finally:
