@@ -58,9 +58,9 @@ def driver_for(shards) -> SwarmDriver:
     return SwarmDriver(source, PeerConnector(insecure_loopback=True), fingerprint=fp, replan_wait_s=0.0)
 
 
-def fill(shard) -> None:
+def fill(local) -> None:
     """Another peer's session takes the shard's whole KV budget (and keeps using it)."""
-    m = shard.service.manager
+    m = local.service.manager
     m.open(SessionKey("hog", 0), m.policy.kv_budget_tokens, HOG)
 
 
