@@ -78,7 +78,7 @@ DEFAULT_WORKER_READY_TIMEOUT_S = 900.0
 # KV positions a worker holds (one 2048-token context for two concurrent
 # sessions). ONE setting (worker.kv_budget_tokens) for both sides: the planner
 # sizes a node's range with it (meshd/plan: weights + this KV + scratch within
-# --memory) and the worker admits sessions against exactly it (shard/sessions.py),
+# --memory) and the worker admits sessions against exactly it (shard/session/sessions.py),
 # so --memory is never exceeded by KV the plan did not count.
 DEFAULT_KV_BUDGET_TOKENS = 4096
 # Restart backoff for a dead worker: doubles from the first to the cap (about 5
@@ -175,7 +175,7 @@ class WorkerConfig:
     restart_backoff_reset_s: float = DEFAULT_RESTART_BACKOFF_RESET_S
     # Compute threads of the worker (torch / llama.cpp): by default every core this process may use.
     torch_threads: int = field(default_factory=lambda: machine_cores())
-    # Continuous batching in the worker (shard/batching.py); false: one forward at a time.
+    # Continuous batching in the worker (shard/session/batching.py); false: one forward at a time.
     batching: bool = True
     # llama.cpp KV layout. N: N streams of kv_budget_tokens / N cells, one per session: bit-exact
     # under concurrency, but at most N sessions of at most that many tokens each. "auto" (the
@@ -313,7 +313,7 @@ class DaemonConfig:
             if not (self.memory_bytes and self.memory_bytes > 0):
                 raise ConfigError("--experts auto needs --memory SIZE: the experts taken are sized to it")
             return
-        from shard.expert_spec import ExpertSpec, ExpertSpecError
+        from shard.experts.spec import ExpertSpec, ExpertSpecError
 
         try:
             ExpertSpec.parse(self.experts)

@@ -36,7 +36,7 @@ from native.gguf_range import model_info, open_reader
 from native.llama_engine import MAX_BATCH_TOKENS
 from native.slice import slice_path
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 
 __all__ = ["FloorRun", "floor_generate"]
 

@@ -29,9 +29,8 @@ Files and roles:
     flow.py                  flow-control negotiation (strictest wins) and credit accounting
     chunking.py              token-aligned prefill chunk plans (default 128 tokens)
     records.py               Ed25519-signed DHT records and directives (sign, verify, parse)
-    moe_wire.py              the expert exchange codec: hello, rows once + per-expert indices, f32 / q8
-    moe_decode.py            its bounded decoder (re-exported by moe_wire)
-    moe_link.py              sans-I/O link states of the exchange (client fails for good; server hello first)
+    moe/                     the expert exchange: its codec (hello, rows once + per-expert indices,
+                             f32 / q8; bounded decoder) and sans-I/O link states
     golden/                  committed golden frames and their generator (python -m proto.golden)
 
 Typical use: a sender builds bytes with ``wire.request_chunk(envelope, {"h": hidden})``;

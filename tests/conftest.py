@@ -4,9 +4,9 @@ from __future__ import annotations
 import os
 import tempfile
 
-from shard.digests import CACHE_ENV
+from shard.model.digests import CACHE_ENV
 
-# The artifact digest cache (shard/digests.py) of a test run is its own: the many
+# The artifact digest cache (shard/model/digests.py) of a test run is its own: the many
 # throwaway artifacts tests build must not push a user's real entries out of
 # ~/.cache/meshd/digests. Set here, at collection, so every child process a test
 # starts (workers, daemons) inherits it.

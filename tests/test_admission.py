@@ -24,8 +24,8 @@ from meshd.generate.routes import AdsRouteSource, LoadBook, PeerConnector
 from meshd.plan.assignment import JoinRequest
 from meshd.reach.tls import load_or_create_tls
 from meshd.testing.models import build_random_llama
-from shard.reference import WholeModel
-from shard.sessions import Owner, SessionKey, SessionPolicy
+from shard.model.reference import WholeModel
+from shard.session.sessions import Owner, SessionKey, SessionPolicy
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
@@ -58,9 +58,9 @@ def driver_for(shards) -> SwarmDriver:
     return SwarmDriver(source, PeerConnector(insecure_loopback=True), fingerprint=fp, replan_wait_s=0.0)
 
 
-def fill(shard) -> None:
+def fill(local) -> None:
     """Another peer's session takes the shard's whole KV budget (and keeps using it)."""
-    m = shard.service.manager
+    m = local.service.manager
     m.open(SessionKey("hog", 0), m.policy.kv_budget_tokens, HOG)
 
 

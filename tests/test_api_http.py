@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshd.api.entry import EntryLimits
 from meshd.generate.tokenizer import EntryTokenizer
 from meshd.testing.models import build_random_llama
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 from tests._api_helpers import MODEL_ID, InProcessCore, chat_tokenizer_dir, running_api
 from tests._swarm_helpers import start_shard
 
@@ -217,7 +217,7 @@ def test_busy_entry_answers_429_with_retry_after(core, shards):
 
 
 def test_a_full_swarm_answers_429_with_the_workers_retry_hint(api, shards):
-    from shard.sessions import Owner, SessionKey
+    from shard.session.sessions import Owner, SessionKey
 
     url, _ = api
     m, hog = shards[1].service.manager, SessionKey("hog", 0)

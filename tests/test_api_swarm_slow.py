@@ -30,7 +30,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm, wait_for
+from meshd.daemon.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ import pytest
 
 from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
 from native.packaged import smollm2_gguf_path
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from tests._batching_helpers import Gate, concurrent, generate, max_diff, services
 
 pytestmark = pytest.mark.native

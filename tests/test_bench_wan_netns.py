@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+from meshd.daemon.local_swarm import REPO_ROOT, child_env
 from meshd.testing.models import build_random_llama
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]

@@ -19,7 +19,7 @@ the tracker stay). Then:
   refill wait) while the dead records expire, the tracker confirms the gap
   and moves a fully redundant auto node into it (plan_rebalance); the
   generation resumes with a re-prefill and its tokens equal the whole
-  model's (shard/reference.py);
+  model's (shard/model/reference.py);
 * a survivor's ``swarm`` view (what ``meshd status`` shows) reports full
   coverage with no killed peer in it, the gap served by a survivor that
   moved there, within a bounded wait.
@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -78,7 +78,7 @@ def whole(model):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     return WholeModel(model), EntryTokenizer(model)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from meshd.benchmarks.local_swarm import REPO_ROOT, LocalSwarm, child_env, wait_for
+from meshd.daemon.local_swarm import REPO_ROOT, LocalSwarm, child_env, wait_for
 
 # Long enough that a kill right after the first token reaches us lands mid-decode.
 FAILOVER_TOKENS = 300
@@ -70,7 +70,7 @@ def expected(model):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     tok = EntryTokenizer(model)
@@ -177,7 +177,7 @@ def test_killing_the_middle_hop_mid_decode_keeps_the_tokens(swarm, client, model
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     spare = swarm.add(layers="2:4", name="spare")
     swarm.wait_serving(spare, START_TIMEOUT_S)

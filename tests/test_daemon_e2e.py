@@ -240,7 +240,7 @@ def _generate_over_pinned_route(status: dict, model: Path) -> None:
     (the product's PeerConnector, keyed by peer id)."""
     from meshd.generate.routes import FixedRouteSource, PeerConnector
     from meshd.plan.routing import Hop, Route
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from tests._shard_helpers import drive_fixed
 
     (entries,) = status["coverage"].values()

@@ -25,7 +25,7 @@ from relay.bridge import SESSION_METHOD
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
 from relay.transport import SESSION_PROTOCOL, RelayedSessionServer
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 from meshd.testing.models import build_random_llama
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
 from tests._swarm_helpers import start_shard

@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 from meshd.generate.tokenizer import EntryTokenizer
 from native.llama_reference import reference_generate
 from proto.errors import MeshdError
@@ -225,7 +225,7 @@ def test_a_route_never_mixes_recipes(tmp_path):
 def test_relayed_llama_cpp_hop(tmp_path):
     """A --reachability private llama.cpp daemon reached only through a relay circuit: same tokens."""
     from meshd.benchmarks import relay_harness as H
-    from meshd.benchmarks.local_swarm import LocalDaemon
+    from meshd.daemon.local_swarm import LocalDaemon
     from meshd.testing.gguf_models import build_random_gguf
 
     path = build_random_gguf("qwen3")

@@ -80,7 +80,7 @@ def test_gemma3_ids_match_transformers():
 def test_gguf_without_vocabulary_is_a_config_error(tmp_path):
     from meshd.errors import ConfigError
     from native.slice import slice_path
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     os.environ["MESHD_SLICE_CACHE"] = str(tmp_path)
     try:

@@ -14,8 +14,8 @@ from meshd.daemon.experts_part import ExpertAdvertiser, ExpertWorkerSpec
 from meshd.daemon.worker_process import WorkerSpec
 from meshd.errors import ConfigError
 from meshd.plan.experts import runs_of
-from shard.expert_pool import placements_from_json, placements_to_json, Placement
-from shard.expert_spec import ExpertSpec
+from shard.experts.pool import placements_from_json, placements_to_json, Placement
+from shard.experts.spec import ExpertSpec
 from tests._daemon_helpers import DIGEST, NOW_MS, identity
 
 MODEL = Path("/models/qwen3-moe")

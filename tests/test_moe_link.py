@@ -1,4 +1,4 @@
-"""Expert exchange link states (proto/moe_link.py) and the one exchange function over socket pairs.
+"""Expert exchange link states (proto/moe/link.py) and the one exchange function over socket pairs.
 
 The rule under test: a transport or protocol failure marks the link failed,
 and every later exchange on it fails at once without sending or reading -- so
@@ -14,12 +14,12 @@ import threading
 import numpy as np
 import pytest
 
-from proto import moe_wire as W
+from proto import moe as W
 from proto.errors import LocalError, ProtocolViolation
 from proto.frames import encode_frame
-from proto.moe_link import ClientLink, LinkFailed, PeerRefused, ServerLink
-from shard.expert_server import serve_connection
-from shard.expert_transport import ExpertConnection, recv_exactly
+from proto.moe.link import ClientLink, LinkFailed, PeerRefused, ServerLink
+from shard.experts.server import serve_connection
+from shard.experts.transport import ExpertConnection, recv_exactly
 
 ART, REC = "sha256:" + "a" * 64, "sha256:" + "b" * 64
 ROWS = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
@@ -325,8 +325,8 @@ from proto.errors import ProtocolError as ProtocolError_  # noqa: E402
 
 
 def test_the_router_probes_peers_before_any_token_and_sets_refusers_aside():
-    from shard.expert_pool import ExpertRouter, Placement
-    from shard.expert_spec import ExpertSpec
+    from shard.experts.pool import ExpertRouter, Placement
+    from shard.experts.spec import ExpertSpec
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

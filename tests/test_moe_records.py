@@ -16,7 +16,7 @@ from dht.validator import MeshdValidator, check_value
 from meshd.plan.experts import ExpertFootprint, coverage, placements, plan_experts, runs_of, spec_of
 from proto import shard_runtime_pb2 as pb
 from proto.records import sign_record
-from shard.expert_spec import SHARED, ExpertSpec
+from shard.experts.spec import SHARED, ExpertSpec
 from tests._daemon_helpers import DIGEST, NOW_MS, TTL_MS, identity
 
 A, B, EVE = identity(31), identity(32), identity(33)

@@ -1,4 +1,4 @@
-"""The expert exchange codec (proto/moe_wire.py): golden bytes, round trips, every bound, fuzz."""
+"""The expert exchange codec (proto/moe/wire.py): golden bytes, round trips, every bound, fuzz."""
 from __future__ import annotations
 
 import struct
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from proto import moe_wire as W
+from proto import moe as W
 from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolError, ProtocolViolation, \
     VersionUnsupported
 from proto.q8 import BLOCK

@@ -25,7 +25,7 @@ from native.convert import convert
 from native.errors import ArtifactError, RangeUnavailable
 from native.gguf_file import MAX_ARRAY_LEN, GGUFFile, GGUFFormatError
 from native.gguf_range import model_info, read_range
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from meshd.testing.models import build_random_llama, smollm2_gguf_path
 from meshd.testing.procs import child_env
 

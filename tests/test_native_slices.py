@@ -18,7 +18,7 @@ from native.convert import convert
 from native.errors import RangeUnavailable
 from native.gguf_range import artifact_digest, held_range, model_info, open_reader, read_range, size_table
 from native.slice import slice_path, write_user_slice
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from meshd.testing.models import build_random_llama
 
 

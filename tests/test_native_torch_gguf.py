@@ -10,8 +10,8 @@ import torch
 from native.convert import convert
 from native.errors import ArtifactError
 from native.torch_gguf import load_torch_gguf
-from shard.backend import LayerRange
-from shard.reference import WholeModel
+from shard.model.backend import LayerRange
+from shard.model.reference import WholeModel
 from meshd.testing.models import build_random_llama, smollm2_artifact, smollm2_gguf_path
 from tests._native_helpers import greedy_chain, max_logit_diff, ranges
 

@@ -13,7 +13,7 @@ from meshd.errors import HopFailure
 from meshd.generate.driver import RouteFailed
 from meshd.generate.routes import PeerConnector, discover_fingerprint, fixed_route
 from proto import shard_runtime_pb2 as pb
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from meshd.testing.procs import child_env, spawn_worker
 from meshd.testing.models import build_random_llama
 from tests._native_helpers import greedy_chain

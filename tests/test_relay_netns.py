@@ -33,7 +33,7 @@ NEW_TOKENS = 12
 
 
 def test_generation_through_a_home_node_behind_nat(tmp_path):
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
 
     model = build_random_llama(seed=0)

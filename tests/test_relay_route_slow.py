@@ -9,7 +9,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
 
     model = build_random_llama(seed=0)

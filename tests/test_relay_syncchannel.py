@@ -10,7 +10,7 @@ import trio
 from relay.bridge import SESSION_METHOD
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import HopService
-from shard.request_queue import RequestQueue
+from shard.session.request_queue import RequestQueue
 from relay.syncchannel import RelayedRpcError, TrioPortal, relayed_channel_factory
 from relay.transport import RelayedSessionServer
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
+from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from meshd.benchmarks import relay_harness as H
 from relay.client import parse_relayed_addr
 
@@ -64,7 +64,7 @@ def test_private_home_node_through_two_relays_survives_a_relay_death(tmp_path):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
 
     torch.set_num_threads(1)

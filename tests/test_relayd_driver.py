@@ -14,8 +14,8 @@ import torch
 from meshd.generate.driver import GenerationRequest, RouteFailed, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource
 from meshd.reach.tls import loopback_channel
-from shard.reference import WholeModel
-from shard.server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
+from shard.edges.grpc_server import GRPC_OPTIONS
 from meshd.testing.models import build_random_llama
 from tests._swarm_helpers import start_shard
 

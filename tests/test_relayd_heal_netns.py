@@ -23,7 +23,7 @@ import time
 import pytest
 
 from meshd.benchmarks import relay_harness as H
-from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
+from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from meshd.daemon.control import request as control_request
 from tests._netns import NetnsUnavailable, new_topology
 from tests.test_relayd_netns import START_TIMEOUT_S, NsDaemon
@@ -53,7 +53,7 @@ def test_a_home_node_holds_two_relays_and_heals_when_one_dies(tmp_path):
 
     from meshd.generate.tokenizer import EntryTokenizer
     from meshd.testing.models import build_random_llama
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=0)

@@ -31,7 +31,7 @@ import numpy as np
 import pytest
 
 from meshd.daemon.control import request as control_request
-from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
+from meshd.daemon.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
 from meshd.benchmarks import relay_harness as H
 from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
 
@@ -66,8 +66,8 @@ def _head_activation_probes(model: Path, ids: list[int]) -> tuple[list[bytes], b
     COMPRESSION_NONE only, so these bytes cross the wire as they are, unless encrypted)."""
     from proto import shard_runtime_pb2 as pb
     from proto import wire
-    from shard.stream import HIDDEN
-    from shard.torch_backend import TorchRangeBackend
+    from shard.session.stream import HIDDEN
+    from shard.model.torch_backend import TorchRangeBackend
 
     backend = TorchRangeBackend.load(model, 0, 2)
     hidden = backend.forward(backend.new_cache(len(ids) + 8), np.asarray(ids, dtype=np.int64), effective_start=0)
@@ -80,7 +80,7 @@ def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
 
     torch.set_num_threads(1)

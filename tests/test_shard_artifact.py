@@ -5,7 +5,7 @@ import hashlib
 
 import pytest
 
-from shard.artifact import (
+from shard.model.artifact import (
     Recipe, artifact_digest, fingerprints_match, make_fingerprint, torch_recipe,
 )
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from meshd.testing import models as testmodels
 def test_layer_range_properties():
     r = LayerRange(0, 3, 6)

@@ -85,8 +85,8 @@ def test_tls_port_serves_a_generation(tmp_path):
     import grpc
 
     from meshd.generate.routes import fixed_route
-    from shard.reference import WholeModel
-    from shard.server import GRPC_OPTIONS
+    from shard.model.reference import WholeModel
+    from shard.edges.grpc_server import GRPC_OPTIONS
     from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed
 
     cert_pem = _self_signed(tmp_path)

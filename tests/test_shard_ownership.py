@@ -12,8 +12,8 @@ from proto.errors import ProtocolViolation
 from meshd.testing import models as testmodels
 from shard.errors import CacheMiss, EpochStale, PermissionDenied, ResourceExhausted, to_shard_error
 from proto import shard_runtime_pb2 as pb
-from shard.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
-from shard.torch_backend import TorchRangeBackend
+from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
+from shard.model.torch_backend import TorchRangeBackend
 
 torch.set_num_threads(1)
 ALICE = Owner.of("noise:alice", b"a" * 32)

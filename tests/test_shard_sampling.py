@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.limits import MAX_TOP_LOGPROBS
-from shard.sampling import (SamplingSpec, check_top_logprobs, draw_uniform, greedy_token, sample_token,
+from shard.model.sampling import (SamplingSpec, check_top_logprobs, draw_uniform, greedy_token, sample_token,
                             token_logprobs)
 
 

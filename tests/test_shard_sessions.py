@@ -10,8 +10,8 @@ from meshd.testing import models as testmodels
 from shard.errors import (
     CacheMiss, Cancelled, EpochStale, InternalError, ResourceExhausted, to_shard_error,
 )
-from shard.sessions import SessionKey, SessionManager, SessionPolicy
-from shard.torch_backend import TorchRangeBackend
+from shard.session.sessions import SessionKey, SessionManager, SessionPolicy
+from shard.model.torch_backend import TorchRangeBackend
 
 torch.set_num_threads(1)
 

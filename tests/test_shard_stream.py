@@ -9,10 +9,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from proto import shard_runtime_pb2 as pb
 from proto.tensors import encode_bundle, encode_tensor
 from meshd.testing import models as testmodels
-from shard.service import ShardService
-from shard.sessions import SessionPolicy
-from shard.stream import SessionStream
-from shard.torch_backend import TorchRangeBackend
+from shard.session.service import ShardService
+from shard.session.sessions import SessionPolicy
+from shard.session.stream import SessionStream
+from shard.model.torch_backend import TorchRangeBackend
 
 torch.set_num_threads(1)
 
@@ -203,7 +203,7 @@ def sampling_tail(svc, session, *, logits=False, **tail):
 
 def test_a_sampling_tail_answers_with_the_token_only(service):
     from proto.zerocopy import read_response
-    from shard.sampling import SamplingSpec, sample_token, token_logprobs
+    from shard.model.sampling import SamplingSpec, sample_token, token_logprobs
 
     spec = SamplingSpec(temperature=0.9, top_k=40, seed=77)
     s, out = sampling_tail(service, "tok", sampling=spec.to_pb())

@@ -1,4 +1,4 @@
-"""The worker's Unix frame socket (shard/unix_server.py) and the trio link a home node uses
+"""The worker's Unix frame socket (shard/edges/unix_server.py) and the trio link a home node uses
 (relay/local_link.py): the same Session core as gRPC, exact through a real worker process."""
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from meshd.testing import models as testmodels
 from meshd.generate.routes import PeerConnector, discover_fingerprint
 from meshd.reach.tls import loopback_channel
 from meshd.testing.procs import spawn_workers
-from shard.reference import WholeModel
-from shard.server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
+from shard.edges.grpc_server import GRPC_OPTIONS
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]

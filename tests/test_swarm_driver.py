@@ -19,8 +19,8 @@ from meshd.errors import HopFailure
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from proto.errors import LocalError
-from shard.reference import WholeModel
-from shard.sampling import SamplingSpec
+from shard.model.reference import WholeModel
+from shard.model.sampling import SamplingSpec
 from meshd.testing.models import build_random_llama
 from tests._swarm_helpers import start_shard
 
@@ -208,7 +208,7 @@ def test_the_tail_sends_only_the_token(shards, reference):
 
 
 def test_logits_and_logprobs_only_when_asked(shards, model):
-    from shard.sampling import sample_token, token_logprobs
+    from shard.model.sampling import sample_token, token_logprobs
 
     spec = SamplingSpec(temperature=0.9, top_k=30, seed=5)
     whole = WholeModel(model).generate(list(PROMPT), NEW_TOKENS, chunk_tokens=16)

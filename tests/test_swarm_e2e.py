@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +80,7 @@ def swarm(model, tmp_path_factory):
 def whole(model):
     import torch
 
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     return WholeModel(model)
@@ -146,7 +146,7 @@ def test_meshd_generate_streams_the_same_text(swarm, whole, model):
     import subprocess
     import sys
 
-    from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+    from meshd.daemon.local_swarm import REPO_ROOT, child_env
     from meshd.generate.tokenizer import EntryTokenizer
 
     r = subprocess.run([sys.executable, "-m", "meshd", "generate", PROMPT, "--raw", "--max-tokens", "12",

@@ -74,7 +74,7 @@ def _via_control(daemon, n: int) -> tuple[str, float, float | None, int]:
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     import httpx
 
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
     from meshd.plan.assignment import even_memory_for
     from meshd.plan.footprint import artifact_footprint
     from native.packaged import smollm2_artifact

@@ -44,7 +44,7 @@ def serve(port_file: str, hold_ms: float) -> None:
 
     import grpc
 
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     hold = hold_ms / 1000
 
@@ -68,7 +68,7 @@ def grpc_floor_ms(hold_ms: float, size: int, rounds: int) -> float:
     import grpc
 
     from meshd.testing.procs import child_env
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     port_file = os.path.join(tempfile.mkdtemp(prefix="meshd-hopfloor-"), "port")
     proc = subprocess.Popen([sys.executable, "-m", "meshd.benchmarks.hopfloor", "serve", port_file, str(hold_ms)],

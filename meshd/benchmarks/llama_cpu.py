@@ -78,7 +78,7 @@ def engine_cpu(model: Path, specs: Sequence[str], steps: int = 64, prompt_tokens
     from native.gguf_range import model_info, open_reader
     from native.llama_engine import EngineConfig, LlamaEngine
     from native.slice import FAKE_VOCAB, slice_path
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     info = model_info(open_reader(model))
     config = EngineConfig(n_threads=1, n_ctx=prompt_tokens + steps + 64, n_seq_max=1)

@@ -5,7 +5,7 @@
 Default model: SmolLM2-135M-Instruct dequantized to fp32 (30 layers). In one
 run, side by side:
 
-* the whole model in this process (shard/reference.py: transformers CausalLM,
+* the whole model in this process (shard/model/reference.py: transformers CausalLM,
   sdpa, DynamicCache, ``THREADS`` compute threads);
 * (torch lane) the bare split floor (meshd/benchmarks/torch_floor.py): the
   same ranges in bare processes on the worker's own backend, rows over a ring
@@ -53,7 +53,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from meshd.benchmarks.local_swarm import THREADS
+from meshd.daemon.local_swarm import THREADS
 
 # A decode step's hidden-row frame for SmolLM2 (576 fp32 + headers), for the floor echo.
 FLOOR_FRAME_BYTES = 576 * 4 + 64

@@ -30,7 +30,7 @@ def _top2(logits: np.ndarray) -> tuple[int, int, float]:
 def _llama_whole(path, max_tokens: int, threads: int):
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     layers = model_info(open_reader(path)).num_layers
     return LlamaRangeBackend(path, LayerRange(0, layers, layers),
@@ -69,7 +69,7 @@ def diagnose(artifact, ggufs: Mapping[str, Any], prompts: Mapping[str, list[int]
     """``ggufs``: qtype -> path (needs "F32"); ``recipes``: recipe qtype -> prompt -> tokens."""
     import torch
 
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(threads)
     longest = max(len(p) for p in prompts.values()) + n_tokens + 1

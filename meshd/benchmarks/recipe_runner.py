@@ -37,7 +37,7 @@ def _proc_kib(field: str) -> int:
 def _transformers(path: str, dtype: str, threads: int, chunk: int) -> Generate:
     import torch
 
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(threads)
     model = WholeModel(path, dtype)
@@ -51,7 +51,7 @@ def _transformers(path: str, dtype: str, threads: int, chunk: int) -> Generate:
 def _llama(path: str, threads: int, chunk: int, max_tokens: int, sessions: int) -> Generate:
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     layers = model_info(open_reader(path)).num_layers
     config = LlamaBackendConfig(n_threads=threads, kv_budget_tokens=max_tokens * sessions, max_sessions=sessions)

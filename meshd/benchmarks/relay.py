@@ -55,7 +55,7 @@ def run(quick: bool, progress=None, options=None) -> dict:
 
     from meshd.benchmarks import relay_harness as H
     from relay import trace
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
 
     repeats = 1 if quick else 3

@@ -218,7 +218,7 @@ def drive(spec: dict, on_sent=None) -> dict:
     from relay.client import dial_relayed, parse_relayed_addr
     from dht.host.build import build_host
     from relay.syncchannel import TrioPortal, relayed_channel_factory
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     async def setup(task_status=trio.TASK_STATUS_IGNORED):
         host = build_host(Identity.from_seed(os.urandom(32)))

@@ -5,7 +5,7 @@ layout (one KV stream per session), sized for c=8: ``[worker] llama_kv_streams =
 8 streams of 512 tokens from the 4096-token budget (``auto`` would make 2 of 2048), the same with the shared
 KV pool (``llama.cpp-shared``, ``llama_kv_streams = 0``, opt-in), torch on the
 SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
-(0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
+(0:10, 10:20, 20:30; ``meshd.daemon.local_swarm.LocalSwarm``, one compute thread each,
 ``--api-listen 127.0.0.1:0``); node0 is the entry. Its config sets
 ``[api] max_running = 8``: the default (4) would queue half of the c=8
 requests at the entry and hide what the workers do; ``peak_streaming_c8``
@@ -44,7 +44,7 @@ one token alone costs hops x t: ``bound_aggregate_ratio_c8`` = F P and ``bound_p
 this machine's reach for that backend.
 
 ``itl_gap_causes_c8`` (per lane): what the slowest 5% of the c=8 gaps overlapped in the
-workers' own batch traces (``MESHD_BATCH_TRACE``, shard/batching.py): ``with_prefill`` (a
+workers' own batch traces (``MESHD_BATCH_TRACE``, shard/session/batching.py): ``with_prefill`` (a
 forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
 gaps and the forwards' queue wait; decode-only forwards' mean ms and rows at c=1 and c=8.
 
@@ -77,7 +77,7 @@ from pathlib import Path
 from typing import TextIO
 
 from meshd.benchmarks.sse import choices
-from shard.batching import TRACE_ENV
+from shard.session.batching import TRACE_ENV
 
 PROMPTS = (
     "Tell me about the history of Rome.", "What is a transformer model?", "Write a short poem about the sea.",
@@ -94,7 +94,7 @@ SHARED_TOML = "llama_kv_streams = 0"
 # The llama.cpp lane: the default layout (a stream per session), 8 streams for 8 users at once.
 STREAMS = 8
 STREAMS_TOML = f"llama_kv_streams = {STREAMS}"
-FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
+FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (meshd/daemon/local_swarm.py THREADS)
 
 
 def _say(progress: TextIO | None, line: str) -> None:
@@ -219,7 +219,7 @@ class _Cpu:
 
 
 def _read_traces(root: Path) -> list[list[dict]]:
-    """Every worker's batch trace (shard/batching.py, MESHD_BATCH_TRACE): one list per hop."""
+    """Every worker's batch trace (shard/session/batching.py, MESHD_BATCH_TRACE): one list per hop."""
     hops = []
     for path in sorted(root.glob("batch-trace.*.jsonl")):
         with path.open() as fh:
@@ -265,7 +265,7 @@ def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
 def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_toml: str = "") -> dict:
     import httpx
 
-    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.daemon.local_swarm import LocalSwarm
 
     new_tokens = 16 if quick else 48
     rounds = 1 if quick else 2
@@ -364,8 +364,8 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
 
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
-    from shard.torch_backend import TorchRangeBackend
+    from shard.model.backend import LayerRange
+    from shard.model.torch_backend import TorchRangeBackend
 
     rounds = 2 if quick else 4
     layers = model_info(open_reader(gguf)).num_layers

@@ -104,9 +104,9 @@ class LlamaReference:
 
 def _floor(model: Path, reference: LlamaReference, prompt: str, n: int, specs: list[str]):
     """(tokens, decode tok/s, prefill s) of the bare split floor of ``specs``."""
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS
     from native.llama_floor import floor_generate
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     ranges = [LayerRange.parse(spec, reference.num_layers) for spec in specs]
     run = floor_generate(model, ranges, reference.ids(prompt), n, n_threads=reference.threads,
@@ -195,8 +195,7 @@ def _python_capture():
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks.llama_cpu import engine_cpu
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, THREADS
-    from meshd.benchmarks.swarm import _failover
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS, THREADS
     from meshd.plan.modelinfo import model_num_layers
 
     if getattr(options, "layers", None):
@@ -244,7 +243,8 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
                     result[f"{key}_{n}"] = value
                 if n == SPLITS[-1] and not quick:
                     failure: dict = {"route": figures["route"]}
-                    _failover(swarm, R.entry_of(swarm), reference, prompt, new_tokens, failure, progress)
+                    R.measure_failover(swarm, R.entry_of(swarm), reference, prompt, new_tokens, failure,
+                                       lambda line: _say(progress, line))
                     failure.pop("route")
                     result.update(failure)
             finally:

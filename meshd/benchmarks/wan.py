@@ -22,7 +22,7 @@ in its namespace, bootstrapped from the first, and the entry: a client-only
 daemon. It holds no layers, so every hop of its route is remote, as for a
 user whose machine serves nothing. In the same run, alternating rounds after
 a warm-up of each: a generation with ``topology: star``, the whole model in
-this process (shard/reference.py, one thread like each worker: the compute
+this process (shard/model/reference.py, one thread like each worker: the compute
 per token) and a generation with ``topology: push`` through the entry's
 control socket (the generate op a user runs). Then the same daemons' figures
 on loopback (a LocalSwarm of the same ranges plus a client-only entry, same
@@ -102,7 +102,7 @@ class DelayedNet:
 
     def delay(self, ports: dict[int, list[int]]) -> None:
         """Forward hub_ip(i):port -> ip(i):port for each node i and each of its ports, RTT/2 each way."""
-        from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+        from meshd.daemon.local_swarm import REPO_ROOT, child_env
 
         pairs = [f"{self.hub_ip(i)}:{p}={self.ip(i)}:{p}" for i, ps in ports.items() for p in ps]
         self.proxy = subprocess.Popen(["ip", "netns", "exec", self.hub, sys.executable, "-m",
@@ -161,7 +161,7 @@ class DelayedNet:
 def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str, advertise: str, layers: str,
                bootstrap: str | None, threads: int, record_ttl_s: float, kv_budget_tokens: int):
     """``meshd join`` in a namespace (``layers`` "none": the client-only entry)."""
-    from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env
+    from meshd.daemon.local_swarm import REPO_ROOT, LocalDaemon, child_env
 
     d = LocalDaemon.__new__(LocalDaemon)
     d.name, d.data_dir, d.log = name, root / name, root / f"{name}.log"
@@ -284,7 +284,7 @@ def _say(progress: TextIO | None, line: str) -> None:
 
 def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     from meshd.benchmarks import daemon_runs as R
-    from meshd.benchmarks.local_swarm import THREADS, LocalSwarm, wait_for
+    from meshd.daemon.local_swarm import THREADS, LocalSwarm, wait_for
     from meshd.plan.modelinfo import model_num_layers
     from native.packaged import smollm2_artifact
 

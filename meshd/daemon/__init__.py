@@ -12,4 +12,6 @@
     experts_part.py    MoE: an expert peer's worker and signed expert record, a holder's directory
                        of expert peers (the placement file its worker reads)
     relay_mode.py      ``meshd relay``: circuit relay v2 hop + DHT server + control API
+    local_swarm.py     LocalSwarm / LocalDaemon: real ``meshd join`` daemons on loopback, driven
+                       through their control sockets (``meshd demo``, benchmarks, slow tests)
 """

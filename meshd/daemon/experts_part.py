@@ -41,7 +41,7 @@ from meshd.daemon.supervisor import Backoff, Supervisor, WorkerState
 from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, _stop, ready_or_exit
 from meshd.errors import WorkerFailed
 from meshd.plan.experts import ExpertFootprint, coverage, demand, placements, plan_experts, runs_of
-from proto import moe_wire as W
+from proto import moe as W
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,8 @@ class ExpertAdvertiser(Advertiser):
 
 def _model_facts(model: Path, dtype: str) -> tuple[dict, ExpertFootprint, str]:
     """(config.json, the expert footprint, the torch recipe digest) -- blocking, run in a thread."""
-    from shard.artifact import torch_recipe
-    from shard.moe_adapters import moe_layers
+    from shard.model.artifact import torch_recipe
+    from shard.experts.adapters import moe_layers
 
     config = json.loads((model / "config.json").read_text())
     from transformers import AutoConfig
@@ -198,7 +198,7 @@ class ExpertPart:
         return W.ACT_Q8 if self.config.expert_act == "q8" else W.ACT_F32
 
     async def _describe(self) -> str:
-        from shard.artifact import artifact_digest
+        from shard.model.artifact import artifact_digest
 
         self.digest = await trio.to_thread.run_sync(artifact_digest, self.config.model)
         _, self.footprint, recipe = await trio.to_thread.run_sync(_model_facts, self.config.model,
@@ -264,7 +264,7 @@ class ExpertPart:
         if relaying.private:
             self._note("expert peers must be directly dialable; this node is behind NAT: not advertising")
             return
-        from shard.expert_spec import ExpertSpec
+        from shard.experts.spec import ExpertSpec
 
         info, fp = ready.info, self.footprint
         claim = ExpertClaim(model_artifact_digest=info["fingerprint"]["artifact"],
@@ -287,7 +287,7 @@ class ExpertPart:
 
     # ------------------------------------------------------------------ holder
     async def _directory(self, recipe: str) -> None:
-        from shard.expert_pool import placements_to_json
+        from shard.experts.pool import placements_to_json
 
         me = self.node.identity.peer_id
         last = None

@@ -1,6 +1,6 @@
 """Free KV in our capability record: republished when it moves, never more often than allowed.
 
-The worker admits sessions against its KV budget (shard/sessions.py); routes
+The worker admits sessions against its KV budget (shard/session/sessions.py); routes
 avoid a peer whose record says it has less free KV than a generation needs
 (meshd/plan/routing.py). So the record's ``free_kv_tokens`` must follow the
 worker: the node polls its own worker's Health every POLL_S (loopback, a few

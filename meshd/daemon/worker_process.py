@@ -8,7 +8,7 @@ until the process exits. Cancellation sends SIGTERM (the worker drains its
 sessions), waits ``STOP_GRACE_S``, then SIGKILL. Worker output goes to
 ``worker.log`` in the data dir and, line by line, to the progress callback
 and the state's stderr tail (``meshd status``) -- except the lines of a
-traceback (marked by the worker, shard/worklog.py), which stay in the log file.
+traceback (marked by the worker, shard/session/worklog.py), which stay in the log file.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import OnReady, WorkerReady, WorkerState
 from meshd.reach.tls import TlsMaterial, loopback_channel
 from proto import shard_runtime_pb2 as pb
-from shard.worklog import is_trace_line
+from shard.session.worklog import is_trace_line
 
 log = logging.getLogger(__name__)
 

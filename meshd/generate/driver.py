@@ -46,7 +46,7 @@ makes recovery exact and local:
 Greedy output is therefore identical with and without failures (same
 inputs, same recipe on every route: the source pins the recipe). Seeded
 sampling too: the tail's draw for position P is a pure function of (seed,
-P) (shard/sampling.py), so a replacement tail that re-runs position P-1
+P) (shard/model/sampling.py), so a replacement tail that re-runs position P-1
 draws the same token.
 
 Silent hops: each link derives its step deadlines from its own measured
@@ -65,7 +65,7 @@ Ownership: each driver holds a random secret; every hop's SessionOpen (and
 unary Release) carries ``owner_token(peer, range)`` = HMAC-SHA256(secret,
 peer id and range), so a hop knows only its own token: no hop of the route
 (and no one who learns the session id) can release, cancel, re-attach or
-supersede the session on another hop (shard/sessions.py).
+supersede the session on another hop (shard/session/sessions.py).
 
 Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
 daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses
@@ -101,7 +101,7 @@ from meshd.plan.routing import Hop, Route, hops_to_reprefill
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, MeshdError
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_STOP_TOKENS
-from shard.sampling import SamplingSpec, check_top_logprobs
+from shard.model.sampling import SamplingSpec, check_top_logprobs
 
 # Failovers one generation may go through before giving up (each needs a
 # distinct failed peer or a bounded retry, so this also bounds the peers we try).

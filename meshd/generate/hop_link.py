@@ -31,7 +31,7 @@ import numpy as np
 
 from meshd.errors import HopFailure
 from meshd.generate.deadlines import StepDeadlines
-from shard.request_queue import RequestQueue
+from shard.session.request_queue import RequestQueue
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
@@ -42,8 +42,8 @@ from proto.frames import SCHEMA_VERSION
 from proto.frames import parse_response
 from proto.tensors import decode_bundle
 from proto.zerocopy import read_response
-from shard.server import SERVICE_NAME
-from shard.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
+from shard.edges.grpc_server import SERVICE_NAME
+from shard.session.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
 SESSION_METHOD = f"/{SERVICE_NAME}/Session"
 RELEASE_METHOD = f"/{SERVICE_NAME}/Release"
@@ -281,7 +281,7 @@ class HopLink:
 
 def _read(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
     """A response and its tensors: protobuf parses small frames (a decode step: fewer Python
-    steps), the zero-copy reader large ones (shard.stream.SMALL_FRAME_BYTES); same checks."""
+    steps), the zero-copy reader large ones (shard.session.stream.SMALL_FRAME_BYTES); same checks."""
     if len(body) > SMALL_FRAME_BYTES:
         return read_response(body)
     if body[:1] == b"\x32":      # a decode step's answer: read by hand when it is a plain one

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from meshd.generate.textstream import check_stops
 from proto.errors import LocalError
-from shard.sampling import SamplingSpec
+from shard.model.sampling import SamplingSpec
 
 # Bounds on what a client may ask for: prompt size (all messages together),
 # new tokens per request, messages per chat, alternatives per token (OpenAI's 20).

@@ -14,7 +14,7 @@ and its answer to the entry travels off the token's path. The tail knows where
 the generation ends -- the stop tokens (``TailOptions.stop_token_ids``) and the
 session's length -- and the entry applies the same rule to know what the head
 was sent (``_note_looped``). The entry still opens one Session stream per hop
-(its "control" stream, shard/forward.py): the SessionOpen says ``push`` and,
+(its "control" stream, shard/push/hub.py): the SessionOpen says ``push`` and,
 for every non-tail hop, ``push_next`` -- the successor's peer id, endpoint,
 certificate pin (from its signed record, as the entry's own connector pins it)
 and the epoch of the successor's session. A hop pushes only there. On the
@@ -43,7 +43,7 @@ thread wakes up.
 State the entry keeps: the token history (boundary 0), which positions the
 head has its input for (sent by the entry or by the tail), which successor
 (peer, epoch) each hop pushes to. Boundary rows between hops are kept by the
-hops themselves (shard/forward.py).
+hops themselves (shard/push/hub.py).
 
 Recovery: the driver's failover picks the replacement route (the prefix
 before the failed hop kept, the rest fresh at a bumped epoch); then, before
@@ -84,8 +84,8 @@ from proto.chunking import plan_prefill_chunks
 from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DECODE_STEP_BASE
-from shard.server import SERVICE_NAME
-from shard.stream import HIDDEN, TOKEN_IDS
+from shard.edges.grpc_server import SERVICE_NAME
+from shard.session.stream import HIDDEN, TOKEN_IDS
 
 TOPOLOGIES = ("push", "star")
 # Health probe of a hop after the route's step deadline passed.

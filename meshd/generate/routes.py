@@ -66,8 +66,8 @@ from meshd.reach.tls import loopback_channel, pinned_channel
 from proto import shard_runtime_pb2 as pb
 from proto.frames import SCHEMA_VERSION
 from meshd.generate.unix_channel import TlsFrameChannel, UnixFrameChannel
-from shard.artifact import fingerprints_match
-from shard.server import GRPC_OPTIONS, SERVICE_NAME
+from shard.model.artifact import fingerprints_match
+from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 
 # A capability question is answered from memory; a worker that takes longer is unusable anyway.
 CAPABILITY_TIMEOUT_S = 30.0

@@ -1,7 +1,7 @@
 """Frame channels for the driver's thread: the own worker's Unix socket, a peer's framed TLS port.
 
 The worker serves the Session stream on a private Unix socket too
-(shard/unix_server.py: the same frames, 4-byte length || body, the same
+(shard/edges/unix_server.py: the same frames, 4-byte length || body, the same
 sans-I/O core). The route driver runs in a plain thread and blocks on each
 hop anyway, so the leanest link to the worker next door is a blocking
 socket in that thread: a request is written by ``sendall`` from the
@@ -21,7 +21,7 @@ watchdog, a cancellation) shuts the socket down from any thread, which wakes
 a blocked ``recv``.
 
 ``TlsFrameChannel`` is the same call over TLS/TCP to a peer worker's frames
-port (shard/frame_server.py), the fast path beside its gRPC port: the
+port (shard/edges/frame_server.py), the fast path beside its gRPC port: the
 certificate must hash to the pin in the peer's signed record (checked right
 after the handshake, before a byte is sent); if the port cannot be reached
 the call goes to the pinned gRPC fallback, which also carries the unary
@@ -46,7 +46,7 @@ from meshd.reach.tls import PEER_TLS_NAME, split_endpoint
 from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
-from shard.expert_transport import client_tls_context
+from shard.experts.transport import client_tls_context
 
 __all__ = ["UnixFrameChannel", "TlsFrameChannel", "UnixLinkError"]
 
@@ -217,7 +217,7 @@ def _connect_tls(endpoint: str, pin: bytes, timeout_s: float) -> ssl.SSLSocket:
 
 
 class TlsFrameChannel:
-    """The framed fast path to a peer's worker (shard/frame_server.py), with gRPC as the fallback.
+    """The framed fast path to a peer's worker (shard/edges/frame_server.py), with gRPC as the fallback.
 
     ``stream_stream`` opens the Session over frames on ``endpoint`` (TLS, the certificate pinned by
     ``pin`` -- the same pin as the peer's gRPC port); when the port cannot be reached or its TLS

@@ -47,7 +47,7 @@ from meshd.plan.errors import NoFitError, PlanInputError
 from meshd.sizes import format_size
 from proto import shard_runtime_pb2 as pb
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS as SCRATCH_LOGIT_ROWS
-from shard.batching import DEFAULT_BATCH_TOKENS as SCRATCH_POSITIONS
+from shard.session.batching import DEFAULT_BATCH_TOKENS as SCRATCH_POSITIONS
 
 # Positions of KV cache a new range reserves per layer by default: the one
 # setting the worker admits against too (meshd.config.DEFAULT_KV_BUDGET_TOKENS).
@@ -73,7 +73,7 @@ class ModelFootprint:
     tail_extra_bytes: int = 0          # final norm + lm_head, held with the last layer
     kv_bytes_per_token_layer: int = 0  # K and V of one position in one layer
     # One batched forward's working memory (scratch), counted once per range: the
-    # worker runs at most SCRATCH_POSITIONS positions per forward (shard/batching.py).
+    # worker runs at most SCRATCH_POSITIONS positions per forward (shard/session/batching.py).
     scratch_row_bytes: int = 0         # activations of one position inside a layer
     score_bytes_per_kv_token: int = 0  # attention scores of one position per cached token
     logit_row_bytes: int = 0           # one position's logits, at the tail only

@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from meshd.testing.procs import REPO_ROOT, child_env, stop_process
-from shard.expert_pool import Placement
-from shard.expert_spec import ExpertSpec
+from shard.experts.pool import Placement
+from shard.experts.spec import ExpertSpec
 
 READY_TIMEOUT_S = 180.0
 
@@ -74,8 +74,8 @@ class ExpertPeer:
 
     @classmethod
     def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> "ExpertPeer":
-        from shard.expert_server import ExpertServer
-        from shard.expert_store import ExpertStore
+        from shard.experts.server import ExpertServer
+        from shard.experts.store import ExpertStore
 
         spec = ExpertSpec.parse(spec) if isinstance(spec, str) else spec
         store = ExpertStore.load(path, spec)

@@ -2,7 +2,7 @@
 
 An artifact is a directory with ``config.json``, ``*.safetensors`` weights and
 a tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), exactly what
-``shard.torch_backend`` and ``transformers.AutoModelForCausalLM`` load.
+``shard.model.torch_backend`` and ``transformers.AutoModelForCausalLM`` load.
 
 * ``build_random_llama(seed, **overrides)``: a tiny LlamaForCausalLM with
   seeded random weights and a byte-level BPE tokenizer trained on a fixed
