@@ -67,21 +67,40 @@ class InProcessCore:
 
 
 @contextlib.contextmanager
-def running_api(core: InProcessCore, *, limits: EntryLimits = EntryLimits(), key: str | None = None):
+def tiny_swarm(tmp: Path):
+    """A tiny random Llama split over two in-process gRPC shards; yields (model, shards, core)."""
+    import torch
+
+    from meshd.testing.models import build_random_llama
+    from tests._swarm_helpers import start_shard
+
+    torch.set_num_threads(1)
+    model = build_random_llama(seed=3)
+    shards = [start_shard(model, "peer-a", 0, 3), start_shard(model, "peer-b", 3, 6)]
+    try:
+        yield model, shards, InProcessCore(shards, EntryTokenizer(chat_tokenizer_dir(model, tmp)))
+    finally:
+        for s in shards:
+            s.kill()
+
+
+@contextlib.contextmanager
+def running_api(core: InProcessCore, *, limits: EntryLimits = EntryLimits(), key: str | None = None,
+                allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), max_connections: int = 8):
     """Serve the app on 127.0.0.1:<free port> in a trio loop on a thread; yields (base url, entry)."""
     entry = Entry(core, limits, ApiMetrics())
 
     async def status() -> dict:
         return {"peer_id": "entry", "generations": entry.snapshot()}
 
-    app = build_app(ApiContext(entry, core.model, status, key))
+    app = build_app(ApiContext(entry, core.model, status, key, allowed_hosts, cors_origins))
     started = threading.Event()
     box: dict = {}
 
     async def main() -> None:
         sock = bind_socket("127.0.0.1", 0)
         async with trio.open_nursery() as nursery:
-            box["url"] = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=8,
+            box["url"] = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=max_connections,
                                                                           task_status=task_status))
             box["stop"] = trio.lowlevel.current_trio_token()
             box["cancel"] = nursery.cancel_scope

@@ -27,7 +27,6 @@ generation: the driver releases the KV on every hop.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 from dataclasses import dataclass
@@ -43,10 +42,10 @@ from starlette.routing import Route
 
 from meshd.api import ollama, openai
 from meshd.api.entry import Entry
-from meshd.api.errors import ApiError, api_error, first_leaf
+from meshd.api.guard import guarded
+from meshd.api.errors import ApiError, api_error, excerpt, first_leaf
 from meshd.api.jsonbody import loads_object
 from meshd.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from meshd.api.server import MAX_HEADER_BYTES
 from meshd.generate.params import GenerateParams
 from proto.errors import MeshdError
 
@@ -58,10 +57,10 @@ MAX_BODY_BYTES = 1 << 20
 # the client gets its 413 instead of a connection reset mid-upload; larger
 # ones are answered at once.
 MAX_DRAIN_BYTES = 8 << 20
+# The one body type the API takes (see read_json).
+JSON_MEDIA_TYPE = "application/json"
 # A client gets this long to send its whole body (slow senders hold a connection).
 BODY_READ_TIMEOUT_S = 30.0
-# Paths anyone may fetch even with an API key: the page itself carries no data.
-OPEN_PATHS = ("/", "/static/dashboard.js", "/static/dashboard.css", "/favicon.ico")
 STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
                  "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -76,13 +75,27 @@ class ApiContext:
     model: Callable[[], dict]                  # {"id", "digest", "num_layers", "coverage", "serving"}
     status: Callable[[], Awaitable[dict]]      # the node's status JSON
     api_key: str | None = None
+    allowed_hosts: tuple[str, ...] = ()     # names beyond IP literals and localhost (meshd/api/guard.py)
+    cors_origins: tuple[str, ...] = ()      # web origins that may drive the API (CORS off when empty)
 
 
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
+def _media_type(value: str | None) -> str:
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
 async def read_json(request: Request) -> dict:
+    """The request's JSON object: ``application/json`` only (415), bounded (413, 408), strict (400).
+
+    Any other type is refused before a byte is read: text/plain, form and XML bodies (and none at
+    all) are what a browser sends cross-site without asking first (a CORS "simple" request)."""
+    media = _media_type(request.headers.get("content-type"))
+    if media != JSON_MEDIA_TYPE:
+        raise ApiError(415, f"the body must be {JSON_MEDIA_TYPE} (Content-Type: {JSON_MEDIA_TYPE}), "
+                            f"not {excerpt(media) if media else 'untyped'}", code="unsupported_media_type")
     too_large = ApiError(413, f"the body must be at most {MAX_BODY_BYTES} bytes", code="request_too_large")
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_DRAIN_BYTES):
@@ -179,7 +192,7 @@ def build_app(ctx: ApiContext) -> Starlette:
     async def static_file(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in STATIC:
-            raise ApiError(404, f"no static file {name!r}", type="not_found_error")
+            raise ApiError(404, f"no static file {excerpt(name)}", type="not_found_error")
         return Response(static[name], media_type=STATIC[name], headers={"cache-control": "no-cache"})
 
     async def status(request: Request) -> Response:
@@ -222,7 +235,7 @@ def build_app(ctx: ApiContext) -> Starlette:
 
     async def on_http_error(request: Request, exc: HTTPException) -> Response:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+        return _error_response(ApiError(exc.status_code, f"{request.method} {excerpt(request.url.path)}: {exc.detail}",
                                         type=kind))
 
     async def on_other_error(request: Request, exc: Exception) -> Response:
@@ -244,41 +257,4 @@ def build_app(ctx: ApiContext) -> Starlette:
     # answers 500 in the same shape and re-raises it for the server's log.
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        MeshdError: on_other_error, Exception: on_other_error})
-    return HeaderBound(BearerAuth(app, ctx.api_key) if ctx.api_key else app)
-
-
-class HeaderBound:
-    """ASGI middleware: a request whose headers exceed MAX_HEADER_BYTES gets 431 (h11 bounds only the
-    part of a request still incomplete in its buffer; a request read in one chunk is not checked there)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) > MAX_HEADER_BYTES:
-            err = ApiError(431, f"the request headers exceed {MAX_HEADER_BYTES} bytes", code="headers_too_large")
-            await _error_response(err)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class BearerAuth:
-    """ASGI middleware: every path but OPEN_PATHS needs ``Authorization: Bearer <key>``."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self._key = app, key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = b""
-            for name, value in scope.get("headers", ()):
-                if name == b"authorization":
-                    given = value
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                err = ApiError(401, "Incorrect API key provided: send Authorization: Bearer <the node's api key>",
-                               type="authentication_error", code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401,
-                                   headers={"www-authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    return guarded(app, key=ctx.api_key, allowed_hosts=ctx.allowed_hosts, cors_origins=ctx.cors_origins)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-from meshd.api.errors import ApiError, bad_field
+from meshd.api.errors import ApiError, bad_field, excerpt
 from meshd.api.openai import CHAT_DEFAULT_MAX_TOKENS, ROLE_ALIASES
 from meshd.generate.params import MAX_NEW_TOKENS, GenerateParams
 from proto.errors import LocalError
@@ -33,10 +33,10 @@ def _now_iso() -> str:
 def _check(body: dict, known: set[str], served_model: str) -> bool:
     for key in body:
         if key not in known:
-            raise bad_field(key, f"unknown field {key}")
+            raise bad_field(key, f"unknown field {excerpt(key)}")
     model = body.get("model")
     if not isinstance(model, str) or model.split(":")[0] != served_model:
-        raise ApiError(404, f"model {model!r} not found; this swarm serves {served_model!r} (GET /api/tags)",
+        raise ApiError(404, f"model {excerpt(model)} not found; this swarm serves {served_model!r} (GET /api/tags)",
                        type="not_found_error", param="model", code="model_not_found")
     for name in ("format", "tools", "images", "context", "suffix", "template"):
         if body.get(name):
@@ -58,7 +58,7 @@ def _options(body: dict) -> dict:
         if key in IGNORED_OPTIONS:
             continue
         if key not in SAMPLING_OPTIONS:
-            raise bad_field(f"options.{key}", f"option {key} is not supported by this server")
+            raise bad_field(f"options.{key}", f"option {excerpt(key)} is not supported by this server")
         if key == "num_predict":
             if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value > MAX_NEW_TOKENS:
                 raise bad_field("options.num_predict", f"num_predict must be -1 or 1..{MAX_NEW_TOKENS}")

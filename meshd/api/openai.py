@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from meshd.api.errors import ApiError, bad_field
+from meshd.api.errors import ApiError, bad_field, excerpt
 from meshd.generate.params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, GenerateParams
 from proto.errors import LocalError
 
@@ -53,7 +53,7 @@ class Answer:
 def _unknown(body: dict, known: set[str]) -> None:
     for key in body:
         if key not in known:
-            raise bad_field(key, f"Unrecognized request argument supplied: {key}")
+            raise bad_field(key, f"Unrecognized request argument supplied: {excerpt(key)}")
 
 
 def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
@@ -94,7 +94,7 @@ def _common(body: dict, served_model: str) -> dict:
     if not isinstance(model, str) or not model:
         raise bad_field("model", "model is required: the id from GET /v1/models")
     if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist here; this swarm serves `{served_model}` "
+        raise ApiError(404, f"The model {excerpt(model)} does not exist here; this swarm serves `{served_model}` "
                             "(GET /v1/models)", type="not_found_error", param="model", code="model_not_found")
     _refuse_unless(body, "n", lambda v: v is None or (v == 1 and not isinstance(v, bool)))
     for name in ("presence_penalty", "frequency_penalty"):

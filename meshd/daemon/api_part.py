@@ -177,7 +177,7 @@ class ApiPart:
             self.node.progress(f"api: not started ({exc})")
             task_status.started(None)
             return
-        app = build_app(ApiContext(self.entry, self.model, self.status, api.key))
+        app = build_app(ApiContext(self.entry, self.model, self.status, api.key, api.allowed_hosts, api.cors_origins))
         await self._serve(app, sock, api.max_connections, task_status)
 
     async def _serve(self, app, sock, max_connections: int, task_status) -> None:
