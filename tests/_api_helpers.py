@@ -86,7 +86,8 @@ def tiny_swarm(tmp: Path):
 
 @contextlib.contextmanager
 def running_api(core: InProcessCore, *, limits: EntryLimits = EntryLimits(), key: str | None = None,
-                allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), max_connections: int = 8):
+                allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), max_connections: int = 8,
+                table=None):
     """Serve the app on 127.0.0.1:<free port> in a trio loop on a thread; yields (base url, entry)."""
     entry = Entry(core, limits, ApiMetrics())
 
@@ -100,8 +101,8 @@ def running_api(core: InProcessCore, *, limits: EntryLimits = EntryLimits(), key
     async def main() -> None:
         sock = bind_socket("127.0.0.1", 0)
         async with trio.open_nursery() as nursery:
-            box["url"] = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=max_connections,
-                                                                          task_status=task_status))
+            box["url"] = await nursery.start(lambda task_status: serve_api(
+                app, sock, max_connections=max_connections, table=table, task_status=task_status))
             box["stop"] = trio.lowlevel.current_trio_token()
             box["cancel"] = nursery.cancel_scope
             started.set()

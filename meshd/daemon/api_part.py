@@ -27,7 +27,9 @@ from pathlib import Path
 
 import trio
 
+from meshd.api import hypercorn_compat
 from meshd.api.app import ApiContext, build_app
+from meshd.api.connections import ConnectionTable
 from meshd.api.entry import Entry, EntryLimits
 from meshd.api.metrics import ApiMetrics
 from meshd.api.server import bind_socket, serve_api
@@ -65,6 +67,7 @@ class ApiPart:
         self.metrics = ApiMetrics(probe=self.probe)
         self.entry = Entry(self._core, EntryLimits(api.max_running, api.max_deferred, api.deadline_s), self.metrics)
         self.url: str | None = None
+        self.connections = ConnectionTable(api.max_connections)   # the HTTP slots (meshd/api/connections.py)
         self._snap_at = -1e9
         self._snap_lock = trio.Lock()
 
@@ -162,6 +165,10 @@ class ApiPart:
             "throughput": metrics.totals(),
         }
 
+    def http_status(self) -> dict:
+        """The ``http`` section of ``meshd status``: Hypercorn's adjustment and the connection slots."""
+        return {**hypercorn_compat.status(), "url": self.url, "connections": self.connections.snapshot()}
+
     # ------------------------------------------------------------------ task
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         api = self.node.config.api
@@ -183,7 +190,7 @@ class ApiPart:
     async def _serve(self, app, sock, max_connections: int, task_status) -> None:
         async with trio.open_nursery() as nursery:
             url = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=max_connections,
-                                                                   task_status=task_status))
+                                                                   table=self.connections, task_status=task_status))
             self.url = url
             self.node.progress(f"api: serving {url} (OpenAI /v1, Ollama /api, /metrics, dashboard at /)"
                                + (" with a bearer key" if self.node.config.api.key else ""))
