@@ -1,6 +1,7 @@
 """Who may use the API: the checks every request passes before a route sees it (ASGI middleware).
 
-    request -> HeaderBound   headers over MAX_HEADER_BYTES: 431
+    request -> BodyDrain     an answer sent before the body was read drains it first
+            -> HeaderBound   headers over MAX_HEADER_BYTES: 431
             -> HostGuard     a Host this node does not answer to: 400 (DNS rebinding)
             -> CORS          only when origins are configured (Starlette's CORSMiddleware)
             -> OriginGuard   a state-changing request from a foreign Origin: 403
@@ -27,6 +28,13 @@ domain. So:
   get Starlette's CORS answers (preflights included, before the key check: a
   preflight carries no Authorization).
 
+An answer given before the request's body was read (a refusal here, a 415,
+a 404 for a POST) first reads and drops the rest of the body (at most
+DRAIN_MAX_BYTES within DRAIN_TIMEOUT_S): HTTP/1.1 cannot reuse a connection
+whose request was not read to its end, so Hypercorn closes it after the
+answer -- while the client, told nothing, sends its next request on it and
+gets "server disconnected".
+
 The dashboard is same-origin: its GETs carry no foreign Origin and its Host
 is the one the user typed. Pure request checks; no state.
 """
@@ -34,6 +42,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+
+import trio
 
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
@@ -47,6 +57,9 @@ SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 OPEN_PATHS = ("/", "/static/dashboard.js", "/static/dashboard.css", "/favicon.ico")
 # Names a node always answers to besides IP literals (RFC 6761: localhost is loopback).
 LOCAL_NAMES = frozenset({"localhost"})
+# An unread body is drained up to this many bytes within this long; beyond, the connection closes.
+DRAIN_MAX_BYTES = 8 << 20
+DRAIN_TIMEOUT_S = 5.0
 
 
 def _answer(err: ApiError, extra: dict[str, str] | None = None) -> JSONResponse:
@@ -79,6 +92,38 @@ def is_ip_literal(name: str) -> bool:
 def host_allowed(host: str, allowed: frozenset[str]) -> bool:
     name = host_name(host)
     return bool(name) and (is_ip_literal(name) or name in LOCAL_NAMES or name in allowed)
+
+
+class BodyDrain:
+    """Before the last byte of an answer, read and drop what is left of the request's body (module doc)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        state = {"done": False}
+
+        async def tracked_receive():
+            message = await receive()
+            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+                state["done"] = True
+            return message
+
+        async def drain() -> None:
+            seen = 0
+            with trio.move_on_after(DRAIN_TIMEOUT_S):
+                while not state["done"] and seen <= DRAIN_MAX_BYTES:
+                    seen += len((await tracked_receive()).get("body", b""))
+
+        async def drained_send(message) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body", False) and not state["done"]:
+                await drain()
+            await send(message)
+
+        await self.app(scope, tracked_receive, drained_send)
 
 
 class HeaderBound:
@@ -160,4 +205,4 @@ def guarded(app, *, key: str | None, allowed_hosts=(), cors_origins=()):
     if cors_origins:
         inner = CORSMiddleware(inner, allow_origins=list(cors_origins), allow_methods=["GET", "POST"],
                                allow_headers=["authorization", "content-type"], max_age=600)
-    return HeaderBound(HostGuard(inner, frozenset(allowed_hosts)))
+    return BodyDrain(HeaderBound(HostGuard(inner, frozenset(allowed_hosts))))
