@@ -347,20 +347,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TailOptions(_message.Message):
-    __slots__ = ("return_logits", "sample", "sampling", "logprobs", "top_logprobs", "stop_token_ids")
+    __slots__ = ("return_logits", "sample", "sampling", "logprobs", "top_logprobs", "stop_token_ids", "return_hidden")
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     return_logits: bool
     sample: bool
     sampling: SamplingParams
     logprobs: bool
     top_logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_hidden: bool
+    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., return_hidden: bool = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

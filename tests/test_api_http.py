@@ -49,8 +49,8 @@ def tokenizer(model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def core(shards, tokenizer):
-    return InProcessCore(shards, tokenizer)
+def core(shards, tokenizer, model):
+    return InProcessCore(shards, tokenizer, model)
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,11 @@
     POST /v1/completions         OpenAI completions (prompt string)
     POST /api/chat               Ollama chat (NDJSON stream by default) meshd/api/ollama.py
     POST /api/generate           Ollama generate
-    GET  /api/tags               Ollama model list
+    GET  /api/tags               Ollama model list (size, family, parameters, digest)
+    POST /api/show               Ollama model card (meshd/api/model_card.py)
+    GET  /api/ps                 the model loaded on the swarm
+    POST /api/embed              mean-pooled last hidden states through the swarm (/api/embeddings:
+    POST /v1/embeddings          the older Ollama route; /v1/embeddings: OpenAI's)
 
 Every generation goes through ``Entry.generate`` (meshd/api/entry.py), the
 same door as the control socket. Bodies are bounded (MAX_BODY_BYTES, read
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from importlib import resources
 from typing import Awaitable, Callable
@@ -75,6 +80,8 @@ class ApiContext:
     model: Callable[[], dict]                  # {"id", "digest", "num_layers", "coverage", "serving"}
     status: Callable[[], Awaitable[dict]]      # the node's status JSON
     api_key: str | None = None
+    card: Callable[[], object] = lambda: None   # the model's ModelCard (meshd/api/model_card.py), None: no model
+    loaded: Callable[[], dict] = lambda: {}     # {"size_bytes", "expires_at"} of the model on the swarm (/api/ps)
     allowed_hosts: tuple[str, ...] = ()     # names beyond IP literals and localhost (meshd/api/guard.py)
     cors_origins: tuple[str, ...] = ()      # web origins that may drive the API (CORS off when empty)
 
@@ -222,9 +229,43 @@ def build_app(ctx: ApiContext) -> Starlette:
                                       framing="ndjson")
         return endpoint
 
+    def card():
+        served_model()
+        card = ctx.card()
+        if card is None:
+            raise ApiError(503, "this node is still reading the model's files", type="service_unavailable",
+                           retry_after_s=5)
+        return card
+
     async def tags(request: Request) -> Response:
-        info = ctx.model()
-        return JSONResponse(ollama.tags(info["id"], info.get("digest")) if info.get("id") else {"models": []})
+        return JSONResponse(ollama.tags_of(card()) if ctx.model().get("id") else {"models": []})
+
+    async def show(request: Request) -> Response:
+        return JSONResponse(ollama.show(await read_json(request), card()))
+
+    async def ps(request: Request) -> Response:
+        loaded = ctx.loaded()
+        if not ctx.model().get("id") or not loaded:
+            return JSONResponse({"models": []})
+        return JSONResponse(ollama.ps(card(), expires_at=loaded["expires_at"], size_bytes=loaded["size_bytes"]))
+
+    async def embed(request: Request) -> Response:
+        texts, truncate = ollama.parse_embed(await read_json(request), served_model())
+        t0 = time.perf_counter_ns()
+        result = await ctx.entry.embed(texts, truncate=truncate)
+        return JSONResponse({"model": served_model(), "embeddings": result.vectors,
+                             "total_duration": time.perf_counter_ns() - t0, "load_duration": 0,
+                             "prompt_eval_count": result.prompt_tokens})
+
+    async def embeddings_legacy(request: Request) -> Response:
+        prompt = ollama.parse_embeddings(await read_json(request), served_model())
+        result = await ctx.entry.embed([prompt], normalize=False)
+        return JSONResponse({"embedding": result.vectors[0]})
+
+    async def embeddings_openai(request: Request) -> Response:
+        texts, encoding = openai.parse_embeddings(await read_json(request), served_model())
+        result = await ctx.entry.embed(texts)
+        return JSONResponse(openai.embeddings_answer(served_model(), result.vectors, result.prompt_tokens, encoding))
 
     async def version(request: Request) -> Response:
         from meshd import __version__
@@ -251,7 +292,10 @@ def build_app(ctx: ApiContext) -> Starlette:
         Route("/v1/completions", openai_route(openai.parse_completion, openai.CompletionFormat), methods=["POST"]),
         Route("/api/chat", ollama_route(ollama.parse_chat, True), methods=["POST"]),
         Route("/api/generate", ollama_route(ollama.parse_generate, False), methods=["POST"]),
-        Route("/api/tags", tags), Route("/api/version", version),
+        Route("/api/tags", tags), Route("/api/version", version), Route("/api/ps", ps),
+        Route("/api/show", show, methods=["POST"]), Route("/api/embed", embed, methods=["POST"]),
+        Route("/api/embeddings", embeddings_legacy, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_openai, methods=["POST"]),
     ]
     # ApiError and our own errors are answered here; anything else is a bug: ServerErrorMiddleware
     # answers 500 in the same shape and re-raises it for the server's log.

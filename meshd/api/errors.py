@@ -13,6 +13,7 @@ Whose fault, which status (the client libraries pick their exception by it):
     503 service_unavailable     the swarm has no coverage / no route right now (Retry-After)
     504 timeout_error           the generation outlived its deadline
     415 invalid_request_error   a body that is not application/json
+    501 not_implemented         embeddings on a swarm whose recipe cannot return hidden states
     500 server_error            anything else (a bug: logged, never a crash)
 
 An error never echoes more of the client's input than a bounded, escaped
@@ -26,7 +27,7 @@ import json
 
 from meshd.api.jsonbody import BadJson, BadText
 from meshd.generate.driver import RouteFailed, SwarmFull
-from meshd.generate.service import NotReady
+from meshd.generate.service import EmbeddingsUnsupported, NotReady
 from proto.errors import LocalError
 
 
@@ -97,6 +98,8 @@ def api_error(exc: BaseException) -> ApiError:
                         retry_after_s=max(1, -(-exc.retry_after_ms // 1000)))
     if isinstance(exc, RouteFailed):
         return ApiError(503, str(exc), type="service_unavailable", code="no_route", retry_after_s=5)
+    if isinstance(exc, EmbeddingsUnsupported):
+        return ApiError(501, str(exc), type="not_implemented", code="embeddings_unsupported")
     if isinstance(exc, GenerationDeadline):
         return ApiError(504, str(exc), type="timeout_error", code="generation_deadline")
     if isinstance(exc, BadText):

@@ -23,6 +23,7 @@ most every STATUS_REFRESH_S).
 from __future__ import annotations
 
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import trio
@@ -34,7 +35,8 @@ from meshd.api.entry import Entry, EntryLimits
 from meshd.api.metrics import ApiMetrics
 from meshd.api.server import bind_socket, serve_api
 from meshd.errors import DaemonError
-from meshd.generate.service import generate
+from meshd.api.model_card import ModelCard
+from meshd.generate.service import embed, generate
 from meshd.plan.adverts import CoverageMap
 
 # The dashboard polls about every 2 s; a DHT read at most this often.
@@ -65,7 +67,9 @@ class ApiPart:
         self.node = node
         api = node.config.api
         self.metrics = ApiMetrics(probe=self.probe)
-        self.entry = Entry(self._core, EntryLimits(api.max_running, api.max_deferred, api.deadline_s), self.metrics)
+        self.entry = Entry(self._core, EntryLimits(api.max_running, api.max_deferred, api.deadline_s), self.metrics,
+                           embed_core=self._embed_core)
+        self.card: ModelCard | None = None     # the model's files, read once (Ollama's /api/show, /api/tags)
         self.url: str | None = None
         self.connections = ConnectionTable(api.max_connections)   # the HTTP slots (meshd/api/connections.py)
         self._snap_at = -1e9
@@ -76,6 +80,34 @@ class ApiPart:
         if swarm is None:
             raise DaemonError("this daemon serves no model: nothing to generate with")
         await generate(swarm, params, send, observer=observer)
+
+    async def _embed_core(self, texts, *, truncate: bool, normalize: bool, observer=None):
+        swarm = self.node.swarm
+        if swarm is None:
+            raise DaemonError("this daemon serves no model: nothing to embed with")
+        return await embed(swarm, texts, truncate=truncate, normalize=normalize, observer=observer)
+
+    async def _read_card(self) -> None:
+        config, swarm = self.node.config, self.node.swarm
+        if config.model is None:
+            return
+        while swarm is None or not swarm.digest:       # the digest is the swarm part's to compute
+            await trio.sleep(0.5)
+            swarm = self.node.swarm
+        try:
+            self.card = await trio.to_thread.run_sync(ModelCard.read, config.model, Path(config.model).name,
+                                                      swarm.digest)
+        except Exception as exc:  # noqa: BLE001 - Ollama's model routes then answer 503; generation is unaffected
+            self.node.progress(f"api: cannot read the model card of {config.model}: {exc}")
+
+    def loaded(self) -> dict:
+        """/api/ps: the model is loaded when every layer is served; its bytes and when its records expire."""
+        cmap, ads = self._coverage(), self._live_ads() or []
+        if cmap is None or not cmap.fully_covered or self.card is None:
+            return {}
+        expires = max(a.expires_at_ms for a in ads) / 1000
+        return {"size_bytes": self.card.size_bytes,
+                "expires_at": datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z")}
 
     # ------------------------------------------------------------------ views
     def model(self) -> dict:
@@ -184,11 +216,13 @@ class ApiPart:
             self.node.progress(f"api: not started ({exc})")
             task_status.started(None)
             return
-        app = build_app(ApiContext(self.entry, self.model, self.status, api.key, api.allowed_hosts, api.cors_origins))
+        app = build_app(ApiContext(self.entry, self.model, self.status, api.key, card=lambda: self.card,
+                                   loaded=self.loaded, allowed_hosts=api.allowed_hosts, cors_origins=api.cors_origins))
         await self._serve(app, sock, api.max_connections, task_status)
 
     async def _serve(self, app, sock, max_connections: int, task_status) -> None:
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._read_card)
             url = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=max_connections,
                                                                    table=self.connections, task_status=task_status))
             self.url = url
