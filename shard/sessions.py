@@ -63,6 +63,7 @@ from typing import Callable
 import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
+from shard.step_meter import StepMeter
 from shard.backend import RangeBackend, ids_in_range
 from shard.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
                                MAX_SESSION_ID_CHARS, MIN_OWNER_TOKEN_BYTES, Owner, SessionKey)
@@ -161,6 +162,7 @@ class SessionManager:
         self.backend = backend
         self.policy = policy
         self.clock = clock
+        self.meter = StepMeter()   # recent real steps' speed, for Health (shard/step_meter.py)
         self._sessions: "OrderedDict[SessionKey, _Session]" = OrderedDict()  # LRU order
         self._next_expiry_check = float("-inf")   # step() sweeps idle sessions at most every EXPIRE_CHECK_S
         self._epochs: "OrderedDict[str, int]" = OrderedDict()
@@ -378,6 +380,7 @@ class SessionManager:
                 self._sessions.pop(key, None)
             raise map_failure(exc, doing) from exc
         elapsed = time.perf_counter_ns() - t0
+        self.meter.observe(int(inputs.shape[0]), self.backend.layer_range.end - effective_start, elapsed / 1e9)
         session.last_step, session.last_payload = step, payload
         return StepResult(payload, session.cache.past_len, False, elapsed)
 

@@ -108,3 +108,12 @@ def test_embeddings_leave_no_session_and_refuse_what_they_cannot_do(served):
     c = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.BadRequestError):
         c.embeddings.create(model=MODEL_ID, input=[[1, 2, 3]])
+
+
+def test_workers_report_their_machine_and_recent_steps_in_health(served):
+    url, _, core = served
+    ollama.Client(host=url).embed(model=MODEL_ID, input="warm the route up")
+    for shard in core.shards:
+        h = shard.service.health()
+        assert h.cpu_cores >= 1 and h.machine_memory_bytes > h.resident_bytes > 0
+        assert h.prefill_positions > 0 and h.recent_prefill_tokens_per_s > 0

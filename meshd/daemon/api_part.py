@@ -36,6 +36,7 @@ from meshd.api.metrics import ApiMetrics
 from meshd.api.server import bind_socket, serve_api
 from meshd.errors import DaemonError
 from meshd.api.model_card import ModelCard
+from meshd.daemon.peer_watch import PeerWatch
 from meshd.generate.service import embed, generate
 from meshd.plan.adverts import CoverageMap
 
@@ -70,6 +71,7 @@ class ApiPart:
         self.entry = Entry(self._core, EntryLimits(api.max_running, api.max_deferred, api.deadline_s), self.metrics,
                            embed_core=self._embed_core)
         self.card: ModelCard | None = None     # the model's files, read once (Ollama's /api/show, /api/tags)
+        self.watch = PeerWatch(node)           # the peers' health and liveness (meshd/daemon/peer_watch.py)
         self.url: str | None = None
         self.connections = ConnectionTable(api.max_connections)   # the HTTP slots (meshd/api/connections.py)
         self._snap_at = -1e9
@@ -106,7 +108,8 @@ class ApiPart:
         if cmap is None or not cmap.fully_covered or self.card is None:
             return {}
         expires = max(a.expires_at_ms for a in ads) / 1000
-        return {"size_bytes": self.card.size_bytes,
+        held = sum((life.health or {}).get("rss_bytes", 0) for life in self.watch.lives.values() if life.state == "ok")
+        return {"size_bytes": held or self.card.size_bytes,
                 "expires_at": datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z")}
 
     # ------------------------------------------------------------------ views
@@ -123,13 +126,14 @@ class ApiPart:
                                 "gaps": [[g.start, g.end] for g in cmap.gaps()]}
         return info
 
-    def _live_ads(self):
+    def _live_ads(self, *, with_gone: bool = False):
+        """The model's records that have not expired -- without the peers the watch found gone."""
         swarm = self.node.swarm
         snap = swarm.snapshot if swarm is not None else None
         if snap is None:
             return None
-        now = wall_ms()
-        return [a for a in snap.ads if a.expires_at_ms > now]
+        now, gone = wall_ms(), set() if with_gone else self.watch.gone()
+        return [a for a in snap.ads if a.expires_at_ms > now and a.peer_id not in gone]
 
     def _coverage(self) -> CoverageMap | None:
         swarm, ads = self.node.swarm, self._live_ads()
@@ -151,6 +155,52 @@ class ApiPart:
         return {"kv_ratio": health.get("kv_pressure", 0.0), "kv_tokens": health.get("kv_tokens_used", 0),
                 "coverage": list(cmap.counts) if cmap is not None else [], "on_duty": self._on_duty()[1]}
 
+    def _peer_view(self, ad, me: str, now: int, snap) -> dict:
+        """One peer as the dashboard shows it: its record's claims beside what its worker says now."""
+        layers = ad.end - ad.start
+        relayed = list(snap.relayed.get(ad.peer_id, ())) if snap is not None else []
+        life = self.watch.lives.get(ad.peer_id)
+        live = life.view() if life is not None else {"state": "unknown", "since_ms": 0, "connected": False,
+                                                     "checked_ms": 0, "health": None, "history": []}
+        health = live.pop("health") or {}
+        recent_ms = health.get("recent_decode_ms_per_layer") or 0.0
+        return {
+            "peer_id": ad.peer_id, "start": ad.start, "end": ad.end, "self": ad.peer_id == me,
+            "live": live, "memory_budget_bytes": ad.memory_budget_bytes, "rss_bytes": health.get("rss_bytes"),
+            "cpu_cores": health.get("cpu_cores"), "machine_memory_bytes": health.get("machine_memory_bytes"),
+            "kv_tokens_used": health.get("kv_tokens_used"), "kv_budget_tokens": health.get("kv_budget_tokens"),
+            "active_sessions": health.get("active_sessions"), "free_kv_tokens": ad.free_kv_tokens,
+            # the record's numbers: one validation pass when the worker started
+            "validation": {"decode_ms_per_layer": round(ad.decode_ms_per_layer, 3),
+                           "decode_tokens_per_s": round(1000.0 / (ad.decode_ms_per_layer * layers), 1)
+                           if ad.decode_ms_per_layer > 0 else None,
+                           "prefill_tokens_per_s": round(ad.prefill_tokens_per_s, 1)},
+            # the worker's own average over its recent real steps (shard/step_meter.py)
+            "recent": {"decode_ms_per_layer": recent_ms or None,
+                       "decode_tokens_per_s": round(1000.0 / (recent_ms * layers), 1) if recent_ms else None,
+                       "prefill_tokens_per_s": health.get("recent_prefill_tokens_per_s") or None,
+                       "decode_positions": health.get("decode_positions", 0)},
+            "relayed": ad.relayed, "relays": _relays_of(relayed), "endpoint": ad.grpc_endpoint,
+            "expires_in_s": round((ad.expires_at_ms - now) / 1000, 1)}
+
+    def _shortfall(self) -> dict | None:
+        """When layers have no server: what they need (weights + KV at the swarm's budget) against the
+        memory the pool's nodes offer beyond their own ranges -- None when every layer is served."""
+        swarm, cmap = self.node.swarm, self._coverage()
+        duty = getattr(swarm, "duty", None)
+        if cmap is None or cmap.fully_covered:
+            return None
+        gaps = [[g.start, g.end] for g in cmap.gaps()]
+        if duty is None:
+            return {"gaps": gaps, "needed_bytes": None, "spare_bytes": None, "short_bytes": None}
+        fp, kv = duty.footprint, self.node.config.worker.kv_budget_tokens
+        needed = sum(fp.range_bytes(a, b, kv) for a, b in gaps)
+        spare = 0
+        for ad in self._live_ads() or []:
+            if ad.memory_budget_bytes:
+                spare += max(0, ad.memory_budget_bytes - fp.range_bytes(ad.start, ad.end, kv))
+        return {"gaps": gaps, "needed_bytes": needed, "spare_bytes": spare, "short_bytes": max(0, needed - spare)}
+
     async def _fresh(self) -> None:
         swarm = self.node.swarm
         if swarm is None or not swarm.digest:
@@ -168,19 +218,9 @@ class ApiPart:
         me = node.identity.peer_id
         now = wall_ms()
         snap = swarm.snapshot if swarm is not None else None
-        peers = []
-        for ad in sorted(self._live_ads() or [], key=lambda a: (a.start, a.end, a.peer_id))[:MAX_STATUS_PEERS]:
-            layers = ad.end - ad.start
-            relayed = list(snap.relayed.get(ad.peer_id, ())) if snap is not None else []
-            peers.append({
-                "peer_id": ad.peer_id, "start": ad.start, "end": ad.end, "self": ad.peer_id == me,
-                "memory_budget_bytes": ad.memory_budget_bytes, "free_kv_tokens": ad.free_kv_tokens,
-                "decode_ms_per_layer": round(ad.decode_ms_per_layer, 3),
-                "decode_tokens_per_s": round(1000.0 / (ad.decode_ms_per_layer * layers), 1)
-                if ad.decode_ms_per_layer > 0 else None,
-                "prefill_tokens_per_s": round(ad.prefill_tokens_per_s, 1), "relayed": ad.relayed,
-                "relays": _relays_of(relayed), "endpoint": ad.grpc_endpoint,
-                "expires_in_s": round((ad.expires_at_ms - now) / 1000, 1)})
+        peers = [self._peer_view(ad, me, now, snap) for ad in
+                 sorted(self._live_ads(with_gone=True) or [], key=lambda a: (a.start, a.end, a.peer_id))
+                 [:MAX_STATUS_PEERS]]
         tracker, on_duty = self._on_duty()
         sup = node.supervisor
         metrics = self.metrics
@@ -194,6 +234,8 @@ class ApiPart:
                      "reachability": node.relaying.status(), "direct_upgrades": node.upgrader.snapshot(),
                      "connected_peers": len(node.host.get_connected_peers()), "api": self.url},
             "generations": self.entry.snapshot(),
+            "gone": sorted(self.watch.gone()),
+            "shortfall": self._shortfall(),
             "throughput": metrics.totals(),
         }
 
@@ -223,6 +265,8 @@ class ApiPart:
     async def _serve(self, app, sock, max_connections: int, task_status) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_card)
+            if self.node.config.model is not None:
+                await nursery.start(self.watch.run)
             url = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=max_connections,
                                                                    table=self.connections, task_status=task_status))
             self.url = url
