@@ -282,13 +282,14 @@ def test_ollama_client_show_ps_embed_against_the_swarm(url, model_id):
 
     client = ollama.Client(host=url, timeout=300)
     info = client.show(model_id)
+    # the swarm runs SmolLM2's GGUF converted to a float32 artifact (native.packaged.smollm2_artifact)
     assert (info.details.family, info.details.parameter_size, info.details.quantization_level) == ("llama", "135M",
-                                                                                                    "Q4_1")
+                                                                                                    "F32")
     assert info.modelinfo["llama.context_length"] == 8192 and "<|im_start|>" in info.template
     (loaded,) = client.ps().models
     assert loaded.model == model_id and loaded.size > 0 and loaded.digest.startswith("sha256:")
     (listed,) = client.list().models
-    assert listed.size > 90_000_000 and listed.digest == loaded.digest and listed.details.family == "llama"
+    assert listed.size > 500_000_000 and listed.digest == loaded.digest and listed.details.family == "llama"
     out = client.embed(model=model_id, input=["Paris is the capital of France.", "The cat sat on the mat.",
                                               "France's capital city is Paris."])
     a, b, c = (np.array(v) for v in out.embeddings)
@@ -363,4 +364,5 @@ def test_dashboard_tells_the_truth_and_shows_a_killed_node_gone(url, model_id, s
     with pytest.raises(openai.APIStatusError) as info:
         client(url).chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4)
     assert info.value.status_code == 503 and info.value.response.headers["retry-after"]
-    assert gap in info.value.body["message"]
+    a, b = map(int, gap.split(":"))
+    assert gap in info.value.body["message"] or f"{a}..{b - 1}" in info.value.body["message"]

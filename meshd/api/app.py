@@ -16,11 +16,13 @@
     POST /v1/embeddings          the older Ollama route; /v1/embeddings: OpenAI's)
 
 Every generation goes through ``Entry.generate`` (meshd/api/entry.py), the
-same door as the control socket. Bodies are bounded (MAX_BODY_BYTES, read
-within BODY_READ_TIMEOUT_S) and parsed with a nesting bound
-(meshd/api/jsonbody.py). With an API key, every route but the page and its
-static files needs ``Authorization: Bearer <key>`` (the page asks for the
-key and sends it with its requests; the key never sits in a URL sent to us).
+same door as the control socket; embeddings through ``Entry.embed``. Bodies
+are ``application/json`` only (415), bounded (MAX_BODY_BYTES, read within
+BODY_READ_TIMEOUT_S) and parsed strictly (meshd/api/jsonbody.py: nesting
+bound, no NaN, no lone surrogate). Host, Origin, CORS and the bearer key are
+checked before any route (meshd/api/guard.py); with a key, every route but
+the page and its static files needs ``Authorization: Bearer <key>`` (the page
+asks for the key and sends it; the key never sits in a URL sent to us).
 
 A generation's response is an ASGI callable (``GenerationResponse``): it
 waits for the first generated token before sending the status line, so an

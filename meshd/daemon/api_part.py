@@ -1,15 +1,20 @@
 """The daemon's API part: the entry (admission, metrics) and the HTTP server, wired to the node.
 
     ApiPart.run  (child of the daemon's nursery; meshd/daemon/node.py starts it)
-    └── serve_api   Hypercorn on this loop (meshd/api/server.py), app from meshd/api/app.py
+    ├── serve_api   Hypercorn on this loop (meshd/api/server.py), app from meshd/api/app.py,
+    │               over the connection slots (meshd/api/connections.py; their counts in meshd status)
+    ├── PeerWatch   each peer's worker Health every second, liveness (meshd/daemon/peer_watch.py)
+    └── model card  the model's files read once (Ollama's /api/show, /api/tags)
 
 ``entry`` is the one door of every generation on this node: the HTTP routes
 and the control socket's ``generate`` op both go through it, and it calls
 the generate core (meshd/generate/service.py ``generate``) on the node's
 swarm part. ``status()`` is the dashboard's JSON: the model's coverage
-(layers x peers, gaps), every peer's range, memory, KV and speed from its
-signed record, relays and reachability, our worker's health and the
-generations running here with their routes. ``probe()`` feeds the metrics'
+(layers x peers, gaps; a peer the watch found gone no longer counts), every
+peer's range and budget from its signed record beside what its worker says
+now (RSS, KV, cores, RAM, recent speed, liveness, history), relays and
+reachability, the memory shortfall when layers are unserved, our worker's
+health and the generations running here and lately with their routes. ``probe()`` feeds the metrics'
 node gauges (KV, coverage per layer, tracker role).
 
 The default listen address is forgiving: if 127.0.0.1:8080 is taken (a
