@@ -40,8 +40,11 @@ TOML layout (every key optional; names match the dataclass fields)::
                                       # at most 8; N = N streams; 0 = one shared pool (not exact)
 
     [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
-    listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs key
-    key = "..."                       # bearer key (or MESHD_API_KEY in the environment)
+    listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs a key
+    key_file = "~/.config/meshd/api-key"   # the bearer key, read from this file (first line)
+    key = "..."                       # or the key itself (or MESHD_API_KEY in the environment)
+    allowed_hosts = ["meshd.lan"]     # Host names the API answers to besides IP literals and localhost
+    cors_origins = ["https://app.example"]  # web pages that may drive the API (CORS; off by default)
     max_running = 4
 """
 from __future__ import annotations
@@ -109,8 +112,13 @@ DEFAULT_API_LISTEN = "127.0.0.1:8080"
 # A bearer key guessed by nobody: at least this many characters.
 MIN_API_KEY_CHARS = 16
 # Connections the API holds open at once (each is a few KB plus, while it
-# streams, one generation); more wait in the listen backlog.
+# streams, one generation); meshd/api/connections.py decides who gets a slot.
 DEFAULT_API_MAX_CONNECTIONS = 64
+# A key file is a secret: a few hundred bytes at most, its first line is the key.
+MAX_API_KEY_FILE_BYTES = 4096
+# Host names / web origins an operator may list (each at most MAX_NAME_CHARS).
+MAX_API_NAMES = 32
+MAX_NAME_CHARS = 253
 
 
 def split_host_port(text: str) -> tuple[str, int]:
@@ -141,15 +149,30 @@ class ApiConfig:
     max_deferred: int = 16
     deadline_s: float = 600.0
     max_connections: int = DEFAULT_API_MAX_CONNECTIONS
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    # Where the key came from (api.key_file is read by load_config); shown by nothing, kept for messages.
+    key_file: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("allowed_hosts", "cors_origins"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or len(value) > MAX_API_NAMES or \
+                    not all(isinstance(v, str) and 0 < len(v) <= MAX_NAME_CHARS and v.isascii()
+                            and not any(c.isspace() for c in v) for v in value):
+                raise ConfigError(f"api.{name} must be a list of at most {MAX_API_NAMES} names without spaces")
+            object.__setattr__(self, name, tuple(v.lower() for v in value))
+        for origin in self.cors_origins:
+            if not origin.startswith(("http://", "https://")) or origin.count("/") != 2:
+                raise ConfigError(f"api.cors_origins: {origin!r} is not an origin like https://app.example[:port]")
         if self.key is not None and (not isinstance(self.key, str) or len(self.key) < MIN_API_KEY_CHARS
                                      or any(c.isspace() for c in self.key)):
             raise ConfigError(f"the api key must be at least {MIN_API_KEY_CHARS} characters, without spaces")
         bind = self.bind
         if bind is not None and not is_loopback(bind[0]) and not self.key:
             raise ConfigError(f"the API would listen on {bind[0]}, beyond loopback: that needs a bearer key "
-                              "(--api-key KEY, api.key in the config, or MESHD_API_KEY); or keep it on 127.0.0.1")
+                              "(--api-key-file PATH, MESHD_API_KEY, or api.key_file in the config); "
+                              "or keep it on 127.0.0.1")
         if self.max_running < 1 or self.max_deferred < 0 or self.deadline_s <= 0 or self.max_connections < 1:
             raise ConfigError("api: need max_running >= 1, max_deferred >= 0, deadline_s > 0, max_connections >= 1")
 
@@ -384,6 +407,29 @@ _WORKER_KEYS = {f.name for f in fields(WorkerConfig)}
 _API_KEYS = {f.name for f in fields(ApiConfig)}
 
 
+def read_key_file(path) -> str:
+    """The API key in ``path``: its first line, stripped. The file is a secret of this user: a file
+    that others may read is refused (chmod 600 it), as ssh refuses a readable private key."""
+    path = Path(os.path.expanduser(str(path)))
+    try:
+        st = path.stat()
+        if st.st_size > MAX_API_KEY_FILE_BYTES:
+            raise ConfigError(f"the API key file {path} is over {MAX_API_KEY_FILE_BYTES} bytes: not a key file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"the API key file {path} may be read by other users (mode {st.st_mode & 0o777:o}): "
+                              f"chmod 600 {path}")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError(f"the API key file {path} does not exist") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc}") from exc
+    lines = text.splitlines()
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError(f"the API key file {path} is empty: its first line is the key")
+    return key
+
+
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
     """Build the config from ``path`` (TOML, optional) and ``overrides`` (flags given).
 
@@ -440,8 +486,16 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
             raw[key] = tuple(raw[key])
     if "layers" in raw and raw["layers"] is not None:
         raw["layers"] = tuple(raw["layers"])
+    if api_raw.get("key_file") is not None:
+        if api_raw.get("key") is not None:
+            raise ConfigError("give the API key once: api.key_file (--api-key-file) or api.key (--api-key), not both")
+        api_raw["key"] = read_key_file(api_raw["key_file"])
+        api_raw["key_file"] = str(api_raw["key_file"])
     if api_raw.get("key") is None and os.environ.get("MESHD_API_KEY"):
         api_raw["key"] = os.environ["MESHD_API_KEY"]
+    for name in ("allowed_hosts", "cors_origins"):
+        if isinstance(api_raw.get(name), list):
+            api_raw[name] = tuple(api_raw[name])
     try:
         worker = WorkerConfig(**worker_raw)
         return DaemonConfig(**raw, worker=worker, api=ApiConfig(**api_raw))

@@ -49,8 +49,8 @@ def tokenizer(model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def core(shards, tokenizer):
-    return InProcessCore(shards, tokenizer)
+def core(shards, tokenizer, model):
+    return InProcessCore(shards, tokenizer, model)
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +323,7 @@ def test_logprobs_come_back_from_the_driver(api):
         assert e.top_logprobs[0].logprob >= e.logprob - 1e-6   # greedy: the chosen token is the most likely
 
 
-def test_oversized_headers_are_refused_and_connections_are_bounded(core):
+def test_oversized_headers_are_refused_and_silent_sockets_cannot_hold_every_slot(core):
     import socket as so
 
     with running_api(core) as (url, _):     # tests/_api_helpers.py serves at most 8 connections
@@ -331,10 +331,8 @@ def test_oversized_headers_are_refused_and_connections_are_bounded(core):
         assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
         host, port = url.removeprefix("http://").split(":")
         held = [so.create_connection((host, int(port))) for _ in range(8)]
-        try:
-            time.sleep(0.2)
-            with pytest.raises(httpx.TimeoutException):   # the 9th waits in the backlog, unserved
-                httpx.get(f"{url}/v1/models", timeout=1.0)
+        try:   # every slot taken by sockets that sent nothing: a newcomer gets the oldest one's slot
+            assert httpx.get(f"{url}/v1/models", timeout=60).status_code == 200
         finally:
             for s in held:
                 s.close()

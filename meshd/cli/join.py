@@ -34,8 +34,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "star: the entry carries every boundary (2 x hops)")
     parser.add_argument("--api-listen", metavar="HOST:PORT|off",
                         help="the HTTP API, metrics and dashboard (default 127.0.0.1:8080; port 0: any free port); "
-                             "beyond loopback it needs --api-key")
-    parser.add_argument("--api-key", help="bearer key the HTTP API requires (or MESHD_API_KEY; at least 16 characters)")
+                             "beyond loopback it needs a key (--api-key-file or MESHD_API_KEY)")
+    parser.add_argument("--api-key-file", metavar="PATH",
+                        help="file whose first line is the bearer key the HTTP API requires (chmod 600; "
+                             "or MESHD_API_KEY in the environment; at least 16 characters)")
+    parser.add_argument("--api-key", help="the bearer key itself -- visible to every local user in ps: "
+                                          "prefer --api-key-file or MESHD_API_KEY")
+    parser.add_argument("--api-allow-host", action="append", metavar="NAME", dest="api_allowed_hosts",
+                        help="a host name the API answers to besides IP addresses and localhost (repeatable); "
+                             "other Host headers are refused (DNS rebinding)")
+    parser.add_argument("--api-cors-origin", action="append", metavar="ORIGIN", dest="api_cors_origins",
+                        help="a web origin (https://app.example) whose pages may call the API (repeatable; "
+                             "CORS is off without it)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--backend", choices=("torch", "llama.cpp"))
     parser.add_argument("--kv-budget-tokens", type=int)
@@ -58,8 +68,14 @@ def _progress(line: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
+API_KEY_ON_COMMAND_LINE = ("meshd: warning: --api-key puts the key on the command line, where every user of "
+                           "this machine can read it (ps, /proc); use --api-key-file PATH or MESHD_API_KEY")
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.verbose)
+    if args.api_key:
+        print(API_KEY_ON_COMMAND_LINE, file=sys.stderr, flush=True)
     try:
         from meshd.config import load_config, parse_layers
         from meshd.plan.modelinfo import check_layers, model_num_layers
@@ -79,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,
             "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,
-            "api.listen": args.api_listen, "api.key": args.api_key,
+            "api.listen": args.api_listen, "api.key": args.api_key, "api.key_file": args.api_key_file,
+            "api.allowed_hosts": tuple(args.api_allowed_hosts) if args.api_allowed_hosts else None,
+            "api.cors_origins": tuple(args.api_cors_origins) if args.api_cors_origins else None,
         }
         config = load_config(args.config, overrides)
         if config.model is None:

@@ -78,6 +78,22 @@ def failure_lines(failure: dict, log_path: str = "", now: float | None = None) -
     return lines
 
 
+def render_http(http: dict | None) -> list[str]:
+    """The API's HTTP library (Hypercorn), its adjustment and the connection slots."""
+    if not http:
+        return []
+    rows = http.get("adjustments") or []
+    conns = http.get("connections") or {}
+    closed = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in (conns.get("closed") or {}).items() if n)
+    lines = [f"http       {http.get('url') or 'API off'}: hypercorn {http.get('version') or '?'}, "
+             f"{conns.get('open', 0)} of {conns.get('max', 0)} connections open "
+             f"({conns.get('per_address', 0)} per address)" + (f"; closed: {closed}" if closed else "")]
+    width = max((len(r["name"]) for r in rows), default=0)
+    for r in rows:
+        lines.append(f"  {'on ' if r['applied'] else 'off'}  {r['name'].ljust(width)}  {r['reason']}")
+    return lines
+
+
 def render_status(s: dict) -> str:
     own, worker = s["own"], s["worker"]
     lines = [f"peer id    {s['peer_id']}"]
@@ -134,6 +150,7 @@ def render_status(s: dict) -> str:
             lines.append(f"experts    exchange {moe['bytes_sent_per_position']:.0f} B/position sent, "
                          f"{moe['bytes_received_per_position']:.0f} received, {moe['failovers']} failovers")
     lines += render_library(s.get("libp2p"))
+    lines += render_http(s.get("http"))
     experts = s.get("experts")
     if experts:
         line = f"experts    {experts['role']}, holds {experts.get('experts') or 'all'}"

@@ -3,6 +3,7 @@
     node.py            ``run_daemon``: the composition root (host, DHT, parts below), status
     control.py         the local control socket (JSON lines; server and blocking client)
     api_part.py        the HTTP API's entry and server, wired to the node; the dashboard's status JSON
+    peer_watch.py      the peers as they are now: Health each second, liveness (gone / unreachable), history
     advertiser.py      keeps our signed capability record alive in the DHT
     free_kv.py         when our record's free KV is republished (moved > 10% of the budget, rate-limited)
     supervisor.py      restarts the worker with backoff, withdraws meanwhile

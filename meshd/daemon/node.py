@@ -284,6 +284,7 @@ class Node:
             "reachability": self.relaying.status(),
             "direct_upgrades": self.upgrader.snapshot(),
             "libp2p": library_status(),
+            "http": self.api.http_status(),
             "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
                          for d, v in coverage.items()},
         }

@@ -345,6 +345,34 @@ class SwarmDriver:
             done.set()
             self._close_all()
 
+    def embed(self, prompt_ids: Sequence[int], chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> np.ndarray:
+        """The final-normed hidden state of every prompt position, [T, hidden] float32: one prefill
+        through the route whose tail returns rows (``TailOptions.return_hidden``), not a token. The
+        same failover and replay as a generation; star topology (the rows come back to us)."""
+        if not prompt_ids or any(not isinstance(t, int) or t < 0 for t in prompt_ids):
+            raise LocalError("the text must tokenize to at least one token")
+        self._max_tokens = self._prompt_len = len(prompt_ids)
+        if self.context_tokens and self._max_tokens > self.context_tokens:
+            raise PromptTooLarge(f"the text ({self._max_tokens} tokens) is past the model's "
+                                 f"{self.context_tokens}-token context; shorten it")
+        self._chunk_tokens, self._stop_ids = chunk_tokens, frozenset()
+        self._tail = pb.TailOptions(return_hidden=True)
+        self._return_logits = self._want_logprobs = False
+        self.stats.started_at = time.monotonic()
+        watchdog = threading.Thread(target=self._watch, name="route-watchdog", daemon=True)
+        self._done = done = threading.Event()
+        watchdog.start()
+        try:
+            self._set_route(self._plan_first())
+            self._rows[0] = _Rows(np.asarray(prompt_ids, dtype=np.int64))
+            rows = self._advance_with_failover(self._max_tokens)
+            if not isinstance(rows, np.ndarray) or rows.shape[0] != self._max_tokens:
+                raise LocalError(f"the tail returned {getattr(rows, 'shape', None)} for {self._max_tokens} positions")
+            return rows
+        finally:
+            done.set()
+            self._close_all()
+
     def _token_of(self, out: TailOut) -> SampledToken:
         if self._return_logits:
             self.stats.logits.append(np.array(out.logits, dtype=np.float32))

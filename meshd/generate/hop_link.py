@@ -76,6 +76,11 @@ class LinkSpec:
     def is_tail(self) -> bool:
         return self.end == self.num_layers
 
+    @property
+    def returns_rows(self) -> bool:
+        """Hidden rows come back for every position: a non-tail hop, or a tail asked for embeddings."""
+        return not self.is_tail or (self.tail is not None and self.tail.return_hidden)
+
 
 @dataclass(frozen=True, slots=True)
 class TailOut:
@@ -212,12 +217,12 @@ class HopLink:
             self.deadlines.chunk_done(count, time.monotonic() - t0)
             self.past_len = first + offset + count
             final = index == len(plan) - 1
-            if not self.spec.is_tail or final:
+            if self.spec.returns_rows or final:
                 outs.append(self._output(resp.chunk, tensors, count))
-        return outs[-1] if self.spec.is_tail else np.concatenate(outs, axis=0)
+        return np.concatenate(outs, axis=0) if self.spec.returns_rows else outs[-1]
 
     def _output(self, holder, tensors: dict[str, np.ndarray], rows: int) -> np.ndarray | TailOut:
-        if not self.spec.is_tail:
+        if self.spec.returns_rows:
             out = tensors.get(HIDDEN)
             if out is None or out.ndim != 2 or out.shape[0] != rows:
                 got = "none" if out is None else str(out.shape)

@@ -42,6 +42,19 @@ def _json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _scalar(text: str, what: str) -> None:
+    """The tokenizers library takes only Unicode scalar values: a lone surrogate is the client's error
+    (a LocalError here, not its TypeError). The HTTP API refuses such strings earlier, naming the field."""
+    if not isinstance(text, str):
+        raise LocalError(f"{what} must be a string")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise LocalError(f"{what} holds a lone surrogate (U+D800..U+DFFF) at character {exc.start}: "
+                             "text must be valid Unicode") from exc
+
+
 class EntryTokenizer:
     def __init__(self, model_dir: Path) -> None:
         from tokenizers import Tokenizer
@@ -74,6 +87,7 @@ class EntryTokenizer:
         self.stop_ids = frozenset(stops)
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
+        _scalar(prompt, "the prompt")
         if raw or not self.chat_template:
             return list(self._tok.encode(prompt).ids)
         return self.encode_chat([("user", prompt)])
@@ -83,6 +97,8 @@ class EntryTokenizer:
         if not self.chat_template:
             raise LocalError("this model has no chat template: send a plain prompt instead "
                              "(/v1/completions, or raw)")
+        for i, (_, content) in enumerate(messages):
+            _scalar(content, f"message {i}")
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

@@ -49,9 +49,10 @@ class BackendInputError(ValueError):
 class TorchCache:
     """One session's KV for the layers [effective_start, end) of a range."""
 
-    __slots__ = ("past_len", "max_tokens", "effective_start", "dynamic")
+    __slots__ = ("past_len", "max_tokens", "effective_start", "dynamic", "hidden_out")
 
     def __init__(self, max_tokens: int) -> None:
+        self.hidden_out = False   # a tail's session for embeddings: normed rows, not logits (TailOptions.return_hidden)
         self.past_len = 0
         self.max_tokens = max_tokens
         self.effective_start: int | None = None
@@ -243,6 +244,8 @@ class TorchRangeBackend:
             cache.past_len += count
             if self.exchange is not None:
                 self.exchange.note_positions(count)
+            if self.layer_range.is_tail and cache.hidden_out:
+                return modules.norm(hidden)[0].float().numpy()
             if self.layer_range.is_tail:
                 return self.adapter.logits(modules, hidden)[0, -1].float().numpy()
             return _to_numpy(hidden[0])

@@ -113,7 +113,9 @@ def forward_rows(backend, caches, inputs_list, effective_start: int, to_torch, t
             last = torch.stack([normed[0, bounds[j + 1] - 1] for j in range(len(live))]).unsqueeze(0)
             logits = modules.lm_head(last)[0].float()
             for j, i in enumerate(live):
-                results[i] = logits[j].numpy().copy()
+                hidden_rows = getattr(caches[i], "hidden_out", False)   # embeddings: normed rows, not logits
+                results[i] = (normed[0, bounds[j]:bounds[j + 1]].float().numpy().copy() if hidden_rows
+                              else logits[j].numpy().copy())
         else:
             for j, i in enumerate(live):
                 results[i] = to_numpy(hidden[0, bounds[j]:bounds[j + 1]]).copy()

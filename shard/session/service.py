@@ -18,6 +18,7 @@ MAX_DETAIL_CHARS) and logs the traceback in the worker's log.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import Callable
@@ -57,6 +58,34 @@ def _rss_bytes() -> int:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 0
+
+
+def _machine_memory() -> int:
+    """MemTotal, or the memory cgroup's limit when that is lower (a worker in a container)."""
+    total = 0
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
+        for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+            if os.path.exists(path):
+                with open(path) as fh:
+                    text = fh.read().strip()
+                if text.isdigit() and 0 < int(text) < total:
+                    total = int(text)
+                break
+    except OSError:
+        pass
+    return total
 
 
 class ShardService:
@@ -152,6 +181,8 @@ class ShardService:
         with self.lock:
             self.manager.expire()
             stats = self.manager.stats()
+            m = self.manager.meter
+            meter = (m.decode_ms_per_layer, m.prefill_tokens_per_s, m.decode_positions, m.prefill_positions)
         validated = self._capability is not None and self._capability.validated
         exchange = getattr(self.backend, "exchange", None)   # MoE: experts on expert peers
         moe = exchange.stats() if exchange is not None else {}
@@ -166,6 +197,9 @@ class ShardService:
             resident_bytes=_rss_bytes(), kv_tokens_used=stats.kv_reserved_tokens,
             kv_budget_tokens=stats.kv_budget_tokens,
             queued_chunks=self.batcher.queue_depth, batch_occupancy=self.batcher.last_batch_rows,
+            cpu_cores=_cores(), machine_memory_bytes=_machine_memory(),
+            recent_decode_ms_per_layer=meter[0], recent_prefill_tokens_per_s=meter[1],
+            decode_positions=meter[2], prefill_positions=meter[3],
             detail=f"{stats.kv_cached_tokens} tokens cached")
 
     def _key(self, session_id: str, epoch: int) -> SessionKey:

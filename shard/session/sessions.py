@@ -63,6 +63,7 @@ from typing import Callable
 import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
+from shard.session.step_meter import StepMeter
 from shard.model.backend import RangeBackend, ids_in_range
 from shard.session.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
                                MAX_SESSION_ID_CHARS, MIN_OWNER_TOKEN_BYTES, Owner, SessionKey)
@@ -141,9 +142,11 @@ class ManagerStats:
 
 
 class _Session:
-    __slots__ = ("key", "owner", "cache", "max_tokens", "last_step", "last_payload", "last_used")
+    __slots__ = ("key", "owner", "cache", "max_tokens", "last_step", "last_payload", "last_used", "hidden_out")
 
-    def __init__(self, key: SessionKey, owner: Owner, cache, max_tokens: int, now: float) -> None:
+    def __init__(self, key: SessionKey, owner: Owner, cache, max_tokens: int, now: float,
+                 hidden_out: bool = False) -> None:
+        self.hidden_out = hidden_out
         self.key = key
         self.owner = owner
         self.cache = cache
@@ -159,6 +162,7 @@ class SessionManager:
         self.backend = backend
         self.policy = policy
         self.clock = clock
+        self.meter = StepMeter()   # recent real steps' speed, for Health (shard/session/step_meter.py)
         self._sessions: "OrderedDict[SessionKey, _Session]" = OrderedDict()  # LRU order
         self._next_expiry_check = float("-inf")   # step() sweeps idle sessions at most every EXPIRE_CHECK_S
         self._epochs: "OrderedDict[str, int]" = OrderedDict()
@@ -262,7 +266,20 @@ class SessionManager:
         for key in victims:
             self._drop(key)
 
-    def open(self, key: SessionKey, max_tokens: int = 0, owner: Owner = LOCAL_OWNER) -> int:
+    def _new_cache(self, tokens: int, hidden_out: bool):
+        """A backend cache; ``hidden_out``: a tail's embeddings session (the backend's cache must offer it)."""
+        cache = self.backend.new_cache(tokens)
+        if hidden_out:
+            inner = getattr(cache, "inner", cache)     # under the batching wrapper
+            if not hasattr(inner, "hidden_out"):
+                cache.release()
+                raise ProtocolViolation(f"this {self.backend.backend_name} tail cannot return hidden states "
+                                        "(embeddings need a torch tail)")
+            inner.hidden_out = True
+        return cache
+
+    def open(self, key: SessionKey, max_tokens: int = 0, owner: Owner = LOCAL_OWNER, *,
+             hidden_out: bool = False) -> int:
         """Admit (or re-attach to) a session; returns the tokens already cached."""
         self.expire()
         self._check_current(key)
@@ -286,12 +303,14 @@ class SessionManager:
             self._drop(session.key)  # superseded by the new epoch
         self._make_room(tokens, owner)
         try:
-            cache = self.backend.new_cache(tokens)
+            cache = self._new_cache(tokens, hidden_out)
+        except ProtocolViolation:
+            raise
         except Exception as exc:  # llama.cpp's pool may be full (its ResourceExhausted); else ours
             log_failure(log, exc, f"creating a KV cache of {tokens} tokens")
             raise map_failure(exc, f"creating a KV cache of {tokens} tokens") from exc
         self._remember_epoch(key)
-        self._sessions[key] = _Session(key, owner, cache, tokens, self.clock())
+        self._sessions[key] = _Session(key, owner, cache, tokens, self.clock(), hidden_out)
         return 0
 
     # -- work ----------------------------------------------------------------------
@@ -354,13 +373,14 @@ class SessionManager:
             if self._sessions.get(key) is not session:   # dropped while its forward ran (batching)
                 raise map_failure(exc, doing) from exc
             try:
-                session.cache = self.backend.new_cache(session.max_tokens)
+                session.cache = self._new_cache(session.max_tokens, session.hidden_out)
                 session.last_step, session.last_payload = None, None
             except Exception as again:  # no fresh cache: the next request is a CACHE_MISS at 0
                 log_failure(log, again, "creating a fresh KV cache after a failure")
                 self._sessions.pop(key, None)
             raise map_failure(exc, doing) from exc
         elapsed = time.perf_counter_ns() - t0
+        self.meter.observe(int(inputs.shape[0]), self.backend.layer_range.end - effective_start, elapsed / 1e9)
         session.last_step, session.last_payload = step, payload
         return StepResult(payload, session.cache.past_len, False, elapsed)
 

@@ -353,11 +353,14 @@ class SessionStream:
         if o.push_feed:
             return [AttachFeeder(key, o, owner)]
         sampling = None
+        hidden = lr.is_tail and o.tail.return_hidden    # embeddings: the normed rows, not a token
+        if hidden and (o.tail.sample or o.push):
+            raise ProtocolViolation("return_hidden goes with neither sample nor push")
         if lr.is_tail and o.tail.sample:
             sampling = SamplingSpec.from_pb(o.tail.sampling)
             check_top_logprobs(int(o.tail.top_logprobs))
         with self.service.lock:
-            past_len = self.service.manager.open(key, int(o.max_tokens), owner)
+            past_len = self.service.manager.open(key, int(o.max_tokens), owner, hidden_out=hidden)
         flow = negotiate(o.proposed_flow_control, self.service.local_flow)
         self.ledger = CreditLedger(flow)
         self.key, self.effective_start, self.tail, self.state = key, r.effective_start_layer, o.tail, OPEN
@@ -379,7 +382,7 @@ class SessionStream:
         """What a step returns: hidden rows, or the tail's answer -- the token drawn for position
         ``draw_at`` (decode steps and a prompt's final chunk; None: no draw), and the logits row
         when asked (or when the tail does not sample)."""
-        if not self.service.backend.layer_range.is_tail:
+        if not self.service.backend.layer_range.is_tail or self.tail.return_hidden:
             return lambda output: {HIDDEN: output}
         spec, tail = self.sampling, self.tail
 
