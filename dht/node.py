@@ -69,9 +69,9 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
 
 import trio
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
@@ -79,19 +79,24 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.tools.anyio_service import background_trio_service
 
 from dht import keys as K
+from dht import rpc
 from dht.compat.gate import gate, installed_version
 from dht.compat.registry import decide
-from dht.records import CapabilityRecord, RecordCache, encode_record_set, merge_records, \
-    parse_record_set_lenient, validate_capability
-from dht.expert_records import parse_expert_set_lenient
-from dht.relay_records import RelayRecord, parse_relay_set_lenient
-from dht.validator import MergingValueStore, check_value, namespaced_validator
 from dht.errors import RecordRejected
+from dht.expert_records import parse_expert_set_lenient
 from dht.lookup import K_CLOSEST, SEED_PEERS, Lookup
 from dht.peer_health import CLOSE, KEEP, PeerHealth
-from dht import rpc
+from dht.records import (
+    CapabilityRecord,
+    RecordCache,
+    encode_record_set,
+    merge_records,
+    parse_record_set_lenient,
+    validate_capability,
+)
+from dht.relay_records import RelayRecord, parse_relay_set_lenient
 from dht.rpc import RpcTimer
-
+from dht.validator import MergingValueStore, check_value, namespaced_validator
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +243,7 @@ class DhtNode:
         self.refreshes += 1
 
     @asynccontextmanager
-    async def running(self) -> AsyncIterator["DhtNode"]:
+    async def running(self) -> AsyncIterator[DhtNode]:
         async with background_trio_service(self.kad), trio.open_nursery() as upkeep:
             self._upkeep = upkeep
             try:

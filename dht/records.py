@@ -37,8 +37,8 @@ from __future__ import annotations
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
 
 from google.protobuf.message import DecodeError
 

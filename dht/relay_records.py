@@ -28,9 +28,10 @@ have the same ``peer_id``, ``sequence``, ``expires_at_ms`` and ``withdrawn``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
+from dht.errors import RecordRejected
 from dht.records import (
     MAX_ADDR_CHARS,
     MAX_RECORD_LIFETIME_MS,
@@ -39,7 +40,6 @@ from dht.records import (
     open_signed,
     sign_payload,
 )
-from dht.errors import RecordRejected
 from proto import shard_runtime_pb2 as pb
 
 __all__ = ["RelayRecord", "sign_relay", "validate_relay", "validate_relay_set", "parse_relay_set_lenient",

@@ -158,7 +158,7 @@ class Session:
         for peer, stream in idle.items():
             await _end(stream, peer, good=True)
 
-    async def __aenter__(self) -> "Session":
+    async def __aenter__(self) -> Session:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -32,13 +32,15 @@ signature again.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.kad_dht.value_store import ValueStore
 from libp2p.records.validator import NamespacedValidator, Validator
 
 from dht import keys as K
+from dht.errors import RecordRejected
+from dht.expert_records import parse_expert_set_lenient, validate_expert_set
 from dht.records import (
     CapabilityRecord,
     RecordCache,
@@ -49,9 +51,7 @@ from dht.records import (
     validate_capability,
     validate_record_set,
 )
-from dht.expert_records import parse_expert_set_lenient, validate_expert_set
 from dht.relay_records import parse_relay_set_lenient, validate_relay_set
-from dht.errors import RecordRejected
 
 log = logging.getLogger(__name__)
 

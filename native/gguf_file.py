@@ -230,7 +230,7 @@ class GGUFFile:
         return default if f is None else f.contents()
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> "GGUFFile":
+    def open(cls, path: str | os.PathLike[str]) -> GGUFFile:
         path = Path(path)
         if not path.is_file():
             raise ArtifactError(f"{path}: no such GGUF file")
@@ -247,7 +247,7 @@ class GGUFFile:
                                   "re-create or re-download it") from None
 
     @classmethod
-    def parse(cls, path: Path, buf, size: int) -> "GGUFFile":
+    def parse(cls, path: Path, buf, size: int) -> GGUFFile:
         cur = _Cursor(buf, size)
         cur.need(4, "magic")
         if bytes(buf[0:4]) != b"GGUF":

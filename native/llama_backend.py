@@ -23,8 +23,8 @@ seq-id pool and the reserved-token ledger, all under one lock.
 from __future__ import annotations
 
 import heapq
-import sys
 import math
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +38,9 @@ from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, loa
 from native.slice import FAKE_VOCAB, slice_path
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, ProtocolViolation
+from shard.errors import ResourceExhausted
 from shard.model.artifact import make_fingerprint
 from shard.model.backend import LayerRange, ids_in_range
-from shard.errors import ResourceExhausted
 
 __all__ = ["LlamaBackendConfig", "LlamaRangeBackend", "LlamaSeqCache", "KvBudgetExhausted"]
 
@@ -76,7 +76,7 @@ class LlamaSeqCache:
 
     __slots__ = ("past_len", "seq_id", "max_tokens", "_owner", "_engine_start", "broken", "released")
 
-    def __init__(self, owner: "LlamaRangeBackend", seq_id: int, max_tokens: int) -> None:
+    def __init__(self, owner: LlamaRangeBackend, seq_id: int, max_tokens: int) -> None:
         self.past_len = 0
         self.seq_id = seq_id
         self.max_tokens = max_tokens

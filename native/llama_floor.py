@@ -26,9 +26,9 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from native.cbuild import floor_binary
 from native.errors import RuntimeUnavailable

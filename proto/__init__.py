@@ -47,14 +47,22 @@ SessionResponse; frames without tensors <= MAX_CONTROL_FRAME_BYTES;
 SessionOpen / SessionAccepted / Envelope carry SCHEMA_VERSION_1.
 """
 from proto import shard_runtime_pb2 as pb
-from proto.errors import (FlowControlViolation, LimitExceeded, LocalError, MeshdError,
-                          PayloadCorrupt, ProtocolError, ProtocolViolation, VersionUnsupported)
-from proto.limits import DEFAULT_LIMITS, Limits
-from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor
-from proto.frames import FrameReader, encode_frame, parse_request, parse_response
-from proto.flow import CreditLedger, CreditWindow, negotiate
 from proto.chunking import plan_prefill_chunks
+from proto.errors import (
+                          FlowControlViolation,
+                          LimitExceeded,
+                          LocalError,
+                          MeshdError,
+                          PayloadCorrupt,
+                          ProtocolError,
+                          ProtocolViolation,
+                          VersionUnsupported,
+)
+from proto.flow import CreditLedger, CreditWindow, negotiate
+from proto.frames import FrameReader, encode_frame, parse_request, parse_response
+from proto.limits import DEFAULT_LIMITS, Limits
 from proto.records import RECORD_DOMAIN, sign_record, verify_record_signature
+from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor
 from proto.zerocopy import read_request, read_response
 
 __all__ = [

@@ -268,7 +268,7 @@ class DecodeStepView:
         return "decode"
 
     @property
-    def decode(self) -> "DecodeStepView":
+    def decode(self) -> DecodeStepView:
         return self
 
 
@@ -325,7 +325,7 @@ class DecodeResultView:
         return "decode"
 
     @property
-    def decode(self) -> "DecodeResultView":
+    def decode(self) -> DecodeResultView:
         return self
 
     def HasField(self, name: str) -> bool:     # noqa: N802 - protobuf's name

@@ -27,8 +27,7 @@ import zstandard
 from proto import shard_runtime_pb2 as pb
 from proto.checksum import crc32c_bytes
 from proto.decoding import decode_bundle, decode_tensor
-from proto.dtypes import (BUNDLE_VERSION, COMPRESSIONS, ENCODINGS, FLOAT_DTYPES, NUMPY_TO_PB,
-                          PB_TO_NUMPY, pb_dtype_of)
+from proto.dtypes import BUNDLE_VERSION, COMPRESSIONS, ENCODINGS, FLOAT_DTYPES, NUMPY_TO_PB, PB_TO_NUMPY, pb_dtype_of
 from proto.errors import LocalError
 from proto.limits import DEFAULT_FRAGMENT_BYTES, DEFAULT_LIMITS, ZSTD_LEVEL
 from proto.q8 import encode_q8

@@ -162,7 +162,7 @@ class Scan:
 
     def _tensor(self, start: int, end: int) -> tuple[list, int]:
         """A NamedTensor: skeleton pieces; records (header or None, payload views)."""
-        data, view, pieces, size = self.data, self.view, [], 0
+        view, pieces, size = self.view, [], 0
         values: dict[int, object] = {}
         canonical = True
         frags: list[tuple[int, int, int]] = []

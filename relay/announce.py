@@ -24,12 +24,12 @@ State: the last sequence number, owned by the loop.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import trio
 
-from dht.relay_records import MAX_RELAY_ADDRS, RelayRecord, sign_relay, validate_relay
 from dht.identity import Identity
+from dht.relay_records import MAX_RELAY_ADDRS, RelayRecord, sign_relay, validate_relay
 
 log = logging.getLogger(__name__)
 

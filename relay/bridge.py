@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import grpc
 import grpc.aio
@@ -122,7 +122,7 @@ class WorkerSession:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, link: WorkerLink) -> AsyncIterator["WorkerSession"]:
+    async def open(cls, link: WorkerLink) -> AsyncIterator[WorkerSession]:
         session = cls(link)
         coro = session._run()
         try:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 from proto.errors import LocalError
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import enum
 import json
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import multiaddr
 import trio

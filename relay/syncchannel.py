@@ -24,7 +24,7 @@ portal and everything else to the direct gRPC factory it wraps.
 from __future__ import annotations
 
 import threading
-from typing import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 import trio
@@ -61,7 +61,7 @@ class TrioPortal:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="trio-portal", daemon=True)
 
-    def __enter__(self) -> "TrioPortal":
+    def __enter__(self) -> TrioPortal:
         self._thread.start()
         self._ready.wait()
         if self.error is not None:
@@ -241,7 +241,7 @@ class _RelayedCall:
 
     # ---------------------------------------------------------- driver thread
 
-    def __iter__(self) -> "_RelayedCall":
+    def __iter__(self) -> _RelayedCall:
         return self
 
     def __next__(self) -> bytes:
@@ -303,7 +303,7 @@ class RelayedGrpcChannel:
         self.conn = conn        # the one connection its streams open on, when it has one
 
     @classmethod
-    def to_peer(cls, portal, host, peer_id: ID) -> "RelayedGrpcChannel":
+    def to_peer(cls, portal, host, peer_id: ID) -> RelayedGrpcChannel:
         return cls(portal, lambda: open_session_channel(host, peer_id))
 
     def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):

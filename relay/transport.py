@@ -40,9 +40,9 @@ from proto.errors import ProtocolError, ProtocolViolation
 from proto.frames import parse_request
 from relay import trace
 from relay.bridge import WorkerLink, WorkerSession
-from relay.local_link import UNIX_SCHEME, UnixWorkerLink, UnixWorkerSession
 from relay.errors import RelayUnreachable, WorkerUnavailable
-from relay.framing import ByteBudget, FramedStream, RELAYED_MAX_FRAME_BYTES
+from relay.framing import RELAYED_MAX_FRAME_BYTES, ByteBudget, FramedStream
+from relay.local_link import UNIX_SCHEME, UnixWorkerLink, UnixWorkerSession
 
 log = logging.getLogger(__name__)
 

@@ -20,11 +20,11 @@ import trio
 from meshd.api.app import ApiContext, build_app
 from meshd.api.entry import Entry, EntryLimits
 from meshd.api.metrics import ApiMetrics
+from meshd.api.model_card import ModelCard
 from meshd.api.server import bind_socket, serve_api
 from meshd.generate.driver import SwarmDriver
 from meshd.generate.hop_meter import MeteredConnector
 from meshd.generate.routes import AdsRouteSource, PeerConnector
-from meshd.api.model_card import ModelCard
 from meshd.generate.service import Embeddings, drive, embed_rows
 from meshd.generate.tokenizer import EntryTokenizer
 

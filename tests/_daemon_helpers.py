@@ -6,8 +6,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dht.records import CapabilityClaim, sign_capability
 from dht.identity import Identity
+from dht.records import CapabilityClaim, sign_capability
 from proto import shard_runtime_pb2 as pb
 from proto.records import sign_record
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass
 import grpc
 import multiaddr
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.tools.anyio_service import background_trio_service
 
 from dht.host.build import build_host
 from dht.identity import Identity
 from relay.bridge import GRPC_OPTIONS, SESSION_METHOD
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
-from libp2p.tools.anyio_service import background_trio_service
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 ECHO_PREFIX = b"echo:"

@@ -105,8 +105,8 @@ class RawStream:
     def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:
         import grpc
 
-        from shard.session.request_queue import RequestQueue
         from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+        from shard.session.request_queue import RequestQueue
 
         self.channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
         self._queue = RequestQueue(16)
@@ -120,10 +120,10 @@ class RawStream:
     def recv(self):
         """The next non-flow-control (response, tensors); a ShardStatus (or a transport error) raises
         StatusError."""
+        import grpc
+
         from proto import shard_runtime_pb2 as pb
         from proto.zerocopy import read_response
-
-        import grpc
 
         while True:
             try:

@@ -7,9 +7,9 @@ import grpc
 
 from meshd.plan.adverts import ShardAd
 from shard.edges.grpc_server import build_server
+from shard.model.torch_backend import TorchRangeBackend
 from shard.session.service import ShardService
 from shard.session.sessions import SessionPolicy
-from shard.model.torch_backend import TorchRangeBackend
 
 FAR_FUTURE_MS = 2**62
 

@@ -96,8 +96,9 @@ def test_planned_kv_equals_admitted_kv_by_default(tmp_path):
                       tls=load_or_create_tls(tmp_path / "tls", "node"))
     cmd = spec.command(tmp_path / "ready.json")
     assert cmd[cmd.index("--kv-budget-tokens") + 1] == str(w.kv_budget_tokens)
-    from meshd.cli.worker import add_arguments
     import argparse
+
+    from meshd.cli.worker import add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["--model", "m"]).kv_budget_tokens == w.kv_budget_tokens

@@ -99,7 +99,7 @@ def _closed_by_server(s: socket.socket, timeout_s: float = REQUEST_TIMEOUT_S) ->
     try:
         while s.recv(65536):
             pass
-    except socket.timeout:
+    except TimeoutError:
         return False
     except ConnectionResetError:
         pass

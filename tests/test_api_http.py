@@ -64,7 +64,7 @@ def whole(model):
     return WholeModel(model)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def client(url: str, key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
 

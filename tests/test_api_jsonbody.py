@@ -12,10 +12,12 @@ import socket
 
 import pytest
 import trio
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.api.jsonbody import MAX_JSON_DEPTH, BadJson, json_depth, loads_bounded, loads_object
-from meshd.daemon.control import request as control_request, serve_control
+from meshd.daemon.control import request as control_request
+from meshd.daemon.control import serve_control
 
 DEEP = b'{"op": "generate", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}\n"
 

@@ -13,11 +13,11 @@ import threading
 import numpy as np
 import pytest
 
+from meshd.testing.models import build_random_gemma3, build_random_llama
 from proto.errors import ProtocolViolation
 from shard.model.torch_backend import TorchRangeBackend
-from meshd.testing.models import build_random_llama, build_random_gemma3
-from tests._batching_helpers import Gate, concurrent, generate, hold_batches, max_diff, services, step
 from shard.session.sessions import SessionKey
+from tests._batching_helpers import Gate, concurrent, generate, hold_batches, max_diff, services, step
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11], [300, 301, 302, 303]]
 N_NEW = 8

@@ -142,6 +142,7 @@ def test_a_directive_to_a_client_only_node_is_refused(client):
     import multiaddr
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
+    from dht.host.build import running_host
     from dht.identity import Identity
     from meshd.plan.adverts import Span
     from meshd.plan.assignment import DirectiveIntent
@@ -149,7 +150,6 @@ def test_a_directive_to_a_client_only_node_is_refused(client):
     from meshd.plan.tracker import epoch_at
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange, sign_directive
     from proto import shard_runtime_pb2 as pb
-    from dht.host.build import running_host
 
     signer = Identity.from_seed(bytes([77]) * 32)
     me = client.query("status")

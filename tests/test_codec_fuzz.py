@@ -21,14 +21,24 @@ from proto import wire
 from proto.errors import LimitExceeded, PayloadCorrupt, ProtocolError
 from proto.frames import FrameReader, encode_frame, parse_request, parse_response
 from proto.q8 import BLOCK
-from proto.records import (parse_capability, parse_directive, parse_signed_record,
-                           verify_record_signature)
+from proto.records import parse_capability, parse_directive, parse_signed_record, verify_record_signature
 from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor
 from proto.zerocopy import read_request, read_response
-
-from tests._codec_fuzz_helpers import (BATCH, mutate, COMPRESSIONS, DTYPES, ENV, FLOATS, bundle_seeds, fuzz_inputs,
-                                       only_protocol_errors, record_seeds, request_seeds,
-                                       response_seeds, tensor_seeds)
+from tests._codec_fuzz_helpers import (
+    BATCH,
+    COMPRESSIONS,
+    DTYPES,
+    ENV,
+    FLOATS,
+    bundle_seeds,
+    fuzz_inputs,
+    mutate,
+    only_protocol_errors,
+    record_seeds,
+    request_seeds,
+    response_seeds,
+    tensor_seeds,
+)
 
 # 300 examples x (1 arbitrary + BATCH mutated) inputs = 2700 inputs per decoder test.
 FUZZ = settings(max_examples=300, deadline=None, database=None,

@@ -1,15 +1,14 @@
 """proto.tensors / proto.q8 / proto.checksum: round trips, validation, q8 error bound."""
 from __future__ import annotations
 
+import google_crc32c
 import ml_dtypes
 import numpy as np
 import pytest
-import google_crc32c
 
 from proto import shard_runtime_pb2 as pb
 from proto.checksum import crc32c
-from proto.errors import (LimitExceeded, LocalError, PayloadCorrupt, ProtocolError,
-                          ProtocolViolation, VersionUnsupported)
+from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolError, ProtocolViolation, VersionUnsupported
 from proto.limits import DEFAULT_LIMITS, Limits
 from proto.q8 import BLOCK, decode_q8, encode_q8, q8_encoded_size
 from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor

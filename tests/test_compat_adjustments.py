@@ -13,12 +13,12 @@ import sys
 import trio
 from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
-from meshd.cli.status_view import render_status
-from meshd.daemon.relay_mode import render_relay_status
-from meshd.reach.direct_upgrade import DCUTR_POLICY, DirectUpgrader, apply_dcutr_policy, dcutr_policy_check
 from dht.compat import inbound_limits, lean_datapath, no_auto_connect, peer_record_gc, release_on_read, yamux_window
 from dht.compat import registry as A
 from dht.compat.gate import TESTED_LIBP2P_VERSION, gate
+from meshd.cli.status_view import render_status
+from meshd.daemon.relay_mode import render_relay_status
+from meshd.reach.direct_upgrade import DCUTR_POLICY, DirectUpgrader, apply_dcutr_policy, dcutr_policy_check
 from tests._relay_helpers import LOOPBACK, REPO_ROOT, info, new_host
 
 CHILD_TIMEOUT_S = 120

@@ -156,10 +156,10 @@ def test_bootstrap_tries_again_when_no_peer_answered_the_first_round(monkeypatch
     it comes up during the pause and the second round reaches it. With one round: refused."""
     import socket
 
-    from dht.identity import Identity
     from dht.host import bootstrap as B
     from dht.host.build import running_host
     from dht.host.errors import BootstrapUnreachable
+    from dht.identity import Identity
 
     monkeypatch.setattr(B, "BOOTSTRAP_RETRY_PAUSES_S", (2.0, 2.0))
     with socket.socket() as s:

@@ -9,15 +9,17 @@ import struct
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from libp2p.io.exceptions import IncompleteReadError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.stream_muxer.yamux import yamux as Y
 
 from dht.compat import lean_datapath as F
-from relay.framing import FramedStream
 from meshd.benchmarks.relay_home import ECHO_PROTOCOL, echo
+from relay.framing import FramedStream
 from relay.transport import RelayedFrameChannel
 from tests._relay_helpers import new_host, triangle
 
@@ -55,7 +57,7 @@ async def _passes_of_a_bystander(lock, acquisitions: int) -> int:
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(bystander)
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         before = ran[0]
         for _ in range(acquisitions):
             async with lock:

@@ -191,12 +191,12 @@ def _check_pinned_endpoint(status: dict, other: Daemon) -> None:
 
 def _push_forgeries(target: Daemon, victim: Daemon) -> None:
     """A separate (Noise) libp2p host sends raw PUT_VALUEs of forged records to ``target``."""
+    import multiaddr
     import trio
     from libp2p.kad_dht.pb.kademlia_pb2 import Record
     from libp2p.kad_dht.value_store import ValueStore
     from libp2p.peer.id import ID
     from libp2p.peer.peerinfo import info_from_p2p_addr
-    import multiaddr
 
     from dht import keys as K
     from dht.host.build import running_host

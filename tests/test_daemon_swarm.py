@@ -5,10 +5,10 @@ from __future__ import annotations
 import trio
 
 from dht import keys as K
+from meshd.cli.status_view import render_status
 from meshd.config import DaemonConfig
 from meshd.daemon.control import request
 from meshd.daemon.node import run_daemon
-from meshd.cli.status_view import render_status
 from meshd.daemon.supervisor import WorkerReady
 from proto import shard_runtime_pb2 as pb
 from tests._daemon_helpers import DIGEST

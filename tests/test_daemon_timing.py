@@ -5,10 +5,10 @@ import pytest
 import trio
 import trio.testing
 
-from dht.records import merge_records, validate_capability, live
+from dht.records import live, merge_records, validate_capability
 from meshd.daemon.advertiser import Advertiser
-from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
+from meshd.errors import WorkerFailed
 from proto import shard_runtime_pb2 as pb
 from tests._daemon_helpers import NOW_MS, claim, identity
 

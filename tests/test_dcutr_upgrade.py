@@ -16,17 +16,24 @@ import torch
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from meshd.reach.direct_upgrade import (RETRY_AFTER_S, UPGRADE_TIMEOUT_S, _IN_UPGRADE, DirectUpgrader, UpgradePolicy, is_relayed,
-                                  quiet_dcutr_logs)
-from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource, PeerConnector
+from meshd.reach.direct_upgrade import (
+    _IN_UPGRADE,
+    RETRY_AFTER_S,
+    UPGRADE_TIMEOUT_S,
+    DirectUpgrader,
+    UpgradePolicy,
+    is_relayed,
+    quiet_dcutr_logs,
+)
+from meshd.reach.relay_dial import LoopPortal, RelayDialer
+from meshd.testing.models import build_random_llama
 from relay.bridge import SESSION_METHOD
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
 from relay.transport import SESSION_PROTOCOL, RelayedSessionServer
 from shard.model.reference import WholeModel
-from meshd.testing.models import build_random_llama
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
 from tests._swarm_helpers import start_shard
 
@@ -57,7 +64,7 @@ RELAY_LOGGER = "libp2p.relay.circuit_v2.protocol"
 class NoisyRecords(logging.Handler):
     """Records above DEBUG from the library or from us: a silent fallback logs none."""
 
-    def __enter__(self) -> "NoisyRecords":
+    def __enter__(self) -> NoisyRecords:
         for name in WATCHED_LOGGERS:
             logging.getLogger(name).addHandler(self)
         return self

@@ -15,10 +15,10 @@ from contextlib import AsyncExitStack
 import trio
 
 from dht import keys as K
-from dht.node import DhtNode
-from dht.records import validate_capability
 from dht.host.bootstrap import connect_bootstrap
 from dht.host.build import running_host
+from dht.node import DhtNode
+from dht.records import validate_capability
 from tests._daemon_helpers import DIGEST, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

@@ -17,11 +17,11 @@ from libp2p.kad_dht.common import PROTOCOL_ID
 
 from dht import keys as K
 from dht import rpc
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.node import DhtNode, replace_maintenance
 from dht.records import parse_record_set_lenient
 from dht.rpc import RpcTimer
-from dht.host.bootstrap import connect_bootstrap
-from dht.host.build import running_host
 from tests._daemon_helpers import DIGEST, as_record_set, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -432,7 +432,7 @@ def test_a_dead_peer_other_peers_still_name_is_dialed_once_then_left_out_of_look
                 a, b = await _nodes(stack, 2)
                 async with AsyncExitStack() as c_stack:
                     c_host = await c_stack.enter_async_context(running_host(identity(79), LOOPBACK))
-                    c = await c_stack.enter_async_context(DhtNode(c_host, wall_ms).running())
+                    await c_stack.enter_async_context(DhtNode(c_host, wall_ms).running())
                     await connect_bootstrap(c_host, [f"{b.host.get_addrs()[0]}/p2p/{b.host.get_id()}"], 10)
                     while not b.kad.routing_table.peer_in_table(c_host.get_id()):
                         await b.sync_peers()

@@ -27,8 +27,8 @@ from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.plan.adverts import Span
 from meshd.reach.tls import loopback_channel
 from meshd.testing.models import build_random_llama
-from shard.model.reference import WholeModel
 from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

@@ -176,6 +176,7 @@ def _deliver_from_tracker(swarm, target, span):
 
     import trio
 
+    from dht.host.build import running_host
     from dht.identity import Identity, load_or_create_identity
     from meshd.plan.adverts import Span
     from meshd.plan.assignment import DirectiveIntent
@@ -183,7 +184,6 @@ def _deliver_from_tracker(swarm, target, span):
     from meshd.plan.tracker import epoch_at
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange, sign_directive
     from proto import shard_runtime_pb2 as pb
-    from dht.host.build import running_host
 
     view = target.swarm()
     tracker_id = view["tracker"]

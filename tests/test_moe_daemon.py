@@ -14,7 +14,7 @@ from meshd.daemon.experts_part import ExpertAdvertiser, ExpertWorkerSpec
 from meshd.daemon.worker_process import WorkerSpec
 from meshd.errors import ConfigError
 from meshd.plan.experts import runs_of
-from shard.experts.pool import placements_from_json, placements_to_json, Placement
+from shard.experts.pool import Placement, placements_from_json, placements_to_json
 from shard.experts.spec import ExpertSpec
 from tests._daemon_helpers import DIGEST, NOW_MS, identity
 
@@ -129,7 +129,8 @@ def test_expert_worker_refuses_incomplete_arguments(capsys, kw, match):
     assert match in capsys.readouterr().err
 
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @settings(max_examples=200, deadline=None)

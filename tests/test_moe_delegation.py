@@ -8,15 +8,15 @@ teacher-forced positions, < 1/3 of f32's bytes); rows once (copies per item
 from __future__ import annotations
 
 import pytest
-
 from _shard_helpers import PROMPT
+
+import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
 from meshd.testing.experts import ExpertPeer, generate, teacher_forced, tls_files
 from meshd.testing.models import build_random_qwen2_moe, build_random_qwen3_moe
 from proto import moe as W
-import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
+from shard.experts.dispatch import ExpertsUnavailable
 from shard.experts.pool import ExpertRouter, Placement
 from shard.experts.spec import ExpertSpec
-from shard.experts.dispatch import ExpertsUnavailable
 from shard.model.reference import WholeModel
 from shard.model.torch_backend import TorchRangeBackend
 

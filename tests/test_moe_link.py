@@ -154,7 +154,7 @@ class ScriptedPeer(threading.Thread):
         self.sock.settimeout(1.0)
         try:
             self.later = self.sock.recv(1 << 16)   # a second request would arrive here
-        except (socket.timeout, OSError):
+        except (TimeoutError, OSError):
             pass
 
 
@@ -291,7 +291,8 @@ def test_hello_to_a_peer_that_closes_on_it_names_the_version():
 
 # --------------------------------------------------------------------------- fuzz of both ends
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 
 @settings(max_examples=300, deadline=None)

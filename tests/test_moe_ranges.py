@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
 from _shard_helpers import PROMPT, max_diff, run_split
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from meshd.testing.models import build_random_llama, build_random_qwen2_moe, build_random_qwen3_moe
-from shard.experts.spec import SHARED, ExpertSpec, ExpertSpecError
-from shard.experts.dispatch import MoeDispatch
 from shard.experts.adapters import moe_layers
+from shard.experts.dispatch import MoeDispatch
+from shard.experts.spec import SHARED, ExpertSpec, ExpertSpecError
 from shard.model.reference import WholeModel
 from shard.model.torch_backend import TorchRangeBackend
 

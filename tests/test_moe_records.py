@@ -5,12 +5,19 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht import keys as K
 from dht.errors import RecordRejected
-from dht.expert_records import (MAX_EXPERT_RUNS, ExpertClaim, sign_experts, sign_experts_withdrawal,
-                                validate_expert_set, validate_experts)
+from dht.expert_records import (
+    MAX_EXPERT_RUNS,
+    ExpertClaim,
+    sign_experts,
+    sign_experts_withdrawal,
+    validate_expert_set,
+    validate_experts,
+)
 from dht.records import encode_record_set, merge_records
 from dht.validator import MeshdValidator, check_value
 from meshd.plan.experts import ExpertFootprint, coverage, placements, plan_experts, runs_of, spec_of
@@ -172,9 +179,9 @@ def test_plan_experts_counts_shared_experts():
 def test_expert_records_propagate_through_a_real_dht():
     import time
 
-    from dht.node import DhtNode
     from dht.host.bootstrap import connect_bootstrap
     from dht.host.build import running_host
+    from dht.node import DhtNode
 
     def wall_ms() -> int:
         return int(time.time() * 1000)

@@ -5,11 +5,11 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from proto import moe as W
-from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolError, ProtocolViolation, \
-    VersionUnsupported
+from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolError, ProtocolViolation, VersionUnsupported
 from proto.q8 import BLOCK
 
 

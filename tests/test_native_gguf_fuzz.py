@@ -21,13 +21,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from meshd.testing.models import build_random_llama, smollm2_gguf_path
+from meshd.testing.procs import child_env
 from native.convert import convert
 from native.errors import ArtifactError, RangeUnavailable
 from native.gguf_file import MAX_ARRAY_LEN, GGUFFile, GGUFFormatError
 from native.gguf_range import model_info, read_range
 from shard.model.backend import LayerRange
-from meshd.testing.models import build_random_llama, smollm2_gguf_path
-from meshd.testing.procs import child_env
 
 SMOL_HEADER_BYTES = 3 << 20  # SmolLM2's metadata + tensor infos end before 3 MiB
 

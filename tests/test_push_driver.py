@@ -18,9 +18,9 @@ from meshd.generate.routes import AdsRouteSource, PeerConnector, fixed_route
 from meshd.reach.tls import loopback_channel
 from meshd.testing.models import build_random_llama
 from proto import shard_runtime_pb2 as pb
+from shard.edges.grpc_server import GRPC_OPTIONS
 from shard.model.reference import WholeModel
 from shard.model.sampling import SamplingSpec
-from shard.edges.grpc_server import GRPC_OPTIONS
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from meshd.benchmarks import relay_harness as H
-from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
+from tests._netns import NetnsUnavailable, new_topology, start_capture, stop_capture, tcp_connects
 
 pytestmark = pytest.mark.netns
 
@@ -33,8 +33,8 @@ NEW_TOKENS = 12
 
 
 def test_generation_through_a_home_node_behind_nat(tmp_path):
-    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
+    from shard.model.reference import WholeModel
 
     model = build_random_llama(seed=0)
     topo = new_topology()

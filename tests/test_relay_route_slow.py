@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 
 from meshd.benchmarks import relay_harness as H
+
 pytestmark = pytest.mark.slow
 
 
 def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
-    from shard.model.reference import WholeModel
     from meshd.testing.models import build_random_llama
+    from shard.model.reference import WholeModel
 
     model = build_random_llama(seed=0)
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 380, size=40)]

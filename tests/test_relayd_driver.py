@@ -14,9 +14,9 @@ import torch
 from meshd.generate.driver import GenerationRequest, RouteFailed, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource
 from meshd.reach.tls import loopback_channel
-from shard.model.reference import WholeModel
-from shard.edges.grpc_server import GRPC_OPTIONS
 from meshd.testing.models import build_random_llama
+from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

@@ -23,8 +23,8 @@ import time
 import pytest
 
 from meshd.benchmarks import relay_harness as H
-from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from meshd.daemon.control import request as control_request
+from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from tests._netns import NetnsUnavailable, new_topology
 from tests.test_relayd_netns import START_TIMEOUT_S, NsDaemon
 

@@ -8,16 +8,16 @@ from contextlib import AsyncExitStack
 
 import trio
 
-from dht.node import DhtNode
-from dht.relay_records import sign_relay, validate_relay
-from meshd.config import DaemonConfig
 from dht.host.bootstrap import connect_bootstrap
 from dht.host.build import running_host
 from dht.identity import Identity
+from dht.node import DhtNode
+from dht.relay_records import sign_relay, validate_relay
+from meshd.config import DaemonConfig
+from meshd.daemon.relay_mode import run_relay
 from meshd.reach.relaying import MAX_RELAY_SLOTS, Relaying, relay_candidates
 from relay.client import parse_relayed_addr
 from relay.reachability import Verdict, serve_dialback
-from meshd.daemon.relay_mode import run_relay
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TEST_TIMEOUT_S = 90
@@ -141,9 +141,9 @@ def test_auto_mode_checks_again_and_follows_a_changed_network(monkeypatch):
 def test_reachability_config_flag_and_status_rendering(tmp_path):
     import pytest
 
+    from meshd.cli.status_view import render_status
     from meshd.config import load_config
     from meshd.errors import ConfigError
-    from meshd.cli.status_view import render_status
 
     assert load_config(None, {"data_dir": tmp_path}).reachability == "auto"
     assert load_config(None, {"data_dir": tmp_path, "reachability": "private"}).reachability == "private"

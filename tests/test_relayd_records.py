@@ -7,18 +7,18 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht import keys as K
-from dht.node import DhtNode
-from dht.records import MAX_CLOCK_SKEW_MS, encode_record_set
-from dht.relay_records import (MAX_RELAY_ADDRS, parse_relay_set_lenient, sign_relay, validate_relay,
-                               validate_relay_set)
-from dht.validator import MeshdValidator, check_value
-from meshd.errors import RecordRejected
 from dht.host.bootstrap import connect_bootstrap
 from dht.host.build import running_host
 from dht.identity import Identity
+from dht.node import DhtNode
+from dht.records import MAX_CLOCK_SKEW_MS, encode_record_set
+from dht.relay_records import MAX_RELAY_ADDRS, parse_relay_set_lenient, sign_relay, validate_relay, validate_relay_set
+from dht.validator import MeshdValidator, check_value
+from meshd.errors import RecordRejected
 from proto import shard_runtime_pb2 as pb
 from proto.records import sign_record
 from relay.announce import announce_relay, public_addrs

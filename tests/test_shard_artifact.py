@@ -6,7 +6,11 @@ import hashlib
 import pytest
 
 from shard.model.artifact import (
-    Recipe, artifact_digest, fingerprints_match, make_fingerprint, torch_recipe,
+    Recipe,
+    artifact_digest,
+    fingerprints_match,
+    make_fingerprint,
+    torch_recipe,
 )
 
 

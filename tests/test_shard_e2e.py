@@ -12,18 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from proto import shard_runtime_pb2 as pb
-from proto.limits import MAX_FRAME_BYTES
-from proto.tensors import encode_tensor
-from meshd.testing import models as testmodels
 from meshd.errors import HopFailure
 from meshd.generate.driver import RouteFailed
 from meshd.generate.routes import fixed_route
+from meshd.testing import models as testmodels
 from meshd.testing.procs import spawn_workers
-from shard.model.reference import WholeModel
+from proto import shard_runtime_pb2 as pb
+from proto.limits import MAX_FRAME_BYTES
+from proto.tensors import encode_tensor
 from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
-from tests._shard_helpers import (PROMPT, RawStream, StatusError, check_route_equals_whole, drive_fixed,
-                                  fixed_source)
+from shard.model.reference import WholeModel
+from tests._shard_helpers import PROMPT, RawStream, StatusError, check_route_equals_whole, drive_fixed, fixed_source
 
 torch.set_num_threads(1)
 SPECS = ["0:3", "3:6"]

@@ -20,13 +20,13 @@ import torch
 
 from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
-from shard.session import worklog
-from shard.session.worklog import TRACE_MARK
 from shard.errors import MAX_DETAIL_CHARS, ResourceExhausted, is_out_of_memory, map_failure
+from shard.model.torch_backend import TorchRangeBackend
+from shard.session import worklog
 from shard.session.service import ShardService
 from shard.session.sessions import SessionPolicy
 from shard.session.stream import SessionStream
-from shard.model.torch_backend import TorchRangeBackend
+from shard.session.worklog import TRACE_MARK
 from tests.test_shard_stream import decode_req, error_of, open_req, opened, parse
 
 torch.set_num_threads(1)

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolViolation
 from shard.errors import CacheMiss
+from shard.model.torch_backend import TorchRangeBackend
 from shard.push import actions, hub
 from shard.session.service import ShardService
 from shard.session.sessions import SessionPolicy
 from shard.session.stream import AttachFeeder, OpenPushed, ReleasePushed, SessionStream
-from shard.model.torch_backend import TorchRangeBackend
 
 
 @pytest.fixture(scope="module")

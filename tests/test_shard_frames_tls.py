@@ -22,9 +22,9 @@ from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
 from proto.limits import MAX_FRAME_BYTES
+from shard.edges.grpc_server import GRPC_OPTIONS
 from shard.experts.transport import client_tls_context
 from shard.model.reference import WholeModel
-from shard.edges.grpc_server import GRPC_OPTIONS
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]

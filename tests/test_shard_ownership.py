@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from proto.errors import ProtocolViolation
 from meshd.testing import models as testmodels
-from shard.errors import CacheMiss, EpochStale, PermissionDenied, ResourceExhausted, to_shard_error
 from proto import shard_runtime_pb2 as pb
-from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
+from proto.errors import ProtocolViolation
+from shard.errors import CacheMiss, EpochStale, PermissionDenied, ResourceExhausted, to_shard_error
 from shard.model.torch_backend import TorchRangeBackend
+from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
 
 torch.set_num_threads(1)
 ALICE = Owner.of("noise:alice", b"a" * 32)
@@ -133,7 +133,8 @@ def test_per_peer_session_quota(head, clock):
 
 
 # -- the home node's stamp on a relayed session's first frame (relay/transport.py) ---------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st
 
 from relay.transport import stamp_relayed_peer  # noqa: E402
 

@@ -4,15 +4,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
 from proto.tensors import encode_bundle, encode_tensor
-from meshd.testing import models as testmodels
+from shard.model.torch_backend import TorchRangeBackend
 from shard.session.service import ShardService
 from shard.session.sessions import SessionPolicy
 from shard.session.stream import SessionStream
-from shard.model.torch_backend import TorchRangeBackend
 
 torch.set_num_threads(1)
 

@@ -109,7 +109,7 @@ def test_wrong_range_and_unknown_architecture(tmp_path):
 
 def test_model_families_register_themselves_one_family_per_model_type(monkeypatch):
     # The model room never imports the families that extend it: they register where they are defined.
-    import shard.experts.adapters as moe   # importing registers (before the registry is copied below)
+    import shard.experts.adapters as moe  # importing registers (before the registry is copied below)
     from shard.model import adapters
 
     assert {moe.Qwen3MoeFamily, moe.Qwen2MoeFamily} <= set(adapters._FAMILIES)

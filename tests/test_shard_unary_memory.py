@@ -16,14 +16,15 @@ import time
 
 import grpc
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from meshd.testing import models as testmodels
+from meshd.testing.procs import child_env, spawn_worker, stop_process
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, PayloadCorrupt
 from proto.frames import parse_unary
 from proto.limits import MAX_UNARY_REQUEST_BYTES
-from meshd.testing import models as testmodels
-from meshd.testing.procs import child_env, spawn_worker, stop_process
 from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 
 UNARY = {"GetCapability": pb.CapabilityRequest, "Health": pb.HealthRequest,

@@ -13,17 +13,17 @@ import pytest
 import torch
 import trio
 
+from meshd.generate.routes import PeerConnector, discover_fingerprint
+from meshd.reach.tls import loopback_channel
+from meshd.testing import models as testmodels
+from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
 from proto.limits import MAX_FRAME_BYTES
 from relay.errors import WorkerUnavailable
 from relay.local_link import UnixWorkerLink, UnixWorkerSession
-from meshd.testing import models as testmodels
-from meshd.generate.routes import PeerConnector, discover_fingerprint
-from meshd.reach.tls import loopback_channel
-from meshd.testing.procs import spawn_workers
-from shard.model.reference import WholeModel
 from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]

@@ -7,8 +7,7 @@ import socket
 import pytest
 import trio
 
-from meshd.daemon.control import stream_events
-from meshd.daemon.control import serve_control
+from meshd.daemon.control import serve_control, stream_events
 from meshd.errors import ControlUnavailable
 
 

@@ -18,10 +18,10 @@ import torch
 from meshd.errors import HopFailure
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource, PeerConnector
+from meshd.testing.models import build_random_llama
 from proto.errors import LocalError
 from shard.model.reference import WholeModel
 from shard.model.sampling import SamplingSpec
-from meshd.testing.models import build_random_llama
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6

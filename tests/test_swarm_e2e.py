@@ -158,7 +158,7 @@ def test_meshd_generate_streams_the_same_text(swarm, whole, model):
     assert "tokens" in r.stderr and "route" in r.stderr
 
 
-def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
+def _deliver(daemon, record: bytes) -> pb.DirectiveAck:  # noqa: F821 - pb is imported in the body
     from dht.host.build import running_host
     from dht.identity import Identity
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange
@@ -176,12 +176,12 @@ def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
 
 
 def test_directives_not_from_the_tracker_expired_forged_or_replayed_are_refused(swarm):
+    from dht.identity import Identity, load_or_create_identity
     from meshd.plan.adverts import Span
     from meshd.plan.assignment import DirectiveIntent
     from meshd.plan.directives import build_directive
-    from dht.identity import Identity, load_or_create_identity
-    from meshd.swarm.wire import sign_directive
     from meshd.plan.tracker import epoch_at
+    from meshd.swarm.wire import sign_directive
     from proto import shard_runtime_pb2 as pb
 
     target = swarm.daemons[3]

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
-from meshd.plan.routing import Hop
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.unix_channel import UnixFrameChannel
-from shard.model.reference import WholeModel
+from meshd.plan.routing import Hop
 from meshd.testing.models import build_random_llama
 from shard.edges.unix_server import UnixFrameServer
+from shard.model.reference import WholeModel
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
@@ -60,9 +60,9 @@ def test_the_frame_socket_call_is_cut_from_another_thread_and_a_gone_worker_is_a
 
     import grpc
 
-    from shard.session.request_queue import RequestQueue
     from meshd.generate.unix_channel import UnixLinkError
     from proto import shard_runtime_pb2 as pb
+    from shard.session.request_queue import RequestQueue
 
     own = start_shard(model, "entry", 0, 3)
     own.kill()

@@ -104,7 +104,7 @@ def _is_loopback(ip: str | None) -> bool:
 class _Ticket:
     __slots__ = ("gate", "ip", "state")
 
-    def __init__(self, gate: "InboundGate", ip: str) -> None:
+    def __init__(self, gate: InboundGate, ip: str) -> None:
         self.gate, self.ip, self.state = gate, ip, "pending"
 
     def upgraded(self) -> None:

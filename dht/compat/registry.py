@@ -24,8 +24,15 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass
 
-from dht.compat import (dial_head_start, inbound_limits, lean_datapath, no_auto_connect, peer_record_gc,
-                        release_on_read, yamux_window)
+from dht.compat import (
+    dial_head_start,
+    inbound_limits,
+    lean_datapath,
+    no_auto_connect,
+    peer_record_gc,
+    release_on_read,
+    yamux_window,
+)
 from dht.compat.gate import TESTED_LIBP2P_VERSION, installed_version
 
 __all__ = ["Adjustment", "HOST_PATCHES", "record", "decide", "snapshot", "apply_libp2p_adjustments",

@@ -11,7 +11,7 @@ issue found), so the round lifts that block first.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 import trio
 

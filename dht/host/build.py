@@ -21,8 +21,8 @@ from __future__ import annotations
 import errno
 import logging
 import socket
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Sequence
 
 import trio
 
@@ -42,7 +42,8 @@ def security_options(key_pair) -> dict:
     """Noise only: no plaintext, no secio, no TLS fallback."""
     from libp2p.crypto.x25519 import create_new_key_pair as new_x25519
     from libp2p.custom_types import TProtocol
-    from libp2p.security.noise.transport import PROTOCOL_ID, Transport as NoiseTransport
+    from libp2p.security.noise.transport import PROTOCOL_ID
+    from libp2p.security.noise.transport import Transport as NoiseTransport
 
     assert PROTOCOL_ID == NOISE_PROTOCOL
     return {TProtocol(PROTOCOL_ID): NoiseTransport(key_pair, noise_privkey=new_x25519().private_key)}

@@ -17,7 +17,7 @@ not block (they set events, nothing else).
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 from libp2p.abc import INotifee

@@ -36,9 +36,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Awaitable, Callable
 
 import trio
 from starlette.applications import Starlette
@@ -49,8 +49,8 @@ from starlette.routing import Route
 
 from meshd.api import ollama, openai
 from meshd.api.entry import Entry
-from meshd.api.guard import guarded
 from meshd.api.errors import ApiError, api_error, excerpt, first_leaf
+from meshd.api.guard import guarded
 from meshd.api.jsonbody import loads_object
 from meshd.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from meshd.generate.params import GenerateParams

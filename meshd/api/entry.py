@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import trio
 
@@ -180,7 +180,7 @@ class Entry:
             self.metrics.requests.labels(edge, outcome).inc()
 
     async def embed(self, texts: list[str], *, truncate: bool = True, normalize: bool = True,
-                    edge: str = "http") -> "Embeddings":
+                    edge: str = "http") -> Embeddings:
         """Mean-pooled last hidden states of ``texts`` through the swarm, with the same admission and
         deadline as a generation (each text is one prefill of the whole route)."""
         outcome = "error"

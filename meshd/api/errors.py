@@ -30,7 +30,6 @@ from meshd.generate.driver import RouteFailed, SwarmFull
 from meshd.generate.service import EmbeddingsUnsupported, NotReady
 from proto.errors import LocalError
 
-
 # Characters of a client's string quoted back in an error message.
 MAX_ECHO_CHARS = 64
 # A message and a param are cut here (a param is a field path; a message may carry an exception's text).

@@ -44,7 +44,6 @@ import hmac
 import ipaddress
 
 import trio
-
 from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse
 

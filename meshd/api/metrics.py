@@ -33,7 +33,7 @@ through the ``probe`` callable the daemon gives (``NodeProbe``).
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily

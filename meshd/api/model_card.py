@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 # A model's config.json / tokenizer_config.json is a few KiB; a safetensors header a few MB at most.
@@ -57,9 +57,9 @@ class ModelCard:
                 "parameter_size": self.parameter_size, "quantization_level": self.quantization_level}
 
     @classmethod
-    def read(cls, path: Path, model_id: str, digest: str | None) -> "ModelCard":
+    def read(cls, path: Path, model_id: str, digest: str | None) -> ModelCard:
         path = Path(path)
-        modified = datetime.fromtimestamp(path.stat().st_mtime, timezone.utc).isoformat().replace("+00:00", "Z")
+        modified = datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
         read = _gguf if path.is_file() else _directory
         return cls(name=model_id, digest=digest or "", modified_at=modified, **read(path))
 

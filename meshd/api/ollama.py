@@ -11,7 +11,7 @@ options we cannot honour are refused with 400, like OpenAI fields.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from meshd.api.errors import ApiError, bad_field, excerpt
 from meshd.api.openai import CHAT_DEFAULT_MAX_TOKENS, ROLE_ALIASES
@@ -28,7 +28,7 @@ SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "seed", "num_predict", "sto
 
 
 def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _check(body: dict, known: set[str], served_model: str) -> bool:

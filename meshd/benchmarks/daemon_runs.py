@@ -26,9 +26,9 @@ Blocking code; every wait is bounded (meshd/daemon/local_swarm.py).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from meshd.config import DEFAULT_RECORD_TTL_S
 from meshd.errors import ConfigError
@@ -143,7 +143,7 @@ class RunFigures:
     looped: bool = False     # the tail sent each token straight to the head (meshd/generate/push.py)
 
     @classmethod
-    def of(cls, done: dict) -> "RunFigures":
+    def of(cls, done: dict) -> RunFigures:
         hops = done["step_hops"][-1] if done.get("step_hops") else len(done["route"])
         return cls(done["tokens"], done["decode_tokens_per_s"] or 0.0, done["prefill_s"], done["step_wall_ms"],
                    done["step_execution_ms"], hops, done.get("tail_bytes_per_decode_step"), done["route"],

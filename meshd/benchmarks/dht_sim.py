@@ -133,11 +133,11 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
     import trio
 
     from dht import keys as K
+    from dht.host.bootstrap import connect_bootstrap
+    from dht.host.build import running_host
     from dht.identity import Identity
     from dht.node import DhtNode
     from dht.records import CapabilityClaim, parse_record_set_lenient, sign_capability, validate_capability
-    from dht.host.bootstrap import connect_bootstrap
-    from dht.host.build import running_host
 
     def wall_ms() -> int:
         return int(time.time() * 1000)

@@ -80,7 +80,7 @@ def grpc_floor_ms(hold_ms: float, size: int, rounds: int) -> float:
                 raise RuntimeError("the echo server did not start")
             time.sleep(0.02)
         channel = grpc.insecure_channel(f"127.0.0.1:{Path(port_file).read_text()}", options=GRPC_OPTIONS)
-        sends: "queue.Queue[object]" = queue.Queue(maxsize=16)
+        sends: queue.Queue[object] = queue.Queue(maxsize=16)
         end = object()
         call = channel.stream_stream(f"/{SERVICE}/Echo", request_serializer=None, response_deserializer=None)
         responses = call(iter(sends.get, end), timeout=600)

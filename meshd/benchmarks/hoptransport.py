@@ -16,7 +16,6 @@ median of (step wall time - the worker's own execution time), in ms:
 from __future__ import annotations
 
 import secrets
-
 import statistics
 import tempfile
 import time

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 

@@ -53,9 +53,9 @@ def _teacher_forced(backend) -> tuple[list[int], list, float]:
 def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
     import numpy as np
 
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
     from meshd.testing.experts import spawn_expert_worker, tls_files
     from proto import moe as W
-    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
     from shard.experts.pool import ExpertRouter
     from shard.model.torch_backend import TorchRangeBackend
 

@@ -15,7 +15,8 @@ Two measurements, both in-process after the timed runs:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

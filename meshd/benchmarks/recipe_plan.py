@@ -19,9 +19,10 @@ generated token of a concurrency level over that level's wall time.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from difflib import SequenceMatcher
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 PROMPTS: tuple[tuple[str, str], ...] = (
     ("short-fact", "The capital of France is"),

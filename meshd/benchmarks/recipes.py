@@ -27,8 +27,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from meshd.benchmarks.recipe_plan import (PERFORMANCE_FIT, PROMPTS, QUALITY, Outcome, Plan, Thresholds,
-                                          cell_metrics, drift, evaluate, outputs_by_prompt)
+from meshd.benchmarks.recipe_plan import (
+    PERFORMANCE_FIT,
+    PROMPTS,
+    QUALITY,
+    Outcome,
+    Plan,
+    Thresholds,
+    cell_metrics,
+    drift,
+    evaluate,
+    outputs_by_prompt,
+)
 
 REFERENCE = "transformers-safetensors-reference"
 GGUF_RECIPES = (("llama.cpp-BF16", "BF16", QUALITY), ("llama.cpp-Q8_0", "Q8_0", PERFORMANCE_FIT),

@@ -54,9 +54,9 @@ def run(quick: bool, progress=None, options=None) -> dict:
     import numpy as np
 
     from meshd.benchmarks import relay_harness as H
+    from meshd.testing.models import build_random_llama
     from relay import trace
     from shard.model.reference import WholeModel
-    from meshd.testing.models import build_random_llama
 
     repeats = 1 if quick else 3
     decode_tokens = 16 if quick else 48

@@ -23,11 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from meshd.testing import procs
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Loading a model or starting libp2p on a loaded 2-core machine: bounded, generous.
 READY_TIMEOUT_S = 300.0
@@ -211,12 +212,12 @@ def drive(spec: dict, on_sent=None) -> dict:
     import multiaddr
     import trio
 
+    from dht.host.build import build_host
     from dht.identity import Identity
     from meshd.generate.driver import GenerationRequest, SwarmDriver
     from meshd.generate.routes import discover_fingerprint, fixed_route
     from meshd.reach.tls import loopback_channel
     from relay.client import dial_relayed, parse_relayed_addr
-    from dht.host.build import build_host
     from relay.syncchannel import TrioPortal, relayed_channel_factory
     from shard.edges.grpc_server import GRPC_OPTIONS
 
@@ -260,8 +261,8 @@ def relayed_echo_rtts(relayed_addr: str, *, frame_bytes: int, count: int) -> lis
 
     from dht.host.build import build_host
     from dht.identity import Identity
-    from relay.client import dial_relayed, parse_relayed_addr
     from meshd.benchmarks.relay_home import ECHO_PROTOCOL
+    from relay.client import dial_relayed, parse_relayed_addr
     from relay.transport import RelayedFrameChannel
 
     async def main() -> list[float]:

@@ -227,7 +227,7 @@ def _read_traces(root: Path) -> list[list[dict]]:
     return hops
 
 
-def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
+def _gap_causes(stats: dict[int, _Stats], hops: list[list[dict]]) -> dict:
     """What the slowest 5% of the c=8 inter-token gaps overlapped in the workers' batch traces.
 
     A gap (one request's token k to k+1, client clock) is ``with_prefill`` when a forward on some

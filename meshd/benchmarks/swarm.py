@@ -88,7 +88,7 @@ def _start(root: Path, model: Path, options, progress, result: dict):
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     if (getattr(options, "backend", None) or "torch") == "llama.cpp":
-        from meshd.benchmarks.swarm_llama import run as run_llama   # whole-model llama.cpp as the reference
+        from meshd.benchmarks.swarm_llama import run as run_llama  # whole-model llama.cpp as the reference
 
         return run_llama(quick, progress, options)
     if getattr(options, "rtt_ms", None) is not None:   # star vs push across a delayed network
@@ -97,8 +97,8 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         return wan.run(options.rtt_ms, quick=quick, progress=progress, options=options)
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks import route_plan
-    from meshd.daemon.local_swarm import THREADS
     from meshd.benchmarks.torch_floor import TorchFloor
+    from meshd.daemon.local_swarm import THREADS
     from native.packaged import smollm2_artifact
 
     model = R.bench_model(options, smollm2_artifact)

@@ -31,9 +31,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["FloorRun", "TorchFloor"]
 
@@ -171,7 +171,7 @@ class TorchFloor:
         for control in self._controls:
             control.close()
 
-    def __enter__(self) -> "TorchFloor":
+    def __enter__(self) -> TorchFloor:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -119,7 +119,7 @@ class DelayedNet:
     def prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.nodes[i]]
 
-    def up(self) -> "DelayedNet":
+    def up(self) -> DelayedNet:
         if os.geteuid() != 0:
             raise NetnsError("--rtt-ms needs root (network namespaces and tc netem)")
         for tool in ("ip",):

@@ -13,9 +13,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshd.cli.status_view import render_status
     from meshd.config import load_config
     from meshd.daemon.control import request
-    from meshd.cli.status_view import render_status
     from proto.errors import MeshdError
 
     try:

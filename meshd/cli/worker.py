@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, machine_cores
-from shard.session.sessions import DEFAULT_MAX_QUEUED_STEPS
 from proto.errors import MeshdError
+from shard.session.sessions import DEFAULT_MAX_QUEUED_STEPS
 
 log = logging.getLogger("meshd.worker")
 

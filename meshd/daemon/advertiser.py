@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import trio
 
-from dht.records import CapabilityClaim, CapabilityRecord, sign_capability, sign_withdrawal, validate_capability
 from dht.identity import Identity
+from dht.records import CapabilityClaim, CapabilityRecord, sign_capability, sign_withdrawal, validate_capability
 from proto import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)

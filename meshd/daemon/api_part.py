@@ -28,7 +28,7 @@ most every STATUS_REFRESH_S).
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import trio
@@ -38,10 +38,10 @@ from meshd.api.app import ApiContext, build_app
 from meshd.api.connections import ConnectionTable
 from meshd.api.entry import Entry, EntryLimits
 from meshd.api.metrics import ApiMetrics
-from meshd.api.server import bind_socket, serve_api
-from meshd.errors import DaemonError
 from meshd.api.model_card import ModelCard
+from meshd.api.server import bind_socket, serve_api
 from meshd.daemon.peer_watch import PeerWatch
+from meshd.errors import DaemonError
 from meshd.generate.service import embed, generate
 from meshd.plan.adverts import CoverageMap
 
@@ -115,7 +115,7 @@ class ApiPart:
         expires = max(a.expires_at_ms for a in ads) / 1000
         held = sum((life.health or {}).get("rss_bytes", 0) for life in self.watch.lives.values() if life.state == "ok")
         return {"size_bytes": held or self.card.size_bytes,
-                "expires_at": datetime.fromtimestamp(expires, timezone.utc).isoformat().replace("+00:00", "Z")}
+                "expires_at": datetime.fromtimestamp(expires, UTC).isoformat().replace("+00:00", "Z")}
 
     # ------------------------------------------------------------------ views
     def model(self) -> dict:

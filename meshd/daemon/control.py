@@ -14,12 +14,11 @@ blocking sockets, for the CLI.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Awaitable, Callable, Iterator
-
-import logging
 
 import trio
 

@@ -159,8 +159,8 @@ class ExpertAdvertiser(Advertiser):
 
 def _model_facts(model: Path, dtype: str) -> tuple[dict, ExpertFootprint, str]:
     """(config.json, the expert footprint, the torch recipe digest) -- blocking, run in a thread."""
-    from shard.model.artifact import torch_recipe
     from shard.experts.adapters import moe_layers
+    from shard.model.artifact import torch_recipe
 
     config = json.loads((model / "config.json").read_text())
     from transformers import AutoConfig

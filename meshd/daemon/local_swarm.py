@@ -19,8 +19,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, TypeVar
+from typing import TypeVar
 
 from meshd.daemon.control import request, stream_events
 from proto.errors import MeshdError
@@ -216,7 +217,7 @@ class LocalSwarm:
         for d in self.daemons:
             d.stop()
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -35,32 +35,33 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
-from typing import Callable
 
 import trio
 
 from dht import keys as K
-from dht.node import DhtNode
-from dht.records import live
-from meshd.daemon.advertiser import Advertiser, claim_from_report
-from meshd.daemon.free_kv import POLL_S as FREE_KV_POLL_S, FreeKvGate
-from meshd.daemon.api_part import ApiPart
-from meshd.config import DaemonConfig
-from meshd.daemon.control import serve_control
-from meshd.reach.direct_upgrade import DirectUpgrader
-from meshd.reach.relay_dial import LoopPortal, RelayDialer
-from meshd.reach.relaying import Relaying
-from meshd.daemon.swarm_part import Swarm
 from dht.compat.registry import library_status
 from dht.host.bootstrap import connect_bootstrap
 from dht.host.build import running_host
 from dht.identity import Identity, load_or_create_identity
+from dht.node import DhtNode
+from dht.records import live
+from meshd.config import DaemonConfig
+from meshd.daemon.advertiser import Advertiser, claim_from_report
+from meshd.daemon.api_part import ApiPart
+from meshd.daemon.control import serve_control
+from meshd.daemon.free_kv import POLL_S as FREE_KV_POLL_S
+from meshd.daemon.free_kv import FreeKvGate
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
-from relay.reachability import serve_dialback
-from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from meshd.daemon.swarm_part import Swarm
 from meshd.daemon.worker_process import WorkerProcess, WorkerSpec, fetch_health
+from meshd.reach.direct_upgrade import DirectUpgrader
+from meshd.reach.relay_dial import LoopPortal, RelayDialer
+from meshd.reach.relaying import Relaying
+from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from relay.reachability import serve_dialback
 
 log = logging.getLogger(__name__)
 

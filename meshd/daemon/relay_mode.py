@@ -21,20 +21,20 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
+from functools import partial
 
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from meshd.config import DaemonConfig
 from dht.compat.registry import library_status, render_library
-from relay.announce import announce_relay, public_addrs
-from dht.host.conn_watch import ConnectionWatch
 from dht.host.bootstrap import connect_bootstrap
 from dht.host.build import running_host
+from dht.host.conn_watch import ConnectionWatch
 from dht.identity import load_or_create_identity
+from meshd.config import DaemonConfig
+from relay.announce import announce_relay, public_addrs
 from relay.hop import DEFAULT_HOP_LIMITS, HopLimits, HopService
 from relay.reachability import serve_dialback
 

@@ -22,8 +22,8 @@ import collections
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable
 
 import trio
 

@@ -39,18 +39,17 @@ import time
 
 import trio
 
-from meshd.plan.adverts import CoverageMap, Span
+from meshd.daemon.worker_slot import WorkerSlot
 from meshd.generate.routes import LoadBook
+from meshd.plan.adverts import CoverageMap, Span
 from meshd.plan.assignment import JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
 from meshd.plan.tracker import current_tracker, epoch_at
 from meshd.sizes import format_size
-from meshd.swarm.view import SwarmSnapshot, fetch_snapshot
-from meshd.swarm.wire import (DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, open_directive,
-                              serve)
 from meshd.swarm.tracker_duty import DUTY_REFRESH_S, TrackerDuty
-from meshd.daemon.worker_slot import WorkerSlot
+from meshd.swarm.view import SwarmSnapshot, fetch_snapshot
+from meshd.swarm.wire import DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, open_directive, serve
 from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError
 

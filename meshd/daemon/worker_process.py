@@ -20,15 +20,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import trio
 
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS
-from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import OnReady, WorkerReady, WorkerState
+from meshd.errors import WorkerFailed
 from meshd.reach.tls import TlsMaterial, loopback_channel
 from proto import shard_runtime_pb2 as pb
 from shard.session.worklog import is_trace_line
@@ -73,7 +73,7 @@ class WorkerSpec:
     llama_kv_streams: int | str = "auto"   # WorkerConfig.llama_kv_streams
 
     @classmethod
-    def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> "WorkerSpec":
+    def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> WorkerSpec:
         """The spec a daemon with ``config`` (meshd.config.Config) starts for ``layers``: the
         ``[worker]`` settings, one place for the fixed-range worker and the assigned slot."""
         w = config.worker
@@ -134,6 +134,7 @@ def check_report(report: pb.CapabilityReport, layers: tuple[int, int]) -> None:
 def fetch_capability(endpoint: str) -> pb.CapabilityReport:
     """Blocking; call through trio.to_thread."""
     import grpc
+
     from proto import shard_runtime_pb2_grpc as pb_grpc
 
     try:
@@ -146,6 +147,7 @@ def fetch_capability(endpoint: str) -> pb.CapabilityReport:
 
 def fetch_health(endpoint: str) -> pb.HealthReport:
     import grpc
+
     from proto import shard_runtime_pb2_grpc as pb_grpc
 
     try:
@@ -266,7 +268,7 @@ else:  # pragma: no cover - the parent-death signal is a Linux feature
     _prctl = None
 
 
-async def ready_or_exit(proc: "_ChildProcess", ready_line: trio.Event, timeout_s: float, what: str) -> None:
+async def ready_or_exit(proc: _ChildProcess, ready_line: trio.Event, timeout_s: float, what: str) -> None:
     """Wait until the child printed its ready line or exited; WorkerFailed after ``timeout_s``."""
     with trio.move_on_after(timeout_s) as scope:
         async with trio.open_nursery() as race:
@@ -311,7 +313,7 @@ class _ChildProcess:
         popen.stderr.close()
 
     @classmethod
-    def spawn(cls, cmd: list[str], env: dict[str, str]) -> "_ChildProcess":
+    def spawn(cls, cmd: list[str], env: dict[str, str]) -> _ChildProcess:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         return cls(popen)

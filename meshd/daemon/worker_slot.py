@@ -14,13 +14,13 @@ The daemon's ``Node.supervisor`` is pointed at the live supervisor so that
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 
-from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from meshd.daemon.worker_process import WorkerProcess, WorkerSpec
+from meshd.errors import WorkerFailed
 
 log = logging.getLogger(__name__)
 

@@ -88,8 +88,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 import grpc
 import numpy as np

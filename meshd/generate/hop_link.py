@@ -31,18 +31,17 @@ import numpy as np
 
 from meshd.errors import HopFailure
 from meshd.generate.deadlines import StepDeadlines
-from shard.session.request_queue import RequestQueue
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
 from proto.errors import MeshdError
 from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
-from proto.frames import SCHEMA_VERSION
-from proto.frames import parse_response
+from proto.frames import SCHEMA_VERSION, parse_response
 from proto.tensors import decode_bundle
 from proto.zerocopy import read_response
 from shard.edges.grpc_server import SERVICE_NAME
+from shard.session.request_queue import RequestQueue
 from shard.session.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
 SESSION_METHOD = f"/{SERVICE_NAME}/Session"
@@ -183,7 +182,7 @@ class HopLink:
     def is_open(self) -> bool:
         return self.window is not None
 
-    def run(self, inputs: np.ndarray, step: "StepCounter") -> np.ndarray | TailOut:
+    def run(self, inputs: np.ndarray, step: StepCounter) -> np.ndarray | TailOut:
         """Feed positions ``[past_len, past_len + len(inputs))``; returns hidden rows or the tail's answer."""
         first, n = self.past_len, int(inputs.shape[0])
         name = TOKEN_IDS if self.spec.effective_start == 0 else HIDDEN

@@ -90,7 +90,7 @@ class GenerateParams:
             raise LocalError("topology must be push or star")
 
     @classmethod
-    def from_request(cls, request: dict) -> "GenerateParams":
+    def from_request(cls, request: dict) -> GenerateParams:
         """A control-socket request (``{"op": "generate", ...}``); unknown keys are ignored."""
         known = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "raw", "logprobs",
                  "top_logprobs", "topology"}

@@ -77,9 +77,8 @@ from meshd.errors import HopFailure
 from meshd.generate import driver as star
 from meshd.generate.hop_link import LinkSpec, StepCounter, TailOut, _read
 from meshd.plan.routing import Hop, Route
-from proto import fastpath
+from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
-from proto import wire
 from proto.chunking import plan_prefill_chunks
 from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
@@ -402,7 +401,7 @@ class PushDriver(star.SwarmDriver):
             s.step_legs.append(int(resp.decode.legs))
         return TailOut(holder.sample, tensors.get("logits"))
 
-    def _note_looped(self, target: int, resp, head: "PushLink", tail: "PushLink") -> None:
+    def _note_looped(self, target: int, resp, head: PushLink, tail: PushLink) -> None:
         """The tail drew position ``target``'s token: the same rule as the tail's (PushSession.
         loop_token) says whether it went on to the head, so the head has input up to there."""
         holder = resp.decode if resp.WhichOneof("kind") == "decode" else resp.chunk
@@ -425,14 +424,14 @@ class PushDriver(star.SwarmDriver):
     # token more, nothing was cancelled, the head has a credit. Everything else (failures,
     # stats, stop strings, logprobs) stays with the driver; a stop string found by the caller
     # after the token costs the head one step that is released with the session.
-    def _arm(self, target: int, head: "PushLink", tail: "PushLink") -> None:
+    def _arm(self, target: int, head: PushLink, tail: PushLink) -> None:
         if target + 1 >= self._max_tokens or head.fed != target or head is tail:
             return
         with self._cont_lock:
             self._armed = (target, head)
         tail.continuation = self._continue
 
-    def _disarm(self, tail: "PushLink") -> None:
+    def _disarm(self, tail: PushLink) -> None:
         tail.continuation = None
         with self._cont_lock:
             self._armed = None

@@ -47,19 +47,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import numpy as np
-
 import trio
 
-from meshd.generate.driver import (GenerationCancelled, GenerationRequest, PromptTooLarge, SampledToken,
-                                   SwarmDriver)
+from meshd.generate.driver import GenerationCancelled, GenerationRequest, PromptTooLarge, SampledToken, SwarmDriver
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
+from meshd.generate.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, GenerateParams  # noqa: F401 - re-exported
 from meshd.generate.push import PushDriver
-from meshd.generate.params import (DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS,  # noqa: F401 - re-exported
-                                   GenerateParams)
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.textstream import TextStream
 from meshd.plan.adverts import CoverageMap

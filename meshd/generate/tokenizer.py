@@ -22,8 +22,8 @@ State: the loaded tokenizer and template; immutable after load.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from meshd.errors import ConfigError
 from proto.errors import LocalError

@@ -37,7 +37,7 @@ import select
 import socket
 import ssl
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -108,7 +108,7 @@ class _FrameCall:
             self._write(body)
         self._end_writes()
 
-    def __iter__(self) -> "_FrameCall":
+    def __iter__(self) -> _FrameCall:
         return self
 
     def __next__(self) -> bytes:

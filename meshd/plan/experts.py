@@ -18,8 +18,8 @@ No I/O, no clock: callers pass ``now_ms``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from dht.expert_records import ExpertRecord
 from proto import moe as W

@@ -41,7 +41,7 @@ import contextvars
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 from libp2p.peer.id import ID

@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
@@ -69,7 +69,7 @@ class LoopPortal:
         self._token = token
 
     @classmethod
-    def current(cls) -> "LoopPortal":
+    def current(cls) -> LoopPortal:
         return cls(trio.lowlevel.current_trio_token())
 
     def run(self, afn, *args):

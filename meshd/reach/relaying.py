@@ -39,14 +39,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import multiaddr
 import trio
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
-from relay.client import stop_service
 from dht.host.conn_watch import ConnectionWatch
+from relay.client import stop_service
 from relay.reachability import Verdict, keep_reserved, probe
 from relay.transport import RelayedSessionServer
 

@@ -25,7 +25,7 @@ caller's ``Handler``.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 

@@ -19,9 +19,9 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ def tls_files(directory: Path, name: str = "expert") -> TlsFiles:
     from cryptography.x509.oid import NameOID
 
     directory.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     key_obj = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     cert_obj = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
@@ -73,7 +73,7 @@ class ExpertPeer:
     store: object
 
     @classmethod
-    def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> "ExpertPeer":
+    def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> ExpertPeer:
         from shard.experts.server import ExpertServer
         from shard.experts.store import ExpertStore
 

@@ -30,8 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from native.packaged import (MARKER_NAME, cache_root, cached_build as _cached_build, key as _key, say as _say,  # noqa: F401
-                             gemma3_gguf_path, smollm2_artifact, smollm2_gguf_path)
+from native.packaged import MARKER_NAME, cache_root, gemma3_gguf_path, smollm2_artifact, smollm2_gguf_path  # noqa: F401
+from native.packaged import cached_build as _cached_build
+from native.packaged import key as _key
 
 # Fixed text the test tokenizer is trained on: small, varied, deterministic.
 _TOKENIZER_CORPUS = (

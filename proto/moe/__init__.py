@@ -17,12 +17,40 @@ decode.py reads it, link.py uses both.
 """
 from proto.moe.decode import decode, peek_header
 from proto.moe.link import ClientLink, LinkFailed, PeerRefused, ServerLink
-from proto.moe.wire import (ACT_F32, ACT_Q8, ACTS, FAILURE_BAD_REQUEST, FAILURE_INTERNAL, FAILURE_NOT_SERVED, MAGIC,
-                            MAX_DIGEST_BYTES, MAX_EXCHANGE_FRAME_BYTES, MAX_EXPERTS_PER_LAYER, MAX_HIDDEN, MAX_ITEMS,
-                            MAX_REASON_BYTES, MAX_ROWS, SHARED, SUPPORTED_VERSIONS, VERSION_COPIES,
-                            VERSION_ROWS_ONCE, Failure, Hello, Item, Refuse, Reply, Request, Welcome, act_name,
-                            encode_failure, encode_hello, encode_refuse, encode_reply, encode_request,
-                            encode_welcome)
+from proto.moe.wire import (
+                            ACT_F32,
+                            ACT_Q8,
+                            ACTS,
+                            FAILURE_BAD_REQUEST,
+                            FAILURE_INTERNAL,
+                            FAILURE_NOT_SERVED,
+                            MAGIC,
+                            MAX_DIGEST_BYTES,
+                            MAX_EXCHANGE_FRAME_BYTES,
+                            MAX_EXPERTS_PER_LAYER,
+                            MAX_HIDDEN,
+                            MAX_ITEMS,
+                            MAX_REASON_BYTES,
+                            MAX_ROWS,
+                            SHARED,
+                            SUPPORTED_VERSIONS,
+                            VERSION_COPIES,
+                            VERSION_ROWS_ONCE,
+                            Failure,
+                            Hello,
+                            Item,
+                            Refuse,
+                            Reply,
+                            Request,
+                            Welcome,
+                            act_name,
+                            encode_failure,
+                            encode_hello,
+                            encode_refuse,
+                            encode_reply,
+                            encode_request,
+                            encode_welcome,
+)
 
 __all__ = [
     "MAGIC", "VERSION_COPIES", "VERSION_ROWS_ONCE", "SUPPORTED_VERSIONS", "ACT_F32", "ACT_Q8", "ACTS",

@@ -12,11 +12,44 @@ import struct
 import numpy as np
 
 from proto.errors import LimitExceeded, PayloadCorrupt, ProtocolViolation, VersionUnsupported
-from proto.moe.wire import (_FAIL, _HEADER, _KINDS, _PAIR, _REP, _REQ, _U16, ACT_F32, ACT_Q8, ACTS, KIND_FAILURE,
-                            KIND_HELLO, KIND_REFUSE, KIND_REPLY, KIND_REQUEST, KIND_WELCOME, MAGIC,
-                            MAX_DIGEST_BYTES, MAX_EXCHANGE_FRAME_BYTES, MAX_EXPERTS_PER_LAYER, MAX_HIDDEN,
-                            MAX_ITEMS, MAX_REASON_BYTES, MAX_ROWS, SHARED, SUPPORTED_VERSIONS, VERSION_COPIES,
-                            VERSION_ROWS_ONCE, Failure, Hello, Item, Refuse, Reply, Request, Welcome, act_name)
+from proto.moe.wire import (
+    _FAIL,
+    _HEADER,
+    _KINDS,
+    _PAIR,
+    _REP,
+    _REQ,
+    _U16,
+    ACT_F32,
+    ACT_Q8,
+    ACTS,
+    KIND_FAILURE,
+    KIND_HELLO,
+    KIND_REFUSE,
+    KIND_REPLY,
+    KIND_REQUEST,
+    KIND_WELCOME,
+    MAGIC,
+    MAX_DIGEST_BYTES,
+    MAX_EXCHANGE_FRAME_BYTES,
+    MAX_EXPERTS_PER_LAYER,
+    MAX_HIDDEN,
+    MAX_ITEMS,
+    MAX_REASON_BYTES,
+    MAX_ROWS,
+    SHARED,
+    SUPPORTED_VERSIONS,
+    VERSION_COPIES,
+    VERSION_ROWS_ONCE,
+    Failure,
+    Hello,
+    Item,
+    Refuse,
+    Reply,
+    Request,
+    Welcome,
+    act_name,
+)
 from proto.q8 import decode_q8, q8_encoded_size
 
 __all__ = ["decode", "peek_header"]

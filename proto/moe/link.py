@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from proto.moe import wire as W
-from proto.moe.decode import decode
 from proto.errors import LimitExceeded, LocalError, MeshdError, ProtocolError, ProtocolViolation
 from proto.frames import PREFIX_BYTES, encode_frame
+from proto.moe import wire as W
+from proto.moe.decode import decode
 
 __all__ = ["ClientLink", "ServerLink", "LinkFailed", "PeerRefused", "PREFIX_BYTES"]
 

@@ -43,9 +43,9 @@ import threading
 from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
+from shard.edges.grpc_server import MAX_STREAMS
 from shard.experts.transport import server_tls_context
 from shard.push.actions import receive, sink_of, stream_ended
-from shard.edges.grpc_server import MAX_STREAMS
 from shard.session.service import ShardService
 from shard.session.stream import SessionStream, _status
 
@@ -146,7 +146,7 @@ class TlsFrameServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
 
-    def start(self) -> "TlsFrameServer":
+    def start(self) -> TlsFrameServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

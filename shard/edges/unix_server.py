@@ -52,7 +52,7 @@ class UnixFrameServer:
     def endpoint(self) -> str:
         return UNIX_SCHEME + str(self.path)
 
-    def start(self) -> "UnixFrameServer":
+    def start(self) -> UnixFrameServer:
         self.path.unlink(missing_ok=True)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)               # the socket file is born 0600

@@ -42,10 +42,10 @@ import re
 import torch
 from transformers.activations import ACT2FN
 
+from shard.experts.dispatch import ExpertExchange, MoeDispatch
+from shard.experts.spec import SHARED, ExpertSpec
 from shard.model.adapters import LlamaFamily, RangeModules, register_family
 from shard.model.backend import LayerRange
-from shard.experts.spec import SHARED, ExpertSpec
-from shard.experts.dispatch import ExpertExchange, MoeDispatch
 
 __all__ = ["Qwen3MoeFamily", "Qwen2MoeFamily", "EXPERTS_IMPLEMENTATION", "is_moe_family", "moe_layers"]
 

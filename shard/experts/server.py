@@ -144,7 +144,7 @@ class ExpertServer:
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self) -> "ExpertServer":
+    def start(self) -> ExpertServer:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -21,8 +21,8 @@ layers < ``MAX_LAYERS``, expert ids < ``MAX_EXPERTS_PER_LAYER``, at most
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from proto import shard_runtime_pb2 as pb
 from proto.moe.wire import MAX_EXPERTS_PER_LAYER, SHARED
@@ -61,11 +61,11 @@ class ExpertSpec:
 
     # -- building ----------------------------------------------------------------
     @classmethod
-    def of(cls, pairs: Iterable[tuple[int, int]]) -> "ExpertSpec":
+    def of(cls, pairs: Iterable[tuple[int, int]]) -> ExpertSpec:
         return cls(frozenset((int(layer), int(eid)) for layer, eid in pairs))
 
     @classmethod
-    def parse(cls, text: str) -> "ExpertSpec":
+    def parse(cls, text: str) -> ExpertSpec:
         if not isinstance(text, str) or not text.strip():
             raise ExpertSpecError("an expert spec looks like 0-3:E4-E7 (layers 0..3, experts 4..7)")
         if len(text) > MAX_SPEC_CHARS:
@@ -96,7 +96,7 @@ class ExpertSpec:
     def has_shared(self, layer: int) -> bool:
         return (layer, SHARED) in self.pairs
 
-    def restricted_to(self, layers: Iterable[int]) -> "ExpertSpec":
+    def restricted_to(self, layers: Iterable[int]) -> ExpertSpec:
         keep = set(layers)
         return ExpertSpec(frozenset(p for p in self.pairs if p[0] in keep))
 
@@ -137,7 +137,7 @@ class ExpertSpec:
         return tuple(out)
 
     @classmethod
-    def from_runs(cls, runs) -> "ExpertSpec":
+    def from_runs(cls, runs) -> ExpertSpec:
         """The pairs of validated runs (bounds are the record validator's job)."""
         pairs: set[tuple[int, int]] = set()
         for run in runs:

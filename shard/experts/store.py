@@ -39,10 +39,10 @@ import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
-from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
-from shard.experts.spec import SHARED, ExpertSpec
-from shard.experts.dispatch import expert_ffn
 from shard.experts.adapters import EXPERTS_IMPLEMENTATION, moe_layers
+from shard.experts.dispatch import expert_ffn
+from shard.experts.spec import SHARED, ExpertSpec
+from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
 from shard.model.torch_backend import DTYPES
 
 __all__ = ["ExpertStore", "ExpertValidation", "VALIDATION_ROWS"]
@@ -77,7 +77,7 @@ class ExpertStore:
 
     # -- loading -----------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike, spec: ExpertSpec, *, dtype: str = "float32") -> "ExpertStore":
+    def load(cls, path: str | os.PathLike, spec: ExpertSpec, *, dtype: str = "float32") -> ExpertStore:
         from safetensors import safe_open
         from transformers import AutoConfig
 
@@ -150,7 +150,7 @@ class ExpertStore:
         import importlib
 
         module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-        mlp_cls = getattr(module, "Qwen2MoeMLP")
+        mlp_cls = module.Qwen2MoeMLP
         with torch.device("meta"):
             mlp = mlp_cls(config, intermediate_size=config.shared_expert_intermediate_size)
         try:

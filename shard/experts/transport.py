@@ -86,7 +86,7 @@ class ExpertConnection:
     @classmethod
     def open(cls, peer: str, host: str, port: int, pin: bytes | None, *, version: int, act: int,
              artifact: str, recipe: str, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-             exchange_timeout_s: float = EXCHANGE_TIMEOUT_S) -> "ExpertConnection":
+             exchange_timeout_s: float = EXCHANGE_TIMEOUT_S) -> ExpertConnection:
         """Connect, authenticate (TLS pinned to ``pin``), say hello; PeerRefused / LinkFailed on failure."""
         link = ClientLink(peer, version=version, act=act, artifact=artifact, recipe=recipe)
         try:
@@ -114,7 +114,7 @@ class ExpertConnection:
 
     @classmethod
     def over(cls, sock, peer: str, *, version: int, act: int, artifact: str, recipe: str,
-             timeout_s: float = EXCHANGE_TIMEOUT_S) -> "ExpertConnection":
+             timeout_s: float = EXCHANGE_TIMEOUT_S) -> ExpertConnection:
         """An already connected socket (tests: a socket pair); says hello."""
         conn = cls(sock, ClientLink(peer, version=version, act=act, artifact=artifact, recipe=recipe),
                    exchange_timeout_s=timeout_s)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+
 import torch
 from torch import nn
 
@@ -63,7 +64,7 @@ class InputMajorLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
-    def of(cls, linear: nn.Linear) -> "InputMajorLinear":
+    def of(cls, linear: nn.Linear) -> InputMajorLinear:
         """The same projection as ``linear``, input-major (one transposed copy of its weight)."""
         bias = None if linear.bias is None else linear.bias.detach()
         return cls(linear.weight.detach().t().contiguous(), bias)

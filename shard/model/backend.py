@@ -76,7 +76,7 @@ class LayerRange:
         return f"{self.start}:{self.end}/{self.num_layers}"
 
     @classmethod
-    def parse(cls, text: str, num_layers: int) -> "LayerRange":
+    def parse(cls, text: str, num_layers: int) -> LayerRange:
         """Parse the CLI form ``A:B`` (``A:`` means to the end)."""
         start_text, sep, end_text = text.partition(":")
         if not sep:

@@ -38,9 +38,10 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import Callable, Sequence, TextIO, Union
+from typing import TextIO, Union
 
 __all__ = ["FileKey", "file_key", "cached_digest", "hash_files", "cache_dir", "CACHE_ENV", "hash_runs",
            "hashed_bytes", "MAX_ENTRIES"]

@@ -15,9 +15,9 @@ bit for bit. Greedy ties break to the lowest token id; with a
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch

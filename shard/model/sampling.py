@@ -73,7 +73,7 @@ class SamplingSpec:
         return self.temperature == 0.0
 
     @classmethod
-    def from_pb(cls, params: pb.SamplingParams) -> "SamplingSpec":
+    def from_pb(cls, params: pb.SamplingParams) -> SamplingSpec:
         # proto3 has no "unset" for floats: top_p 0 means "no nucleus cut".
         return cls(temperature=float(params.temperature), top_k=int(params.top_k),
                    top_p=float(params.top_p) if params.top_p > 0 else 1.0, seed=int(params.seed))

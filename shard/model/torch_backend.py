@@ -34,10 +34,10 @@ import numpy as np
 import torch
 
 from proto import shard_runtime_pb2 as pb
+from shard.errors import ArtifactError
 from shard.model.adapters import RangeModules, adapter_for, range_config
 from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
 from shard.model.backend import LayerRange, ids_in_range
-from shard.errors import ArtifactError
 
 DTYPES = {"float32": (torch.float32, np.dtype(np.float32)), "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16))}
 
@@ -104,7 +104,7 @@ class TorchRangeBackend:
     # -- loading ---------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, start: int, end: int | None = None, *, dtype: str = "float32",
-             progress: TextIO | None = sys.stderr, experts=None, exchange=None) -> "TorchRangeBackend":
+             progress: TextIO | None = sys.stderr, experts=None, exchange=None) -> TorchRangeBackend:
         """``experts`` (shard.experts.spec.ExpertSpec) / ``exchange`` (shard.experts.dispatch.ExpertExchange):
         MoE families only -- the experts this range loads, and where the others run."""
         from safetensors import safe_open

@@ -38,6 +38,7 @@ import torch
 
 from shard.model.adapters import ATTN_IMPLEMENTATION, LlamaFamily
 
+
 def supports_batch(backend) -> bool:
     return type(backend.adapter) is LlamaFamily and backend.exchange is None
 

@@ -24,13 +24,24 @@ from __future__ import annotations
 
 import hmac
 import threading
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from proto import wire
 from shard.errors import PermissionDenied, RangeMismatch
 from shard.push.hub import ControlSink, PushSession, hub_of
-from shard.session.stream import (CONTROL, HIDDEN, AttachFeeder, OpenPushed, Output, PushChunk, PushDecode,
-                                  ReleasePushed, Repoint, SessionStream, decode_answer)
+from shard.session.stream import (
+    CONTROL,
+    HIDDEN,
+    AttachFeeder,
+    OpenPushed,
+    Output,
+    PushChunk,
+    PushDecode,
+    ReleasePushed,
+    Repoint,
+    SessionStream,
+    decode_answer,
+)
 
 __all__ = ["receive", "carry", "sink_of", "serve_control", "stream_ended"]
 

@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -132,7 +133,7 @@ class ControlSink:
 class PushSession:
     """One pushed session on this worker: its control sink, its successor stream (non-tail hops)."""
 
-    def __init__(self, hub: "PushHub", key: SessionKey, open_msg: pb.SessionOpen, fingerprint: pb.Fingerprint,
+    def __init__(self, hub: PushHub, key: SessionKey, open_msg: pb.SessionOpen, fingerprint: pb.Fingerprint,
                  is_tail: bool) -> None:
         self.hub, self.key = hub, key
         self.sink = ControlSink()

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
-from proto import fastpath
+from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
-from proto import wire
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
 from proto.limits import DECODE_STEP_BASE

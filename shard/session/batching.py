@@ -111,7 +111,7 @@ class BatchedCache:
 
     __slots__ = ("inner", "_owner", "_release_pending")
 
-    def __init__(self, inner, owner: "BatchingBackend") -> None:
+    def __init__(self, inner, owner: BatchingBackend) -> None:
         self.inner = inner
         self._owner = owner
         self._release_pending = False
@@ -147,7 +147,7 @@ class _Trace:
         self._file = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1)   # line-buffered: a killed worker loses nothing
         self._left = MAX_TRACE_LINES
 
-    def batch(self, batch: list["_Item"], t0: float, t1: float) -> None:
+    def batch(self, batch: list[_Item], t0: float, t1: float) -> None:
         if self._left <= 0:
             return
         self._left -= 1

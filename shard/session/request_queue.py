@@ -19,7 +19,7 @@ in order when it attaches).
 from __future__ import annotations
 
 import queue
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["RequestQueue"]
 
@@ -31,7 +31,7 @@ class RequestQueue:
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self._queue: "queue.Queue[object]" = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
         self._push: Callable[[bytes], None] | None = None
         self._finish: Callable[[], None] | None = None
 
@@ -68,7 +68,7 @@ class RequestQueue:
             push(item)
         self._push, self._finish = push, finish
 
-    def __iter__(self) -> "RequestQueue":
+    def __iter__(self) -> RequestQueue:
         return self
 
     def __next__(self) -> bytes:

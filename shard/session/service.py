@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -29,9 +29,9 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
+from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
 from shard.model.backend import RangeBackend
 from shard.session.batching import BatchingBackend
-from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
 from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
 
 # Validation forward: enough positions to exercise prefill and the cache, few

@@ -42,7 +42,7 @@ class Owner:
     token_digest: bytes = b""
 
     @classmethod
-    def of(cls, peer: str, token: bytes = b"") -> "Owner":
+    def of(cls, peer: str, token: bytes = b"") -> Owner:
         """The owner of a request carrying ``token`` (ProtocolViolation for a token of a bad size)."""
         if token and not MIN_OWNER_TOKEN_BYTES <= len(token) <= MAX_OWNER_TOKEN_BYTES:
             raise ProtocolViolation(f"owner_token must be {MIN_OWNER_TOKEN_BYTES}..{MAX_OWNER_TOKEN_BYTES} bytes")

@@ -57,18 +57,24 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from proto.errors import LimitExceeded, ProtocolViolation
-from shard.session.step_meter import StepMeter
+from shard.errors import CacheMiss, Cancelled, EpochStale, PermissionDenied, ResourceExhausted, log_failure, map_failure
 from shard.model.backend import RangeBackend, ids_in_range
-from shard.session.session_ids import (LOCAL_OWNER, MAX_OWNER_TOKEN_BYTES, MAX_PEER_CHARS,  # noqa: F401 - re-exported
-                               MAX_SESSION_ID_CHARS, MIN_OWNER_TOKEN_BYTES, Owner, SessionKey)
-from shard.errors import (CacheMiss, Cancelled, EpochStale, PermissionDenied, ResourceExhausted, log_failure,
-                          map_failure)
+from shard.session.session_ids import (  # noqa: F401 - re-exported
+    LOCAL_OWNER,
+    MAX_OWNER_TOKEN_BYTES,
+    MAX_PEER_CHARS,
+    MAX_SESSION_ID_CHARS,
+    MIN_OWNER_TOKEN_BYTES,
+    Owner,
+    SessionKey,
+)
+from shard.session.step_meter import StepMeter
 
 log = logging.getLogger(__name__)
 
@@ -163,10 +169,10 @@ class SessionManager:
         self.policy = policy
         self.clock = clock
         self.meter = StepMeter()   # recent real steps' speed, for Health (shard/session/step_meter.py)
-        self._sessions: "OrderedDict[SessionKey, _Session]" = OrderedDict()  # LRU order
+        self._sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # LRU order
         self._next_expiry_check = float("-inf")   # step() sweeps idle sessions at most every EXPIRE_CHECK_S
-        self._epochs: "OrderedDict[str, int]" = OrderedDict()
-        self._cancelled: "OrderedDict[SessionKey, None]" = OrderedDict()
+        self._epochs: OrderedDict[str, int] = OrderedDict()
+        self._cancelled: OrderedDict[SessionKey, None] = OrderedDict()
 
     # -- bookkeeping ------------------------------------------------------------
     def _remember_epoch(self, key: SessionKey) -> None:

@@ -72,22 +72,30 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Union
 
 import numpy as np
 
-from proto import fastpath
+from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
-from proto import wire
 from proto.errors import MeshdError, PayloadCorrupt, ProtocolError, ProtocolViolation
 from proto.flow import CreditLedger, negotiate
 from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
+from shard.errors import (
+    Cancelled,
+    DeadlineExceeded,
+    FingerprintMismatch,
+    RangeMismatch,
+    ShardRefusal,
+    log_failure,
+    map_failure,
+    to_shard_error,
+)
 from shard.model.artifact import fingerprints_match
-from shard.errors import (Cancelled, DeadlineExceeded, FingerprintMismatch, RangeMismatch, ShardRefusal,
-                          log_failure, map_failure, to_shard_error)
 from shard.model.sampling import SamplingSpec, check_top_logprobs, sample_token, token_logprobs
 from shard.session.service import ACCEPTED_COMPRESSION, ShardService
 from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, StepResult
@@ -378,7 +386,7 @@ class SessionStream:
             raise PayloadCorrupt(f"expected exactly one tensor named {name!r}, got {sorted(tensors)}")
         return tensors[name]
 
-    def _poster(self, draw_at: int | None) -> Callable[[np.ndarray], "TailAnswer | dict[str, np.ndarray]"]:
+    def _poster(self, draw_at: int | None) -> Callable[[np.ndarray], TailAnswer | dict[str, np.ndarray]]:
         """What a step returns: hidden rows, or the tail's answer -- the token drawn for position
         ``draw_at`` (decode steps and a prompt's final chunk; None: no draw), and the logits row
         when asked (or when the tail does not sample)."""
