@@ -129,7 +129,7 @@ class Node:
         self.api = ApiPart(self)  # the entry every generation passes, the HTTP server (meshd/daemon/api_part.py)
         self.model_digest: str | None = None
         self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
-                                 on_change=self.refresh_claim, progress=progress)
+                                 on_change=self.refresh_claim, progress=progress, own_addrs=self.direct_addrs)
         self._ready: WorkerReady | None = None
         # circuits to relayed peers, shared by every generation (remembers relays that failed)
         self.upgrader = DirectUpgrader(host)   # answers peers' hole punches, tries ours
