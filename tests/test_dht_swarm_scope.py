@@ -6,7 +6,8 @@ a plain libp2p host running the library's own KadDHT on /ipfs/kad/1.0.0 (an
 IPFS node found on the LAN). Everyone is connected to everyone -- as a
 mistaken --bootstrap or a shared relay would do -- and still: only same-swarm
 peers enter a routing table, a publish reaches only its swarm, a read sees
-only its swarm's records.
+only its swarm's records, and the daemon's bootstrap check names the
+foreign peer.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dht.host.build import running_host
 from dht.host.swarm_scope import SwarmScope
 from dht.node import DhtNode
 from dht.records import validate_capability
+from meshd.daemon.node import _warn_foreign_bootstrap
 from tests._daemon_helpers import DIGEST, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -82,5 +84,11 @@ def test_connected_nodes_of_two_swarms_and_an_ipfs_node_never_share_a_record():
                     with pytest.raises(Exception):  # noqa: B017 - same
                         await hosts[3].new_stream(target, [TProtocol(IPFS_DHT)])
                 assert not a1.kad.routing_table.peer_in_table(ids[2])   # red's tries put it in no table
+
+                lines: list[str] = []
+                await _warn_foreign_bootstrap(a1, [ids[1].to_base58()], "blue", lines.append)   # same swarm
+                assert lines == []
+                await _warn_foreign_bootstrap(r1, [ids[0].to_base58()], "red", lines.append)
+                assert len(lines) == 1 and ids[0].to_base58() in lines[0] and "--swarm" in lines[0], lines
 
     trio.run(main)

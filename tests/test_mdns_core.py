@@ -57,6 +57,23 @@ def test_a_swarm_name_we_cannot_use_is_refused_with_what_to_type(bad):
         SwarmScope(bad)
 
 
+def test_the_config_takes_the_swarm_name_and_the_mdns_switch(tmp_path):
+    from meshd.config import load_config
+    from meshd.errors import ConfigError
+
+    path = tmp_path / "c.toml"
+    path.write_text('swarm = "Blue"\nmdns = false\n')
+    config = load_config(path)
+    assert config.swarm == "blue" and config.scope == BLUE and config.mdns is False
+    assert load_config(None).swarm == "default" and load_config(None).mdns is True
+    assert load_config(path, {"swarm": "red", "mdns": True}).scope == RED    # flags win
+    with pytest.raises(ConfigError, match="swarm name"):
+        load_config(None, {"swarm": "no spaces please"})
+    path.write_text('mdns = "yes"\n')
+    with pytest.raises(ConfigError, match="mdns must be true or false"):
+        load_config(path)
+
+
 # ------------------------------------------------------------------ names
 
 def test_only_our_swarms_instances_are_resolved():
@@ -268,7 +285,7 @@ def test_the_adjusted_broadcaster_announces_the_spec_txt_and_our_interfaces():
     assert library.service_info.properties == info.properties      # the TXT entries libp2p peers read
 
 
-# ------------------------------------------------------------------ the edge, where no LAN is
+# ------------------------------------------------------------------ the edge, where no LAN is; the status lines
 
 def test_a_node_on_loopback_runs_no_mdns_and_says_why():
     import trio
@@ -287,3 +304,21 @@ def test_a_node_on_loopback_runs_no_mdns_and_says_why():
     got = trio.run(main)
     assert got["state"] == "off" and "loopback only" in got["reason"] and got["announced"] == []
 
+
+def test_the_status_shows_the_swarm_its_mdns_and_foreign_peers():
+    from meshd.cli.status_view import render_discovery
+
+    lines = render_discovery({
+        "swarm": BLUE.status(),
+        "mdns": {"state": "on", "interfaces": ["eth0 192.168.1.5/24"], "instance": "meshd-x-y",
+                 "peers": [{"peer_id": PEER, "addrs": ["/ip4/192.168.1.7/tcp/4001"], "state": "connected",
+                            "attempts": 0, "last_error": ""}],
+                 "ignored": {"not_meshd": 3, "other_swarm": 1}},
+        "foreign_peers": [OTHER]})
+    text = "\n".join(lines)
+    assert f"swarm      blue (tag {BLUE.tag}, DHT {BLUE.dht_protocol})" in text
+    assert "mdns       on eth0 192.168.1.5/24 as meshd-x-y: 1 peers of this swarm found (1 connected)" in text
+    assert "3 not meshd, 1 other swarm" in text and "1 connected peers of other swarms" in text
+    off = render_discovery({"swarm": BLUE.status(), "mdns": {"state": "off", "reason": "off: --no-mdns"},
+                            "foreign_peers": []})
+    assert off[1] == "mdns       off: --no-mdns"
