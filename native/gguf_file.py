@@ -315,7 +315,7 @@ class GGUFFile:
             spans.append((start, start + n_bytes, name))
             tensors.append(GGUFTensor(name, shape, qtype, start, n_bytes, buf))
         spans.sort()
-        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        for (_, a1, an), (b0, _, bn) in zip(spans, spans[1:]):
             if b0 < a1:
                 raise cur.fail(f"tensors {an} and {bn} overlap")
         return cls(path, buf, size, version, fields, tuple(tensors), data_offset, alignment)

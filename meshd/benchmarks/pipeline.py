@@ -76,12 +76,12 @@ def _baseline_rss() -> int:
     """RSS of a bare process with torch and transformers imported (no weights)."""
     from meshd.testing.procs import child_env
 
-    code = ("import torch, transformers, sys; torch.set_num_threads(%d); "
+    code = (f"import torch, transformers, sys; torch.set_num_threads({THREADS}); "
             "from transformers import AutoModelForCausalLM, LlamaConfig; "
-            "print(open('/proc/self/status').read())" % THREADS)
+            "print(open('/proc/self/status').read())")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(THREADS), capture_output=True,
                          text=True, check=True, timeout=300).stdout
-    line = next(l for l in out.splitlines() if l.startswith("VmRSS:"))
+    line = next(row for row in out.splitlines() if row.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
 
 

@@ -242,7 +242,8 @@ def _gap_causes(stats: dict[int, _Stats], hops: list[list[dict]]) -> dict:
     out: dict = {"hops_traced": len(hops)}
     for c in (1, 8):
         decode = [b for hop in hops for b in hop if b["max_item"] == 1 and inside(b, stats[c].windows)]
-        out[f"decode_forward_ms_c{c}"] = round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3) if decode else None
+        out[f"decode_forward_ms_c{c}"] = (round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3)
+                                          if decode else None)
         out[f"decode_forward_rows_c{c}"] = round(statistics.fmean(b["rows"] for b in decode), 2) if decode else None
     s8 = stats[8]
     if not s8.gaps or not hops:
@@ -301,7 +302,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
                         alone.setdefault(index, pieces)
                 else:
                     waves = [everyone[k:k + c] for k in range(0, len(everyone), c)]
-                    runs = cpu.measure(c, lambda: [run for wave in waves for run in _wave(url, model_id, wave, new_tokens)])
+                    runs = cpu.measure(c, lambda waves=waves: [run for wave in waves
+                                                               for run in _wave(url, model_id, wave, new_tokens)])
                 stats[c].add(runs, concurrent=c > 1)
                 _say(progress, f"{name} round {r + 1} c={c}: {len(runs)} requests done")
                 if c > 1:
@@ -314,7 +316,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
         agg = {c: statistics.median(stats[c].rates) for c in stats}
         p50 = {c: stats[c].quantile(0.50) for c in stats}
         p95 = {c: stats[c].quantile(0.95) for c in stats}
-        out = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal, "new_tokens": new_tokens, "rounds": rounds,
+        out = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal,
+               "new_tokens": new_tokens, "rounds": rounds,
                "peak_streaming_c8": stats[8].peak, "api_max_running": MAX_RUNNING,
                "aggregate_ratio_c8": round(agg[8] / agg[1], 3), "aggregate_ratio_c4": round(agg[4] / agg[1], 3),
                "p95_itl_ratio_c8": round(p95[8] / p95[1], 3), "p95_itl_ratio_c4": round(p95[4] / p95[1], 3)}

@@ -144,7 +144,8 @@ def _measure(swarms: dict, reference: LlamaReference, prompt: str, new_tokens: i
                        + f"whole {wholes[-1][1]:.2f}, floor {floors[-1][1]:.2f} tok/s")
     whole_tokens = wholes[-1][0]
     swarm = runs["swarm"]
-    swarm_rates, whole_rates, floor_rates = [x.decode_tok_s for x in swarm], [w[1] for w in wholes], [f[1] for f in floors]
+    swarm_rates = [x.decode_tok_s for x in swarm]
+    whole_rates, floor_rates = [w[1] for w in wholes], [f[1] for f in floors]
     tail = [x.tail_bytes for x in swarm if x.tail_bytes is not None]
     steps = [w for x in swarm for w in x.step_wall_ms]
     executed = [e for x in swarm for e in x.step_execution_ms]

@@ -166,7 +166,8 @@ def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str
     d = LocalDaemon.__new__(LocalDaemon)
     d.name, d.data_dir, d.log = name, root / name, root / f"{name}.log"
     args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
-            "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir), "--record-ttl", str(record_ttl_s),
+            "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir),
+            "--record-ttl", str(record_ttl_s),
             "--reachability", "public", "--api-listen", "off", "--threads", str(threads),
             "--kv-budget-tokens", str(kv_budget_tokens)]
     if bootstrap:
@@ -270,7 +271,8 @@ def arithmetic(figures: dict, rtt_ms: float) -> dict:
     out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + c) / (push["delay_ms"] + c), 3)
     whole = figures.get("compute_ms_per_token")
     if whole:
-        out["ratio_from_delay_and_whole_model_compute"] = round((star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
+        out["ratio_from_delay_and_whole_model_compute"] = round(
+            (star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
     out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)  # software 0
     gap = star["legs"] - 1.4 * push["legs"]   # (ls R/2 + c) / (lp R/2 + c) = 1.4  <=>  R = 0.8 c / (ls - 1.4 lp)
     out["rtt_ms_for_1_4"] = round(0.8 * c / gap, 3) if gap > 0 else None

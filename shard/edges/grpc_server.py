@@ -71,8 +71,7 @@ def _session(service: ShardService):
         peer, private = caller(context)
         stream = SessionStream(service, peer=peer, private=private)
         for body in request_iterator:
-            for response in receive(stream, body):
-                yield response
+            yield from receive(stream, body)
             if stream.closed:
                 return
             if sink_of(stream) is not None:   # pushed: answers also come from other streams

@@ -144,7 +144,8 @@ class _Trace:
     """One JSON line per forward to ``PREFIX.<pid>.jsonl`` (see the module docstring)."""
 
     def __init__(self, prefix: str) -> None:
-        self._file = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1)   # line-buffered: a killed worker loses nothing
+        # line-buffered: a killed worker loses nothing
+        self._file = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1)
         self._left = MAX_TRACE_LINES
 
     def batch(self, batch: list[_Item], t0: float, t1: float) -> None:
