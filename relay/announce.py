@@ -9,7 +9,7 @@
 Publishing when a peer connects puts our record in that peer's store at
 once: a node that bootstraps through us, or through a peer that did, finds
 us in its first relay read instead of at our next republish (up to ttl/3,
-40 s by default: the wait a cold-starting home node used to see between
+40 s by default, which a cold-starting home node would otherwise wait between
 its "private" verdict and its first reservation).
 
 Sequence numbers are ``max(last + 1, wall ms)`` like capability records

@@ -1,4 +1,4 @@
-"""Churn in a larger real swarm (issue 17 item 6): 12 daemons, 4 SIGKILLed at once mid-generation.
+"""Churn in a larger real swarm: 12 daemons, 4 SIGKILLed at once mid-generation.
 
 Twelve real ``meshd join`` daemons on loopback (LocalSwarm) split the tiny
 seeded 6-layer Llama: three fixed ranges (the entry 0:2, then 2:4 and 4:6)

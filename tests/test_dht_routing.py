@@ -1,4 +1,4 @@
-"""Lookups route (issue 17 item 1): real py-libp2p hosts on loopback, DhtNode's iterative lookups.
+"""Lookups route: real py-libp2p hosts on loopback, DhtNode's iterative lookups.
 
 Eight hosts in a chain: each joins through the one before it (its bootstrap
 peer, then a lookup of its own id, as the daemon does); then the first host

@@ -495,9 +495,9 @@ class SwarmDriver:
 
         A fresh hop after a failover is fed its history in the very batches the failed hop saw,
         because some kernels are not batch-invariant (llama.cpp's tinyBLAS / repacked K-quant
-        GEMMs accumulate differently than its single-row GEMV: measured on Gemma-3 Q4_K_M, a
-        position computed inside a 16-row batch differs from the same position decoded alone by
-        up to 1.1 in the logits). Without a failure this is exactly one batch per call, as before.
+        GEMMs accumulate differently than its single-row GEMV: a position computed inside a batch
+        can differ from the same position decoded alone by far more than rounding,
+        docs/measurements/2026-12-01.md). Without a failure this is exactly one batch per call.
         """
         prompt = getattr(self, "_prompt_len", 0)
         batches = [(past, min(prompt, target))] if past < prompt else []

@@ -1,4 +1,4 @@
-"""The entry's side of a pushed route: inputs to the head, tokens from the tail (issue 18).
+"""The entry's side of a pushed route: inputs to the head, tokens from the tail.
 
 ``PushDriver`` is the route driver (driver.py: same planning, failover,
 cancellation, replay batches, stats) with the push topology, closed into a loop:
