@@ -278,7 +278,7 @@ class DhtNode:
             try:
                 if await self.kad.add_peer(peer, skip_server_mode_check=True):
                     added += 1
-            except Exception as exc:  # routing-table insertion pings the peer
+            except Exception as exc:  # noqa: BLE001 - routing-table insertion pings the peer
                 log.debug("could not add %s to the routing table: %s", peer, exc)
         return added
 

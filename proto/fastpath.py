@@ -264,7 +264,7 @@ class DecodeStepView:
     __slots__ = ("idempotency_step", "position", "expected_past_len", "work_id", "deadline_unix_nanos", "legs",
                  "route_execution_nanos")
 
-    def WhichOneof(self, _group: str) -> str:   # noqa: N802 - protobuf's name
+    def WhichOneof(self, _group: str) -> str:   # protobuf's name
         return "decode"
 
     @property
@@ -321,14 +321,14 @@ class DecodeResultView:
 
     __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "legs", "sample", "_bundle")
 
-    def WhichOneof(self, _group: str) -> str:   # noqa: N802 - protobuf's name
+    def WhichOneof(self, _group: str) -> str:   # protobuf's name
         return "decode"
 
     @property
     def decode(self) -> DecodeResultView:
         return self
 
-    def HasField(self, name: str) -> bool:     # noqa: N802 - protobuf's name
+    def HasField(self, name: str) -> bool:     # protobuf's name
         if name == "sample":
             return self.sample is not None
         if name == "bundle":

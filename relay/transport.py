@@ -130,14 +130,14 @@ class RelayedFrameChannel:
         """Half-close our sending side (the peer sees a clean end)."""
         try:
             await self._stream.close()
-        except Exception:  # already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
     async def reset(self) -> None:
         self._give_back()
         try:
             await self._stream.reset()
-        except Exception:  # already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
 
@@ -238,12 +238,12 @@ def stamp_relayed_peer(body: bytes, peer_id: str) -> bytes:
 def _peer(stream) -> str:
     try:
         return str(stream.muxed_conn.peer_id)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a label for the log: any failure reads "?"
         return "?"
 
 
 async def _reset(stream) -> None:
     try:
         await stream.reset()
-    except Exception:  # already gone
+    except Exception:  # noqa: BLE001 - already gone
         pass

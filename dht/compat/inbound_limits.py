@@ -176,7 +176,7 @@ def gate_of(swarm) -> InboundGate:
 def _remote_ip(read_write_closer) -> str | None:
     try:
         addr = read_write_closer.get_remote_address()
-    except Exception:  # a transport without addresses: counted under "?"
+    except Exception:  # noqa: BLE001 - a transport without addresses: counted under "?"
         return None
     return addr[0] if addr else None
 
@@ -186,7 +186,7 @@ async def _handle_inbound_connection(self, read_write_closer, maddr) -> None:
     if ticket is None:
         try:
             await read_write_closer.close()
-        except Exception:  # already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
         return
     token = _TICKET.set(ticket)

@@ -164,7 +164,7 @@ class GenerationResponse:
             nursery.start_soon(watch_disconnect)
             try:
                 await self.entry.generate(self.params, on_event)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an HTTP answer
+            except Exception as exc:  # every failure becomes an HTTP answer
                 leaf = first_leaf(exc)
                 error = api_error(leaf)
                 if error.status >= 500 and error.status not in (503, 504):

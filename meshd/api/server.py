@@ -144,7 +144,7 @@ async def serve_api(app, sock: socket.socket, *, max_connections: int, table: Co
                     inner.start_soon(watch, conn, inner.cancel_scope)
                     try:
                         await server_class(asgi, config, context, {}, stream)
-                    except Exception:  # noqa: BLE001 - one connection's failure must not stop the API
+                    except Exception:  # one connection's failure must not stop the API
                         log.exception("API connection failed")
                     inner.cancel_scope.cancel()
         finally:

@@ -237,7 +237,9 @@ def drive(spec: dict, on_sent=None) -> dict:
                                 chunk_tokens=spec.get("chunk_tokens", 128),
                                 return_logits=spec.get("return_logits", False))
     with TrioPortal(setup) as portal:
-        direct = lambda endpoint: loopback_channel(endpoint, GRPC_OPTIONS)  # noqa: E731
+        def direct(endpoint):
+            return loopback_channel(endpoint, GRPC_OPTIONS)
+
         connector = _FactoryConnector(_recording_factory(relayed_channel_factory(portal, portal.value, direct),
                                                          sent, on_sent))
         driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))

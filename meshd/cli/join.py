@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
         setup_logging(args.verbose)  # again: importing libp2p reset its logger
         trio.run(run_daemon, config, _progress)
-    except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
+    except BaseException as exc:  # errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
                         break
 
         trio.run(main)
-    except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
+    except BaseException as exc:  # errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))

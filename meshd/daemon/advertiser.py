@@ -120,7 +120,7 @@ class Advertiser:
                         await self._publish_record(self._sign(claim))
                 elif self._advertised_digest is not None:
                     await self._withdraw()
-            except Exception as exc:  # network faults of the DHT layer: retry soon
+            except Exception as exc:  # noqa: BLE001 - network faults of the DHT layer: retry soon
                 log.warning("publishing the capability record failed (%s); retrying in %.0f s", exc, RETRY_S)
                 next_at = trio.current_time() + RETRY_S
             with trio.move_on_at(next_at):

@@ -86,14 +86,13 @@ async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamH
         task_status.started(path)
         await trio.serve_listeners(lambda stream: _serve_one(stream, handler, stream_handler), [listener])
     finally:
-        # Synchronous on purpose: it must run when cancelled, and unlinking takes microseconds.
-        path.unlink(missing_ok=True)  # noqa: ASYNC240
+        path.unlink(missing_ok=True)  # noqa: ASYNC240 - must run when cancelled; takes microseconds
 
 
 async def _serve_one(stream: trio.SocketStream, handler: Handler, stream_handler: StreamHandler | None) -> None:
     try:
         await _serve_request(stream, handler, stream_handler)
-    except Exception:  # noqa: BLE001 - one bad connection must never stop the control server (or the daemon)
+    except Exception:  # one bad connection must never stop the control server (or the daemon)
         log.exception("control connection failed")
 
 
@@ -169,7 +168,7 @@ async def _answer(buf: bytes, handler: Handler) -> dict:
         return {"ok": False, "error": f"op must be one of {', '.join(OPS)}"}
     try:
         return {"ok": True, **await handler(request)}
-    except Exception as exc:  # the handler's fault must not kill the control server
+    except Exception as exc:  # noqa: BLE001 - the handler's fault must not kill the control server
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 

@@ -225,7 +225,7 @@ class Node:
                 try:
                     await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s,
                                             rounds=1)   # this loop is the retry
-                except Exception as exc:  # keep trying; the status shows zero peers
+                except Exception as exc:  # noqa: BLE001 - keep trying; the status shows zero peers
                     log.info("re-bootstrap failed: %s", exc)
             await trio.sleep(PEER_SYNC_INTERVAL_S)
 

@@ -178,7 +178,7 @@ class Swarm:
                 try:
                     await host.connect(PeerInfo(ID.from_base58(peer),
                                                 [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
-                except Exception as exc:  # an unreachable peer is the routing planner's business
+                except Exception as exc:  # noqa: BLE001 - an unreachable peer is the routing planner's business
                     log.info("mesh dial to %s failed: %s", peer[:16], exc)
 
         async with trio.open_nursery() as nursery:

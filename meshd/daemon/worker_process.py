@@ -212,7 +212,7 @@ class WorkerProcess:
         buf = b""
         # Synchronous writes on purpose: a line is a few bytes, and an awaited write would be one
         # more checkpoint where a cancellation loses the last lines of a dying worker.
-        with open(log_path, "ab") as log_file:  # noqa: ASYNC230
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - see above
             async for chunk in stream:
                 buf += chunk
                 while b"\n" in buf:

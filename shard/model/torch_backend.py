@@ -262,7 +262,7 @@ class TorchRangeBackend:
             for cache, rows in zip(caches, inputs):
                 try:
                     results.append(self.forward(cache, rows, effective_start=effective_start))
-                except Exception as exc:  # that session's failure only
+                except Exception as exc:  # noqa: BLE001 - that session's failure only
                     results.append(exc)
             return results
         return forward_rows(self, caches, inputs, effective_start, _to_torch, _to_numpy)

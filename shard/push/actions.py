@@ -60,7 +60,7 @@ def carry(stream: SessionStream, outputs: Iterable[Output]) -> list[bytes]:
             continue
         try:
             sent += _CARRY[type(item)](stream, item)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - stream.fail maps every failure to a typed error answer
             opening = isinstance(item, (OpenPushed, AttachFeeder))   # no session yet: the open is refused
             session_id = "" if opening or stream.key is None else stream.key.session_id
             return sent + stream.fail(exc, f"carrying out {type(item).__name__}", session_id)

@@ -198,7 +198,7 @@ class PushSession:
         check_target(target)
         try:
             self.successor.repoint(target)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
             self.report(f"cannot push to the replacement: {exc}", target.peer_id)
 
     def release(self) -> None:

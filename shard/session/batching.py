@@ -339,7 +339,7 @@ class BatchingBackend:
                 try:
                     results = batched([i.cache.inner for i in items], [i.inputs for i in items],
                                       effective_start=start)
-                except Exception as exc:   # the whole forward failed: every row gets it
+                except Exception as exc:   # noqa: BLE001 - the whole forward failed: every row gets it
                     results = [exc] * len(items)
                 for item, result in zip(items, results):
                     if isinstance(result, BaseException):
@@ -351,5 +351,5 @@ class BatchingBackend:
                 try:
                     item.output = self.backend.forward(item.cache.inner, item.inputs, effective_start=start,
                                                        **({"lend": True} if item.lend else {}))
-                except Exception as exc:   # the manager maps and logs it, as for an unbatched forward
+                except Exception as exc:   # noqa: BLE001 - the manager maps and logs it, as for an unbatched forward
                     item.error = exc

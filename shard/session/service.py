@@ -215,7 +215,7 @@ class ShardService:
                 return pb.ReleaseResponse(released=self.manager.release(key, owner))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.ReleaseResponse(released=False, error=to_shard_error(exc))
-        except Exception as exc:  # ours (a backend's cache release): logged, typed
+        except Exception as exc:  # noqa: BLE001 - ours (a backend's cache release): logged, typed
             log_failure(log, exc, "releasing a session")
             return pb.ReleaseResponse(released=False, error=to_shard_error(
                 InternalError(f"releasing the session failed ({type(exc).__name__}); see the worker's log")))
@@ -228,7 +228,7 @@ class ShardService:
                 return pb.CancelResponse(cancelled_work_items=self.manager.cancel(key, owner))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.CancelResponse(error=to_shard_error(exc))
-        except Exception as exc:  # ours (a backend's cache release): logged, typed
+        except Exception as exc:  # noqa: BLE001 - ours (a backend's cache release): logged, typed
             log_failure(log, exc, "cancelling a session")
             return pb.CancelResponse(error=to_shard_error(
                 InternalError(f"cancelling the session failed ({type(exc).__name__}); see the worker's log")))

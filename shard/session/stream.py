@@ -297,7 +297,7 @@ class SessionStream:
             if kind == "decode" or kind == "chunk":
                 self.ledger.on_chunk(len(data))
             return getattr(self, _HANDLERS[kind])(req, tensors)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - fail() maps every failure to a typed error answer
             return self.fail(exc, f"handling the {kind} message" if kind else "reading a request", session_id)
 
     def fail(self, exc: Exception, doing: str, session_id: str) -> list[bytes]:
