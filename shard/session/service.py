@@ -187,7 +187,7 @@ class ShardService:
         validated = self._capability is not None and self._capability.validated
         exchange = getattr(self.backend, "exchange", None)   # MoE: experts on expert peers
         moe = exchange.stats() if exchange is not None else {}
-        pushed = self.push_hub.streams if self.push_hub is not None else {}
+        pushed: dict[str, int] = self.push_hub.streams if self.push_hub is not None else {}
         return pb.HealthReport(
             push_streams_frames=pushed.get("frames", 0), push_streams_grpc=pushed.get("grpc", 0),
             expert_bytes_sent=moe.get("bytes_sent", 0), expert_bytes_received=moe.get("bytes_received", 0),
