@@ -132,7 +132,8 @@ def smollm2_artifact(dtype: str = "float32") -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # The tensors are already dequantized; only the loader's quantizer
         # bookkeeping marks the model unserializable, so drop it.
-        model.hf_quantizer = None
+        # transformers declares no hf_quantizer on the model: torch types a Module's attributes as Tensor | Module.
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         say("writing safetensors")

@@ -84,7 +84,7 @@ def _ip_and_port(addr: str) -> tuple[str, int] | None:
 
 def _observed_ip(stream) -> str | None:
     try:
-        return stream.muxed_conn.get_remote_address()[0]   # type: ignore[index]
+        return stream.muxed_conn.get_remote_address()[0]
     except Exception:  # noqa: BLE001 - a connection without an address: ask the stream
         try:
             return stream.get_remote_address()[0]
