@@ -132,8 +132,7 @@ def smollm2_artifact(dtype: str = "float32") -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         # The tensors are already dequantized; only the loader's quantizer
         # bookkeeping marks the model unserializable, so drop it.
-        # transformers declares no hf_quantizer on the model: torch types a Module's attributes as Tensor | Module.
-        model.hf_quantizer = None  # type: ignore[assignment]
+        model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         say("writing safetensors")

@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
         import functools
         import json
         import os
+        import signal
 
         import trio
 
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                     await trio.Path(tmp).write_text(json.dumps(ready))
                     os.replace(tmp, args.ready_file)
                 print("ready", flush=True)
-                with trio.open_signal_receiver(2, 15) as signals:  # SIGINT, SIGTERM
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for _ in signals:
                         _progress("stopping the relay")
                         nursery.cancel_scope.cancel()

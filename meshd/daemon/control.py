@@ -106,7 +106,7 @@ async def _serve_request(stream: trio.SocketStream, handler: Handler, stream_han
                     break
                 buf += chunk
         request = _streamed_request(buf) if stream_handler is not None else None
-        if request is not None:
+        if request is not None and stream_handler is not None:
             await _serve_stream(stream, request, stream_handler)
             return
         reply = await _answer(buf, handler)
@@ -144,7 +144,7 @@ async def _serve_stream(stream: trio.SocketStream, request: dict, stream_handler
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the client left mid-reply
             except Exception as exc:  # noqa: BLE001 - report the failure to the client, keep serving others
-                while getattr(exc, "exceptions", None):  # the first leaf of an exception group
+                while isinstance(exc, ExceptionGroup):  # the first leaf of an exception group
                     exc = exc.exceptions[0]
                 try:
                     await stream.send_all(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})

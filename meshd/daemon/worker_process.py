@@ -309,6 +309,7 @@ class _ChildProcess:
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
         self.pid = popen.pid
+        assert popen.stdout is not None and popen.stderr is not None   # spawn() pipes both
         self.stdout = trio.lowlevel.FdStream(os.dup(popen.stdout.fileno()))
         self.stderr = trio.lowlevel.FdStream(os.dup(popen.stderr.fileno()))
         popen.stdout.close()
