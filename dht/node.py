@@ -218,7 +218,8 @@ class DhtNode:
         self.scope = scope
         self.protocol = TProtocol(scope.dht_protocol)
         self.records = RecordCache()     # records whose signatures this node checked (dht/records.py)
-        self.kad = KadDHT(host, DHTMode.SERVER, validator=namespaced_validator(clock, self.records),
+        self.validator = namespaced_validator(clock, self.records)
+        self.kad = KadDHT(host, DHTMode.SERVER, validator=self.validator,
                           validator_changed=True, strict_validation=True)
         # serve on our swarm's protocol, not the library's (see the module docstring)
         host.remove_stream_handler(LIBRARY_DHT_PROTOCOL)
@@ -349,7 +350,7 @@ class DhtNode:
             try:
                 if await self.kad.add_peer(peer, skip_server_mode_check=True):
                     added += 1
-            except Exception as exc:  # routing-table insertion pings the peer
+            except Exception as exc:  # noqa: BLE001 - routing-table insertion pings the peer
                 log.debug("could not add %s to the routing table: %s", peer, exc)
         return added
 
@@ -372,7 +373,7 @@ class DhtNode:
         check_value(key, value, self.clock(), self.records)
         kb = key.encode()
         existing = self.store.get(kb)
-        if existing is not None and self.kad.validator.select(key, [existing.value, value]) == 0:
+        if existing is not None and self.validator.select(key, [existing.value, value]) == 0:
             raise RecordRejected("replayed", "the stored value is newer")
         self.store.put_record(kb, Record(key=kb, value=value))
 
@@ -575,13 +576,13 @@ class DhtNode:
 
     async def publish_relay(self, record: RelayRecord) -> int:
         """Store a relay's record under /meshd/relays/v1, locally and at the closest peers."""
-        key, value = K.relays_key(), encode_record_set([record])  # type: ignore[list-item]
+        key, value = K.relays_key(), encode_record_set([record])
         self.store_locally(key, value)
         return await self.put_remote(key, value)
 
     async def fetch_relays(self) -> list[RelayRecord]:
         """Every live relay record the closest peers and we hold."""
-        return await self.fetch(K.relays_key())  # type: ignore[return-value]
+        return await self.fetch(K.relays_key())  # type: ignore[return-value]  # _decode: relay records here
 
     async def publish_experts(self, record) -> int:
         """Store an expert peer's placement record under /meshd/experts/<digest>, here and at the closest peers."""
@@ -597,12 +598,13 @@ class DhtNode:
     def _decode(parsed: K.ParsedKey, value: bytes, now: int,
                 cache: RecordCache | None = None) -> list[CapabilityRecord]:
         if parsed.kind == "relays":
-            return parse_relay_set_lenient(value, now)  # type: ignore[return-value]
+            # fetch() reads every key kind; fetch_relays/fetch_experts name what theirs return.
+            return parse_relay_set_lenient(value, now)  # type: ignore[return-value]  # see above
         if parsed.kind == "experts":
-            recs = parse_expert_set_lenient(value, now)
-            if any(r.model_artifact_digest != parsed.subject for r in recs):
+            experts = parse_expert_set_lenient(value, now)
+            if any(r.model_artifact_digest != parsed.subject for r in experts):
                 raise RecordRejected("key_mismatch", "expert record of another model")
-            return recs  # type: ignore[return-value]
+            return experts  # type: ignore[return-value]  # see above
         if parsed.kind == "peer":
             rec = validate_capability(value, now, cache)
             if rec.peer_id != parsed.subject:

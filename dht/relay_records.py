@@ -80,7 +80,7 @@ def _addr_problem(addr: str, peer_id: str) -> str | None:
         return "every address must end in /p2p/<the relay's peer id>"
     try:
         multiaddr.Multiaddr(addr)
-    except Exception:  # the multiaddr library raises several unrelated types
+    except Exception:  # noqa: BLE001 - the multiaddr library raises several unrelated types
         return "an address does not parse as a multiaddr"
     return None
 

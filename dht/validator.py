@@ -40,7 +40,7 @@ from libp2p.records.validator import NamespacedValidator, Validator
 
 from dht import keys as K
 from dht.errors import RecordRejected
-from dht.expert_records import parse_expert_set_lenient, validate_expert_set
+from dht.expert_records import ExpertRecord, parse_expert_set_lenient, validate_expert_set
 from dht.records import (
     CapabilityRecord,
     RecordCache,
@@ -51,7 +51,7 @@ from dht.records import (
     validate_capability,
     validate_record_set,
 )
-from dht.relay_records import parse_relay_set_lenient, validate_relay_set
+from dht.relay_records import RelayRecord, parse_relay_set_lenient, validate_relay_set
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,9 @@ class MeshdValidator(Validator):
         return winner
 
 
-def check_value(key: str, value: bytes, now_ms: int, cache: RecordCache | None = None) -> list[CapabilityRecord]:
-    """Strict check of a /meshd/ value under ``key``; returns its records."""
+def check_value(key: str, value: bytes, now_ms: int, cache: RecordCache | None = None
+                ) -> list[CapabilityRecord] | list[RelayRecord] | list[ExpertRecord]:
+    """Strict check of a /meshd/ value under ``key``; returns its records (of the key's kind)."""
     try:
         parsed = K.parse_key(key)
     except ValueError as exc:
@@ -103,10 +104,10 @@ def check_value(key: str, value: bytes, now_ms: int, cache: RecordCache | None =
     if parsed.kind == "relays":
         return validate_relay_set(value, now_ms)
     if parsed.kind == "experts":
-        records = validate_expert_set(value, now_ms)
-        if any(r.model_artifact_digest != parsed.subject for r in records):
+        experts = validate_expert_set(value, now_ms)
+        if any(r.model_artifact_digest != parsed.subject for r in experts):
             raise RecordRejected("key_mismatch", "expert record of another model under this index key")
-        return records  # type: ignore[return-value]
+        return experts
     records = validate_record_set(value, now_ms, cache)
     if not records:
         raise RecordRejected("malformed", "an empty record set")

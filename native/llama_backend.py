@@ -267,7 +267,7 @@ class LlamaRangeBackend:
         for index, (cache, raw) in enumerate(zip(caches, inputs)):
             try:
                 data = self._prepare(cache, raw, effective_start)
-            except Exception as exc:  # that session's refusal; the others run
+            except Exception as exc:  # noqa: BLE001 - that session's refusal; the others run
                 results[index] = exc
                 continue
             live.append(index)

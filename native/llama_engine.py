@@ -35,10 +35,14 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from native.errors import KvCellsExhausted, RuntimeUnavailable
+
+if TYPE_CHECKING:
+    from native.cbuild import CaptureState
 
 __all__ = ["EngineConfig", "LlamaEngine", "load_llama_cpp", "runtime_version", "stream_groups"]
 
@@ -173,7 +177,7 @@ class LlamaEngine:
                                    else ll.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         # Keep a reference: ctypes callbacks die with their Python object.
         self._callback = None
-        self._cstate = None
+        self._cstate: CaptureState | None = None
         if capture_layer is not None:
             self._setup_capture(cparams)
         self._ctx = ll.llama_init_from_model(self._model, cparams)

@@ -68,7 +68,7 @@ _HEADERS: dict[tuple, tuple[bytes, bytes]] = {}
 _MAX_HEADERS = 256
 
 
-def _tensor(name: str, array: np.ndarray) -> list | None:
+def _tensor(name: str, array: np.ndarray) -> tuple[list[bytes], int] | None:
     """The NamedTensor's canonical pieces for a raw one-fragment tensor, or None (general path)."""
     dtype = NUMPY_TO_PB.get(array.dtype)
     if dtype is None or dtype == _BOOL_CODE or not array.flags.c_contiguous:
@@ -262,8 +262,15 @@ class DecodeStepView:
 
     __slots__ = ("idempotency_step", "position", "expected_past_len", "work_id", "deadline_unix_nanos", "legs",
                  "route_execution_nanos")
+    idempotency_step: int
+    position: int
+    expected_past_len: int
+    work_id: str
+    deadline_unix_nanos: int
+    legs: int
+    route_execution_nanos: int
 
-    def WhichOneof(self, _group: str) -> str:   # noqa: N802 - protobuf's name
+    def WhichOneof(self, _group: str) -> str:   # protobuf's name
         return "decode"
 
     @property
@@ -319,15 +326,22 @@ class DecodeResultView:
     """A fast-read SessionResponse{decode}: its DecodeResult's fields (``decode`` is itself)."""
 
     __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "legs", "sample", "_bundle")
+    idempotency_step: int
+    past_len: int
+    duplicate: bool
+    execution_nanos: int
+    legs: int
+    sample: SampleView | None
+    _bundle: bool
 
-    def WhichOneof(self, _group: str) -> str:   # noqa: N802 - protobuf's name
+    def WhichOneof(self, _group: str) -> str:   # protobuf's name
         return "decode"
 
     @property
     def decode(self) -> DecodeResultView:
         return self
 
-    def HasField(self, name: str) -> bool:     # noqa: N802 - protobuf's name
+    def HasField(self, name: str) -> bool:     # protobuf's name
         if name == "sample":
             return self.sample is not None
         if name == "bundle":

@@ -25,6 +25,7 @@ for its coroutine to end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -118,7 +119,7 @@ class WorkerSession:
         self._ended = trio.Event()
         self._closed_writing = False
         self._cancelled = False
-        self._future = None
+        self._future: concurrent.futures.Future[None] | None = None
 
     @classmethod
     @asynccontextmanager

@@ -105,7 +105,7 @@ async def reserve(host, relay: PeerInfo, *, timeout_s: float = RESERVE_TIMEOUT_S
         finally:
             try:
                 await stream.close()
-            except Exception:  # a relay that already closed is fine
+            except Exception:  # noqa: BLE001 - a relay that already closed is fine
                 pass
     if scope.cancelled_caught:
         raise RelayUnreachable(f"relay {relay.peer_id} did not answer RESERVE within {timeout_s:g} s")
@@ -115,7 +115,7 @@ async def reserve(host, relay: PeerInfo, *, timeout_s: float = RESERVE_TIMEOUT_S
     for raw in answer.reservation.addrs:
         try:
             addrs.append(str(multiaddr.Multiaddr(bytes(raw))))
-        except Exception:  # a malformed address from the relay is skipped, not fatal
+        except Exception:  # noqa: BLE001 - a malformed address from the relay is skipped, not fatal
             continue
     return Reservation(relay_peer_id=relay.peer_id.to_base58(),
                        expires_at_unix=int(answer.reservation.expire) or int(time.time()),
@@ -168,7 +168,7 @@ async def dial_relayed(host, relay: PeerInfo, dest: ID, *,
 async def _reset(stream) -> None:
     try:
         await stream.reset()
-    except Exception:  # already gone
+    except Exception:  # noqa: BLE001 - already gone
         pass
 
 

@@ -75,7 +75,7 @@ def _ip_and_port(addr: str) -> tuple[str, int] | None:
     try:
         ma = multiaddr.Multiaddr(addr)
         values = {p.name: ma.value_for_protocol(p.code) for p in ma.protocols()}
-    except Exception:  # a malformed address from a peer is ignored
+    except Exception:  # noqa: BLE001 - a malformed address from a peer is ignored
         return None
     ip = values.get("ip4") or values.get("ip6")
     if ip is None or "tcp" not in values or "p2p-circuit" in values:
@@ -85,11 +85,11 @@ def _ip_and_port(addr: str) -> tuple[str, int] | None:
 
 def _observed_ip(stream) -> str | None:
     try:
-        return stream.muxed_conn.get_remote_address()[0]   # type: ignore[index]
-    except Exception:
+        return stream.muxed_conn.get_remote_address()[0]
+    except Exception:  # noqa: BLE001 - a connection without an address: ask the stream
         try:
             return stream.get_remote_address()[0]
-        except Exception:
+        except Exception:  # noqa: BLE001 - neither knows the far end: no observation
             return None
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import grpc
 import trio
@@ -52,12 +53,12 @@ _END = object()
 class TrioPortal:
     """A trio loop in a daemon thread running ``setup(task_status)`` until ``stop()``."""
 
-    def __init__(self, setup: Callable[..., Awaitable[None]]) -> None:
+    def __init__(self, setup: Callable[..., Awaitable[object]]) -> None:
         self._setup = setup
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
-        self.value = None
+        self.value: Any = None   # what setup passed to task_status.started()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="trio-portal", daemon=True)
 
@@ -136,7 +137,8 @@ class _RelayedCall:
         # trio itself, with the queue's own depth as the credit; any other iterator is
         # drained by a pump thread (one more hand-off per frame).
         attach = getattr(requests, "attach", None)
-        self._depth = requests.depth if attach is not None else CALL_QUEUE_FRAMES
+        depth = getattr(requests, "depth", None)
+        self._depth = depth if attach is not None and depth is not None else CALL_QUEUE_FRAMES
         self._up = threading.Semaphore(self._depth)   # requests handed to trio, not yet written
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
         try:
@@ -249,6 +251,7 @@ class _RelayedCall:
             raise StopIteration
         item, waiter = self._inbox.get()
         if waiter is not None:
+            assert isinstance(waiter, trio.Event)   # the waiters our trio side makes (_read_all)
             self._wake(waiter)
         if isinstance(item, RelayedRpcError):
             self._finish()

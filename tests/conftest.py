@@ -5,6 +5,8 @@
   sleep), on trio's clock (so under ``MockClock`` the timeout is virtual time), and a
   timeout fails the test naming what it waited for. ``wait_until_blocking`` is the same
   loop for tests that run no trio loop of their own (subprocess tests).
+- ``model``: the seeded tiny Llama artifact (meshd/testing/models.py) the driver, shard and
+  swarm tests run on; a module that was written against another seed says ``MODEL_SEED = n``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import inspect
 import os
 import tempfile
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -60,3 +63,20 @@ def wait_until_blocking(predicate: Callable[[], Any], timeout_s: float, what: st
     """``wait_until`` for code outside any trio loop: the same loop, run in a loop of its own."""
     return trio.run(lambda: wait_until(predicate, timeout_s, what, poll_s=poll_s))
 
+
+# The seed most tests were written against (their reference tokens come from the same model).
+DEFAULT_MODEL_SEED = 3
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest) -> Path:
+    """The tiny seeded random Llama artifact (built once per seed, then cached on disk).
+
+    One torch thread: the whole-model reference and the in-process shards compute like the
+    single-threaded workers beside them, on this machine's two shared cores."""
+    import torch
+
+    from meshd.testing.models import build_random_llama
+
+    torch.set_num_threads(1)
+    return build_random_llama(seed=getattr(request.module, "MODEL_SEED", DEFAULT_MODEL_SEED))

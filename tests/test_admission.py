@@ -14,7 +14,6 @@ import os
 import time
 
 import pytest
-import torch
 
 from meshd.api.errors import api_error
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, WorkerConfig
@@ -23,7 +22,6 @@ from meshd.generate.driver import GenerationRequest, PromptTooLarge, SwarmDriver
 from meshd.generate.routes import AdsRouteSource, LoadBook, PeerConnector
 from meshd.plan.assignment import JoinRequest
 from meshd.reach.tls import load_or_create_tls
-from meshd.testing.models import build_random_llama
 from shard.model.reference import WholeModel
 from shard.session.sessions import Owner, SessionKey, SessionPolicy
 from tests._swarm_helpers import start_shard
@@ -32,12 +30,6 @@ NUM_LAYERS = 6
 PROMPT = tuple(range(5, 37))
 NEW_TOKENS = 8
 HOG = Owner.of("noise:hog", os.urandom(32))
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture

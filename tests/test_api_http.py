@@ -14,12 +14,10 @@ import json
 import httpx
 import openai
 import pytest
-import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshd.api.entry import EntryLimits
 from meshd.generate.tokenizer import EntryTokenizer
-from meshd.testing.models import build_random_llama
 from shard.model.reference import WholeModel
 from tests._api_helpers import MODEL_ID, InProcessCore, chat_tokenizer_dir, running_api
 from tests._swarm_helpers import start_shard
@@ -27,12 +25,6 @@ from tests.conftest import wait_until_blocking
 
 PROMPT = "The quick brown fox"
 KEY = "k" * 24
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")

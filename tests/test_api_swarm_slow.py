@@ -199,8 +199,11 @@ def test_metrics_parse_and_count_a_generation(url, model_id):
     before = scrape()
     out = client(url).completions.create(model=model_id, prompt="Once upon a time", max_tokens=8)
     after = scrape()
-    grew = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - \
-        before.get((name, tuple(sorted(labels.items()))), 0)  # noqa: E731
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
     assert grew("meshd_tokens_predicted_total") == out.usage.completion_tokens
     assert grew("meshd_prompt_tokens_total") == out.usage.prompt_tokens
     assert grew("meshd_requests_total", edge="http", outcome="ok") == 1

@@ -67,13 +67,6 @@ def memory_for(model) -> int:
 
 
 @pytest.fixture(scope="module")
-def model():
-    from meshd.testing.models import build_random_llama
-
-    return build_random_llama(seed=3)
-
-
-@pytest.fixture(scope="module")
 def whole(model):
     import torch
 

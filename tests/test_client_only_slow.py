@@ -34,13 +34,6 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model():
-    from meshd.testing.models import build_random_llama
-
-    return build_random_llama(seed=3)
-
-
-@pytest.fixture(scope="module")
 def swarm(model, tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("client"), model, kv_budget_tokens=1024, record_ttl_s=8.0)
     try:

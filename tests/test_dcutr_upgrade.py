@@ -13,7 +13,6 @@ import logging
 from dataclasses import replace
 
 import pytest
-import torch
 import trio
 from libp2p.exceptions import BaseLibp2pError
 from libp2p.tools.anyio_service import background_trio_service
@@ -30,7 +29,6 @@ from meshd.reach.direct_upgrade import (
     quiet_dcutr_logs,
 )
 from meshd.reach.relay_dial import LoopPortal, RelayDialer
-from meshd.testing.models import build_random_llama
 from relay.bridge import SESSION_METHOD
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
@@ -47,6 +45,7 @@ NEW_TOKENS = 8
 # Bound for the stalled-peer attempt: the attempt is cut here, the circuit stays.
 SHORT_UPGRADE_TIMEOUT_S = 1.0
 DCUTR = "/libp2p/dcutr"
+MODEL_SEED = 5   # the shared ``model`` fixture's seed (tests/conftest.py)
 
 
 def echo_once(channel, body: bytes) -> list[bytes]:
@@ -152,12 +151,6 @@ async def _run_stop_service(host, task_status=trio.TASK_STATUS_IGNORED):
     async with stop_service(host):
         task_status.started()
         await trio.sleep_forever()
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=5)
 
 
 def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_same_tokens(model):

@@ -10,13 +10,11 @@ Tokens equal the whole model's, greedy and seeded, with and without failure.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from meshd.generate.driver import GenerationRequest, RouteFailed, collect
 from meshd.generate.push import PushDriver
 from meshd.generate.routes import AdsRouteSource, PeerConnector, fixed_route
 from meshd.reach.tls import loopback_channel
-from meshd.testing.models import build_random_llama
 from proto import shard_runtime_pb2 as pb
 from shard.edges.grpc_server import GRPC_OPTIONS
 from shard.model.reference import WholeModel
@@ -26,12 +24,6 @@ from tests._swarm_helpers import start_shard
 NUM_LAYERS = 6
 PROMPT = tuple(range(5, 45))  # 40 tokens: three prefill chunks of 16
 NEW_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")

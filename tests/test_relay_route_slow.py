@@ -26,7 +26,10 @@ def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
                                  middle.ready["listen"])
         kids.append(node)
         peer = node.ready["peer_id"]
-        hop = lambda endpoint, a, b: {"endpoint": endpoint, "start": a, "end": b, "num_layers": 6}  # noqa: E731
+
+        def hop(endpoint, a, b):
+            return {"endpoint": endpoint, "start": a, "end": b, "num_layers": 6}
+
         base = {"prompt": prompt, "max_new_tokens": 12, "chunk_tokens": 16, "return_logits": True}
         direct = H.drive({**base, "hops": [hop(head.ready["listen"], 0, 2), hop(middle.ready["listen"], 2, 4),
                                            hop(tail.ready["listen"], 4, 6)]})

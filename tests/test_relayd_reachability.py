@@ -30,7 +30,10 @@ def wall_ms() -> int:
 
 def test_relay_candidates_prefer_dht_records_then_bootstrap_never_self():
     ids = [Identity.from_seed(bytes([n]) * 32) for n in (61, 62, 63)]
-    addr = lambda i, port: f"/ip4/127.0.0.1/tcp/{port}/p2p/{i.peer_id}"  # noqa: E731
+
+    def addr(i, port):
+        return f"/ip4/127.0.0.1/tcp/{port}/p2p/{i.peer_id}"
+
     recs = [validate_relay(sign_relay([addr(i, 4000 + n)], i.signing_key, peer_id=i.peer_id, sequence=n,
                                       now_ms=wall_ms(), ttl_ms=60_000), wall_ms()) for n, i in enumerate(ids[:2])]
     got = relay_candidates(recs, [addr(ids[0], 9), addr(ids[2], 9)], own_peer_id=ids[1].peer_id)

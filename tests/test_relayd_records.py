@@ -161,7 +161,9 @@ def test_announce_republishes_with_rising_sequence_on_a_fake_clock():
         return 1
 
     async def main():
-        wall = lambda: NOW + int(trio.current_time() * 1000)  # noqa: E731
+        def wall():
+            return NOW + int(trio.current_time() * 1000)
+
         async with trio.open_nursery() as nursery:
             await nursery.start(lambda task_status: announce_relay(
                 A, lambda: [addr(A)], publish, ttl_s=30.0, wall_ms=wall,
@@ -179,7 +181,10 @@ def test_announce_republishes_with_rising_sequence_on_a_fake_clock():
 
 def test_a_relay_record_published_on_one_node_is_listed_by_the_others():
     idents = [ident(51), ident(52), ident(53)]
-    wall = lambda: int(time.time() * 1000)  # noqa: E731
+
+    def wall():
+        return int(time.time() * 1000)
+
 
     async def main():
         with trio.fail_after(60):

@@ -15,7 +15,6 @@ import torch
 from meshd.errors import HopFailure
 from meshd.generate.driver import RouteFailed
 from meshd.generate.routes import fixed_route
-from meshd.testing import models as testmodels
 from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.limits import MAX_FRAME_BYTES
@@ -27,11 +26,7 @@ from tests._shard_helpers import PROMPT, RawStream, StatusError, check_route_equ
 torch.set_num_threads(1)
 SPECS = ["0:3", "3:6"]
 BUDGET = 512
-
-
-@pytest.fixture(scope="module")
-def model():
-    return testmodels.build_random_llama()
+MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from hypothesis import strategies as st
 from meshd.errors import CertificateMismatch
 from meshd.generate.unix_channel import TlsFrameChannel, UnixLinkError
 from meshd.reach.tls import pinned_channel
-from meshd.testing import models as testmodels
 from meshd.testing.experts import tls_files
 from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
@@ -28,12 +27,8 @@ from shard.model.reference import WholeModel
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]
+MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
 torch.set_num_threads(1)  # as the workers: same reduction order, exact logits
-
-
-@pytest.fixture(scope="module")
-def model():
-    return testmodels.build_random_llama()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import trio
 
 from meshd.generate.routes import PeerConnector, discover_fingerprint
 from meshd.reach.tls import loopback_channel
-from meshd.testing import models as testmodels
 from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
@@ -27,12 +26,8 @@ from shard.model.reference import WholeModel
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]
+MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
 torch.set_num_threads(1)  # as the workers: same reduction order, exact logits
-
-
-@pytest.fixture(scope="module")
-def model():
-    return testmodels.build_random_llama()
 
 
 @pytest.fixture(scope="module")

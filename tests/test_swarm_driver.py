@@ -13,12 +13,10 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from meshd.errors import HopFailure
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource, PeerConnector
-from meshd.testing.models import build_random_llama
 from proto.errors import LocalError
 from shard.model.reference import WholeModel
 from shard.model.sampling import SamplingSpec
@@ -27,12 +25,6 @@ from tests._swarm_helpers import start_shard
 NUM_LAYERS = 6
 PROMPT = tuple(range(5, 45))  # 40 tokens: three prefill chunks of 16
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")

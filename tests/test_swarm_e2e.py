@@ -46,13 +46,6 @@ PROMPT = "the swarm answers"
 
 
 @pytest.fixture(scope="module")
-def model():
-    from meshd.testing.models import build_random_llama
-
-    return build_random_llama(seed=3)
-
-
-@pytest.fixture(scope="module")
 def swarm(model, tmp_path_factory):
     # These daemons push: each hop sends its rows to the next, the tail the token.
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), model, kv_budget_tokens=KV_TOKENS, record_ttl_s=RECORD_TTL_S,

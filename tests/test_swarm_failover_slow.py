@@ -36,13 +36,6 @@ MAX_FROZEN_STALL_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def model():
-    from meshd.testing.models import build_random_llama
-
-    return build_random_llama(seed=3)
-
-
-@pytest.fixture(scope="module")
 def swarm(model, tmp_path_factory):
     s = LocalSwarm(tmp_path_factory.mktemp("failover"), model, kv_budget_tokens=KV_TOKENS,
                    record_ttl_s=RECORD_TTL_S)

@@ -9,13 +9,11 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.unix_channel import UnixFrameChannel
 from meshd.plan.routing import Hop
-from meshd.testing.models import build_random_llama
 from shard.edges.unix_server import UnixFrameServer
 from shard.model.reference import WholeModel
 from tests._swarm_helpers import start_shard
@@ -23,12 +21,7 @@ from tests._swarm_helpers import start_shard
 NUM_LAYERS = 6
 PROMPT = tuple(range(7, 40))
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=11)
+MODEL_SEED = 11   # the shared ``model`` fixture's seed (tests/conftest.py)
 
 
 def test_the_own_hop_goes_over_the_frame_socket_with_the_whole_models_tokens(model):

@@ -52,7 +52,7 @@ def gate(version: str, *, module: str | None = None, what: str = "", owner: str 
     if module is None:
         return None
     try:
-        found = importlib.import_module(module)
+        found: object = importlib.import_module(module)
     except ImportError as exc:  # libp2p restructured: leave it alone
         return f"off: cannot import libp2p's {what} ({exc})"
     if owner is not None:

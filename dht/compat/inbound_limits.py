@@ -57,6 +57,8 @@ import contextvars
 import ipaddress
 import logging
 import time
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import trio
 
@@ -86,8 +88,8 @@ LOG_EVERY_S = 10.0
 EXEMPT_LOOPBACK = True
 
 APPLIED = False
-_ORIGINAL_HANDLE = None
-_ORIGINAL_UPGRADE = None
+_ORIGINAL_HANDLE: Callable[..., Coroutine[Any, Any, None]] | None = None   # the library's, while patched
+_ORIGINAL_UPGRADE: Callable[..., Coroutine[Any, Any, Any]] | None = None
 _TICKET: contextvars.ContextVar = contextvars.ContextVar("meshd_inbound_ticket", default=None)
 _GATE_ATTR = "_meshd_inbound_gate"
 
@@ -176,7 +178,7 @@ def gate_of(swarm) -> InboundGate:
 def _remote_ip(read_write_closer) -> str | None:
     try:
         addr = read_write_closer.get_remote_address()
-    except Exception:  # a transport without addresses: counted under "?"
+    except Exception:  # noqa: BLE001 - a transport without addresses: counted under "?"
         return None
     return addr[0] if addr else None
 
@@ -186,12 +188,14 @@ async def _handle_inbound_connection(self, read_write_closer, maddr) -> None:
     if ticket is None:
         try:
             await read_write_closer.close()
-        except Exception:  # already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
         return
     token = _TICKET.set(ticket)
+    original = _ORIGINAL_HANDLE
+    assert original is not None   # this replacement is installed only with the original saved
     try:
-        await _ORIGINAL_HANDLE(self, read_write_closer, maddr)
+        await original(self, read_write_closer, maddr)
     finally:
         _TICKET.reset(token)
         ticket.close()
@@ -241,7 +245,7 @@ def apply(version: str | None = None) -> bool:
 def restore() -> None:
     """Put the library's methods back (tests compare both)."""
     global APPLIED
-    if APPLIED:
+    if APPLIED and _ORIGINAL_HANDLE is not None and _ORIGINAL_UPGRADE is not None:
         from libp2p.network.swarm import Swarm
 
         Swarm._handle_inbound_connection = _ORIGINAL_HANDLE

@@ -62,6 +62,7 @@ patched peer and an unpatched one interoperate: nothing on the wire changes.
 """
 from __future__ import annotations
 
+import functools
 import struct
 
 import trio
@@ -128,12 +129,12 @@ class QuickLock:
 def _swap_locks(cls, names: tuple[str, ...]) -> None:
     original = cls.__init__
 
+    @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         for name in names:
             setattr(self, name, QuickLock())
 
-    __init__.__wrapped__ = original
     cls.__init__ = __init__
 
 
@@ -238,7 +239,8 @@ def _install(libp2p_version: str) -> bool:
         data = await reader.read(n)
         if len(data) == n:
             return data if type(data) is bytes else bytes(data)
-        return await library_read_exactly(_Replay(bytes(data), reader), n, retry_count)
+        # _Replay reads like the library's Reader ABC; this module imports the library only behind its gate.
+        return await library_read_exactly(_Replay(bytes(data), reader), n, retry_count)  # type: ignore[arg-type]
 
     Y.read_exactly = read_exactly
     msgio.read_exactly = read_exactly

@@ -46,7 +46,7 @@ async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float, *,
     async def dial(text: str) -> None:
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(text))
-        except Exception as exc:  # library raises assorted types for a bad address
+        except Exception as exc:  # noqa: BLE001 - library raises assorted types for a bad address
             failures.append(f"{text}: {exc}")
             return
         if info.peer_id == host.get_id():
@@ -60,7 +60,7 @@ async def connect_bootstrap(host, bootstrap: Sequence[str], timeout_s: float, *,
         with trio.move_on_after(timeout_s) as scope:
             try:
                 await host.connect(info)
-            except Exception as exc:  # dial errors: refused, negotiation failed, ...
+            except Exception as exc:  # noqa: BLE001 - dial errors: refused, negotiation failed, ...
                 failures.append(f"{text}: {type(exc).__name__}")
                 return
         if scope.cancelled_caught:

@@ -133,7 +133,7 @@ class ConnectionTable:
 
     # ------------------------------------------------------------------ requests
     def find(self, peer: tuple[str, int] | None) -> Conn | None:
-        conn_id = self._by_peer.get(tuple(peer)) if peer else None
+        conn_id = self._by_peer.get((peer[0], peer[1])) if peer else None   # ASGI may give a list
         return self.conns.get(conn_id) if conn_id is not None else None
 
     def request_started(self, conn: Conn) -> None:

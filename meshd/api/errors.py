@@ -66,7 +66,7 @@ class ApiError(Exception):
         return {"retry-after": str(self.retry_after_s)} if self.retry_after_s is not None else {}
 
 
-def bad_field(param: str, message: str) -> ApiError:
+def bad_field(param: str | None, message: str) -> ApiError:
     return ApiError(400, message, param=param)
 
 

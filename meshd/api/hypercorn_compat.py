@@ -71,7 +71,8 @@ class H2IdleTCPServer(TCPServer):
 
         with trio.move_on_after(self.config.keep_alive_timeout):
             await self.context.terminated.wait()
-        if self.protocol.protocol.idle:
+        protocol = self.protocol.protocol
+        if isinstance(protocol, H2Protocol) and protocol.idle:   # armed only once the connection is HTTP/2
             with trio.CancelScope(shield=True):
                 await self._initiate_server_close()
 

@@ -65,7 +65,7 @@ class ModelCard:
 
 
 def _scalar_info(items) -> dict:
-    out = {}
+    out: dict[str, bool | int | float | str] = {}
     for key, value in items:
         if isinstance(value, (bool, int, float)):
             out[key] = value
@@ -124,7 +124,8 @@ def _safetensors_params(path: Path) -> int:
 
 def _directory(path: Path) -> dict:
     config = _json(path / "config.json")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    text_config = config.get("text_config")
+    text = text_config if isinstance(text_config, dict) else {}
     weights = sorted(path.glob("*.safetensors"))
     template_file = path / "chat_template.jinja"
     template = template_file.read_text() if template_file.is_file() else \

@@ -92,7 +92,8 @@ def parse_chat(body: dict, served_model: str) -> tuple[GenerateParams, bool]:
         raise bad_field("messages", "messages must be a non-empty list")
     chat = []
     for i, m in enumerate(messages[:1024]):
-        role = ROLE_ALIASES.get(m.get("role")) if isinstance(m, dict) else None
+        said = m.get("role") if isinstance(m, dict) else None
+        role = ROLE_ALIASES.get(said) if isinstance(said, str) else None
         if role is None or not isinstance(m.get("content"), str) or m.get("images") or m.get("tool_calls"):
             raise bad_field(f"messages[{i}]", "each message needs a role (system, user, assistant) and text content")
         chat.append((role, m["content"]))
@@ -126,7 +127,7 @@ class OllamaFormat:
         self._tail = ""   # text released after the last token rides on the last line
 
     def _line(self, text: str, done: bool) -> dict:
-        out = {"model": self.model, "created_at": _now_iso()}
+        out: dict[str, object] = {"model": self.model, "created_at": _now_iso()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
         else:

@@ -167,7 +167,8 @@ def parse_chat(body: dict, served_model: str) -> tuple[GenerateParams, Answer]:
     for i, message in enumerate(messages[:1024]):
         if not isinstance(message, dict):
             raise bad_field(f"messages[{i}]", "each message must be an object")
-        role = ROLE_ALIASES.get(message.get("role"))
+        said = message.get("role")
+        role = ROLE_ALIASES.get(said) if isinstance(said, str) else None
         if role is None:
             raise bad_field(f"messages[{i}].role", "role must be system, developer, user or assistant "
                                                    "(tool messages are not supported)")
@@ -217,6 +218,7 @@ def _bytes(text: str) -> list[int]:
 
 class _Format:
     object_name = ""
+    prefix = chunk_object = ""   # set by each format
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
@@ -265,6 +267,16 @@ class _Format:
 
     def usage(self) -> dict:
         return _usage(self.prompt_tokens, int((self.done or {}).get("completion_tokens", 0)))
+
+    # -- what each format says its own way
+    def _logprob(self, event: dict) -> dict:
+        raise NotImplementedError
+
+    def _token_choice(self, text: str, entry: dict | None) -> dict:
+        raise NotImplementedError
+
+    def _final_choice(self, tail: str, reason: str) -> dict:
+        raise NotImplementedError
 
 
 class ChatFormat(_Format):

@@ -143,8 +143,9 @@ async def serve_api(app, sock: socket.socket, *, max_connections: int, table: Co
                 async with trio.open_nursery() as inner:
                     inner.start_soon(watch, conn, inner.cancel_scope)
                     try:
-                        await server_class(asgi, config, context, {}, stream)
-                    except Exception:  # noqa: BLE001 - one connection's failure must not stop the API
+                        # hypercorn annotates an SSLStream; its own trio worker serves plain SocketStreams too.
+                        await server_class(asgi, config, context, {}, stream)  # type: ignore[arg-type]
+                    except Exception:  # one connection's failure must not stop the API
                         log.exception("API connection failed")
                     inner.cancel_scope.cancel()
         finally:

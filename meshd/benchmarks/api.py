@@ -99,7 +99,9 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         http = httpx.Client(timeout=600)
         _via_control(entry, 4)   # warm both edges (tokenizer, channels, relay-free routes)
         _via_api(http, url, model_id, 4)
-        api, control, equal = [], [], True
+        api: list[tuple[float, float | None, int]] = []
+        control: list[tuple[float, float | None, int]] = []
+        equal = True
         for i in range(rounds):
             order = (("api", lambda: _via_api(http, url, model_id, new_tokens)),
                      ("control", lambda: _via_control(entry, new_tokens)))

@@ -292,11 +292,13 @@ class _Child:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None   # piped
         for line in self.proc.stdout:
             self.lines.put(line)
         self.lines.put(None)
 
     def send(self, **cmd) -> None:
+        assert self.proc.stdin is not None   # piped
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
 
@@ -389,6 +391,7 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
     per = nodes // processes
     digests = [_digest(m) for m in range(models)]
     scratch = Path(tempfile.mkdtemp(prefix="meshd-dht-sim-"))
+    keep_logs = False
     children: list[_Child] = []
     t0 = time.monotonic()
     try:
@@ -562,12 +565,12 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         }
     except BaseException:
         _say(progress or sys.stderr, f"children's logs kept in {scratch}")
-        scratch = None
+        keep_logs = True
         raise
     finally:
         for c in children:
             c.stop()
-        if scratch is not None:
+        if not keep_logs:
             shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -48,6 +48,8 @@ def measure(steps: int = 200) -> dict:
         "--frames-listen", "127.0.0.1:0", "--unix-listen", str(tmp / "w.sock")])
     links = {}
     try:
+        # all three were asked for on the worker's command line above
+        assert worker.tls_endpoint and worker.frames_endpoint and worker.unix_endpoint
         grpc_channel = pinned_channel(worker.tls_endpoint, tls.pin, GRPC_OPTIONS)
         fingerprint = grpc_channel.unary_unary(
             f"/{SERVICE_NAME}/GetCapability", request_serializer=pb.CapabilityRequest.SerializeToString,

@@ -69,7 +69,7 @@ class ProcessCpu:
         self.tokens += tokens - 1
         self._mark = None
 
-    def per_token_ms(self) -> dict[str, float]:
+    def per_token_ms(self) -> dict[str, float | None]:
         return {name: round(s * 1e3 / self.tokens, 3) if self.tokens else None for name, s in self.cpu_s.items()}
 
 

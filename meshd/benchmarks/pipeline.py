@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from meshd.daemon.local_swarm import THREADS
 
@@ -138,7 +139,7 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
     whole_tokens, whole_rate, _, ref = best["whole"]
     steps = new_tokens - 1
     whole_step_ms = ref.decode_s / steps * 1000
-    out: dict[str, object] = {
+    out: dict[str, Any] = {
         "path": "daemon", "model": str(path), "dtype": "float32", "threads": THREADS,
         "prompt_tokens": len(reference.ids(prompt)), "new_tokens": new_tokens, "rounds": rounds,
         "splits": {str(n): specs for n, specs in configs.items()},
@@ -158,13 +159,13 @@ def run(quick: bool = False, progress=None, options=None) -> dict:
         out[f"per_hop_overhead_ms_{n}"] = fig.overhead_per_hop_mean_ms
         out[f"per_hop_overhead_median_ms_{n}"] = fig.overhead_per_hop_median_ms
         out[f"per_hop_overhead_vs_whole_ms_{n}"] = (1000 / fig.decode_tok_s - whole_step_ms) / n
-        floor = best.get(f"floor{n}")
-        if floor is not None:
-            out[f"floor_tokens_equal_{n}"] = floor.tokens[:len(whole_tokens)] == whole_tokens
-            out[f"floor_decode_tok_s_{n}"] = floor.decode_tok_s
-            out[f"floor_decode_ratio_{n}"] = floor.decode_tok_s / whole_rate
-            out[f"product_vs_floor_{n}"] = fig.decode_tok_s / floor.decode_tok_s
-            out[f"floor_step_ms_{n}"] = sorted(floor.step_ms)[len(floor.step_ms) // 2]
+        floor_run = best.get(f"floor{n}")
+        if floor_run is not None:
+            out[f"floor_tokens_equal_{n}"] = floor_run.tokens[:len(whole_tokens)] == whole_tokens
+            out[f"floor_decode_tok_s_{n}"] = floor_run.decode_tok_s
+            out[f"floor_decode_ratio_{n}"] = floor_run.decode_tok_s / whole_rate
+            out[f"product_vs_floor_{n}"] = fig.decode_tok_s / floor_run.decode_tok_s
+            out[f"floor_step_ms_{n}"] = sorted(floor_run.step_ms)[len(floor_run.step_ms) // 2]
     first = min(configs)
     out["tokens_equal"] = all(out[f"tokens_equal_{n}"] for n in configs)
     if floors:

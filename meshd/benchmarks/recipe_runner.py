@@ -84,7 +84,7 @@ def measure(generate: Generate, prompts: dict[str, list[int]], plan: Plan,
         try:
             tokens, ttft, decode = generate(ids, plan.output_tokens)
             return Outcome(prompt_id, level, repeat, True, len(ids), tuple(tokens), ttft, decode)
-        except Exception as exc:  # a failed request is data here, counted against the recipe
+        except Exception as exc:  # noqa: BLE001 - a failed request is data here, counted against the recipe
             return Outcome(prompt_id, level, repeat, False, len(ids), error=f"{type(exc).__name__}: {exc}")
 
     for i in range(plan.warmups):

@@ -121,7 +121,7 @@ def run(quick: bool, progress: TextIO | None, options=None) -> dict[str, Any]:
                                    artifact_bytes=_bytes(path), artifact=path)
 
     def decode_text(tokens) -> str:
-        return tokenizer.decode(list(tokens), skip_special_tokens=False)
+        return str(tokenizer.decode(list(tokens), skip_special_tokens=False))
 
     reference_outputs = {k: tuple(v) for k, v in recipes[REFERENCE]["outputs"].items()}
     for recipe_id, entry in recipes.items():

@@ -86,7 +86,7 @@ def run(quick: bool, progress=None, options=None) -> dict:
         def hop(endpoint, start, end):
             return {"endpoint": endpoint, "start": start, "end": end, "num_layers": 2}
 
-        routes = {
+        routes: dict[str, dict] = {
             "direct": {"hops": [hop(head.ready["listen"], 0, 1), hop(tail.ready["listen"], 1, 2)]},
             "relayed": {"hops": [hop(head.ready["listen"], 0, 1), hop("p2p:" + peer, 1, 2)],
                         "relayed": {peer: home.ready["relayed_addrs"][0]}},

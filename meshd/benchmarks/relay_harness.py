@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,10 +47,10 @@ class Child:
     ready: dict = field(default_factory=dict)
     log: Path | None = None
     ready_path: Path | None = None
-    check: object = None
+    check: Callable[[dict], bool] | None = None
     scratch: Path | None = None     # a private directory of this child's, removed at stop()
 
-    def stop(self) -> int:
+    def stop(self) -> int | None:
         code = procs.stop_process(self.proc)
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
@@ -76,10 +76,12 @@ def spawn_ready(name: str, args: Sequence[str], ready: Path, *, prefix: Sequence
 def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> Child:
     """Wait until the child's ready file exists (and its check holds); stop it on failure."""
     deadline = time.monotonic() + timeout_s
+    ready_path = child.ready_path
+    assert ready_path is not None   # spawn_ready names it
     try:
         while True:
-            if child.ready_path.exists():
-                child.ready = json.loads(child.ready_path.read_text())
+            if ready_path.exists():
+                child.ready = json.loads(ready_path.read_text())
                 if child.check is None or child.check(child.ready):
                     return child
             if child.proc.poll() is not None:
@@ -237,7 +239,9 @@ def drive(spec: dict, on_sent=None) -> dict:
                                 chunk_tokens=spec.get("chunk_tokens", 128),
                                 return_logits=spec.get("return_logits", False))
     with TrioPortal(setup) as portal:
-        direct = lambda endpoint: loopback_channel(endpoint, GRPC_OPTIONS)  # noqa: E731
+        def direct(endpoint):
+            return loopback_channel(endpoint, GRPC_OPTIONS)
+
         connector = _FactoryConnector(_recording_factory(relayed_channel_factory(portal, portal.value, direct),
                                                          sent, on_sent))
         driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))

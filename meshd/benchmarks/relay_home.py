@@ -24,6 +24,7 @@ import functools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   functools.partial(_write_json, args.ready_file),
                                                   bench_echo=args.bench_echo))
             print("ready", flush=True)
-            with trio.open_signal_receiver(2, 15) as signals:  # SIGINT, SIGTERM
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for _ in signals:
                     nursery.cancel_scope.cancel()
                     break

@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from meshd.benchmarks.sse import choices
 from shard.session.batching import TRACE_ENV
@@ -171,7 +171,7 @@ class _Cpu:
         self.wall_s: dict[int, float] = {}
         self.tokens: dict[int, int] = {}
 
-    def _now(self) -> dict[int, float]:
+    def _now(self) -> dict[int, float | None]:
         return {pid: _cpu_seconds(pid) for pid in self.pids}
 
     def measure(self, c: int, wave):
@@ -180,8 +180,8 @@ class _Cpu:
         runs = wave()
         wall, own = time.perf_counter() - t0, time.process_time() - own
         after = self._now()
-        used = own + sum(after[p] - before[p] for p in self.pids
-                         if before[p] is not None and after[p] is not None)
+        pairs = [(before[p], after[p]) for p in self.pids]
+        used = own + sum(b - a for a, b in pairs if a is not None and b is not None)   # an exited one: left out
         self.cpu_s[c] = self.cpu_s.get(c, 0.0) + used
         self.wall_s[c] = self.wall_s.get(c, 0.0) + wall
         self.tokens[c] = self.tokens.get(c, 0) + sum(len(pieces) for _, pieces, _ in runs)
@@ -229,7 +229,7 @@ def _gap_causes(stats: dict[int, _Stats], hops: list[list[dict]]) -> dict:
         return out
     threshold = s8.quantile(0.95)
     tail = [span for gap, span in zip(s8.gaps, s8.spans) if gap >= threshold]
-    prefill = busy = 0
+    prefill, busy = 0, 0.0
     waits: list[float] = []
     for a, b in tail:
         over = [[x for x in hop if x["t1"] > a and x["t0"] < b] for hop in hops]
@@ -295,7 +295,7 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
         agg = {c: statistics.median(stats[c].rates) for c in stats}
         p50 = {c: stats[c].quantile(0.50) for c in stats}
         p95 = {c: stats[c].quantile(0.95) for c in stats}
-        out = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal,
+        out: dict[str, Any] = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal,
                "new_tokens": new_tokens, "rounds": rounds,
                "peak_streaming_c8": stats[8].peak, "api_max_running": MAX_RUNNING,
                "aggregate_ratio_c8": round(agg[8] / agg[1], 3), "aggregate_ratio_c4": round(agg[4] / agg[1], 3),

@@ -101,6 +101,7 @@ class DelayedNet:
                                        "meshd.benchmarks.delay_proxy", f"{self.rtt_ms / 2:g}", *pairs],
                                       cwd=REPO_ROOT, env=child_env(1), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
+        assert self.proxy.stdout is not None and self.proxy.stderr is not None   # piped just above
         line = self.proxy.stdout.readline()
         if line.strip() != "ready":
             raise NetnsError(f"the delay proxy did not start: {self.proxy.stderr.read()[-500:]}")
@@ -217,7 +218,7 @@ def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: s
         "star_legs_per_token": statistics.median(legs["star"]) if legs["star"] else None,
         "hops": len(runs["push"][-1]["route"]),
         "entry_serves_layers": any(h.split(":")[0] == me for d in runs["push"] + runs["star"] for h in d["route"]),
-        "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}),
+        "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}, key=str),
         "tokens_equal": all(t == tokens[0] for t in tokens),
         **{f"{t}_step_ms": _steps(runs[t]) for t in runs},
         "star_prefill_s": round(min(d["prefill_s"] for d in runs["star"]), 4),

@@ -118,15 +118,17 @@ def run(args: argparse.Namespace) -> int:
             num_layers = model_num_layers(config.model)
             _progress(f"model {config.model}: {num_layers} layers; range: auto (asking the tracker)")
         else:
-            num_layers = check_layers(config.model, config.layers)
-            _progress(f"model {config.model}: {num_layers} layers; serving {config.layers[0]}:{config.layers[1]}")
+            layers = config.layers
+            assert layers is not None   # neither client-only, experts nor auto: the config requires --layers
+            num_layers = check_layers(config.model, layers)
+            _progress(f"model {config.model}: {num_layers} layers; serving {layers[0]}:{layers[1]}")
         import trio  # the daemon's imports (libp2p, grpc) take seconds: only after the checks
 
         from meshd.daemon.node import run_daemon
 
         setup_logging(args.verbose)  # again: importing libp2p reset its logger
         trio.run(run_daemon, config, _progress)
-    except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
+    except BaseException as exc:  # errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         import functools
         import json
         import os
+        import signal
 
         import trio
 
@@ -51,14 +52,14 @@ def run(args: argparse.Namespace) -> int:
                     await trio.Path(tmp).write_text(json.dumps(ready))
                     os.replace(tmp, args.ready_file)
                 print("ready", flush=True)
-                with trio.open_signal_receiver(2, 15) as signals:  # SIGINT, SIGTERM
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for _ in signals:
                         _progress("stopping the relay")
                         nursery.cancel_scope.cancel()
                         break
 
         trio.run(main)
-    except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
+    except BaseException as exc:  # errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))

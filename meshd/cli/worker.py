@@ -155,7 +155,7 @@ def _load_and_validate(args: argparse.Namespace):
     except (OSError, ValueError, MeshdError) as exc:  # bad path, malformed file, wrong range
         log.info("loading %s layers %s failed", args.model, args.layers, exc_info=exc, extra=LOG_ONLY)
         return None, None, _one_line(exc)
-    except Exception as exc:  # noqa: BLE001 - unexpected: the traceback goes to the log first
+    except Exception as exc:  # unexpected: the traceback goes to the log first
         log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
         return None, None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
     # llama.cpp holds at most its sequences (with per-session KV streams, the streams): the manager

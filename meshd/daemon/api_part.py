@@ -30,6 +30,7 @@ from __future__ import annotations
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -165,8 +166,8 @@ class ApiPart:
         layers = ad.end - ad.start
         relayed = list(snap.relayed.get(ad.peer_id, ())) if snap is not None else []
         life = self.watch.lives.get(ad.peer_id)
-        live = life.view() if life is not None else {"state": "unknown", "since_ms": 0, "connected": False,
-                                                     "checked_ms": 0, "health": None, "history": []}
+        live: dict[str, Any] = life.view() if life is not None else {
+            "state": "unknown", "since_ms": 0, "connected": False, "checked_ms": 0, "health": None, "history": []}
         health = live.pop("health") or {}
         recent_ms = health.get("recent_decode_ms_per_layer") or 0.0
         return {

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -66,6 +67,9 @@ from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
 from relay.reachability import serve_dialback
+
+if TYPE_CHECKING:   # torch-heavy: imported when the node runs an expert part
+    from meshd.daemon.experts_part import ExpertPart
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +132,8 @@ class Node:
         # of every claim refresh_claim builds: a claim rebuilt for a new verdict or free KV keeps it.
         self.memory_budget_bytes = 0
         self.supervisor: Supervisor | None = None
-        self.swarm = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
-        self.experts = None  # meshd/daemon/experts_part.py: MoE expert peer or holder (--experts)
+        self.swarm: Swarm | None = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
+        self.experts: ExpertPart | None = None  # meshd/daemon/experts_part.py: MoE expert peer or holder (--experts)
         self.api = ApiPart(self)  # the entry every generation passes, the HTTP server (meshd/daemon/api_part.py)
         self.model_digest: str | None = None
         self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
@@ -190,7 +194,8 @@ class Node:
         if self.relaying.private and not self.relaying.relayed_addrs and self.advertiser.claim is None:
             return   # not reachable yet: the first reservation will call us again
         if self.relaying.private:
-            endpoint, frames, direct, pin = "", "", (), b""
+            endpoint, frames, pin = "", "", b""
+            direct: tuple[str, ...] = ()
         else:
             port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
             endpoint = f"{self.advertise_host}:{port}" if port else ""
@@ -248,7 +253,7 @@ class Node:
                 try:
                     await connect_bootstrap(self.host, self.config.bootstrap, self.config.bootstrap_timeout_s,
                                             rounds=1)   # this loop is the retry
-                except Exception as exc:  # keep trying; the status shows zero peers
+                except Exception as exc:  # noqa: BLE001 - keep trying; the status shows zero peers
                     log.info("re-bootstrap failed: %s", exc)
             await trio.sleep(PEER_SYNC_INTERVAL_S)
 

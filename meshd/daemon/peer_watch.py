@@ -179,6 +179,6 @@ class PeerWatch:
         while True:
             try:
                 await self.round()
-            except Exception:  # noqa: BLE001 - the dashboard's view must never stop the daemon
+            except Exception:  # the dashboard's view must never stop the daemon
                 log.exception("peer watch round failed")
             await trio.sleep(WATCH_S)

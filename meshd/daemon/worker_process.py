@@ -212,7 +212,7 @@ class WorkerProcess:
         buf = b""
         # Synchronous writes on purpose: a line is a few bytes, and an awaited write would be one
         # more checkpoint where a cancellation loses the last lines of a dying worker.
-        with open(log_path, "ab") as log_file:  # noqa: ASYNC230
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - see above
             async for chunk in stream:
                 buf += chunk
                 while b"\n" in buf:
@@ -309,6 +309,7 @@ class _ChildProcess:
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
         self.pid = popen.pid
+        assert popen.stdout is not None and popen.stderr is not None   # spawn() pipes both
         self.stdout = trio.lowlevel.FdStream(os.dup(popen.stdout.fileno()))
         self.stderr = trio.lowlevel.FdStream(os.dup(popen.stderr.fileno()))
         popen.stdout.close()

@@ -49,7 +49,8 @@ class WorkerSlot:
     async def drop(self) -> None:
         if self._scope is not None:
             self._scope.cancel()
-            await self._stopped.wait()
+            if self._stopped is not None:   # set with the scope
+                await self._stopped.wait()
             self._scope = None
         self.layers, self.ready = None, False
 

@@ -88,7 +88,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -311,7 +311,7 @@ class SwarmDriver:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    def generate(self, request: GenerationRequest) -> Iterator[SampledToken]:
+    def generate(self, request: GenerationRequest) -> Generator[SampledToken, None, None]:
         """Yield the generated tokens one by one (a generator; close() it to stop early)."""
         self._max_tokens = len(request.prompt_ids) + request.max_new_tokens
         if self.context_tokens and self._max_tokens > self.context_tokens:
@@ -335,6 +335,8 @@ class SwarmDriver:
             target = self._prompt_len = len(request.prompt_ids)
             for produced in range(request.max_new_tokens):
                 out = self._advance_with_failover(target)
+                if not isinstance(out, TailOut):
+                    raise LocalError("the tail returned rows, not a token (a route built for embeddings)")
                 token = self._token_of(out)
                 self.stats.token_times.append(time.monotonic())
                 yield token
@@ -439,7 +441,7 @@ class SwarmDriver:
         return hmac.new(self._owner_secret, f"{peer_id}|{start}|{end}".encode(), hashlib.sha256).digest()
 
     # ------------------------------------------------------------------ stepping
-    def _advance_with_failover(self, target: int) -> TailOut:
+    def _advance_with_failover(self, target: int) -> TailOut | np.ndarray:
         while True:
             self._check_cancel()
             try:
@@ -448,8 +450,9 @@ class SwarmDriver:
                 self._check_cancel()
                 self._failover(failure, target)
 
-    def _advance(self, target: int) -> TailOut:
-        answer = None
+    def _advance(self, target: int) -> TailOut | np.ndarray:
+        """The tail's answer for ``target``: a token, or rows when the route was built for embeddings."""
+        answer: TailOut | np.ndarray | None = None
         t0, plain, tail_bytes = time.perf_counter_ns(), True, 0
         for link in self._links:
             spec = link.spec
@@ -468,6 +471,7 @@ class SwarmDriver:
                 if spec.is_tail:
                     answer, tail_bytes = out, link.received_bytes - before
                     continue
+                assert isinstance(out, np.ndarray)   # a hop before the tail returns its rows
                 first = b - out.shape[0]
                 if spec.end in self._rows:
                     self._rows[spec.end].write(first, out)
@@ -595,7 +599,7 @@ class _LazyLink(HopLink):
 
     def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector: HopConnector, *, patience: float) -> None:
         self._hop, self._connector = hop, connector
-        super().__init__(index, spec, None, patience=patience)  # type: ignore[arg-type]
+        super().__init__(index, spec, None, patience=patience)
 
     def open(self) -> None:
         if self.channel is None:

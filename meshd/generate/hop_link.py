@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 import grpc
 import numpy as np
@@ -93,7 +94,7 @@ class HopLink:
     def __init__(self, index: int, spec: LinkSpec, channel: grpc.Channel, *, patience: float = 1.0) -> None:
         self.index, self.spec, self.channel = index, spec, channel
         self._queue = RequestQueue(SEND_QUEUE_DEPTH)
-        self._call = None
+        self._call: Any = None      # the open Session stream call (gRPC's, or a framed channel's)
         self._cut = False
         self.window: CreditWindow | None = None
         self.past_len = 0
@@ -219,7 +220,8 @@ class HopLink:
             final = index == len(plan) - 1
             if self.spec.returns_rows or final:
                 outs.append(self._output(resp.chunk, tensors, count))
-        return np.concatenate(outs, axis=0) if self.spec.returns_rows else outs[-1]
+        # returns_rows: every output is an array of rows (_output)
+        return np.concatenate(cast(list[np.ndarray], outs), axis=0) if self.spec.returns_rows else outs[-1]
 
     def _output(self, holder, tensors: dict[str, np.ndarray], rows: int) -> np.ndarray | TailOut:
         if self.spec.returns_rows:
@@ -293,7 +295,8 @@ def _read(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
     if body[:1] == b"\x32":      # a decode step's answer: read by hand when it is a plain one
         fast = read_decode_response(body)
         if fast is not None:
-            return fast
+            # the view reads like a SessionResponse{decode}: the fields this module uses (proto/fastpath.py)
+            return fast  # type: ignore[return-value]
     resp = parse_response(body)
     kind = resp.WhichOneof("kind")
     holder = resp.decode if kind == "decode" else resp.chunk if kind == "chunk" else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from meshd.generate.textstream import check_stops
 from proto.errors import LocalError
@@ -117,7 +118,7 @@ class GenerateParams:
 def _messages(value) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list):
         raise LocalError("messages must be a list of {role, content} objects")
-    out = []
+    out: list[tuple[Any, str]] = []   # roles are checked with the rest (GenerateParams)
     for item in value[:MAX_MESSAGES + 1]:
         if not isinstance(item, dict) or not isinstance(item.get("content"), str):
             raise LocalError("each message must be an object with a role and a text content")

@@ -69,6 +69,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import cast
 
 import grpc
 import numpy as np
@@ -110,7 +112,8 @@ class PushLink(star._LazyLink):
         self.loop_from = 0                 # ... drawn for positions from this one on
         self.fed_at_ns = 0                 # perf_counter_ns of the last decode step sent to this hop
         self.continued = 0                 # ``fed`` right after the continuation's last send
-        self.continuation = None           # the tail's: called with each decode answer before the driver hears it
+        # the tail's: called with each decode answer before the driver hears it
+        self.continuation: Callable[[pb.SessionResponse], None] | None = None
         self.target: pb.PushTarget | None = None
         self.successor: tuple[str, int] | None = None
 
@@ -327,6 +330,11 @@ class PushDriver(star.SwarmDriver):
             and self._target_of(route.hops[0], head=True) is not None
         super()._set_route(route, keep)
 
+    @property
+    def _push_links(self) -> list[PushLink]:
+        """The route's links while pushing (``_new_link`` made each one a PushLink)."""
+        return cast(list[PushLink], self._links)
+
     def _new_link(self, index: int, hop: Hop, num_layers: int):
         link = super()._new_link(index, hop, num_layers)
         if not self._pushing:
@@ -336,17 +344,19 @@ class PushDriver(star.SwarmDriver):
 
     def _target(self, link, *, head: bool = False) -> pb.PushTarget:
         target = self._target_of(link._hop, head=head)
+        if target is None:   # pushable() checked every hop this is asked for
+            raise LocalError(f"hop {link.index} cannot be pushed to")
         target.route_epoch = link.spec.epoch
         return target
 
     # ------------------------------------------------------------------ stepping
-    def _advance(self, target: int) -> TailOut:
+    def _advance(self, target: int) -> TailOut | np.ndarray:
         if not self._pushing:
             answer = super()._advance(target)
             if self.stats.step_hops and len(self.stats.step_legs) < len(self.stats.step_hops):
                 self.stats.step_legs.append(2 * self.stats.step_hops[-1])   # counted: one send, one answer per hop
             return answer
-        links = self._links
+        links = self._push_links
         looped = self.looped
         for i in range(len(links) - 1, -1, -1):     # successors first: their sessions exist when pushed to
             link = links[i]
@@ -488,6 +498,7 @@ class PushDriver(star.SwarmDriver):
         this generation and the same route restarts entry-fed, every hop fresh at a new epoch."""
         self.loop_wanted = False
         route = self._route
+        assert route is not None   # a failover happens on a route
         for link in self._links:
             link.close(release=True)
         while True:                                   # what the old sessions still say is history
@@ -504,7 +515,7 @@ class PushDriver(star.SwarmDriver):
             self.on_failover(event)
 
     def _silent(self, budget: float) -> HopFailure:
-        for link in self._links:
+        for link in self._push_links:
             if not link.probe():
                 return HopFailure(link.index, link.spec.peer_id, f"silent past the route's step deadline "
                                   f"({budget:.1f} s) and not answering Health", pb.ERROR_CODE_DEADLINE_EXCEEDED)
@@ -513,11 +524,11 @@ class PushDriver(star.SwarmDriver):
                           pb.ERROR_CODE_DEADLINE_EXCEEDED)
 
     def _failover(self, failure: HopFailure, target: int) -> None:
-        links = self._links
+        links = self._push_links if self._pushing else self._links
         if self.looped and failure.index == len(links) and links and failure.peer_id == links[0].spec.peer_id:
             # The tail could not reach the head. A head that is gone takes the ordinary failover (a
             # replica, the loop kept); only a head that still answers means the tail cannot dial it.
-            head = links[0]
+            head = self._push_links[0]   # looped: pushing
             if head.probe():
                 self._unloop(failure, target)
                 return
@@ -532,7 +543,7 @@ class PushDriver(star.SwarmDriver):
         if not self._pushing:
             return
         fresh_seen = False                            # a kept hop after a fresh one would get rows twice
-        for i, link in enumerate(self._links):
+        for i, link in enumerate(self._push_links):
             if not link.is_open:
                 fresh_seen = True
             elif fresh_seen:

@@ -56,6 +56,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as replace_fields
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -69,6 +70,9 @@ from proto import shard_runtime_pb2 as pb
 from proto.frames import SCHEMA_VERSION
 from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 from shard.model.artifact import fingerprints_match
+
+if TYPE_CHECKING:   # libp2p-heavy: a relay dialer exists only in a daemon
+    from meshd.reach.relay_dial import RelayDialer
 
 # A capability question is answered from memory; a worker that takes longer is unusable anyway.
 CAPABILITY_TIMEOUT_S = 30.0
@@ -169,7 +173,13 @@ def fixed_route(hops: Sequence[tuple[str, int, int]], num_layers: int, *, relaye
     return FixedRouteSource(Route(model_digest, num_layers, built, recipe_digest))
 
 
-def discover_fingerprint(connector: PeerConnector, route: Route) -> pb.Fingerprint:
+class ChannelSource(Protocol):
+    """What discover_fingerprint dials with (PeerConnector, or a benchmark's recording one)."""
+
+    def channel(self, hop: Hop) -> grpc.Channel: ...
+
+
+def discover_fingerprint(connector: ChannelSource, route: Route) -> pb.Fingerprint:
     """The fingerprint every direct hop's validated capability names (HopFailure if one differs)."""
     found: pb.Fingerprint | None = None
     for i, hop in enumerate(route.hops):
@@ -203,7 +213,7 @@ class PeerConnector:
     own_unix: str = ""                           # our worker's frame socket (unix:/path), preferred
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
-    relay_dialer: object | None = None           # meshd.reach.relay_dial.RelayDialer
+    relay_dialer: RelayDialer | None = None
     relayed_addrs: Callable[[str], Sequence[str]] = lambda peer_id: ()  # the peer's p2p-circuit addrs
     frames: Mapping[str, str] = field(default_factory=dict)  # peer id -> its framed TLS fast path (same pin)
     own_dialable: bool = False                   # peers can dial our worker's TLS port (a loop's head, push.py)

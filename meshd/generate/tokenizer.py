@@ -74,12 +74,12 @@ class EntryTokenizer:
         template_file = Path(model_dir) / "chat_template.jinja"
         self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-        stops = set()
+        stops: set[int] = set()
         eos = config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
-        if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
-            stops.add(self._tok.token_to_id(eos))
+        if isinstance(eos, str) and (eos_id := self._tok.token_to_id(eos)) is not None:
+            stops.add(eos_id)
         gen_eos = _json(Path(model_dir) / "generation_config.json").get("eos_token_id")
         for value in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
             if isinstance(value, int):

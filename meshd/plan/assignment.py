@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -139,7 +140,7 @@ class _Costs:
         best: Span | None = None
         for s in range(target.start, target.end):
             ends = range(s + 1, target.end + 1)
-            fits = bisect.bisect_right(ends, memory, key=lambda e, s=s: self.of(s, e))
+            fits = bisect.bisect_right(ends, memory, key=functools.partial(self.of, s))
             if fits and (best is None or fits > best.length):
                 best = Span(s, s + fits)
         return best
@@ -169,7 +170,7 @@ class JoinRequest:
 class DirectiveIntent:
     """What the tracker wants one node to do; directives.py turns it into a payload."""
 
-    action: int  # pb.DirectiveAction: LOAD_SHARD or DROP_SHARD
+    action: pb.DirectiveAction  # LOAD_SHARD or DROP_SHARD
     target_peer_id: str
     span: Span
 

@@ -43,6 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import trio
 from libp2p.peer.id import ID
@@ -232,7 +233,7 @@ class DirectUpgrader:
         self._libp2p_version = libp2p_version    # decide for this version (default: the installed one)
         self.policy = policy or UpgradePolicy()
         self._dcutr_factory = dcutr_factory
-        self._dcutr = None
+        self._dcutr: Any = None   # the factory's DCUtR service (the library's class, or a test's), made in run()
         self._lock = threading.Lock()
         self._direct: dict[str, object] = {}
         self._send, self._receive = trio.open_memory_channel[str](MAX_PENDING_REQUESTS)

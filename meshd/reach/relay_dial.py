@@ -216,7 +216,7 @@ async def _still_connected(host, relay_id: str) -> bool:
     relay = ID.from_base58(relay_id)
     with trio.move_on_after(RELAY_DEATH_GRACE_S):
         # py-libp2p has no connection-closed event to wait on: poll the connections.
-        while any(not c.is_closed for c in host.get_network().get_connections(relay)):  # noqa: ASYNC110
+        while any(not c.is_closed for c in host.get_network().get_connections(relay)):  # noqa: ASYNC110 - see above
             await trio.sleep(0.05)
         return False
     return True
@@ -225,5 +225,5 @@ async def _still_connected(host, relay_id: str) -> bool:
 async def _close(conn) -> None:
     try:
         await conn.close()
-    except Exception:  # already gone
+    except Exception:  # noqa: BLE001 - already gone
         pass

@@ -80,7 +80,7 @@ def relay_candidates(records: Sequence, bootstrap: Sequence[str], own_peer_id: s
     for text in texts:
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(text))
-        except Exception:  # a malformed bootstrap address was refused by the config already
+        except Exception:  # noqa: BLE001 - a malformed bootstrap address was refused by the config already
             continue
         pid = info.peer_id.to_base58()
         if pid != own_peer_id and pid not in out:

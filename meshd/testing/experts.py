@@ -22,12 +22,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from meshd.testing.procs import REPO_ROOT, child_env, stop_process
 from shard.experts.pool import Placement
 from shard.experts.spec import ExpertSpec
+
+if TYPE_CHECKING:   # torch-heavy: imported when a peer starts
+    from shard.experts.server import ExpertServer
+    from shard.experts.store import ExpertStore
 
 READY_TIMEOUT_S = 180.0
 
@@ -68,9 +73,9 @@ def tls_files(directory: Path, name: str = "expert") -> TlsFiles:
 
 @dataclass
 class ExpertPeer:
-    server: object
+    server: ExpertServer
     placement: Placement
-    store: object
+    store: ExpertStore
 
     @classmethod
     def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> ExpertPeer:
@@ -135,6 +140,8 @@ def generate(backend, prompt: Sequence[int], new_tokens: int, *, chunk: int = 16
     logits = None
     for first in range(0, len(prompt), chunk):
         logits = backend.forward(cache, np.array(prompt[first:first + chunk], np.int64), effective_start=start)
+    if logits is None:
+        raise ValueError("the prompt must hold at least one token")
     tokens, out = [], []
     for step in range(new_tokens):
         out.append(np.array(logits))

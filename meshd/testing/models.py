@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from native.packaged import MARKER_NAME, cache_root, gemma3_gguf_path, smollm2_artifact, smollm2_gguf_path  # noqa: F401
+from native.packaged import MARKER_NAME, cache_root, gemma3_gguf_path, smollm2_artifact, smollm2_gguf_path  # noqa: F401 - re-exported for tests
 from native.packaged import cached_build as _cached_build
 from native.packaged import key as _key
 

@@ -60,7 +60,7 @@ class WorkerProcess:
     unix_endpoint: str | None = None
     frames_endpoint: str | None = None      # the framed fast path (TLS), with --frames-listen
 
-    def stop(self) -> int:
+    def stop(self) -> int | None:
         return stop_process(self.proc)
 
 

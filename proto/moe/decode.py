@@ -163,7 +163,7 @@ def _decode_request(cur: _Cursor, version: int, act: int) -> Request:
     else:
         rows_array = _payload(cur, rows, hidden, act)
         cur.end()
-        items = tuple(Item(e, index) for e, _, index in heads)
+        items = tuple(Item(e, index) for e, _, index in heads if index is not None)   # each has one (above)
     return Request(version, act, request_id, layer, rows_array, items)
 
 

@@ -154,13 +154,13 @@ class TlsFrameServer:
         sock.listen(_BACKLOG)
         self.port = sock.getsockname()[1]
         self._sock = sock
-        threading.Thread(target=self._accept, name="shard-frames-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(sock,), name="shard-frames-accept", daemon=True).start()
         return self
 
-    def _accept(self) -> None:
+    def _accept(self, sock: socket.socket) -> None:
         while not self._closing.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return                      # closed
             if not self._slots.acquire(blocking=False):

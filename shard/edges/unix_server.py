@@ -62,7 +62,7 @@ class UnixFrameServer:
             os.umask(old)
         sock.listen(_BACKLOG)
         self._sock = sock
-        threading.Thread(target=self._accept, name="shard-unix-accept", daemon=True).start()
+        threading.Thread(target=self._accept, args=(sock,), name="shard-unix-accept", daemon=True).start()
         return self
 
     def close(self) -> None:
@@ -75,10 +75,10 @@ class UnixFrameServer:
             self._sock.close()
         self.path.unlink(missing_ok=True)
 
-    def _accept(self) -> None:
+    def _accept(self, sock: socket.socket) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return                      # closed
             if not self._live.acquire(blocking=False):

@@ -65,10 +65,10 @@ def moe_layers(config) -> list[int]:
 
 
 def is_moe_family(adapter) -> bool:
-    return isinstance(adapter, _MoeFamily)
+    return isinstance(adapter, MoeFamily)
 
 
-class _MoeFamily(LlamaFamily):
+class MoeFamily(LlamaFamily):
     has_shared_expert = False
     input_major_layers = False   # not measured on the MoE families: their layers keep nn.Linear
 
@@ -97,7 +97,7 @@ class _MoeFamily(LlamaFamily):
 
     def delegated(self, layer_range: LayerRange) -> ExpertSpec:
         """The experts of the range's sparse layers that are not held here (what peers must serve)."""
-        pairs = set()
+        pairs: set[tuple[int, int]] = set()
         for layer in range(layer_range.start, layer_range.end):
             if layer in self.sparse:
                 held = set(self.held_experts(layer))
@@ -183,7 +183,7 @@ class _MoeFamily(LlamaFamily):
 
 
 @register_family
-class Qwen3MoeFamily(_MoeFamily):
+class Qwen3MoeFamily(MoeFamily):
     """Qwen3-MoE: Q/K norm, top-k router with normalized weights, routed experts."""
 
     MODEL_TYPES = {"qwen3_moe": "Qwen3Moe"}
@@ -191,7 +191,7 @@ class Qwen3MoeFamily(_MoeFamily):
 
 
 @register_family
-class Qwen2MoeFamily(_MoeFamily):
+class Qwen2MoeFamily(MoeFamily):
     """Qwen2-MoE: Q/K/V biases, top-k router, routed experts plus a sigmoid-gated shared expert."""
 
     MODEL_TYPES = {"qwen2_moe": "Qwen2Moe"}

@@ -113,11 +113,11 @@ class MoeDispatch(nn.Module):
                  exchange: ExpertExchange | None) -> None:
         super().__init__()
         self.layer, self.num_experts, self.hidden = layer, num_experts, hidden
-        self.gate = block.gate
+        self.gate = block.get_submodule("gate")
         self.experts = HeldExperts(held, hidden, intermediate, act_fn)
         self.has_shared = hasattr(block, "shared_expert")
-        self.shared_expert = block.shared_expert if self.has_shared and shared_held else None
-        self.shared_expert_gate = block.shared_expert_gate if self.has_shared else None
+        self.shared_expert = block.get_submodule("shared_expert") if self.has_shared and shared_held else None
+        self.shared_expert_gate = block.get_submodule("shared_expert_gate") if self.has_shared else None
         self.exchange = exchange
 
     def _local(self, expert: int) -> bool:
@@ -153,8 +153,8 @@ class MoeDispatch(nn.Module):
                 unserved = [e for e, _ in remote]
             else:
                 got, unserved = self.exchange.run(self.layer, _rows_f32(h), remote)
-                for e, y in got.items():
-                    outputs[e] = torch.from_numpy(np.array(y, dtype=np.float32)).to(h.dtype)
+                for e, rows_out in got.items():
+                    outputs[e] = torch.from_numpy(np.array(rows_out, dtype=np.float32)).to(h.dtype)
             for e in unserved:   # failover of last resort: compute what we hold
                 rows = dict(wanted)[e]
                 outputs[e] = self._compute(e, h[rows])
@@ -163,7 +163,7 @@ class MoeDispatch(nn.Module):
             y = outputs[expert] if expert in outputs else self._compute(expert, h[token_idx])
             y = y * weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, y.to(final.dtype))
-        if self.has_shared:
+        if self.shared_expert_gate is not None:   # the block has a shared expert
             shared = outputs[SHARED] if SHARED in outputs else self._compute(SHARED, h)
             shared = torch.sigmoid(self.shared_expert_gate(h)) * shared
             final = final + shared

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 from transformers.activations import ACT2FN
 
-from shard.experts.adapters import EXPERTS_IMPLEMENTATION, moe_layers
+from shard.experts.adapters import EXPERTS_IMPLEMENTATION, MoeFamily, moe_layers
 from shard.experts.dispatch import expert_ffn
 from shard.experts.spec import SHARED, ExpertSpec
 from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
@@ -91,7 +91,7 @@ class ExpertStore:
             raise FileNotFoundError(f"{model_path} is not a model artifact (config.json + *.safetensors)")
         config = AutoConfig.from_pretrained(model_path).get_text_config(decoder=True)
         adapter = adapter_for(config)
-        if not hasattr(adapter, "configure_experts"):
+        if not isinstance(adapter, MoeFamily):
             raise ValueError(f"{config.model_type} is not a mixture-of-experts model: it has no experts to serve")
         spec.check_model(num_layers=config.num_hidden_layers, num_experts=int(config.num_experts),
                          moe_layers=moe_layers(config), has_shared=adapter.has_shared_expert)
@@ -107,10 +107,12 @@ class ExpertStore:
         routed = {}
         for layer in spec.layers:
             held = spec.experts_of(layer)
+            if not held:
+                continue
             try:
                 gate_up = torch.stack([torch.cat([pieces[(layer, e, "gate")], pieces[(layer, e, "up")]], 0)
-                                       for e in held]) if held else None
-                down = torch.stack([pieces[(layer, e, "down")] for e in held]) if held else None
+                                       for e in held])
+                down = torch.stack([pieces[(layer, e, "down")] for e in held])
             except KeyError as exc:
                 raise FileNotFoundError(f"{model_path} lacks expert {exc} of layer {layer}") from exc
             for i, expert in enumerate(held):

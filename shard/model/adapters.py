@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -138,10 +139,11 @@ def range_config(config, layer_range: LayerRange):
 
 
 # Model families by the model types they serve, in registration order (see the module doc).
-_FAMILIES: list[type] = []
+_FAMILIES: list[type[LlamaFamily]] = []
+_F = TypeVar("_F", bound="type[LlamaFamily]")
 
 
-def register_family(family: type) -> type:
+def register_family(family: _F) -> _F:
     """Class decorator: ``adapter_for`` answers ``family`` for each of its ``MODEL_TYPES``.
     A model type that another family already serves is our own bug (ValueError)."""
     for other in _FAMILIES:

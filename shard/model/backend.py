@@ -90,7 +90,8 @@ class LayerRange:
 class BackendCache(Protocol):
     """KV state of one session for the owned layers only."""
 
-    past_len: int
+    @property
+    def past_len(self) -> int: ...
 
     def release(self) -> None: ...
 

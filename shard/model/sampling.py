@@ -123,7 +123,7 @@ def sample_token(logits: np.ndarray, spec: SamplingSpec, position: int) -> int:
     u = draw_uniform(spec.seed, position)
     k = min(spec.top_k, vocab) if spec.top_k else 0
     size = max(k, min(FIRST_SELECTION, vocab))
-    total = None if k else float(weights(x).sum())       # the unfiltered mass, in id order
+    total = 0.0 if k else float(weights(x).sum())        # the unfiltered mass, in id order (top-k: unused)
     while True:
         order = _head_order(x, size)
         if k:
@@ -152,7 +152,7 @@ def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, tup
     x = logits.astype(np.float64)
     peak = x.max()
     lse = peak + np.log(np.exp(x - peak).sum())
-    best = ()
+    best: tuple[tuple[int, float], ...] = ()
     if top:
         order = _head_order(x, min(top, x.size))[:top]
         best = tuple((int(i), float(x[i] - lse)) for i in order)

@@ -27,7 +27,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import ml_dtypes
 import numpy as np
@@ -38,6 +38,9 @@ from shard.errors import ArtifactError
 from shard.model.adapters import RangeModules, adapter_for, range_config
 from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
 from shard.model.backend import LayerRange, ids_in_range
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 DTYPES = {"float32": (torch.float32, np.dtype(np.float32)), "bfloat16": (torch.bfloat16, np.dtype(ml_dtypes.bfloat16))}
 
@@ -56,7 +59,7 @@ class TorchCache:
         self.past_len = 0
         self.max_tokens = max_tokens
         self.effective_start: int | None = None
-        self.dynamic = None
+        self.dynamic: DynamicCache | None = None
 
     def release(self) -> None:
         self.dynamic = None
@@ -253,16 +256,16 @@ class TorchRangeBackend:
             return _to_numpy(hidden[0])
 
     def forward_batch(self, caches: list[TorchCache], inputs: list[np.ndarray], *,
-                      effective_start: int) -> list:
+                      effective_start: int) -> list[np.ndarray | Exception]:
         """Several sessions' rows in one forward (shard/model/torch_batch.py); one result or exception each."""
         from shard.model.torch_batch import forward_rows, supports_batch
 
         if not supports_batch(self):
-            results = []
+            results: list[np.ndarray | Exception] = []
             for cache, rows in zip(caches, inputs):
                 try:
                     results.append(self.forward(cache, rows, effective_start=effective_start))
-                except Exception as exc:  # that session's failure only
+                except Exception as exc:  # noqa: BLE001 - that session's failure only
                     results.append(exc)
             return results
         return forward_rows(self, caches, inputs, effective_start, _to_torch, _to_numpy)

@@ -66,7 +66,7 @@ def forward_rows(backend, caches, inputs_list, effective_start: int, to_torch, t
                 cache.dynamic = DynamicCache(config=backend.sub_config)
                 cache.effective_start = effective_start
             live.append(index)
-        except Exception as exc:   # this session's refusal; the others run
+        except Exception as exc:   # noqa: BLE001 - this session's refusal; the others run
             results[index] = exc
     if not live:
         return results

@@ -25,8 +25,10 @@ from __future__ import annotations
 import hmac
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from proto import wire
+from proto.errors import ProtocolViolation
 from shard.errors import PermissionDenied, RangeMismatch
 from shard.push.hub import ControlSink, PushSession, hub_of
 from shard.session.stream import (
@@ -60,7 +62,7 @@ def carry(stream: SessionStream, outputs: Iterable[Output]) -> list[bytes]:
             continue
         try:
             sent += _CARRY[type(item)](stream, item)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - stream.fail maps every failure to a typed error answer
             opening = isinstance(item, (OpenPushed, AttachFeeder))   # no session yet: the open is refused
             session_id = "" if opening or stream.key is None else stream.key.session_id
             return sent + stream.fail(exc, f"carrying out {type(item).__name__}", session_id)
@@ -69,14 +71,21 @@ def carry(stream: SessionStream, outputs: Iterable[Output]) -> list[bytes]:
 
 def sink_of(stream: SessionStream) -> ControlSink | None:
     """A pushed control stream's sink (its answers come from other threads too); else None."""
-    return stream.push.sink if stream.push_role == CONTROL else None
+    return _pushed(stream).sink if stream.push_role == CONTROL else None
+
+
+def _pushed(stream: SessionStream) -> PushSession:
+    """The pushed session the edge registered on ``stream`` (``attach_push``; opaque to the core)."""
+    if not isinstance(stream.push, PushSession):
+        raise ProtocolViolation("this stream carries no pushed session")
+    return stream.push
 
 
 def stream_ended(stream: SessionStream) -> None:
     """The edge is done with ``stream``: a control stream's pushed session (and its successor
     stream) goes too; a feeder owned nothing."""
     if stream.push_role == CONTROL and stream.push is not None:
-        stream.push.close()
+        _pushed(stream).close()
     stream.attach_push(None, "")
 
 
@@ -84,6 +93,7 @@ def serve_control(stream: SessionStream, request_iterator: Iterator[bytes]):
     """The rest of a pushed control stream over gRPC: the stream's own requests go through the
     core in a pump thread; the handler yields whatever the sink holds, from any thread."""
     sink = sink_of(stream)
+    assert sink is not None   # the edge serves control streams only here
 
     def pump() -> None:
         try:
@@ -138,7 +148,7 @@ def _attach_feeder(stream: SessionStream, action: AttachFeeder) -> list[bytes]:
 def _push_chunk(stream: SessionStream, action: PushChunk) -> list[bytes]:
     """A pushed prefill chunk ran: the tail answers the entry (final chunk only; a looped tail
     first sends the token to the head), others push on."""
-    session: PushSession = stream.push
+    session = _pushed(stream)
     env, sample = action.envelope, action.sample
     final = env.chunk.final_chunk if env.HasField("chunk") else True
     if session.is_tail:
@@ -155,7 +165,7 @@ def _push_chunk(stream: SessionStream, action: PushChunk) -> list[bytes]:
 
 def _push_decode(stream: SessionStream, action: PushDecode) -> list[bytes]:
     """A pushed decode step ran: the tail answers the entry, others push the row on (one leg more)."""
-    session: PushSession = stream.push
+    session = _pushed(stream)
     d, result = action.step, action.result
     if session.is_tail:
         if session.loop and not result.duplicate:       # the head waits for this one: it goes first
@@ -167,23 +177,25 @@ def _push_decode(stream: SessionStream, action: PushDecode) -> list[bytes]:
         return []
     if result.duplicate:
         return []   # a step that already ran: its rows went on when it first ran
-    session.push(int(d.position), result.payload[HIDDEN], decode=True, legs=d.legs + 1,
+    rows = result.payload
+    assert isinstance(rows, dict)   # a hop that is not the tail steps to {HIDDEN: rows} (the core's poster)
+    session.push(int(d.position), rows[HIDDEN], decode=True, legs=d.legs + 1,
                  execution=d.route_execution_nanos + result.execution_nanos)
     return []
 
 
 def _repoint(stream: SessionStream, action: Repoint) -> list[bytes]:
-    stream.push.repoint(action.target)
+    _pushed(stream).repoint(action.target)
     return []
 
 
 def _release(stream: SessionStream, action: ReleasePushed) -> list[bytes]:
     """The entry released the session: forget it and close its successor stream."""
-    stream.push.release()
+    _pushed(stream).release()
     return []
 
 
-_CARRY: dict[type, Callable[[SessionStream, object], list[bytes]]] = {
+_CARRY: dict[type, Callable[[SessionStream, Any], list[bytes]]] = {   # by the action's type
     OpenPushed: _open_pushed, AttachFeeder: _attach_feeder, PushChunk: _push_chunk, PushDecode: _push_decode,
     Repoint: _repoint, ReleasePushed: _release,
 }

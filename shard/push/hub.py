@@ -65,6 +65,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.limits import MAX_STOP_TOKENS
 from shard.errors import CacheMiss, to_shard_error
+from shard.model.sampling import SamplingSpec
 from shard.push.successor import Dialer, PushError, SuccessorStream
 from shard.session.sessions import SessionKey
 
@@ -78,7 +79,8 @@ SINK_PUT_TIMEOUT_S = 30.0
 _END = object()
 
 
-def _status(detail: str, *, code: int, session_id: str, failed_peer: str = "", terminal: bool = False) -> bytes:
+def _status(detail: str, *, code: pb.ErrorCode, session_id: str, failed_peer: str = "",
+            terminal: bool = False) -> bytes:
     return pb.SessionResponse(status=pb.ShardStatus(
         route_session_id=session_id, terminal=terminal, failed_peer_id=failed_peer,
         error=pb.ShardError(code=code, detail=detail[:300]))).SerializeToString()
@@ -141,7 +143,8 @@ class PushSession:
         self.max_tokens = int(open_msg.max_tokens)
         self.chunk_tokens = int(open_msg.proposed_flow_control.max_prefill_chunk_tokens)
         self.effective_start = int(open_msg.shard_range.effective_start_layer)
-        self.tail, self.sampling = open_msg.tail, None
+        self.tail = open_msg.tail
+        self.sampling: SamplingSpec | None = None
         self.is_tail = is_tail
         # A looped tail sends its tokens on to the head (push_next), from position loop_from on.
         self.loop = is_tail and open_msg.push_loop
@@ -159,7 +162,7 @@ class PushSession:
     def note_stream(self, transport: str) -> None:
         self.hub.note_stream(transport)
 
-    def report(self, detail: str, failed_peer: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
+    def report(self, detail: str, failed_peer: str, code: pb.ErrorCode = pb.ERROR_CODE_INTERNAL) -> None:
         try:
             self.sink.emit(_status(detail, code=code, session_id=self.key.session_id, failed_peer=failed_peer))
         except queue.Full:
@@ -170,13 +173,19 @@ class PushSession:
         self.sink.emit(body)
 
     def push(self, first: int, rows: np.ndarray, **kw) -> None:
+        successor = self._successor()
         try:
-            self.successor.push(first, rows, **kw)
+            successor.push(first, rows, **kw)
         except PushError as exc:
-            self.report(str(exc), self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
+            self.report(str(exc), successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
         except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
             self.report(f"cannot push to the successor: {to_shard_error(exc).detail or type(exc).__name__}",
-                        self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
+                        successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
+
+    def _successor(self) -> SuccessorStream:
+        if self.successor is None:   # a tail that does not loop: the stream core never pushes from it
+            raise ProtocolViolation("this hop has no successor to push to")
+        return self.successor
 
     def loop_token(self, position: int, token: int | None) -> None:
         """A looped tail drew ``token`` for ``position``: the head's next input, unless the
@@ -184,13 +193,14 @@ class PushSession:
         if (not self.loop or token is None or position < self.loop_from or token in self.stop_ids
                 or (self.max_tokens and position + 1 >= self.max_tokens)):
             return
+        successor = self._successor()
         try:
-            self.successor.push_token(position, token)
+            successor.push_token(position, token)
         except PushError as exc:
-            self.report(str(exc), self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
+            self.report(str(exc), successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
         except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
             self.report(f"cannot send the token to the head: {to_shard_error(exc).detail or type(exc).__name__}",
-                        self.successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
+                        successor.target.peer_id, pb.ERROR_CODE_INTERNAL)
 
     def repoint(self, target: pb.PushTarget) -> None:
         if self.successor is None:
@@ -198,7 +208,7 @@ class PushSession:
         check_target(target)
         try:
             self.successor.repoint(target)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - a dial failure (certificate mismatch, unreachable)
             self.report(f"cannot push to the replacement: {exc}", target.peer_id)
 
     def release(self) -> None:

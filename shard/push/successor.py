@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -49,7 +49,7 @@ HIDDEN = "h"
 TOKEN_IDS = "token_ids"
 
 
-Dialer = Callable[[pb.PushTarget], object]   # -> a grpc.Channel (or a framed channel) to the target
+Dialer = Callable[[pb.PushTarget], Any]   # -> a grpc.Channel (or a framed channel) to the target
 
 
 class PushError(Exception):
@@ -73,7 +73,7 @@ class Upstream(Protocol):
         """A stream to a successor opened over ``transport`` ("frames" or "grpc")."""
         ...
 
-    def report(self, detail: str, failed_peer: str, code: int = ...) -> None:
+    def report(self, detail: str, failed_peer: str, code: pb.ErrorCode = ...) -> None:
         """Tell the entry (once) that the successor failed."""
         ...
 
@@ -88,8 +88,8 @@ class SuccessorStream:
         self._rows: np.ndarray | None = None
         self._held = 0
         self._batches: list[tuple[int, int, int, int, bool, bool]] = []  # first, n, index, count, final, decode
-        self._channel = None
-        self._call = None
+        self._channel: Any = None               # a grpc.Channel or a framed channel (untyped)
+        self._call: Any = None
         self._queue: RequestQueue | None = None
         self._credits = 0
         self._cond = threading.Condition()
@@ -112,14 +112,15 @@ class SuccessorStream:
         """Hold rows [first, first + n) (checked by ``_check_keep``) for a replacement."""
         end = first + rows.shape[0]
         cap = self.session.max_tokens
-        size = 0 if self._rows is None else self._rows.shape[0]
-        if end > size:
+        kept = self._rows
+        size = 0 if kept is None else kept.shape[0]
+        if kept is None or end > size:
             want = max(end, 2 * size, 16)
             grown = np.empty((min(want, cap) if cap else want, *rows.shape[1:]), dtype=rows.dtype)
-            if self._rows is not None:
-                grown[:self._held] = self._rows[:self._held]
-            self._rows = grown
-        self._rows[first:end] = rows
+            if kept is not None:
+                grown[:self._held] = kept[:self._held]
+            kept = self._rows = grown
+        kept[first:end] = rows
         self._held = end
 
     # -- the successor's stream --------------------------------------------------------
@@ -176,7 +177,7 @@ class SuccessorStream:
         finally:
             opened.set()
 
-    def _fail(self, generation: int, detail: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
+    def _fail(self, generation: int, detail: str, code: pb.ErrorCode = pb.ERROR_CODE_INTERNAL) -> None:
         with self._cond:
             if generation != self._generation or self._failed is not None:
                 return                                   # an old stream after a repoint, or said already
@@ -191,6 +192,8 @@ class SuccessorStream:
             if self._failed is not None:
                 raise PushError(self._failed)
             self._credits -= 1
+        if self._queue is None:
+            raise PushError("the stream to the successor is closed")
         try:   # credits bound what waits first: gRPC's queue, or a framed socket's buffer
             self._queue.put(body, timeout=CREDIT_WAIT_S)
         except queue.Full:
@@ -255,8 +258,10 @@ class SuccessorStream:
             self.target = target
             self._step = 0
             self._open()
+            kept = self._rows
             for first, n, index, count, final, decode in self._batches:
-                self._send(self._body(first, self._rows[first:first + n], index, count, final, decode))
+                assert kept is not None   # _keep held every batch's rows
+                self._send(self._body(first, kept[first:first + n], index, count, final, decode))
 
     def _close_call(self) -> None:
         with self._cond:

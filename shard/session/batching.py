@@ -71,6 +71,7 @@ from collections import deque
 import numpy as np
 
 from proto.errors import ProtocolViolation
+from shard.model.backend import BackendCache
 
 # Positions one batched forward may carry: llama.cpp's n_batch (512) bounds it,
 # and 512 positions is ~4 driver prefill chunks -- a decode row waits at most
@@ -122,10 +123,18 @@ class _Item:
     def __init__(self, cache: BatchedCache, inputs: np.ndarray, effective_start: int) -> None:
         self.cache, self.inputs, self.effective_start = cache, inputs, effective_start
         self.tokens = int(inputs.shape[0]) if getattr(inputs, "ndim", 0) else 1
-        self.output = self.error = None
+        self.output: np.ndarray | None = None
+        self.error: BaseException | None = None
         self.done = False
         self.lend = False
         self.queued_at = time.perf_counter()
+
+    def result(self) -> np.ndarray:
+        """The forward's rows, or its error raised."""
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None   # _compute sets one of the two for every item
+        return self.output
 
 
 class _Trace:
@@ -186,11 +195,12 @@ class BatchingBackend:
     def lends_outputs(self) -> bool:
         return getattr(self.backend, "lends_outputs", False)
 
-    def forward(self, cache: BatchedCache, inputs: np.ndarray, *, effective_start: int,
+    def forward(self, cache: BackendCache, inputs: np.ndarray, *, effective_start: int,
                 lend: bool = False) -> np.ndarray:
         """``lend``: the caller reads the output before it releases the service lock, so a backend
         that lends outputs (llama.cpp's logits buffer) may skip the copy -- only when this forward
         runs alone, the next one starting only after that lock is free (``_alone``, or unbatched)."""
+        assert isinstance(cache, BatchedCache)   # one of ours (new_cache)
         lend = lend and self.lends_outputs
         if not self.enabled:
             return self.backend.forward(cache.inner, inputs, effective_start=effective_start,
@@ -218,9 +228,7 @@ class BatchingBackend:
                 except ValueError:
                     pass
                 self._finish(item)
-        if item.error is not None:
-            raise item.error
-        return item.output
+        return item.result()
 
     def _note_active(self, cache: BatchedCache) -> bool:
         """Marks ``cache`` active; True when another session is active too (then a row gathers)."""
@@ -261,14 +269,13 @@ class BatchingBackend:
         item.lend = lend
         self._busy.add(id(cache))
         self._run([item])
-        if item.error is not None:
-            raise item.error
-        return item.output
+        return item.result()
 
     def _take(self) -> list[_Item]:
         prefill_budget = min(self.max_batch_tokens, PREFILL_TOKENS_PER_FORWARD)
         batch: list[_Item] = []
-        budget, kept = self.max_batch_tokens, deque()
+        budget = self.max_batch_tokens
+        kept: deque[_Item] = deque()
         while self._queue:
             item = self._queue.popleft()
             fits = item.tokens <= budget and (item.tokens == 1 or item.tokens <= prefill_budget)
@@ -327,7 +334,7 @@ class BatchingBackend:
                 try:
                     results = batched([i.cache.inner for i in items], [i.inputs for i in items],
                                       effective_start=start)
-                except Exception as exc:   # the whole forward failed: every row gets it
+                except Exception as exc:   # noqa: BLE001 - the whole forward failed: every row gets it
                     results = [exc] * len(items)
                 for item, result in zip(items, results):
                     if isinstance(result, BaseException):
@@ -339,5 +346,5 @@ class BatchingBackend:
                 try:
                     item.output = self.backend.forward(item.cache.inner, item.inputs, effective_start=start,
                                                        **({"lend": True} if item.lend else {}))
-                except Exception as exc:   # the manager maps and logs it, as for an unbatched forward
+                except Exception as exc:   # noqa: BLE001 - the manager maps and logs it, as for an unbatched forward
                     item.error = exc

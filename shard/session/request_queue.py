@@ -23,15 +23,13 @@ from collections.abc import Callable
 
 __all__ = ["RequestQueue"]
 
-_END = object()
-
 
 class RequestQueue:
     """A bounded iterator of request bodies that a consumer may take over (see the module doc)."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=depth)
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)   # None: the end
         self._push: Callable[[bytes], None] | None = None
         self._finish: Callable[[], None] | None = None
 
@@ -50,7 +48,7 @@ class RequestQueue:
             self._finish()
             return
         try:
-            self._queue.put_nowait(_END)
+            self._queue.put_nowait(None)
         except queue.Full:
             pass
 
@@ -61,7 +59,7 @@ class RequestQueue:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is _END:
+            if item is None:
                 finish()
                 self._push, self._finish = (lambda body: None), (lambda: None)
                 return
@@ -73,6 +71,6 @@ class RequestQueue:
 
     def __next__(self) -> bytes:
         item = self._queue.get()
-        if item is _END:
+        if item is None:
             raise StopIteration
         return item

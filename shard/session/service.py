@@ -187,7 +187,7 @@ class ShardService:
         validated = self._capability is not None and self._capability.validated
         exchange = getattr(self.backend, "exchange", None)   # MoE: experts on expert peers
         moe = exchange.stats() if exchange is not None else {}
-        pushed = self.push_hub.streams if self.push_hub is not None else {}
+        pushed: dict[str, int] = self.push_hub.streams if self.push_hub is not None else {}
         return pb.HealthReport(
             push_streams_frames=pushed.get("frames", 0), push_streams_grpc=pushed.get("grpc", 0),
             expert_bytes_sent=moe.get("bytes_sent", 0), expert_bytes_received=moe.get("bytes_received", 0),
@@ -215,7 +215,7 @@ class ShardService:
                 return pb.ReleaseResponse(released=self.manager.release(key, owner))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.ReleaseResponse(released=False, error=to_shard_error(exc))
-        except Exception as exc:  # ours (a backend's cache release): logged, typed
+        except Exception as exc:  # noqa: BLE001 - ours (a backend's cache release): logged, typed
             log_failure(log, exc, "releasing a session")
             return pb.ReleaseResponse(released=False, error=to_shard_error(
                 InternalError(f"releasing the session failed ({type(exc).__name__}); see the worker's log")))
@@ -228,7 +228,7 @@ class ShardService:
                 return pb.CancelResponse(cancelled_work_items=self.manager.cancel(key, owner))
         except (ProtocolError, ShardRefusal) as exc:
             return pb.CancelResponse(error=to_shard_error(exc))
-        except Exception as exc:  # ours (a backend's cache release): logged, typed
+        except Exception as exc:  # noqa: BLE001 - ours (a backend's cache release): logged, typed
             log_failure(log, exc, "cancelling a session")
             return pb.CancelResponse(error=to_shard_error(
                 InternalError(f"cancelling the session failed ({type(exc).__name__}); see the worker's log")))

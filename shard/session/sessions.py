@@ -381,7 +381,7 @@ class SessionManager:
             try:
                 session.cache = self._new_cache(session.max_tokens, session.hidden_out)
                 session.last_step, session.last_payload = None, None
-            except Exception as again:  # no fresh cache: the next request is a CACHE_MISS at 0
+            except Exception as again:  # noqa: BLE001 - no fresh cache: the next request is a CACHE_MISS at 0
                 log_failure(log, again, "creating a fresh KV cache after a failure")
                 self._sessions.pop(key, None)
             raise map_failure(exc, doing) from exc

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,7 +125,7 @@ _HANDLERS = {"open": "_on_open", "chunk": "_on_chunk", "decode": "_on_decode", "
              "release": "_on_release", "cancel": "_on_cancel", "repoint": "_on_repoint"}
 
 
-def read_small_or_large(data: bytes) -> tuple[pb.SessionRequest, dict[str, np.ndarray]]:
+def read_small_or_large(data: bytes) -> tuple[pb.SessionRequest | fastpath.DecodeStepView, dict[str, np.ndarray]]:
     """Parse a request and decode its tensors (same checks either way; see SMALL_FRAME_BYTES).
     A plain decode step is read by hand (proto.fastpath); anything else by protobuf."""
     if len(data) > SMALL_FRAME_BYTES:
@@ -281,8 +281,22 @@ class SessionStream:
     def closed(self) -> bool:
         return self.state == CLOSED
 
+    @property
+    def open_key(self) -> SessionKey:
+        """The session this stream opened (every state after AWAIT_OPEN has one)."""
+        if self.key is None:
+            raise ProtocolViolation("no session is open on this stream")
+        return self.key
+
+    @property
+    def open_ledger(self) -> CreditLedger:
+        """The open session's credits (set with the key)."""
+        if self.ledger is None:
+            raise ProtocolViolation("no session is open on this stream")
+        return self.ledger
+
     # -- entry point -------------------------------------------------------------------
-    def receive(self, data: bytes) -> list[Output]:
+    def receive(self, data: bytes) -> Sequence[Output]:
         """Handle one request body; returns the response bodies to send and the push actions to
         carry out, in order."""
         if self.state == CLOSED:
@@ -295,9 +309,9 @@ class SessionStream:
             if kind not in ALLOWED[self.state]:
                 raise ProtocolViolation(f"a {kind} message is not allowed in state {self.state}")
             if kind == "decode" or kind == "chunk":
-                self.ledger.on_chunk(len(data))
+                self.open_ledger.on_chunk(len(data))
             return getattr(self, _HANDLERS[kind])(req, tensors)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - fail() maps every failure to a typed error answer
             return self.fail(exc, f"handling the {kind} message" if kind else "reading a request", session_id)
 
     def fail(self, exc: Exception, doing: str, session_id: str) -> list[bytes]:
@@ -322,7 +336,7 @@ class SessionStream:
         """The pushed session this stream opened could not be registered: free its KV, close."""
         self.state = CLOSED
         with self.service.lock:
-            self.service.manager.release(self.key, self.owner)
+            self.service.manager.release(self.open_key, self.owner)
 
     def feeder_attached(self, handle: object, *, effective_start: int, tail: pb.TailOptions,
                         sampling: SamplingSpec | None, open_msg: pb.SessionOpen) -> list[bytes]:
@@ -342,7 +356,7 @@ class SessionStream:
             past_len=past_len)).SerializeToString()]
 
     # -- open ---------------------------------------------------------------------------
-    def _on_open(self, req: pb.SessionRequest, _tensors) -> list[Output]:
+    def _on_open(self, req: pb.SessionRequest, _tensors) -> Sequence[Output]:
         o = req.open
         check_schema_version(o.schema_version)
         backend = self.service.backend
@@ -412,11 +426,11 @@ class SessionStream:
         lend = self.sampling is not None and not self.tail.return_logits
         with self.service.lock:
             return self.service.manager.step(
-                self.key, step=step, position=position, expected_past_len=expected, inputs=inputs,
+                self.open_key, step=step, position=position, expected_past_len=expected, inputs=inputs,
                 effective_start=self.effective_start, post=self._poster(draw_at), lend=lend)
 
     def _grant(self) -> list[bytes]:
-        ledger = self.ledger
+        ledger = self.open_ledger
         if ledger.outstanding > ledger.max_inflight // 2:
             return []
         n = ledger.grant()
@@ -426,11 +440,11 @@ class SessionStream:
         if isinstance(exc, Cancelled):
             self.state = CLOSED
         return [_status(exc, terminal=self.state == CLOSED, work_id=work_id,
-                        session_id=self.key.session_id, step=step), *self._grant()]
+                        session_id=self.open_key.session_id, step=step), *self._grant()]
 
-    def _on_chunk(self, req: pb.SessionRequest, tensors) -> list[Output]:
+    def _on_chunk(self, req: pb.SessionRequest, tensors) -> Sequence[Output]:
         env = req.chunk.envelope
-        if env.route_session_id != self.key.session_id or env.route_epoch != self.key.epoch:
+        if env.route_session_id != self.open_key.session_id or env.route_epoch != self.open_key.epoch:
             raise ProtocolViolation("chunk names another session or epoch than this stream's")
         if env.HasField("shard_range") and env.shard_range.effective_start_layer != self.effective_start:
             raise ProtocolViolation("chunk names another effective start than this stream's")
@@ -462,7 +476,7 @@ class SessionStream:
             return [PushChunk(out_env, tensors, sample), *self._grant()]
         return [wire.response_chunk(out_env, tensors, sample=sample), *self._grant()]
 
-    def _on_decode(self, req: pb.SessionRequest, tensors) -> list[Output]:
+    def _on_decode(self, req: pb.SessionRequest, tensors) -> Sequence[Output]:
         d = req.decode
         try:
             if self._input(tensors).shape[0] != 1:
@@ -479,27 +493,27 @@ class SessionStream:
     def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         return []  # responses answer requests one to one; the peer's grants need no bookkeeping
 
-    def _on_repoint(self, req: pb.SessionRequest, _tensors) -> list[Output]:
+    def _on_repoint(self, req: pb.SessionRequest, _tensors) -> Sequence[Output]:
         if self.push_role != CONTROL:
             raise ProtocolViolation("repoint is only for a pushed session's entry stream")
         return [Repoint(req.repoint.next)]
 
-    def _on_release(self, req: pb.SessionRequest, _tensors) -> list[Output]:
+    def _on_release(self, req: pb.SessionRequest, _tensors) -> Sequence[Output]:
         if self.push_role == FEED:
             raise ProtocolViolation("a feeder stream cannot release the session")
         r = req.release
-        if r.route_session_id != self.key.session_id or r.route_epoch != self.key.epoch:
+        if r.route_session_id != self.open_key.session_id or r.route_epoch != self.open_key.epoch:
             raise ProtocolViolation("release names another session or epoch than this stream's")
         with self.service.lock:
-            self.service.manager.release(self.key, self.owner)
+            self.service.manager.release(self.open_key, self.owner)
         self.state = CLOSED
         ack = pb.SessionResponse(ack=pb.Ack(work_id=r.work_id)).SerializeToString()
         return [ReleasePushed(), ack] if self.push is not None else [ack]
 
     def _on_cancel(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         c = req.cancel
-        if c.route_session_id != self.key.session_id or c.route_epoch != self.key.epoch:
+        if c.route_session_id != self.open_key.session_id or c.route_epoch != self.open_key.epoch:
             raise ProtocolViolation("cancel names another session or epoch than this stream's")
         with self.service.lock:
-            self.service.manager.cancel(self.key, self.owner)
+            self.service.manager.cancel(self.open_key, self.owner)
         raise Cancelled(f"cancelled by the initiator: {c.reason[:80]}")
