@@ -18,6 +18,12 @@
     identity.py   the node's persistent Ed25519 identity and peer ids
     errors.py     RecordRejected, IdentityError
 
+Two rooms below the records and Kademlia code (they import only each other,
+downwards, and identity/errors; tests/test_layout_imports.py):
+
+    host/         a node's libp2p host: build (Noise, yamux), bootstrap, connection watch
+    compat/       every py-libp2p patch, behind one version gate, and their registry
+
 Public surface: ``DhtNode``, ``CapabilityClaim``, ``CapabilityRecord``,
 ``validate_capability``, ``sign_capability``, ``sign_withdrawal``.
 """

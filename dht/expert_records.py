@@ -32,12 +32,19 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from dht.errors import RecordRejected
-from dht.records import (MAX_ENDPOINT_CHARS, MAX_LAYERS, _DIGEST_RE, check_lifetime, decode_record_set, open_signed,
-                         sign_payload)
+from dht.records import (
+    _DIGEST_RE,
+    MAX_ENDPOINT_CHARS,
+    MAX_LAYERS,
+    check_lifetime,
+    decode_record_set,
+    open_signed,
+    sign_payload,
+)
 from proto import shard_runtime_pb2 as pb
 
 __all__ = ["ExpertClaim", "ExpertRecord", "sign_experts", "sign_experts_withdrawal", "validate_experts",

@@ -17,8 +17,8 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dht.errors import IdentityError
 
@@ -41,7 +41,7 @@ class Identity:
             raise IdentityError(f"an Ed25519 seed has {ED25519_SEED_BYTES} bytes, got {len(self.seed)}")
 
     @classmethod
-    def from_seed(cls, seed: bytes) -> "Identity":
+    def from_seed(cls, seed: bytes) -> Identity:
         return cls(seed=seed, peer_id=peer_id_from_public_key(_public_bytes(seed)))
 
     @property

@@ -50,8 +50,7 @@ its lookup gave up on many late holders at once -- past the quorum.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Container, Iterable
-from typing import Hashable
+from collections.abc import Callable, Container, Hashable, Iterable
 
 # Kademlia's k (replication and the lookup's result size) and alpha (parallel asks per round).
 K_CLOSEST = 20

@@ -29,12 +29,23 @@ Data flow:
   the one ``/meshd/relays/v1`` index (dht/relay_records.py).
 * ``publish_experts`` / ``fetch_experts``: the same for expert placement
   records under ``/meshd/experts/<digest>`` (dht/expert_records.py).
-* ``sync_peers()``: add every connected peer to the routing table; ``join()``:
-  that, then a lookup of our own id and one per bucket beyond our neighbourhood
-  (after bootstrap).
+* ``sync_peers()``: add every connected peer that speaks our swarm's DHT
+  protocol to the routing table (``speaks_dht``: identify's list, else a
+  probe stream); ``join()``: that, then a lookup of our own id and one per
+  bucket beyond our neighbourhood (after bootstrap).
 * ``refresh()``: every REFRESH_INTERVAL_S at a random phase (``_maintain``, in
   place of the library's maintenance loop: see LIBRARY_MAINTENANCE below), lookups
   of our own id and of one random key, then the store's expiry sweep.
+
+Swarm scope (dht/host/swarm_scope.py): the KadDHT serves, and our RPCs ask,
+on the swarm's protocol id ``/meshd/kad/<tag>/1.0.0`` -- the library's
+``/ipfs/kad/1.0.0`` handler is removed (host's public stream-handler API;
+``KadDHT.handle_stream`` does not look at the protocol id). A connected peer
+of another swarm (or another libp2p program) cannot answer our lookups nor
+store with us, and is kept out of our routing table and lookup seeds for
+FOREIGN_RECHECK_S after a check found it does not speak our protocol (the
+check is I/O, here; what is remembered, and for how long, is the RpcBook's
+``ForeignPeers``, dht/kademlia/book.py).
 
 In a home swarm (fewer than k peers) the k closest peers of every key are
 every node, so a read sees everything; beyond, lookups route: the simulation
@@ -57,7 +68,7 @@ whose dial failed (no connection) is left out of every lookup for
 UNREACHABLE_S unless it connects again (``Lookup``'s ``skip``).
 
 State: the KadDHT (routing table, value store), the record cache and the
-RpcBook (two RPC timers, peer health, counts) are owned here; records are
+RpcBook (two RPC timers, peer health, foreign peers, counts) are owned here; records are
 owned by their signers. Concurrency
 of network calls is bounded by ``MAX_PARALLEL_RPCS`` and the lookup's alpha.
 """
@@ -65,27 +76,32 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, nullcontext
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import trio
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.common import PROTOCOL_ID as LIBRARY_DHT_PROTOCOL
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.tools.anyio_service import background_trio_service
 
 from dht import keys as K
-from dht.records import CapabilityRecord, RecordCache, encode_record_set
-from dht.relay_records import RelayRecord
-from dht.validator import MergingValueStore, check_value, namespaced_validator
-from dht.errors import RecordRejected
-from dht.lookup import K_CLOSEST, SEED_PEERS, peer_hash
-from dht.peer_health import CLOSE, PeerHealth
 from dht import rpc
-from dht.rpc import RpcTimer
+from dht.compat.gate import gate, installed_version
+from dht.compat.registry import decide
+from dht.errors import RecordRejected
+from dht.host.swarm_scope import DEFAULT_SCOPE, SwarmScope
 from dht.kademlia import ops
 from dht.kademlia.book import DIAL_TIMEOUT_S, STUCK_AFTER, RpcBook
 from dht.kademlia.ops import REFRESH_INTERVAL_S, LookupResult
-
+from dht.lookup import K_CLOSEST, SEED_PEERS, peer_hash
+from dht.peer_health import CLOSE, PeerHealth
+from dht.records import CapabilityRecord, RecordCache, encode_record_set
+from dht.relay_records import RelayRecord
+from dht.rpc import RpcTimer
+from dht.validator import MergingValueStore, check_value, namespaced_validator
 
 log = logging.getLogger(__name__)
 
@@ -100,10 +116,9 @@ MAX_PENDING_INSERTS = 4
 # DHT_INBOUND_HANDLERS (each a task holding one stream; bounded) and retries
 # a refused PUT at a live peer (PUT_ATTEMPTS, after a short random pause).
 # The adjustment is version-gated (``widen_inbound_handlers``) and listed in
-# ``meshd status`` as ``dht_inbound_handlers`` (relay/adjustments.py).
+# ``meshd status`` as ``dht_inbound_handlers`` (dht/compat/; no upstream issue found).
 DHT_INBOUND_HANDLERS = 64
 LIBRARY_INBOUND_HANDLERS = 12
-DHT_TESTED_LIBP2P_VERSION = "0.8.1"
 # LIBRARY_MAINTENANCE: py-libp2p 0.8.1's KadDHT runs a maintenance loop (``KadDHT._run_main_loop``): at its start and
 # every 600 s a routing-table refresh -- a lookup of its own id, then one per non-empty bucket,
 # one after another, through the library's own RPCs (not cancel-safe, see dht/rpc.py) -- and
@@ -114,13 +129,15 @@ DHT_TESTED_LIBP2P_VERSION = "0.8.1"
 # meshd replaces that loop with ``DhtNode._maintain``: a lookup of our own id and of one random
 # key (a far bucket) through meshd's lookup, and the store's expiry sweep, every
 # REFRESH_INTERVAL_S at a random phase (x uniform REFRESH_JITTER; dht/kademlia/ops.py).
-# Version-gated (``replace_maintenance``), shown in ``meshd status`` as ``dht_maintenance``.
+# Version-gated (``replace_maintenance``), shown in ``meshd status`` as ``dht_maintenance``
+# (dht/compat/; no upstream issue found).
 
 
 def widen_inbound_handlers(kad, version: str) -> str | None:
     """Raise ``kad``'s inbound stream cap; None when done, else why not (left untouched)."""
-    if version != DHT_TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {DHT_TESTED_LIBP2P_VERSION} only"
+    refused = gate(version)
+    if refused is not None:
+        return refused
     limiter = getattr(kad, "_inbound_limiter", None)
     if not isinstance(limiter, trio.CapacityLimiter) or limiter.total_tokens not in (
             LIBRARY_INBOUND_HANDLERS, DHT_INBOUND_HANDLERS):
@@ -131,8 +148,9 @@ def widen_inbound_handlers(kad, version: str) -> str | None:
 
 def replace_maintenance(kad, version: str, loop) -> str | None:
     """Run ``loop`` in place of ``kad``'s maintenance loop; None when done, else why not (left untouched)."""
-    if version != DHT_TESTED_LIBP2P_VERSION:
-        return f"off: libp2p {version or '(none)'} is installed, written for {DHT_TESTED_LIBP2P_VERSION} only"
+    refused = gate(version)
+    if refused is not None:
+        return refused
     if not callable(getattr(type(kad), "_run_main_loop", None)):
         return "off: the library's KadDHT has no maintenance loop to replace"
     kad._run_main_loop = loop        # KadDHT.run starts ``self._run_main_loop``: the instance's wins
@@ -140,30 +158,36 @@ def replace_maintenance(kad, version: str, loop) -> str | None:
 
 
 class DhtNode:
-    def __init__(self, host, clock: Callable[[], int]) -> None:
+    def __init__(self, host, clock: Callable[[], int], scope: SwarmScope = DEFAULT_SCOPE) -> None:
         self.host = host
         self.clock = clock
+        self.scope = scope
+        self.protocol = TProtocol(scope.dht_protocol)
         self.records = RecordCache()     # records whose signatures this node checked (dht/records.py)
-        self.kad = KadDHT(host, DHTMode.SERVER, validator=namespaced_validator(clock, self.records),
+        self.validator = namespaced_validator(clock, self.records)
+        self.kad = KadDHT(host, DHTMode.SERVER, validator=self.validator,
                           validator_changed=True, strict_validation=True)
+        # serve on our swarm's protocol, not the library's (see the module docstring)
+        host.remove_stream_handler(LIBRARY_DHT_PROTOCOL)
+        host.set_stream_handler(self.protocol, self.kad.handle_stream)
         self.kad.value_store = MergingValueStore(host, host.get_id(), clock, self.records)
         self.store: MergingValueStore = self.kad.value_store
         self.last_lookup: LookupResult | None = None
         # deadlines of RPCs to connected peers and to peers dialed first (measured), per-peer
-        # health (misses, congestion, unreachable peers), outcome counts: dht/kademlia/book.py
+        # health (misses, congestion, unreachable peers), peers of another swarm, outcome
+        # counts: dht/kademlia/book.py
         self.book = RpcBook()
         self._view = _CoreView(self)
         # routing-table insertions running in the background (``_learn``), and their nursery
         self._inserting: set = set()
         self._upkeep: trio.Nursery | None = None
-        import importlib.metadata
-
-        try:
-            version = importlib.metadata.version("libp2p")
-        except importlib.metadata.PackageNotFoundError:
-            version = ""
+        version = installed_version()
         self.inbound_handlers_off = widen_inbound_handlers(self.kad, version)   # None: widened
         self.maintenance_off = replace_maintenance(self.kad, version, self._maintain)   # None: ours runs
+        # both shown by ``meshd status`` (dht/compat/registry.py)
+        decide("dht_inbound_handlers", self.inbound_handlers_off, version, f" ({DHT_INBOUND_HANDLERS} streams)")
+        decide("dht_maintenance", self.maintenance_off, version,
+               f" (meshd's refresh, every {REFRESH_INTERVAL_S:g} s at a random phase)")
         self.refreshes = 0
 
     # the book's parts under their earlier names (tests and ``rpc_stats`` read and set them)
@@ -187,6 +211,11 @@ class DhtNode:
     def rpc_counts(self) -> dict:
         return self.book.counts
 
+    @property
+    def foreign_seen(self) -> int:
+        """How many peers were found not to speak our DHT protocol (each once while remembered)."""
+        return self.book.foreign.seen
+
     async def _maintain(self) -> None:
         """The routing-table refresh (in place of the library's; see LIBRARY_MAINTENANCE): our
         own id's neighbourhood and one random far bucket, then the expiry sweep; at a random
@@ -206,7 +235,7 @@ class DhtNode:
         self.refreshes += 1
 
     @asynccontextmanager
-    async def running(self) -> AsyncIterator["DhtNode"]:
+    async def running(self) -> AsyncIterator[DhtNode]:
         async with background_trio_service(self.kad), trio.open_nursery() as upkeep:
             self._upkeep = upkeep
             try:
@@ -235,13 +264,52 @@ class DhtNode:
 
         self._upkeep.start_soon(insert)
 
+    def _is_foreign(self, peer) -> bool:
+        return self.book.foreign.excluded(peer, trio.current_time())
+
+    def foreign_peers(self) -> list[str]:
+        """Connected peers known not to speak our DHT protocol (``meshd status``)."""
+        return sorted(p.to_base58() for p in self.host.get_connected_peers() if self._is_foreign(p))
+
+    async def speaks_dht(self, peer) -> bool:
+        """Does the connected ``peer`` serve our swarm's DHT protocol? Yes when identify listed it;
+        else a probe stream decides (negotiated: yes, then reset; refused or silent: no, remembered
+        for FOREIGN_RECHECK_S in the RpcBook's ``foreign``)."""
+        if self._is_foreign(peer):
+            return False
+        try:
+            protocols = self.host.get_peerstore().get_protocols(peer)
+        except Exception:  # noqa: BLE001 - the library raises PeerStoreError for a peer it has no data on
+            protocols = []
+        if protocols and self.protocol in protocols:
+            return True
+        ok = False
+        with trio.move_on_after(DIAL_TIMEOUT_S):
+            try:
+                stream = await self.host.new_stream(peer, [self.protocol])
+            except Exception as exc:  # noqa: BLE001 - protocol refused (negotiation), connection gone
+                log.debug("%s does not speak %s: %s", peer, self.protocol, exc)
+            else:
+                ok = True
+                await rpc.reset_stream(stream, peer)
+        if ok:
+            self.book.foreign.speaks(peer)
+            return True
+        if self.book.foreign.found(peer, trio.current_time()):
+            log.info("peer %s does not speak our swarm's DHT protocol %s (another swarm, or not meshd): "
+                     "kept out of the routing table", peer, self.protocol)
+        return False
+
     async def sync_peers(self) -> int:
+        """Add every connected peer that speaks our DHT protocol to the routing table."""
         added = 0
         for peer in self.host.get_connected_peers():
+            if not self.kad.routing_table.peer_in_table(peer) and not await self.speaks_dht(peer):
+                continue
             try:
                 if await self.kad.add_peer(peer, skip_server_mode_check=True):
                     added += 1
-            except Exception as exc:  # routing-table insertion pings the peer
+            except Exception as exc:  # noqa: BLE001 - routing-table insertion pings the peer
                 log.debug("could not add %s to the routing table: %s", peer, exc)
         return added
 
@@ -264,7 +332,7 @@ class DhtNode:
         check_value(key, value, self.clock(), self.records)
         kb = key.encode()
         existing = self.store.get(kb)
-        if existing is not None and self.kad.validator.select(key, [existing.value, value]) == 0:
+        if existing is not None and self.validator.select(key, [existing.value, value]) == 0:
             raise RecordRejected("replayed", "the stored value is newer")
         self.store.put_record(kb, Record(key=kb, value=value))
 
@@ -276,7 +344,7 @@ class DhtNode:
         about one RPC timeout however many peers are dead (dht/kademlia/ops.py).
         Returns how many remote stores were acknowledged (0 in a swarm of one).
         """
-        async with rpc.Session(self.host) as session:   # the keys' lookups and PUTs share streams
+        async with rpc.Session(self.host, self.protocol) as session:   # the keys' lookups and PUTs share streams
             return await self._drive(ops.publish(self._view, record), session)
 
     async def put_remote(self, key: str, value: bytes, session: rpc.Session | None = None) -> int:
@@ -285,7 +353,7 @@ class DhtNode:
         The PUTs go over the streams the lookup's GET_VALUEs opened (``session``,
         one of its own when not given): the k closest were just asked."""
         if session is None:
-            async with rpc.Session(self.host) as own:
+            async with rpc.Session(self.host, self.protocol) as own:
                 return await self.put_remote(key, value, own)
         return await self._drive(ops.put_remote(self._view, key, value), session)
 
@@ -314,18 +382,24 @@ class DhtNode:
                 await trio.sleep(effect.seconds)
                 result = None
             elif isinstance(effect, ops.Together):
-                inner = trio.CapacityLimiter(effect.limit) if effect.limit else limiter
-                results: list = [None] * len(effect.steps)
-
-                async def one(i: int, sub: ops.Step) -> None:
-                    results[i] = await self._drive(sub, session, inner)
-
-                async with trio.open_nursery() as nursery:
-                    for i, sub in enumerate(effect.steps):
-                        nursery.start_soon(one, i, sub)
-                result = results
+                result = await self._together(effect, session, limiter)
             else:
                 raise TypeError(f"unknown DHT effect {effect!r}")
+
+    async def _together(self, effect: ops.Together, session: rpc.Session | None,
+                        limiter: trio.CapacityLimiter | None) -> list:
+        """``effect``'s sub-steps at once in a nursery, at most its ``limit`` of their RPCs in flight
+        (else the caller's limiter's); their results in order."""
+        inner = trio.CapacityLimiter(effect.limit) if effect.limit else limiter
+        results: list = [None] * len(effect.steps)
+
+        async def one(i: int, sub: ops.Step) -> None:
+            results[i] = await self._drive(sub, session, inner)
+
+        async with trio.open_nursery() as nursery:
+            for i, sub in enumerate(effect.steps):
+                nursery.start_soon(one, i, sub)
+        return results
 
     async def _perform(self, effect, session: rpc.Session | None) -> ops.Outcome:
         """One GET or PUT as the core's Outcome; whether the peer is still connected is read after it."""
@@ -357,7 +431,7 @@ class DhtNode:
         start = trio.current_time()
         try:
             with trio.move_on_after(self.book.timer(connected).timeout(misses)):
-                result = await call(self.host, peer, *args, session=session)
+                result = await call(self.host, peer, *args, session=session, protocol=self.protocol)
                 self.book.answered(peer, connected, trio.current_time() - start)
                 return result
         except Exception as exc:  # noqa: BLE001 - dial and stream errors of every kind (groups too)
@@ -384,10 +458,11 @@ class DhtNode:
                 log.debug("closing the connection to %s: %s", peer, exc)
 
     def _seeds(self, kb: bytes) -> list:
-        """A lookup's first candidates: the routing table's closest, then every connected peer."""
+        """A lookup's first candidates: the routing table's closest, then every connected peer
+        not known to be of another swarm."""
         found = list(self.kad.routing_table.find_local_closest_peers(kb, SEED_PEERS))
         for peer in self.host.get_connected_peers():
-            if peer not in found:
+            if peer not in found and not self._is_foreign(peer):
                 found.append(peer)
         return found
 
@@ -416,13 +491,13 @@ class DhtNode:
 
     async def publish_relay(self, record: RelayRecord) -> int:
         """Store a relay's record under /meshd/relays/v1, locally and at the closest peers."""
-        key, value = K.relays_key(), encode_record_set([record])  # type: ignore[list-item]
+        key, value = K.relays_key(), encode_record_set([record])
         self.store_locally(key, value)
         return await self.put_remote(key, value)
 
     async def fetch_relays(self) -> list[RelayRecord]:
         """Every live relay record the closest peers and we hold."""
-        return await self.fetch(K.relays_key())  # type: ignore[return-value]
+        return await self.fetch(K.relays_key())  # type: ignore[return-value]  # values.decode: relay records here
 
     async def publish_experts(self, record) -> int:
         """Store an expert peer's placement record under /meshd/experts/<digest>, here and at the closest peers."""

@@ -20,7 +20,7 @@ State, all bounded:
 from __future__ import annotations
 
 from collections import deque
-from typing import Container, Hashable
+from collections.abc import Container, Hashable
 
 # What ``missed`` tells the caller to do with the peer's connection.
 WAIT, CLOSE, KEEP = "wait", "close", "keep"

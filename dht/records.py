@@ -37,8 +37,9 @@ from __future__ import annotations
 import re
 import struct
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from typing import Protocol
 
 from google.protobuf.message import DecodeError
 
@@ -73,7 +74,7 @@ MAX_DTYPES = 8
 # MoE holders name the experts they need as runs (dht/expert_records.py has the same bound).
 MAX_DELEGATED_RUNS = 128
 MAX_EXPERT_ID = 511
-_DIGEST_RE = re.compile(r"^[A-Za-z0-9:._-]{1,%d}$" % MAX_DIGEST_CHARS)
+_DIGEST_RE = re.compile(rf"^[A-Za-z0-9:._-]{{1,{MAX_DIGEST_CHARS}}}$")
 SET_MAGIC = b"MSR1"
 # Records one RecordCache remembers: a home swarm has a few records per peer;
 # 2048 x (<= 4 KiB raw + its parsed payload) bounds the memory a flood of
@@ -92,8 +93,8 @@ class CapabilityClaim:
     start_layer: int
     end_layer: int
     num_layers: int
-    backend: int = pb.BACKEND_TORCH
-    dtypes: tuple[int, ...] = (pb.DTYPE_FLOAT32,)
+    backend: pb.Backend = pb.BACKEND_TORCH
+    dtypes: tuple[pb.DType, ...] = (pb.DTYPE_FLOAT32,)
     model_id: str = ""
     direct_addrs: tuple[str, ...] = ()
     relayed_addrs: tuple[str, ...] = ()
@@ -190,7 +191,7 @@ def _sign(payload: pb.CapabilityPayload, key) -> bytes:
     return sign_payload(pb.RECORD_KIND_CAPABILITY, payload, key)
 
 
-def sign_payload(kind: int, payload, key) -> bytes:
+def sign_payload(kind: pb.RecordKind, payload, key) -> bytes:
     """A serialized SignedRecord of ``kind`` over ``payload``; ValueError when over MAX_RECORD_BYTES."""
     data = sign_record(kind, payload.SerializeToString(), key).SerializeToString()
     if len(data) > MAX_RECORD_BYTES:
@@ -364,7 +365,17 @@ def check_replaces(incoming: CapabilityRecord, existing: CapabilityRecord | None
 # --------------------------------------------------------------------------- record sets
 
 
-def encode_record_set(records: Sequence[CapabilityRecord]) -> bytes:
+class _Packable(Protocol):
+    """What a record set packs of a record (capability, relay and expert records alike)."""
+
+    @property
+    def raw(self) -> bytes: ...
+
+    @property
+    def peer_id(self) -> str: ...
+
+
+def encode_record_set(records: Sequence[_Packable]) -> bytes:
     if len(records) > MAX_INDEX_RECORDS:
         raise ValueError(f"{len(records)} records > MAX_INDEX_RECORDS")
     parts = [SET_MAGIC, _U16.pack(len(records))]

@@ -28,9 +28,10 @@ have the same ``peer_id``, ``sequence``, ``expires_at_ms`` and ``withdrawn``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
+from dht.errors import RecordRejected
 from dht.records import (
     MAX_ADDR_CHARS,
     MAX_RECORD_LIFETIME_MS,
@@ -39,7 +40,6 @@ from dht.records import (
     open_signed,
     sign_payload,
 )
-from dht.errors import RecordRejected
 from proto import shard_runtime_pb2 as pb
 
 __all__ = ["RelayRecord", "sign_relay", "validate_relay", "validate_relay_set", "parse_relay_set_lenient",
@@ -80,7 +80,7 @@ def _addr_problem(addr: str, peer_id: str) -> str | None:
         return "every address must end in /p2p/<the relay's peer id>"
     try:
         multiaddr.Multiaddr(addr)
-    except Exception:  # the multiaddr library raises several unrelated types
+    except Exception:  # noqa: BLE001 - the multiaddr library raises several unrelated types
         return "an address does not parse as a multiaddr"
     return None
 

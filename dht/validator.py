@@ -36,7 +36,7 @@ signature again.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.kad_dht.value_store import ValueStore

@@ -6,53 +6,23 @@ it, and builds ``DaemonConfig``, which validates everything at construction.
 Nothing else in the daemon reads files or flags; modules receive the config
 (or a field of it).
 
-TOML layout (every key optional; names match the dataclass fields)::
-
-    data_dir = "~/.local/share/meshd"
-    listen = ["/ip4/0.0.0.0/tcp/4001"]
-    bootstrap = ["/ip4/203.0.113.7/tcp/4001/p2p/12D3Koo..."]
-    model = "/models/llama"
-    layers = "0:16"                   # or "auto" (with memory_bytes), or "none": a client-only node
-                                      # (joins the DHT, holds no layers, generates through the swarm)
-    advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
-    record_ttl_s = 120
-    refill_wait_s = 180               # an entry whose route lost every server of some layers waits this
-                                      # long for the tracker to move a node there (default: TTL + 60 s)
-    reachability = "auto"             # auto | public | private (private: always use relays)
-    route_topology = "push"           # push: hops send rows to the next hop (hops + 1 legs per
-                                      # token); star: the entry carries every boundary (2 x hops)
-    experts = "0-3:E4-E7"             # MoE: with layers, hold only these experts of them (peers run
-                                      # the rest); without layers, serve them as an expert peer;
-                                      # "auto" (with memory_bytes): an expert peer sized to the memory
-    expert_act = "f32"                # rows to expert peers: f32 (exact) | q8 (~3.5x fewer bytes)
-    offload_experts = false           # a holder sends even the experts it holds to peers
-
-    [worker]
-    dtype = "float32"
-    backend = "torch"
-    kv_budget_tokens = 4096
-    restart_backoff_s = 1             # first restart delay after a worker died; doubles ...
-    restart_backoff_max_s = 300       # ... up to this
-    restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
-    threads = 4                       # compute threads (torch_threads is the same key); default: all cores
-    batching = true                   # continuous batching: sessions ready together share a forward
-    llama_kv_streams = "auto"         # llama.cpp: one KV stream per session (exact): "auto" = budget / 512,
-                                      # at most 8; N = N streams; 0 = one shared pool (not exact)
-
-    [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
-    listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs key
-    key = "..."                       # bearer key (or MESHD_API_KEY in the environment)
-    max_running = 4
+TOML layout: top-level keys are ``DaemonConfig``'s fields, ``[worker]`` holds
+``WorkerConfig``'s (``threads`` is ``torch_threads``), ``[api]`` ``ApiConfig``'s;
+every key is optional and an unknown one is refused. The whole layout, with
+the flag that sets each key, is in docs/configuration.md.
 """
 from __future__ import annotations
 
 import ipaddress
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
+from dht.host.errors import SwarmNameInvalid
+from dht.host.swarm_scope import DEFAULT_SWARM_NAME, SwarmScope
 from meshd.errors import ConfigError
 
 DEFAULT_DATA_DIR = Path("~/.local/share/meshd")
@@ -78,7 +48,7 @@ DEFAULT_WORKER_READY_TIMEOUT_S = 900.0
 # KV positions a worker holds (one 2048-token context for two concurrent
 # sessions). ONE setting (worker.kv_budget_tokens) for both sides: the planner
 # sizes a node's range with it (meshd/plan: weights + this KV + scratch within
-# --memory) and the worker admits sessions against exactly it (shard/sessions.py),
+# --memory) and the worker admits sessions against exactly it (shard/session/sessions.py),
 # so --memory is never exceeded by KV the plan did not count.
 DEFAULT_KV_BUDGET_TOKENS = 4096
 # Restart backoff for a dead worker: doubles from the first to the cap (about 5
@@ -109,8 +79,13 @@ DEFAULT_API_LISTEN = "127.0.0.1:8080"
 # A bearer key guessed by nobody: at least this many characters.
 MIN_API_KEY_CHARS = 16
 # Connections the API holds open at once (each is a few KB plus, while it
-# streams, one generation); more wait in the listen backlog.
+# streams, one generation); meshd/api/connections.py decides who gets a slot.
 DEFAULT_API_MAX_CONNECTIONS = 64
+# A key file is a secret: a few hundred bytes at most, its first line is the key.
+MAX_API_KEY_FILE_BYTES = 4096
+# Host names / web origins an operator may list (each at most MAX_NAME_CHARS).
+MAX_API_NAMES = 32
+MAX_NAME_CHARS = 253
 
 
 def split_host_port(text: str) -> tuple[str, int]:
@@ -141,15 +116,30 @@ class ApiConfig:
     max_deferred: int = 16
     deadline_s: float = 600.0
     max_connections: int = DEFAULT_API_MAX_CONNECTIONS
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    # Where the key came from (api.key_file is read by load_config); shown by nothing, kept for messages.
+    key_file: str | None = None
 
     def __post_init__(self) -> None:
+        for name in ("allowed_hosts", "cors_origins"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)) or len(value) > MAX_API_NAMES or \
+                    not all(isinstance(v, str) and 0 < len(v) <= MAX_NAME_CHARS and v.isascii()
+                            and not any(c.isspace() for c in v) for v in value):
+                raise ConfigError(f"api.{name} must be a list of at most {MAX_API_NAMES} names without spaces")
+            object.__setattr__(self, name, tuple(v.lower() for v in value))
+        for origin in self.cors_origins:
+            if not origin.startswith(("http://", "https://")) or origin.count("/") != 2:
+                raise ConfigError(f"api.cors_origins: {origin!r} is not an origin like https://app.example[:port]")
         if self.key is not None and (not isinstance(self.key, str) or len(self.key) < MIN_API_KEY_CHARS
                                      or any(c.isspace() for c in self.key)):
             raise ConfigError(f"the api key must be at least {MIN_API_KEY_CHARS} characters, without spaces")
         bind = self.bind
         if bind is not None and not is_loopback(bind[0]) and not self.key:
             raise ConfigError(f"the API would listen on {bind[0]}, beyond loopback: that needs a bearer key "
-                              "(--api-key KEY, api.key in the config, or MESHD_API_KEY); or keep it on 127.0.0.1")
+                              "(--api-key-file PATH, MESHD_API_KEY, or api.key_file in the config); "
+                              "or keep it on 127.0.0.1")
         if self.max_running < 1 or self.max_deferred < 0 or self.deadline_s <= 0 or self.max_connections < 1:
             raise ConfigError("api: need max_running >= 1, max_deferred >= 0, deadline_s > 0, max_connections >= 1")
 
@@ -175,11 +165,11 @@ class WorkerConfig:
     restart_backoff_reset_s: float = DEFAULT_RESTART_BACKOFF_RESET_S
     # Compute threads of the worker (torch / llama.cpp): by default every core this process may use.
     torch_threads: int = field(default_factory=lambda: machine_cores())
-    # Continuous batching in the worker (shard/batching.py); false: one forward at a time.
+    # Continuous batching in the worker (shard/session/batching.py); false: one forward at a time.
     batching: bool = True
     # llama.cpp KV layout. N: N streams of kv_budget_tokens / N cells, one per session: bit-exact
     # under concurrency, but at most N sessions of at most that many tokens each. "auto" (the
-    # default): N = kv_budget_tokens / 512, at most 8 (native/factory.py). 0: one pool shared by
+    # default): N = kv_budget_tokens / 2048, at most 8 (native/factory.py). 0: one pool shared by
     # every session (any session may use the whole budget; a released session's cells are refilled
     # out of order and the running sessions' greedy tokens can drift from the same request alone).
     llama_kv_streams: int | str = "auto"
@@ -239,8 +229,18 @@ class DaemonConfig:
     experts: str | None = None
     expert_act: str = "f32"
     offload_experts: bool = False
+    # The swarm (dht/host/swarm_scope.py): it scopes mDNS and the DHT protocol; "default" when not given.
+    swarm: str = DEFAULT_SWARM_NAME
+    # LAN discovery by mDNS (dht/host/mdns.py) on the interfaces we listen on; false: --no-mdns.
+    mdns: bool = True
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "swarm", SwarmScope(self.swarm).name)
+        except SwarmNameInvalid as exc:
+            raise ConfigError(str(exc)) from exc
+        if not isinstance(self.mdns, bool):
+            raise ConfigError(f"mdns must be true or false, not {self.mdns!r}")
         if self.reachability not in REACHABILITY_MODES:
             raise ConfigError(f"reachability must be one of {', '.join(REACHABILITY_MODES)}, "
                               f"not {self.reachability!r}")
@@ -313,7 +313,7 @@ class DaemonConfig:
             if not (self.memory_bytes and self.memory_bytes > 0):
                 raise ConfigError("--experts auto needs --memory SIZE: the experts taken are sized to it")
             return
-        from shard.expert_spec import ExpertSpec, ExpertSpecError
+        from shard.experts.spec import ExpertSpec, ExpertSpecError
 
         try:
             ExpertSpec.parse(self.experts)
@@ -335,6 +335,11 @@ class DaemonConfig:
         if self.layers is not None:
             return "shard"
         return "expert-peer" if self.expert_peer else "dht"
+
+    @property
+    def scope(self) -> SwarmScope:
+        """The swarm this node belongs to (what its name scopes: dht/host/swarm_scope.py)."""
+        return SwarmScope(self.swarm)
 
     @property
     def control_socket(self) -> Path:
@@ -382,6 +387,29 @@ def parse_layers(text: str) -> tuple[int, int]:
 _TOP_KEYS = {f.name for f in fields(DaemonConfig)}
 _WORKER_KEYS = {f.name for f in fields(WorkerConfig)}
 _API_KEYS = {f.name for f in fields(ApiConfig)}
+
+
+def read_key_file(path) -> str:
+    """The API key in ``path``: its first line, stripped. The file is a secret of this user: a file
+    that others may read is refused (chmod 600 it), as ssh refuses a readable private key."""
+    path = Path(os.path.expanduser(str(path)))
+    try:
+        st = path.stat()
+        if st.st_size > MAX_API_KEY_FILE_BYTES:
+            raise ConfigError(f"the API key file {path} is over {MAX_API_KEY_FILE_BYTES} bytes: not a key file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"the API key file {path} may be read by other users (mode {st.st_mode & 0o777:o}): "
+                              f"chmod 600 {path}")
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise ConfigError(f"the API key file {path} does not exist") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the API key file {path}: {exc}") from exc
+    lines = text.splitlines()
+    key = lines[0].strip() if lines else ""
+    if not key:
+        raise ConfigError(f"the API key file {path} is empty: its first line is the key")
+    return key
 
 
 def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -> DaemonConfig:
@@ -440,8 +468,16 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
             raw[key] = tuple(raw[key])
     if "layers" in raw and raw["layers"] is not None:
         raw["layers"] = tuple(raw["layers"])
+    if api_raw.get("key_file") is not None:
+        if api_raw.get("key") is not None:
+            raise ConfigError("give the API key once: api.key_file (--api-key-file) or api.key (--api-key), not both")
+        api_raw["key"] = read_key_file(api_raw["key_file"])
+        api_raw["key_file"] = str(api_raw["key_file"])
     if api_raw.get("key") is None and os.environ.get("MESHD_API_KEY"):
         api_raw["key"] = os.environ["MESHD_API_KEY"]
+    for name in ("allowed_hosts", "cors_origins"):
+        if isinstance(api_raw.get(name), list):
+            api_raw[name] = tuple(api_raw[name])
     try:
         worker = WorkerConfig(**worker_raw)
         return DaemonConfig(**raw, worker=worker, api=ApiConfig(**api_raw))

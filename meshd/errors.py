@@ -15,7 +15,7 @@ re-exported here so one import shows the whole tree::
     │       └── LayerRangeInvalid
     ├── IdentityError                  the key file is unusable (dht.errors)
     ├── HostError                      libp2p host: bad listen address, port in use,
-    │                                  no bootstrap peer answered (relay.errors)
+    │                                  no bootstrap peer answered (dht.host.errors)
     ├── HopFailure                     one hop of a route failed or refused; the route
     │                                  driver fails over (.index, .peer_id, .code)
     └── DaemonError                    the environment failed us
@@ -27,9 +27,9 @@ Every message says what to do next; the CLI prints it as one line.
 from __future__ import annotations
 
 from dht.errors import IdentityError, RecordRejected
+from dht.host.errors import BootstrapUnreachable, HostError, ListenAddressInvalid, PortInUse
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError, MeshdError, ProtocolViolation
-from relay.errors import BootstrapUnreachable, HostError, ListenAddressInvalid, PortInUse
 
 __all__ = [
     "RecordRejected", "IdentityError", "HostError", "ListenAddressInvalid", "PortInUse", "BootstrapUnreachable",

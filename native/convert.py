@@ -29,7 +29,7 @@ import gguf
 import numpy as np
 
 from native.errors import ArtifactError
-from shard.artifact import artifact_digest as directory_digest
+from shard.model.artifact import artifact_digest as directory_digest
 
 __all__ = ["convert", "permute_qk", "unpermute_qk", "GGUF_TYPES", "gguf_cache_root"]
 

@@ -92,13 +92,13 @@ def amx_mode(env: dict | None = None) -> str:
 def cmake_args(flags: frozenset[str] | None = None, xcomp: int | None | str = "probe",
                amx: str | None = None) -> tuple[str, ...]:
     flags = cpu_flags() if flags is None else flags
-    xcomp = xcomp_supported() if xcomp == "probe" else xcomp
+    probed = xcomp_supported() if isinstance(xcomp, str) else xcomp   # "probe": ask the compiler
     args = list(BASE_ARGS)
     for option, needs in FEATURE_OPTIONS:
         args.append(f"-D{option}={'ON' if all(n in flags for n in needs) else 'OFF'}")
-    amx = amx_usable(flags, xcomp) and (amx_mode() if amx is None else amx) != "off"
+    use_amx = amx_usable(flags, probed) and (amx_mode() if amx is None else amx) != "off"
     for option, flag in AMX_OPTIONS:
-        args.append(f"-D{option}={'ON' if amx and flag in flags else 'OFF'}")
+        args.append(f"-D{option}={'ON' if use_amx and flag in flags else 'OFF'}")
     return tuple(args)
 
 

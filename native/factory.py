@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TextIO
 
 from native.gguf_range import model_info, open_reader
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 
 __all__ = ["is_gguf", "load_gguf_backend", "auto_kv_streams", "GGUF_BACKENDS", "AUTO"]
 

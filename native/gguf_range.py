@@ -17,14 +17,14 @@ blocks of ``meshd.slice.start..end``; ``held_range`` says which, and
 whole file are one model artifact and route together.
 
 State: none of its own. The file's digest is computed once and cached on
-disk (``shard/digests.py``, keyed by path, size, mtime_ns and inode), so a
+disk (``shard/model/digests.py``, keyed by path, size, mtime_ns and inode), so a
 restart, a LOAD or a respawn never rehashes an unchanged file.
 
 Identity: ``artifact_digest`` is SHA-256 over the whole file (what
 ``sha256sum`` prints), streamed with progress; ``model_digest`` is the one
 function callers use (the source digest of a slice, else artifact_digest);
 ``gguf_recipe`` names backend, compute dtype, quantization and runtime
-versions as a ``shard.artifact.Recipe`` whose digest is the recipe digest.
+versions as a ``shard.model.artifact.Recipe`` whose digest is the recipe digest.
 Both end up in the ``pb.Fingerprint`` every hop of a route must share.
 
 Errors: a file that is not well-formed GGUF is a ``GGUFFormatError`` (an
@@ -36,18 +36,19 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, TextIO
+from typing import Any, TextIO
 
 import gguf
 
 from native.errors import ArtifactError, RangeUnavailable
 from native.gguf_arch import ARCHITECTURES, Architecture, architecture
 from native.gguf_file import GGUFFile, GGUFTensor
-from shard import digests
-from shard.artifact import Recipe
-from shard.backend import LayerRange
+from shard.model import digests
+from shard.model.artifact import Recipe
+from shard.model.backend import LayerRange
 
 __all__ = [
     "GGUFModelInfo", "RangeTensors", "open_reader", "model_info", "read_range", "held_range",
@@ -55,7 +56,7 @@ __all__ = [
     "SLICE_KEYS",
 ]
 
-# Bounds on what metadata may claim: shard.backend.LayerRange allows 4096 layers;
+# Bounds on what metadata may claim: shard.model.backend.LayerRange allows 4096 layers;
 # widths (hidden, vocab, heads, ffn) and contexts far above any real model.
 MAX_MODEL_LAYERS = 4096
 MAX_WIDTH = 1 << 24

@@ -1,6 +1,6 @@
 """``LlamaRangeBackend``: a layer range of a GGUF file executed by llama.cpp.
 
-Implements ``shard.backend.RangeBackend`` / ``BackendCache``, so shard's
+Implements ``shard.model.backend.RangeBackend`` / ``BackendCache``, so shard's
 session manager, servicer and worker serve it unchanged.
 
 Data flow: ``forward(cache, inputs, effective_start)`` validates the inputs
@@ -23,8 +23,8 @@ seq-id pool and the reserved-token ledger, all under one lock.
 from __future__ import annotations
 
 import heapq
-import sys
 import math
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,9 +38,9 @@ from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, loa
 from native.slice import FAKE_VOCAB, slice_path
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, ProtocolViolation
-from shard.artifact import make_fingerprint
-from shard.backend import LayerRange, ids_in_range
 from shard.errors import ResourceExhausted
+from shard.model.artifact import make_fingerprint
+from shard.model.backend import LayerRange, ids_in_range
 
 __all__ = ["LlamaBackendConfig", "LlamaRangeBackend", "LlamaSeqCache", "KvBudgetExhausted"]
 
@@ -76,7 +76,7 @@ class LlamaSeqCache:
 
     __slots__ = ("past_len", "seq_id", "max_tokens", "_owner", "_engine_start", "broken", "released")
 
-    def __init__(self, owner: "LlamaRangeBackend", seq_id: int, max_tokens: int) -> None:
+    def __init__(self, owner: LlamaRangeBackend, seq_id: int, max_tokens: int) -> None:
         self.past_len = 0
         self.seq_id = seq_id
         self.max_tokens = max_tokens
@@ -232,7 +232,7 @@ class LlamaRangeBackend:
         return exc
 
     # ``forward(..., lend=True)`` may return the tail's logits as llama.cpp's own buffer, valid until
-    # this backend's next forward: shard/batching.py asks only when the caller reads them at once.
+    # this backend's next forward: shard/session/batching.py asks only when the caller reads them at once.
     lends_outputs = True
 
     def forward(self, cache: LlamaSeqCache, inputs: np.ndarray, *, effective_start: int,
@@ -256,7 +256,7 @@ class LlamaRangeBackend:
         """Sessions this backend can hold at once (llama.cpp sequences; with kv_unified off, streams)."""
         return self.config.max_sessions
 
-    # The scheduler (shard/batching.py) keeps a batch within llama.cpp's n_batch.
+    # The scheduler (shard/session/batching.py) keeps a batch within llama.cpp's n_batch.
     max_batch_tokens = MAX_BATCH_TOKENS
 
     def forward_batch(self, caches: list[LlamaSeqCache], inputs: list[np.ndarray], *,
@@ -267,7 +267,7 @@ class LlamaRangeBackend:
         for index, (cache, raw) in enumerate(zip(caches, inputs)):
             try:
                 data = self._prepare(cache, raw, effective_start)
-            except Exception as exc:  # that session's refusal; the others run
+            except Exception as exc:  # noqa: BLE001 - that session's refusal; the others run
                 results[index] = exc
                 continue
             live.append(index)

@@ -26,9 +26,9 @@ import json
 import os
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from native.cbuild import floor_binary
 from native.errors import RuntimeUnavailable
@@ -36,7 +36,7 @@ from native.gguf_range import model_info, open_reader
 from native.llama_engine import MAX_BATCH_TOKENS
 from native.slice import slice_path
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 
 __all__ = ["FloorRun", "floor_generate"]
 

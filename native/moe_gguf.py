@@ -36,7 +36,7 @@ import numpy as np
 
 from native.convert import _FILE_TYPE, _load_tensors, _matrix, _tokenizer_metadata, gguf_cache_root
 from native.errors import ArtifactError
-from shard.artifact import artifact_digest as directory_digest
+from shard.model.artifact import artifact_digest as directory_digest
 
 __all__ = ["convert_qwen3_moe", "MOE_GGUF_TYPES"]
 

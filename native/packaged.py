@@ -26,8 +26,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 # Bump when a builder changes what it writes, so stale caches are not reused.
 BUILD_VERSION = 1

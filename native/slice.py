@@ -50,9 +50,17 @@ import numpy as np
 
 from native.errors import ArtifactError
 from native.gguf_file import GGUFField, GGUFFile, GGUFTensor, VType
-from native.gguf_range import (SLICE_KEYS, RangeTensors, held_range, model_digest, model_info, open_reader,
-                               read_range, size_table)
-from shard.backend import LayerRange
+from native.gguf_range import (
+    SLICE_KEYS,
+    RangeTensors,
+    held_range,
+    model_digest,
+    model_info,
+    open_reader,
+    read_range,
+    size_table,
+)
+from shard.model.backend import LayerRange
 
 __all__ = ["slice_path", "write_slice", "write_user_slice", "slice_cache_root", "FAKE_VOCAB",
            "SLICE_FORMAT_VERSION"]

@@ -6,7 +6,7 @@ selects the range's tensors (``gguf_range.read_range``: memory-mapped, nothing
 else touched), dequantizes each with ``gguf.quants.dequantize`` (the same
 function transformers' ``gguf_file=`` loader uses), undoes what the converter
 did (Llama's Q/K row permutation, Gemma's 1 + w norms), renames them to HF keys and hands the state dict
-to shard's adapter, producing a ``shard.torch_backend.TorchRangeBackend``.
+to shard's adapter, producing a ``shard.model.torch_backend.TorchRangeBackend``.
 Everything downstream (sessions, worker, route driver) is shard's torch path
 unchanged.
 
@@ -27,8 +27,8 @@ import numpy as np
 from native.errors import ArtifactError
 from native.gguf_file import GGUFFile, GGUFTensor
 from native.gguf_range import GGUFModelInfo, gguf_recipe, model_digest, open_reader, read_range
-from shard.artifact import TORCH_LAYOUT, make_fingerprint
-from shard.backend import LayerRange
+from shard.model.artifact import TORCH_LAYOUT, make_fingerprint
+from shard.model.backend import LayerRange
 
 __all__ = ["load_torch_gguf", "hf_config", "range_state_dict"]
 
@@ -78,8 +78,8 @@ def load_torch_gguf(path: str | Path, layer_range: LayerRange, *, dtype: str = "
     import torch
     import transformers
 
-    from shard.adapters import adapter_for, range_config
-    from shard.torch_backend import DTYPES, TorchRangeBackend
+    from shard.model.adapters import adapter_for, range_config
+    from shard.model.torch_backend import DTYPES, TorchRangeBackend
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

@@ -29,9 +29,8 @@ Files and roles:
     flow.py                  flow-control negotiation (strictest wins) and credit accounting
     chunking.py              token-aligned prefill chunk plans (default 128 tokens)
     records.py               Ed25519-signed DHT records and directives (sign, verify, parse)
-    moe_wire.py              the expert exchange codec: hello, rows once + per-expert indices, f32 / q8
-    moe_decode.py            its bounded decoder (re-exported by moe_wire)
-    moe_link.py              sans-I/O link states of the exchange (client fails for good; server hello first)
+    moe/                     the expert exchange: its codec (hello, rows once + per-expert indices,
+                             f32 / q8; bounded decoder) and sans-I/O link states
     golden/                  committed golden frames and their generator (python -m proto.golden)
 
 Typical use: a sender builds bytes with ``wire.request_chunk(envelope, {"h": hidden})``;
@@ -48,14 +47,22 @@ SessionResponse; frames without tensors <= MAX_CONTROL_FRAME_BYTES;
 SessionOpen / SessionAccepted / Envelope carry SCHEMA_VERSION_1.
 """
 from proto import shard_runtime_pb2 as pb
-from proto.errors import (FlowControlViolation, LimitExceeded, LocalError, MeshdError,
-                          PayloadCorrupt, ProtocolError, ProtocolViolation, VersionUnsupported)
-from proto.limits import DEFAULT_LIMITS, Limits
-from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor
-from proto.frames import FrameReader, encode_frame, parse_request, parse_response
-from proto.flow import CreditLedger, CreditWindow, negotiate
 from proto.chunking import plan_prefill_chunks
+from proto.errors import (
+                          FlowControlViolation,
+                          LimitExceeded,
+                          LocalError,
+                          MeshdError,
+                          PayloadCorrupt,
+                          ProtocolError,
+                          ProtocolViolation,
+                          VersionUnsupported,
+)
+from proto.flow import CreditLedger, CreditWindow, negotiate
+from proto.frames import FrameReader, encode_frame, parse_request, parse_response
+from proto.limits import DEFAULT_LIMITS, Limits
 from proto.records import RECORD_DOMAIN, sign_record, verify_record_signature
+from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor
 from proto.zerocopy import read_request, read_response
 
 __all__ = [

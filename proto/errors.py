@@ -39,7 +39,7 @@ class MeshdError(Exception):
 class ProtocolError(MeshdError):
     """The remote peer's fault. ``code`` is the wire ErrorCode to report back."""
 
-    code: int = pb.ERROR_CODE_PROTOCOL_VIOLATION
+    code: pb.ErrorCode = pb.ERROR_CODE_PROTOCOL_VIOLATION
 
 
 class PayloadCorrupt(ProtocolError):

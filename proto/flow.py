@@ -23,9 +23,14 @@ from __future__ import annotations
 
 from proto import shard_runtime_pb2 as pb
 from proto.errors import FlowControlViolation, LimitExceeded, LocalError, ProtocolViolation
-from proto.limits import (DEFAULT_MAX_CHUNK_BYTES, DEFAULT_MAX_INFLIGHT_CHUNKS,
-                          DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES, MAX_INFLIGHT_CHUNKS,
-                          MAX_PREFILL_CHUNK_TOKENS)
+from proto.limits import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_INFLIGHT_CHUNKS,
+    DEFAULT_PREFILL_CHUNK_TOKENS,
+    MAX_FRAME_BYTES,
+    MAX_INFLIGHT_CHUNKS,
+    MAX_PREFILL_CHUNK_TOKENS,
+)
 
 __all__ = ["negotiate", "CreditWindow", "CreditLedger"]
 

@@ -26,8 +26,14 @@ from google.protobuf.message import DecodeError
 
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolViolation, VersionUnsupported
-from proto.limits import (DEFAULT_LIMITS, MAX_CONTROL_FRAME_BYTES, MAX_FRAME_BYTES, MAX_UNARY_REQUEST_BYTES,
-                          MAX_UNSCANNED_FRAME_BYTES, Limits)
+from proto.limits import (
+    DEFAULT_LIMITS,
+    MAX_CONTROL_FRAME_BYTES,
+    MAX_FRAME_BYTES,
+    MAX_UNARY_REQUEST_BYTES,
+    MAX_UNSCANNED_FRAME_BYTES,
+    Limits,
+)
 from proto.wirescan import REQUEST, RESPONSE, TENSOR_FIELDS, scan, top_level_field
 
 __all__ = ["SCHEMA_VERSION", "PREFIX_BYTES", "parse_request", "parse_response", "parse_unary", "encode_frame",

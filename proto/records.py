@@ -43,7 +43,7 @@ def public_key_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
     return pub.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def sign_record(kind: int, payload: bytes, key: Ed25519PrivateKey) -> pb.SignedRecord:
+def sign_record(kind: pb.RecordKind, payload: bytes, key: Ed25519PrivateKey) -> pb.SignedRecord:
     """Sign ``payload`` (a serialized CapabilityPayload or RebalanceDirective)."""
     if kind not in _KINDS:
         raise LocalError(f"record kind must be CAPABILITY, DIRECTIVE, RELAY or EXPERTS, got {kind}")

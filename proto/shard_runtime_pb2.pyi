@@ -347,20 +347,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class TailOptions(_message.Message):
-    __slots__ = ("return_logits", "sample", "sampling", "logprobs", "top_logprobs", "stop_token_ids")
+    __slots__ = ("return_logits", "sample", "sampling", "logprobs", "top_logprobs", "stop_token_ids", "return_hidden")
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     return_logits: bool
     sample: bool
     sampling: SamplingParams
     logprobs: bool
     top_logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_hidden: bool
+    def __init__(self, return_logits: bool = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., return_hidden: bool = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -651,7 +653,7 @@ class HealthRequest(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ...) -> None: ...
 
 class HealthReport(_message.Message):
-    __slots__ = ("schema_version", "state", "active_sessions", "queued_chunks", "batch_occupancy", "kv_pressure", "resident_bytes", "detail", "kv_tokens_used", "kv_budget_tokens", "expert_bytes_sent", "expert_bytes_received", "expert_positions", "expert_failovers", "push_streams_frames", "push_streams_grpc")
+    __slots__ = ("schema_version", "state", "active_sessions", "queued_chunks", "batch_occupancy", "kv_pressure", "resident_bytes", "detail", "kv_tokens_used", "kv_budget_tokens", "expert_bytes_sent", "expert_bytes_received", "expert_positions", "expert_failovers", "push_streams_frames", "push_streams_grpc", "cpu_cores", "machine_memory_bytes", "recent_decode_ms_per_layer", "recent_prefill_tokens_per_s", "decode_positions", "prefill_positions")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ACTIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -668,6 +670,12 @@ class HealthReport(_message.Message):
     EXPERT_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     PUSH_STREAMS_FRAMES_FIELD_NUMBER: _ClassVar[int]
     PUSH_STREAMS_GRPC_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    MACHINE_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RECENT_DECODE_MS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RECENT_PREFILL_TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     state: ServingState
     active_sessions: int
@@ -684,7 +692,13 @@ class HealthReport(_message.Message):
     expert_failovers: int
     push_streams_frames: int
     push_streams_grpc: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., state: _Optional[_Union[ServingState, str]] = ..., active_sessions: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., batch_occupancy: _Optional[int] = ..., kv_pressure: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., detail: _Optional[str] = ..., kv_tokens_used: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., expert_bytes_sent: _Optional[int] = ..., expert_bytes_received: _Optional[int] = ..., expert_positions: _Optional[int] = ..., expert_failovers: _Optional[int] = ..., push_streams_frames: _Optional[int] = ..., push_streams_grpc: _Optional[int] = ...) -> None: ...
+    cpu_cores: int
+    machine_memory_bytes: int
+    recent_decode_ms_per_layer: float
+    recent_prefill_tokens_per_s: float
+    decode_positions: int
+    prefill_positions: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., state: _Optional[_Union[ServingState, str]] = ..., active_sessions: _Optional[int] = ..., queued_chunks: _Optional[int] = ..., batch_occupancy: _Optional[int] = ..., kv_pressure: _Optional[float] = ..., resident_bytes: _Optional[int] = ..., detail: _Optional[str] = ..., kv_tokens_used: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., expert_bytes_sent: _Optional[int] = ..., expert_bytes_received: _Optional[int] = ..., expert_positions: _Optional[int] = ..., expert_failovers: _Optional[int] = ..., push_streams_frames: _Optional[int] = ..., push_streams_grpc: _Optional[int] = ..., cpu_cores: _Optional[int] = ..., machine_memory_bytes: _Optional[int] = ..., recent_decode_ms_per_layer: _Optional[float] = ..., recent_prefill_tokens_per_s: _Optional[float] = ..., decode_positions: _Optional[int] = ..., prefill_positions: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("schema_version", "route_session_id", "route_epoch", "owner_token")

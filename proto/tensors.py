@@ -27,8 +27,7 @@ import zstandard
 from proto import shard_runtime_pb2 as pb
 from proto.checksum import crc32c_bytes
 from proto.decoding import decode_bundle, decode_tensor
-from proto.dtypes import (BUNDLE_VERSION, COMPRESSIONS, ENCODINGS, FLOAT_DTYPES, NUMPY_TO_PB,
-                          PB_TO_NUMPY, pb_dtype_of)
+from proto.dtypes import BUNDLE_VERSION, COMPRESSIONS, ENCODINGS, FLOAT_DTYPES, NUMPY_TO_PB, PB_TO_NUMPY, pb_dtype_of
 from proto.errors import LocalError
 from proto.limits import DEFAULT_FRAGMENT_BYTES, DEFAULT_LIMITS, ZSTD_LEVEL
 from proto.q8 import encode_q8
@@ -75,7 +74,7 @@ class PreparedTensor:
     body: bytes | memoryview
     fragment_bytes: int
 
-    def pieces(self) -> tuple[list, int]:
+    def pieces(self) -> tuple[list[bytes | memoryview], int]:
         """The canonical serialization of the NamedTensor as pieces to join, and its size.
 
         Fields in number order, proto3 defaults omitted: header (1-7), one
@@ -84,7 +83,7 @@ class PreparedTensor:
         view = memoryview(self.body)
         step = self.fragment_bytes
         count = max(1, -(-len(view) // step))
-        out = [self.header]
+        out: list[bytes | memoryview] = [self.header]
         total = len(self.header)
         count_field = b"\x10" + varint(count)
         for i in range(count):
@@ -168,7 +167,7 @@ def prepare_tensor(name: str, array: np.ndarray, *, compression: int = pb.COMPRE
         le = array
         if not (array.flags.c_contiguous and array.dtype is PB_TO_NUMPY[dtype]):
             le = np.ascontiguousarray(array, dtype=PB_TO_NUMPY[dtype])
-        encoded = memoryview(le.reshape(-1).view(np.uint8)).toreadonly()
+        encoded = le.reshape(-1).view(np.uint8).data.toreadonly()
     total = len(encoded)
     if total > limits.max_tensor_bytes:
         raise LocalError(f"tensor {name!r} is {total} bytes; the limit is {limits.max_tensor_bytes}")
@@ -208,9 +207,9 @@ def prepare_bundle(tensors: Mapping, **kwargs) -> list[PreparedTensor]:
     return out
 
 
-def bundle_pieces(prepared: list[PreparedTensor]) -> tuple[list, int]:
+def bundle_pieces(prepared: list[PreparedTensor]) -> tuple[list[bytes | memoryview], int]:
     """Canonical serialization of a TensorBundle as pieces to join, and its size."""
-    out = [b"\x08" + varint(BUNDLE_VERSION)]
+    out: list[bytes | memoryview] = [b"\x08" + varint(BUNDLE_VERSION)]
     total = len(out[0])
     for prep in prepared:
         pieces, size = prep.pieces()

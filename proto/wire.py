@@ -47,12 +47,14 @@ def _finish(tag: bytes, pieces: list, size: int, framed: bool) -> bytes:
     return b"".join([frame_prefix(total), head, *pieces] if framed else [head, *pieces])
 
 
-def _chunk(envelope: pb.Envelope, tensors, kwargs, sample: pb.TailSample | None = None) -> tuple[list, int]:
+def _chunk(envelope: pb.Envelope, tensors, kwargs,
+           sample: pb.TailSample | None = None) -> tuple[list[bytes | memoryview], int]:
     if not isinstance(envelope, pb.Envelope):
         raise LocalError("envelope must be a pb.Envelope")
     env = envelope.SerializeToString()
     head = b"\x0a" + varint(len(env)) + env
-    out, size = [head], len(head)
+    out: list[bytes | memoryview] = [head]
+    size = len(head)
     if tensors or sample is None:
         pieces, bundle_size = bundle_pieces(prepare_bundle(tensors, **kwargs))
         tag = b"\x12" + varint(bundle_size)
@@ -124,7 +126,8 @@ def response_decode(result: pb.DecodeResult, tensors: Mapping[str, np.ndarray | 
         sample = _sample_field(b"\x32", head_msg.sample)   # field 6 follows the bundle (5)
         head_msg.ClearField("sample")
     head = head_msg.SerializeToString()
-    out, size = [head], len(head)
+    out: list[bytes | memoryview] = [head]
+    size = len(head)
     if tensors or sample is None:
         pieces, bundle_size = bundle_pieces(prepare_bundle(tensors, **encode_kwargs))
         tag = b"\x2a" + varint(bundle_size)

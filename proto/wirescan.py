@@ -129,9 +129,10 @@ class Scan:
             raise PayloadCorrupt("field runs past the end of its message")
         return key, pos, stop, value
 
-    def walk(self, kind: int, start: int, end: int) -> tuple[list, int]:
+    def walk(self, kind: int, start: int, end: int) -> tuple[list[bytes | memoryview], int]:
         """Skeleton pieces of the message in data[start:end] and their total size."""
-        view, pieces, size = self.view, [], 0
+        view, size = self.view, 0
+        pieces: list[bytes | memoryview] = []
         descend = _DESCEND[kind]
         seen_child = False
         run = pos = start
@@ -160,9 +161,10 @@ class Scan:
             size += end - run
         return pieces, size
 
-    def _tensor(self, start: int, end: int) -> tuple[list, int]:
+    def _tensor(self, start: int, end: int) -> tuple[list[bytes | memoryview], int]:
         """A NamedTensor: skeleton pieces; records (header or None, payload views)."""
-        data, view, pieces, size = self.data, self.view, [], 0
+        view, size = self.view, 0
+        pieces: list[bytes | memoryview] = []
         values: dict[int, object] = {}
         canonical = True
         frags: list[tuple[int, int, int]] = []

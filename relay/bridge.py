@@ -25,9 +25,10 @@ for its coroutine to end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import grpc
 import grpc.aio
@@ -118,11 +119,11 @@ class WorkerSession:
         self._ended = trio.Event()
         self._closed_writing = False
         self._cancelled = False
-        self._future = None
+        self._future: concurrent.futures.Future[None] | None = None
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, link: WorkerLink) -> AsyncIterator["WorkerSession"]:
+    async def open(cls, link: WorkerLink) -> AsyncIterator[WorkerSession]:
         session = cls(link)
         coro = session._run()
         try:

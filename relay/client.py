@@ -22,9 +22,9 @@ named timeout; library exceptions become relay.errors at this edge.
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import AsyncIterator
 
 import multiaddr
 import trio
@@ -32,8 +32,10 @@ from libp2p.connection_types import ConnectionType
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
-from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage, PeerId as CircuitPeerId
-from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL, CircuitV2Protocol
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import HopMessage
+from libp2p.relay.circuit_v2.pb.circuit_pb2 import PeerId as CircuitPeerId
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import CircuitV2Protocol
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 from libp2p.relay.circuit_v2.utils import read_delimited_msg, write_delimited_msg
 from libp2p.tools.anyio_service import background_trio_service
@@ -103,7 +105,7 @@ async def reserve(host, relay: PeerInfo, *, timeout_s: float = RESERVE_TIMEOUT_S
         finally:
             try:
                 await stream.close()
-            except Exception:  # a relay that already closed is fine
+            except Exception:  # noqa: BLE001 - a relay that already closed is fine
                 pass
     if scope.cancelled_caught:
         raise RelayUnreachable(f"relay {relay.peer_id} did not answer RESERVE within {timeout_s:g} s")
@@ -113,7 +115,7 @@ async def reserve(host, relay: PeerInfo, *, timeout_s: float = RESERVE_TIMEOUT_S
     for raw in answer.reservation.addrs:
         try:
             addrs.append(str(multiaddr.Multiaddr(bytes(raw))))
-        except Exception:  # a malformed address from the relay is skipped, not fatal
+        except Exception:  # noqa: BLE001 - a malformed address from the relay is skipped, not fatal
             continue
     return Reservation(relay_peer_id=relay.peer_id.to_base58(),
                        expires_at_unix=int(answer.reservation.expire) or int(time.time()),
@@ -166,7 +168,7 @@ async def dial_relayed(host, relay: PeerInfo, dest: ID, *,
 async def _reset(stream) -> None:
     try:
         await stream.reset()
-    except Exception:  # already gone
+    except Exception:  # noqa: BLE001 - already gone
         pass
 
 

@@ -10,20 +10,16 @@
         │                             (dial failed, stream reset, timeout). Re-plan the hop.
         └── WorkerUnavailable         the node's own worker did not take the session
                                       (local gRPC failed). Restart or wait for the worker.
-    HostError                         the libp2p host cannot start or reach anyone
-    ├── ListenAddressInvalid          a --listen address we cannot bind (fix the flag)
-    ├── PortInUse                     another process holds the port (pick another)
-    └── BootstrapUnreachable          no bootstrap peer answered (check the addresses)
 
 libp2p, trio and grpc exceptions are mapped to these at the edge with
-``raise ... from exc``; nothing else leaves relay/ for I/O failures.
+``raise ... from exc``; nothing else leaves relay/ for I/O failures. (The
+host's own errors -- listen address, port, bootstrap -- are dht/host/errors.py.)
 """
 from __future__ import annotations
 
 from proto.errors import MeshdError
 
-__all__ = ["RelayError", "RelayRefused", "RelayUnreachable", "WorkerUnavailable", "HostError",
-           "ListenAddressInvalid", "PortInUse", "BootstrapUnreachable"]
+__all__ = ["RelayError", "RelayRefused", "RelayUnreachable", "WorkerUnavailable"]
 
 
 class RelayError(MeshdError):
@@ -44,19 +40,3 @@ class RelayUnreachable(RelayError):
 
 class WorkerUnavailable(RelayError):
     """The local shard worker did not accept or serve a relayed session."""
-
-
-class HostError(MeshdError):
-    """The libp2p host could not start or reach its bootstrap peers."""
-
-
-class ListenAddressInvalid(HostError):
-    """A listen address that is not /ip4|ip6/HOST/tcp/PORT."""
-
-
-class PortInUse(HostError):
-    """Another process holds the listen port."""
-
-
-class BootstrapUnreachable(HostError):
-    """None of the bootstrap peers answered."""

@@ -27,8 +27,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import trio
 from libp2p.peer.id import ID
@@ -186,7 +186,7 @@ class HopService(CircuitV2Protocol):
                     with trio.fail_after(self.write_timeout):
                         await dst_stream.write(data)
                     self.counters.bytes_forwarded += len(data)
-            except Exception as exc:  # reset, closed or slow peer: this circuit ends
+            except Exception as exc:  # noqa: BLE001 - reset, closed or slow peer: this circuit ends
                 reason = type(exc).__name__
         if scope.cancelled_caught:
             reason = "duration cap"
@@ -198,7 +198,7 @@ class HopService(CircuitV2Protocol):
                 # Reset both ends so the opposite direction's read wakes up too.
                 await src_stream.reset()
                 await dst_stream.reset()
-        except Exception:  # already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
     # ------------------------------------------------------------------ status

@@ -17,8 +17,8 @@ Any socket failure is WorkerUnavailable for this session only.
 from __future__ import annotations
 
 import socket
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 import trio
 
@@ -61,7 +61,7 @@ class UnixWorkerSession:
 
     @classmethod
     @asynccontextmanager
-    async def open(cls, link: UnixWorkerLink) -> AsyncIterator["UnixWorkerSession"]:
+    async def open(cls, link: UnixWorkerLink) -> AsyncIterator[UnixWorkerSession]:
         try:
             with trio.fail_after(CONNECT_TIMEOUT_S):
                 stream = await trio.open_unix_socket(link.path)

@@ -17,22 +17,23 @@ when one fails, and report the relayed multiaddrs (for
 Reachability.relayed_addrs) through ``on_addrs`` whenever they change (an
 empty tuple while no relay holds us). Several keepers share one list through
 ``claim`` (each relay held or tried by one keeper at a time). The held
-relay's connection closing (relay/conn_watch.py, the swarm's disconnected
+relay's connection closing (dht/host/conn_watch.py, the swarm's disconnected
 notification) ends the wait at once: addresses withdrawn, a log line, a new
 reservation elsewhere. The schedule is a pure function (``renew_delay``)
 tested with trio's MockClock.
 
-DCUtR (hole punching): py-libp2p 0.8.1 ships a DCUtR protocol, but it needs
-both peers' observed public addresses and TCP simultaneous open, which a
-stateful NAT that drops inbound SYNs (our test topology, and most home
-routers) defeats; relayed hops stay on the relay. Not attempted.
+DCUtR (hole punching) is not this module's: it needs both peers' observed
+public addresses and TCP simultaneous open, which a stateful NAT that drops
+inbound SYNs (our test topology, and many home routers) defeats, so the
+reservation stays the way in. The entry tries a bounded, best-effort direct
+upgrade of a relayed peer in the background (meshd/reach/direct_upgrade.py).
 """
 from __future__ import annotations
 
 import enum
 import json
 import logging
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import multiaddr
 import trio
@@ -74,7 +75,7 @@ def _ip_and_port(addr: str) -> tuple[str, int] | None:
     try:
         ma = multiaddr.Multiaddr(addr)
         values = {p.name: ma.value_for_protocol(p.code) for p in ma.protocols()}
-    except Exception:  # a malformed address from a peer is ignored
+    except Exception:  # noqa: BLE001 - a malformed address from a peer is ignored
         return None
     ip = values.get("ip4") or values.get("ip6")
     if ip is None or "tcp" not in values or "p2p-circuit" in values:
@@ -84,11 +85,11 @@ def _ip_and_port(addr: str) -> tuple[str, int] | None:
 
 def _observed_ip(stream) -> str | None:
     try:
-        return stream.muxed_conn.get_remote_address()[0]   # type: ignore[index]
-    except Exception:
+        return stream.muxed_conn.get_remote_address()[0]
+    except Exception:  # noqa: BLE001 - a connection without an address: ask the stream
         try:
             return stream.get_remote_address()[0]
-        except Exception:
+        except Exception:  # noqa: BLE001 - neither knows the far end: no observation
             return None
 
 
@@ -190,7 +191,7 @@ async def keep_reserved(host, relays: Callable[[], Sequence[PeerInfo]],
     for the fake-clock schedule test). ``claim(relay_id)`` is asked, with no
     await between it and the RESERVE, before each attempt: False (another
     keeper holds or tries that relay) skips it; ``claim(None)`` lets go.
-    ``watch`` (relay/conn_watch.py) wakes us when the held relay's connection
+    ``watch`` (dht/host/conn_watch.py) wakes us when the held relay's connection
     closes: the addresses are withdrawn at once (``on_addrs(())``), logged,
     and we reserve elsewhere (the lost relay tried last). ``wake()`` is an
     event set when the relay list changed; an empty keeper tries again then.

@@ -24,7 +24,8 @@ portal and everything else to the direct gRPC factory it wraps.
 from __future__ import annotations
 
 import threading
-from typing import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import grpc
 import trio
@@ -52,16 +53,16 @@ _END = object()
 class TrioPortal:
     """A trio loop in a daemon thread running ``setup(task_status)`` until ``stop()``."""
 
-    def __init__(self, setup: Callable[..., Awaitable[None]]) -> None:
+    def __init__(self, setup: Callable[..., Awaitable[object]]) -> None:
         self._setup = setup
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
-        self.value = None
+        self.value: Any = None   # what setup passed to task_status.started()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._main, name="trio-portal", daemon=True)
 
-    def __enter__(self) -> "TrioPortal":
+    def __enter__(self) -> TrioPortal:
         self._thread.start()
         self._ready.wait()
         if self.error is not None:
@@ -136,7 +137,8 @@ class _RelayedCall:
         # trio itself, with the queue's own depth as the credit; any other iterator is
         # drained by a pump thread (one more hand-off per frame).
         attach = getattr(requests, "attach", None)
-        self._depth = requests.depth if attach is not None else CALL_QUEUE_FRAMES
+        depth = getattr(requests, "depth", None)
+        self._depth = depth if attach is not None and depth is not None else CALL_QUEUE_FRAMES
         self._up = threading.Semaphore(self._depth)   # requests handed to trio, not yet written
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
         try:
@@ -241,7 +243,7 @@ class _RelayedCall:
 
     # ---------------------------------------------------------- driver thread
 
-    def __iter__(self) -> "_RelayedCall":
+    def __iter__(self) -> _RelayedCall:
         return self
 
     def __next__(self) -> bytes:
@@ -249,6 +251,7 @@ class _RelayedCall:
             raise StopIteration
         item, waiter = self._inbox.get()
         if waiter is not None:
+            assert isinstance(waiter, trio.Event)   # the waiters our trio side makes (_read_all)
             self._wake(waiter)
         if isinstance(item, RelayedRpcError):
             self._finish()
@@ -303,7 +306,7 @@ class RelayedGrpcChannel:
         self.conn = conn        # the one connection its streams open on, when it has one
 
     @classmethod
-    def to_peer(cls, portal, host, peer_id: ID) -> "RelayedGrpcChannel":
+    def to_peer(cls, portal, host, peer_id: ID) -> RelayedGrpcChannel:
         return cls(portal, lambda: open_session_channel(host, peer_id))
 
     def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):

@@ -18,7 +18,8 @@ stamps ``relayed_peer_id`` with the Noise-authenticated peer id of the
 circuit (whatever the peer put there) so the worker binds the session to that
 peer (shard/sessions.py: ownership and per-peer quota). A first frame that is
 not a parseable SessionOpen goes on unchanged: the worker, parsing with the
-same proto.frames.parse_request, refuses it and ends the stream. Every other frame is forwarded unparsed; the worker parses
+same proto.frames.parse_request, refuses it and ends the stream. Every other
+frame is forwarded unparsed; the worker parses
 them (proto.frames.parse_request), so the session state machine is the
 worker's one core for both transports.
 
@@ -31,6 +32,8 @@ peer's bad framing ends only its own session (its gRPC call is cancelled).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -40,9 +43,9 @@ from proto.errors import ProtocolError, ProtocolViolation
 from proto.frames import parse_request
 from relay import trace
 from relay.bridge import WorkerLink, WorkerSession
-from relay.local_link import UNIX_SCHEME, UnixWorkerLink, UnixWorkerSession
 from relay.errors import RelayUnreachable, WorkerUnavailable
-from relay.framing import ByteBudget, FramedStream, RELAYED_MAX_FRAME_BYTES
+from relay.framing import RELAYED_MAX_FRAME_BYTES, ByteBudget, FramedStream
+from relay.local_link import UNIX_SCHEME, UnixWorkerLink, UnixWorkerSession
 
 log = logging.getLogger(__name__)
 
@@ -129,14 +132,14 @@ class RelayedFrameChannel:
         """Half-close our sending side (the peer sees a clean end)."""
         try:
             await self._stream.close()
-        except Exception:  # already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
     async def reset(self) -> None:
         self._give_back()
         try:
             await self._stream.reset()
-        except Exception:  # already gone
+        except Exception:  # noqa: BLE001 - already gone
             pass
 
 
@@ -157,10 +160,14 @@ class RelayedSessionServer:
     def __init__(self, worker_target: str, *, max_sessions: int = MAX_RELAYED_SESSIONS,
                  budget: ByteBudget | None = None) -> None:
         # ``unix:/path``: the worker's frame socket, forwarded inside trio; else loopback gRPC.
+        self._link: WorkerLink | UnixWorkerLink
+        self._open_worker: Callable[[], AbstractAsyncContextManager[WorkerSession | UnixWorkerSession]]
         if worker_target.startswith(UNIX_SCHEME):
-            self._link, self._session_cls = UnixWorkerLink(worker_target), UnixWorkerSession
+            unix = self._link = UnixWorkerLink(worker_target)
+            self._open_worker = lambda: UnixWorkerSession.open(unix)
         else:
-            self._link, self._session_cls = WorkerLink(worker_target), WorkerSession
+            grpc_link = self._link = WorkerLink(worker_target)
+            self._open_worker = lambda: WorkerSession.open(grpc_link)
         self.max_sessions = max_sessions
         self.budget = budget or ByteBudget()
         self.active = 0
@@ -195,7 +202,7 @@ class RelayedSessionServer:
         if first is None:
             return
         opening = stamp_relayed_peer(first, peer_id)
-        async with self._session_cls.open(self._link) as worker:
+        async with self._open_worker() as worker:
             await worker.send(opening)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._uplink, channel, worker)
@@ -205,7 +212,7 @@ class RelayedSessionServer:
                 nursery.cancel_scope.cancel()   # the worker ended the session
 
     @staticmethod
-    async def _uplink(channel: RelayedFrameChannel, worker: WorkerSession) -> None:
+    async def _uplink(channel: RelayedFrameChannel, worker: WorkerSession | UnixWorkerSession) -> None:
         try:
             while (body := await channel.receive()) is not None:
                 await worker.send(body)
@@ -237,12 +244,12 @@ def stamp_relayed_peer(body: bytes, peer_id: str) -> bytes:
 def _peer(stream) -> str:
     try:
         return str(stream.muxed_conn.peer_id)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a label for the log: any failure reads "?"
         return "?"
 
 
 async def _reset(stream) -> None:
     try:
         await stream.reset()
-    except Exception:  # already gone
+    except Exception:  # noqa: BLE001 - already gone
         pass

@@ -50,7 +50,7 @@ class ArtifactError(MeshdError):
 class ShardRefusal(MeshdError):
     """The shard declines this unit of work. Subclasses set ``code`` / ``retryable``."""
 
-    code: int = pb.ERROR_CODE_INTERNAL
+    code: pb.ErrorCode = pb.ERROR_CODE_INTERNAL
     retryable: bool = False
 
     def __init__(self, detail: str, *, actual_past_len: int = 0, retry_after_ms: int = 0) -> None:

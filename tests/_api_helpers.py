@@ -14,16 +14,18 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import trio
 
 from meshd.api.app import ApiContext, build_app
 from meshd.api.entry import Entry, EntryLimits
 from meshd.api.metrics import ApiMetrics
+from meshd.api.model_card import ModelCard
 from meshd.api.server import bind_socket, serve_api
 from meshd.generate.driver import SwarmDriver
 from meshd.generate.hop_meter import MeteredConnector
 from meshd.generate.routes import AdsRouteSource, PeerConnector
-from meshd.generate.service import drive
+from meshd.generate.service import Embeddings, drive, embed_rows
 from meshd.generate.tokenizer import EntryTokenizer
 
 NUM_LAYERS = 6
@@ -48,6 +50,7 @@ def chat_tokenizer_dir(model: Path, root: Path) -> Path:
 class InProcessCore:
     shards: list            # tests/_swarm_helpers.LocalShard
     tokenizer: EntryTokenizer
+    model_path: Path | None = None   # the artifact (Ollama's model card)
 
     def driver(self, observer=None) -> SwarmDriver:
         fp = self.shards[0].service.backend.fingerprint
@@ -60,6 +63,24 @@ class InProcessCore:
     async def __call__(self, params, send, *, observer=None) -> None:
         await drive(self.driver(observer), self.tokenizer, params, send)
 
+    async def embed(self, texts, *, truncate=True, normalize=True, observer=None) -> Embeddings:
+        """The daemon's embed core over the same shards (meshd/generate/service.py embed, star route)."""
+        vectors, total = [], 0
+        for text in texts:
+            ids = self.tokenizer.encode_prompt(text, raw=True)
+            vector = (await embed_rows(self.driver(observer), ids)).astype(np.float64).mean(axis=0)
+            if normalize:
+                vector = vector / np.linalg.norm(vector)
+            vectors.append([float(v) for v in vector])
+            total += len(ids)
+        return Embeddings(vectors, total)
+
+    def card(self) -> ModelCard | None:
+        if self.model_path is None:
+            return None
+        fp = self.shards[0].service.backend.fingerprint
+        return ModelCard.read(self.model_path, MODEL_ID, fp.model_artifact_digest)
+
     def model(self) -> dict:
         fp = self.shards[0].service.backend.fingerprint
         return {"id": MODEL_ID, "digest": fp.model_artifact_digest, "num_layers": NUM_LAYERS, "serving": True,
@@ -67,22 +88,48 @@ class InProcessCore:
 
 
 @contextlib.contextmanager
-def running_api(core: InProcessCore, *, limits: EntryLimits = EntryLimits(), key: str | None = None):
+def tiny_swarm(tmp: Path):
+    """A tiny random Llama split over two in-process gRPC shards; yields (model, shards, core)."""
+    import torch
+
+    from meshd.testing.models import build_random_llama
+    from tests._swarm_helpers import start_shard
+
+    torch.set_num_threads(1)
+    model = build_random_llama(seed=3)
+    shards = [start_shard(model, "peer-a", 0, 3), start_shard(model, "peer-b", 3, 6)]
+    try:
+        yield model, shards, InProcessCore(shards, EntryTokenizer(chat_tokenizer_dir(model, tmp)), model)
+    finally:
+        for s in shards:
+            s.kill()
+
+
+DEFAULT_LIMITS = EntryLimits()
+
+
+@contextlib.contextmanager
+def running_api(core: InProcessCore, *, limits: EntryLimits = DEFAULT_LIMITS, key: str | None = None,
+                allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), max_connections: int = 8,
+                table=None):
     """Serve the app on 127.0.0.1:<free port> in a trio loop on a thread; yields (base url, entry)."""
-    entry = Entry(core, limits, ApiMetrics())
+    entry = Entry(core, limits, ApiMetrics(), embed_core=core.embed)
 
     async def status() -> dict:
         return {"peer_id": "entry", "generations": entry.snapshot()}
 
-    app = build_app(ApiContext(entry, core.model, status, key))
+    card = core.card()
+    loaded = {"size_bytes": card.size_bytes, "expires_at": "2100-01-01T00:00:00Z"} if card else {}
+    app = build_app(ApiContext(entry, core.model, status, key, card=lambda: card, loaded=lambda: loaded,
+                               allowed_hosts=allowed_hosts, cors_origins=cors_origins))
     started = threading.Event()
     box: dict = {}
 
     async def main() -> None:
         sock = bind_socket("127.0.0.1", 0)
         async with trio.open_nursery() as nursery:
-            box["url"] = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=8,
-                                                                          task_status=task_status))
+            box["url"] = await nursery.start(lambda task_status: serve_api(
+                app, sock, max_connections=max_connections, table=table, task_status=task_status))
             box["stop"] = trio.lowlevel.current_trio_token()
             box["cancel"] = nursery.cancel_scope
             started.set()

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shard.service import ShardService
-from shard.sessions import SessionKey, SessionPolicy
+from shard.session.service import ShardService
+from shard.session.sessions import SessionKey, SessionPolicy
 
 WAIT_S = 60.0   # bound of every wait in these tests
 
@@ -25,7 +25,7 @@ def services(backends, *, batching: bool = True) -> list[ShardService]:
 
 
 def step(service: ShardService, key: SessionKey, index: int, position: int, inputs: np.ndarray):
-    """One step of a session exactly as shard/stream.py runs it (the service lock held)."""
+    """One step of a session exactly as shard/session/stream.py runs it (the service lock held)."""
     with service.lock:
         return service.manager.step(key, step=index, position=position, expected_past_len=position,
                                     inputs=inputs, effective_start=service.backend.layer_range.start).payload

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dht.records import CapabilityClaim, sign_capability
 from dht.identity import Identity
+from dht.records import CapabilityClaim, sign_capability
 from proto import shard_runtime_pb2 as pb
 from proto.records import sign_record
 
@@ -76,5 +76,6 @@ def as_record_set(raw: bytes) -> bytes:
 
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *inherited])
     return env

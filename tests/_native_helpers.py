@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 
 
 @dataclass

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shard.reference import greedy
+from shard.model.reference import greedy
 
 
 def run_split(parts, prompt, new_tokens, *, chunk=16, effective=None):
@@ -79,7 +79,7 @@ def drive_fixed(source, prompt, new_tokens, *, connector=None, fingerprint=None,
 def check_route_equals_whole(path, workers, specs, num_layers, *, dtype="float32", prompt=PROMPT,
                              new_tokens=32, chunk=16, label=""):
     """32 greedy tokens through the workers equal the whole model; returns the max logit diff."""
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     got = drive_fixed(fixed_source(workers, specs, num_layers), prompt, new_tokens, chunk=chunk,
                       return_logits=True)
@@ -105,8 +105,8 @@ class RawStream:
     def __init__(self, endpoint: str, timeout_s: float = 60.0) -> None:
         import grpc
 
-        from shard.request_queue import RequestQueue
-        from shard.server import GRPC_OPTIONS, SERVICE_NAME
+        from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+        from shard.session.request_queue import RequestQueue
 
         self.channel = grpc.insecure_channel(endpoint, options=GRPC_OPTIONS)
         self._queue = RequestQueue(16)
@@ -120,10 +120,10 @@ class RawStream:
     def recv(self):
         """The next non-flow-control (response, tensors); a ShardStatus (or a transport error) raises
         StatusError."""
+        import grpc
+
         from proto import shard_runtime_pb2 as pb
         from proto.zerocopy import read_response
-
-        import grpc
 
         while True:
             try:

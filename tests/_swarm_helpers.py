@@ -6,10 +6,10 @@ from dataclasses import dataclass
 import grpc
 
 from meshd.plan.adverts import ShardAd
-from shard.server import build_server
-from shard.service import ShardService
-from shard.sessions import SessionPolicy
-from shard.torch_backend import TorchRangeBackend
+from shard.edges.grpc_server import build_server
+from shard.model.torch_backend import TorchRangeBackend
+from shard.session.service import ShardService
+from shard.session.sessions import SessionPolicy
 
 FAR_FUTURE_MS = 2**62
 

@@ -14,7 +14,6 @@ import os
 import time
 
 import pytest
-import torch
 
 from meshd.api.errors import api_error
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, WorkerConfig
@@ -23,21 +22,14 @@ from meshd.generate.driver import GenerationRequest, PromptTooLarge, SwarmDriver
 from meshd.generate.routes import AdsRouteSource, LoadBook, PeerConnector
 from meshd.plan.assignment import JoinRequest
 from meshd.reach.tls import load_or_create_tls
-from meshd.testing.models import build_random_llama
-from shard.reference import WholeModel
-from shard.sessions import Owner, SessionKey, SessionPolicy
+from shard.model.reference import WholeModel
+from shard.session.sessions import Owner, SessionKey, SessionPolicy
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
 PROMPT = tuple(range(5, 37))
 NEW_TOKENS = 8
 HOG = Owner.of("noise:hog", os.urandom(32))
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture
@@ -58,9 +50,9 @@ def driver_for(shards) -> SwarmDriver:
     return SwarmDriver(source, PeerConnector(insecure_loopback=True), fingerprint=fp, replan_wait_s=0.0)
 
 
-def fill(shard) -> None:
+def fill(local) -> None:
     """Another peer's session takes the shard's whole KV budget (and keeps using it)."""
-    m = shard.service.manager
+    m = local.service.manager
     m.open(SessionKey("hog", 0), m.policy.kv_budget_tokens, HOG)
 
 
@@ -96,8 +88,9 @@ def test_planned_kv_equals_admitted_kv_by_default(tmp_path):
                       tls=load_or_create_tls(tmp_path / "tls", "node"))
     cmd = spec.command(tmp_path / "ready.json")
     assert cmd[cmd.index("--kv-budget-tokens") + 1] == str(w.kv_budget_tokens)
-    from meshd.cli.worker import add_arguments
     import argparse
+
+    from meshd.cli.worker import add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["--model", "m"]).kv_budget_tokens == w.kv_budget_tokens

@@ -12,10 +12,12 @@ import socket
 
 import pytest
 import trio
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.api.jsonbody import MAX_JSON_DEPTH, BadJson, json_depth, loads_bounded, loads_object
-from meshd.daemon.control import request as control_request, serve_control
+from meshd.daemon.control import request as control_request
+from meshd.daemon.control import serve_control
 
 DEEP = b'{"op": "generate", "prompt": ' + b"[" * 1000 + b"]" * 1000 + b"}\n"
 
@@ -113,3 +115,30 @@ def test_control_socket_answers_a_deeply_nested_request_and_keeps_serving(tmp_pa
         assert reply["ok"] is False and "bad request" in reply["error"], reply
     assert "deeper than" in replies[0]["error"]
     assert ping["peer_id"] == "me" and not streamed
+
+
+def test_lone_surrogates_are_refused_naming_where_they_sit():
+    from meshd.api.jsonbody import BadText
+
+    cases = [(b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages[0].content"),
+             (b'{"prompt": "a \\udfff b"}', "prompt"),
+             ('{"prompt": "raw \udcff"}'.encode("utf-8", "surrogatepass"), "prompt"),   # bytes ED B3 BF
+             (b'{"options": {"\\ud800": 1}}', "a key of options"),
+             (b'{"stop": ["ok", "\\udc00"]}', "stop[1]")]
+    for body, where in cases:
+        with pytest.raises(BadText) as info:
+            loads_object(body)
+        assert str(info.value).startswith(where)
+    assert loads_object(b'{"prompt": "\\ud83d\\ude00 pairs are fine"}')["prompt"] == "\U0001F600 pairs are fine"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_any_string_either_parses_to_valid_unicode_or_is_refused(text):
+    body = json.dumps({"prompt": text}).encode()          # ensure_ascii: surrogates travel as escapes
+    try:
+        value = loads_object(body)
+    except BadJson:
+        assert any(0xD800 <= ord(c) <= 0xDFFF for c in text)
+        return
+    value["prompt"].encode("utf-8")

@@ -6,9 +6,11 @@ not, completions, stop strings, seeded sampling, usage equal to the tokens
 streamed, a client that leaves mid-stream (every worker's Health shows 0
 sessions within 2 s), bad fields, hostile JSON on both the API and the
 control socket (the daemon keeps running), /metrics moving with a
-generation, Ollama's routes. Last, the dashboard in headless Chromium shows
-every peer's range, then the gap a stopped node leaves (screenshots kept
-under tests/artifacts/).
+generation, Ollama's routes with the official ``ollama`` client (show, ps,
+list, embed), the Unicode/body fuzz against the daemon itself. Last, the
+dashboard in headless Chromium: every peer's range, each node's memory within
+10 % of its worker's RSS, then a SIGKILLed node shown gone within 5 s, its
+layers a gap and its hop marked dead (screenshots kept under tests/artifacts/).
 
 ``test_logprobs_through_the_swarm`` needs the token-only driver
 (``SampledToken`` with log-probabilities, branch ``driver``); before that
@@ -30,7 +32,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm, wait_for
+from meshd.daemon.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -197,8 +199,11 @@ def test_metrics_parse_and_count_a_generation(url, model_id):
     before = scrape()
     out = client(url).completions.create(model=model_id, prompt="Once upon a time", max_tokens=8)
     after = scrape()
-    grew = lambda name, **labels: after.get((name, tuple(sorted(labels.items()))), 0) - \
-        before.get((name, tuple(sorted(labels.items()))), 0)  # noqa: E731
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
     assert grew("meshd_tokens_predicted_total") == out.usage.completion_tokens
     assert grew("meshd_prompt_tokens_total") == out.usage.prompt_tokens
     assert grew("meshd_requests_total", edge="http", outcome="ok") == 1
@@ -259,30 +264,108 @@ def _gaps(dom: str) -> list[str]:
     return re.findall(r'data-gap="(\d+:\d+)"', dom)
 
 
-def test_dashboard_in_headless_chromium_shows_every_range_then_the_gap(url, model_id, swarm, tmp_path):
-    """Runs last: it stops a node and checks the 503 a gap gives."""
-    client(url).chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4)   # a route in use
-    dom = _dom(url, tmp_path / "profile-a")
-    assert 'data-state="loaded"' in dom, dom[-3000:]
+def _node_rows(dom: str) -> dict[str, dict]:
+    rows = {}
+    for m in re.finditer(r'<tr class="node [^"]*" data-peer="([^"]+)" data-state="([a-z]+)" data-rss="(\d*)" '
+                         r'data-since="(\d*)"', dom):
+        rows[m.group(1)] = {"state": m.group(2), "rss": int(m.group(3) or 0), "since_ms": int(m.group(4) or 0)}
+    return rows
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_ollama_client_show_ps_embed_against_the_swarm(url, model_id):
+    import numpy as np
+    import ollama
+
+    client = ollama.Client(host=url, timeout=300)
+    info = client.show(model_id)
+    # the swarm runs SmolLM2's GGUF converted to a float32 artifact (native.packaged.smollm2_artifact)
+    assert (info.details.family, info.details.parameter_size, info.details.quantization_level) == ("llama", "135M",
+                                                                                                    "F32")
+    assert info.modelinfo["llama.context_length"] == 8192 and "<|im_start|>" in info.template
+    (loaded,) = client.ps().models
+    assert loaded.model == model_id and loaded.size > 0 and loaded.digest.startswith("sha256:")
+    (listed,) = client.list().models
+    assert listed.size > 500_000_000 and listed.digest == loaded.digest and listed.details.family == "llama"
+    out = client.embed(model=model_id, input=["Paris is the capital of France.", "The cat sat on the mat.",
+                                              "France's capital city is Paris."])
+    a, b, c = (np.array(v) for v in out.embeddings)
+    assert a.shape == (576,) and abs(np.linalg.norm(a) - 1) < 1e-6
+    assert float(a @ c) > float(a @ b)            # the paraphrase is nearer than the unrelated sentence
+    same = client.embed(model=model_id, input="Paris is the capital of France.").embeddings[0]
+    assert np.allclose(same, a, atol=1e-6)        # one numeric path: the same text, the same vector
+
+
+def test_the_unicode_and_body_fuzz_never_gets_a_5xx_from_the_daemon(url, model_id, swarm):
+    """The default suite's fuzz (tests/test_api_fuzz.py), unseeded, against the entry daemon itself."""
+    from hypothesis import HealthCheck, given, settings
+
+    from tests._api_fuzz import requests
+
+    entry = swarm.daemons[0]
+    seen = {"n": 0, "5xx": 0}
+    with httpx.Client(base_url=url, timeout=300) as h:
+        @settings(max_examples=600, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(requests(model_id))
+        def case(request):
+            method, path, query, headers, body = request
+            r = h.request(method, f"{path}?{query}" if query else path, headers=headers, content=body or None)
+            seen["n"] += 1
+            assert r.status_code < 500, r.text
+        case()
+    print(f"fuzz against the daemon: {seen['n']} requests, no 5xx")
+    assert entry.alive() and entry.query("ping") and httpx.get(f"{url}/v1/models").status_code == 200
+
+
+def test_dashboard_tells_the_truth_and_shows_a_killed_node_gone(url, model_id, swarm, tmp_path):
+    """Runs last: it SIGKILLs a node. Memory per node is its worker's RSS (within 10 %), a killed
+    node is gone within 5 s (its layers a gap, its hop in the finished route marked), then the gap's 503."""
+    client(url).chat.completions.create(model=model_id, messages=QUESTION, max_tokens=8)   # a route in use
     views = {d.name: d.swarm() for d in swarm.daemons}
     expected = {v["peer_id"]: f"{v['layers'][0]}:{v['layers'][1]}" for v in views.values()}
+    workers = {views[d.name]["peer_id"]: d.query("status")["worker"]["pid"] for d in swarm.daemons}
+
+    def all_measured():
+        d = _dom(url, tmp_path / f"profile-{time.monotonic_ns()}")
+        rows = _node_rows(d)
+        return d if len(rows) == 3 and all(r["state"] == "ok" and r["rss"] for r in rows.values()) else None
+    dom = wait_for(all_measured, "every node's worker measured", 60)
     assert _ranges(dom) == expected and _gaps(dom) == [] and 'data-covered="true"' in dom
-    assert 'class="route done"' in dom
+    for peer, row in _node_rows(dom).items():
+        rss = _rss_bytes(workers[peer])
+        assert abs(row["rss"] - rss) <= 0.10 * rss, (peer, row["rss"], rss)
+    assert 'class="route done"' in dom and "(recent steps)" in dom and 'class="spark"' in dom
+    assert "<meter" in dom and " cores, " in dom
     _screenshot(url, tmp_path / "profile-b", "dashboard-covered.png")
 
     gone = max(swarm.daemons[1:], key=lambda d: views[d.name]["layers"][0])   # not the entry
+    gone_id = views[gone.name]["peer_id"]
     gap = f"{views[gone.name]['layers'][0]}:{views[gone.name]['layers'][1]}"
-    assert gone.stop() == 0                        # SIGTERM: it withdraws its record on the way out
+    killed_ms = time.time() * 1000
+    gone.kill_node()
 
-    def shows_gap():
+    def shows_gone():
         d = _dom(url, tmp_path / f"profile-{time.monotonic_ns()}")
-        return d if _gaps(d) == [gap] else None
-    dom = wait_for(shows_gap, f"the dashboard to show the gap {gap}", 60)
-    assert views[gone.name]["peer_id"] not in _ranges(dom)
-    assert {p: r for p, r in expected.items() if p != views[gone.name]["peer_id"]} == _ranges(dom)
-    _screenshot(url, tmp_path / "profile-c", "dashboard-gap.png")
+        row = _node_rows(d).get(gone_id)
+        return d if row and row["state"] == "gone" else None
+    dom = wait_for(shows_gone, f"the dashboard to show {gone.name} gone", 60)
+    since = _node_rows(dom)[gone_id]["since_ms"]
+    print(f"killed node shown gone {(since - killed_ms) / 1000:.2f} s after SIGKILL (its record lives 8 s)")
+    assert since - killed_ms < 5000
+    assert _gaps(dom) == [gap] and f'data-peer="{gone_id}" data-dead="true"' in dom
+    _screenshot(url, tmp_path / "profile-c", "dashboard-gone.png")
 
+    wait_for(lambda: gone_id not in [p["peer_id"] for p in httpx.get(f"{url}/meshd/status").json()["peers"]],
+             "the killed node's record to expire", 60)
     with pytest.raises(openai.APIStatusError) as info:
         client(url).chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4)
     assert info.value.status_code == 503 and info.value.response.headers["retry-after"]
-    assert gap in info.value.body["message"]
+    a, b = map(int, gap.split(":"))
+    assert gap in info.value.body["message"] or f"{a}..{b - 1}" in info.value.body["message"]

@@ -1,4 +1,4 @@
-"""Continuous batching on the torch lane (shard/batching.py, shard/torch_batch.py).
+"""Continuous batching on the torch lane (shard/session/batching.py, shard/model/torch_batch.py).
 
 Several sessions' steps through one ShardService from several threads share
 forwards; every session's greedy tokens equal the same request run alone,
@@ -13,11 +13,11 @@ import threading
 import numpy as np
 import pytest
 
+from meshd.testing.models import build_random_gemma3, build_random_llama
 from proto.errors import ProtocolViolation
-from shard.torch_backend import TorchRangeBackend
-from meshd.testing.models import build_random_llama, build_random_gemma3
+from shard.model.torch_backend import TorchRangeBackend
+from shard.session.sessions import SessionKey
 from tests._batching_helpers import Gate, concurrent, generate, hold_batches, max_diff, services, step
-from shard.sessions import SessionKey
 
 PROMPTS = [[5, 17, 3, 99, 42], [7, 8, 9], [200, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11], [300, 301, 302, 303]]
 N_NEW = 8
@@ -181,8 +181,8 @@ def test_a_deep_batch_queue_refuses_new_sessions_with_a_retry_hint_then_admits(l
     a new session gets ResourceExhausted (retryable, with a hint); Health shows the depth;
     once the queue drains the same open succeeds and every queued step got its answer."""
     from shard.errors import ResourceExhausted
-    from shard.service import ShardService
-    from shard.sessions import SessionPolicy
+    from shard.session.service import ShardService
+    from shard.session.sessions import SessionPolicy
 
     backend = TorchRangeBackend.load(llama, 0, None, progress=None)
     service = ShardService(backend, SessionPolicy(kv_budget_tokens=4096, max_queued_steps=2))
@@ -223,7 +223,7 @@ def test_a_step_takes_every_decode_row_and_prefill_within_the_prefill_budget(lla
     """Decode rows always ride in the next forward; prefill chunks join only within
     PREFILL_TOKENS_PER_FORWARD (whole chunks, first come first served; the first item always
     goes), with or without decode rows: a burst of prompts goes to the next hop in short forwards."""
-    from shard.batching import PREFILL_TOKENS_PER_FORWARD, _Item
+    from shard.session.batching import PREFILL_TOKENS_PER_FORWARD, _Item
 
     backend = TorchRangeBackend.load(llama, 0, None, progress=None)
     (service,) = services([backend])
@@ -255,7 +255,7 @@ def test_with_other_sessions_active_rows_sent_back_to_back_run_as_one_forward(ll
     would start a forward alone waits while rows keep arriving, so two rows that come one after
     the other share one forward (the quiet period is widened here: a loaded CI machine must not
     turn this into a race)."""
-    import shard.batching as batching
+    import shard.session.batching as batching
 
     monkeypatch.setattr(batching, "GATHER_QUIET_MIN_S", 0.5)
     monkeypatch.setattr(batching, "GATHER_QUIET_MAX_S", 0.5)

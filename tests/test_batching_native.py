@@ -24,7 +24,7 @@ import pytest
 
 from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
 from native.packaged import smollm2_gguf_path
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from tests._batching_helpers import Gate, concurrent, generate, max_diff, services
 
 pytestmark = pytest.mark.native
@@ -83,8 +83,8 @@ def test_llama_shared_kv_pool_drift_is_measured(batching):
 def test_a_release_mid_run_refills_cells_out_of_order_only_in_the_shared_pool(unified):
     """A and B run, B is released, C starts in B's freed cells while A decodes on. Per-session
     streams: A's logits equal A alone bit for bit (asserted). Shared pool: measured and printed."""
-    from native.llama_engine import EngineConfig, LlamaEngine
     from native.gguf_range import model_info, open_reader
+    from native.llama_engine import EngineConfig, LlamaEngine
 
     path = smollm2_gguf_path()
     info = model_info(open_reader(path))

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+from meshd.daemon.local_swarm import REPO_ROOT, child_env
 
 DELAY_MS = 40
 

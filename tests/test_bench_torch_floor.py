@@ -10,7 +10,7 @@ import torch
 
 from meshd.benchmarks.torch_floor import TorchFloor
 from meshd.testing.models import build_random_llama
-from shard.reference import WholeModel
+from shard.model.reference import WholeModel
 
 PROMPT = [5, 17, 3, 99, 42, 7, 8, 120, 33, 64]
 NEW = 12

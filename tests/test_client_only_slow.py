@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-from meshd.benchmarks.local_swarm import REPO_ROOT, LocalSwarm, child_env, wait_for
+from meshd.daemon.local_swarm import REPO_ROOT, LocalSwarm, child_env, wait_for
 
 # Long enough that a kill right after the first token reaches us lands mid-decode.
 FAILOVER_TOKENS = 300
@@ -31,13 +31,6 @@ SPANS = ("0:2", "2:4", "4:6")
 START_TIMEOUT_S = 300
 PROMPT = "the swarm answers"
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model():
-    from meshd.testing.models import build_random_llama
-
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +63,7 @@ def expected(model):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     tok = EntryTokenizer(model)
@@ -142,6 +135,7 @@ def test_a_directive_to_a_client_only_node_is_refused(client):
     import multiaddr
     from libp2p.peer.peerinfo import info_from_p2p_addr
 
+    from dht.host.build import running_host
     from dht.identity import Identity
     from meshd.plan.adverts import Span
     from meshd.plan.assignment import DirectiveIntent
@@ -149,7 +143,6 @@ def test_a_directive_to_a_client_only_node_is_refused(client):
     from meshd.plan.tracker import epoch_at
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange, sign_directive
     from proto import shard_runtime_pb2 as pb
-    from relay.host import running_host
 
     signer = Identity.from_seed(bytes([77]) * 32)
     me = client.query("status")
@@ -177,7 +170,7 @@ def test_killing_the_middle_hop_mid_decode_keeps_the_tokens(swarm, client, model
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     spare = swarm.add(layers="2:4", name="spare")
     swarm.wait_serving(spare, START_TIMEOUT_S)

@@ -14,7 +14,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolError
 from proto.frames import parse_request
 from proto.tensors import decode_tensor, encode_bundle, encode_tensor
-from shard.stream import read_small_or_large
+from shard.session.stream import read_small_or_large
 
 U63 = st.integers(0, (1 << 63) - 1)
 U32 = st.integers(0, (1 << 32) - 1)

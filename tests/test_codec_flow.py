@@ -6,12 +6,25 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from proto import shard_runtime_pb2 as pb
 from proto.chunking import plan_prefill_chunks
-from proto.errors import (FlowControlViolation, LimitExceeded, LocalError, PayloadCorrupt,
-                          ProtocolViolation, VersionUnsupported)
+from proto.errors import (
+    FlowControlViolation,
+    LimitExceeded,
+    LocalError,
+    PayloadCorrupt,
+    ProtocolViolation,
+    VersionUnsupported,
+)
 from proto.flow import CreditLedger, CreditWindow, negotiate
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, MAX_INFLIGHT_CHUNKS
-from proto.records import (RECORD_DOMAIN, parse_capability, parse_directive, parse_signed_record,
-                           sign_record, signed_message, verify_record_signature)
+from proto.records import (
+    RECORD_DOMAIN,
+    parse_capability,
+    parse_directive,
+    parse_signed_record,
+    sign_record,
+    signed_message,
+    verify_record_signature,
+)
 
 FC = pb.FlowControl
 

@@ -21,14 +21,24 @@ from proto import wire
 from proto.errors import LimitExceeded, PayloadCorrupt, ProtocolError
 from proto.frames import FrameReader, encode_frame, parse_request, parse_response
 from proto.q8 import BLOCK
-from proto.records import (parse_capability, parse_directive, parse_signed_record,
-                           verify_record_signature)
+from proto.records import parse_capability, parse_directive, parse_signed_record, verify_record_signature
 from proto.tensors import decode_bundle, decode_tensor, encode_bundle, encode_tensor
 from proto.zerocopy import read_request, read_response
-
-from tests._codec_fuzz_helpers import (BATCH, mutate, COMPRESSIONS, DTYPES, ENV, FLOATS, bundle_seeds, fuzz_inputs,
-                                       only_protocol_errors, record_seeds, request_seeds,
-                                       response_seeds, tensor_seeds)
+from tests._codec_fuzz_helpers import (
+    BATCH,
+    COMPRESSIONS,
+    DTYPES,
+    ENV,
+    FLOATS,
+    bundle_seeds,
+    fuzz_inputs,
+    mutate,
+    only_protocol_errors,
+    record_seeds,
+    request_seeds,
+    response_seeds,
+    tensor_seeds,
+)
 
 # 300 examples x (1 arbitrary + BATCH mutated) inputs = 2700 inputs per decoder test.
 FUZZ = settings(max_examples=300, deadline=None, database=None,
@@ -183,7 +193,7 @@ def test_frame_reader_on_arbitrary_bytes_raises_only_protocol_errors(stream, rng
     for data in [stream, *(mutate(frames, rnd) for _ in range(BATCH))]:
         reader = FrameReader(64)
 
-        def run():
+        def run(data=data, reader=reader):
             pos = 0
             while pos < len(data):
                 step = rnd.randint(1, 40)
@@ -367,7 +377,7 @@ def test_element_count_amplification_is_refused_before_protobuf_allocates(reader
     many_fragments = _chunk_with_tensor_bytes(b"\x0a\x01h" + b"\x42\x00" * (4 << 20))
     long_shape = _chunk_with_tensor_bytes(b"\x0a\x01h\x12\x80\x80\x80\x04" + b"\x01" * (8 << 20))
     for data in (many_fragments, long_shape):
-        def parse():
+        def parse(data=data):
             with pytest.raises(LimitExceeded):
                 reader(data)
         assert _peak_during(parse) < 8 << 20

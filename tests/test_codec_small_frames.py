@@ -9,7 +9,6 @@ import pytest
 from proto.errors import ProtocolError
 
 
-
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -20,8 +19,8 @@ def test_small_tensor_frames_skip_the_wire_scan_and_stay_bounded(field):
     """Frames up to MAX_UNSCANNED_FRAME_BYTES go straight to protobuf: the worst small frame
     (every byte an element: empty fragments, or a packed shape of 1s) still costs little
     memory, and the decoder refuses it with a typed error."""
-    from proto.frames import parse_request
     from proto.decoding import decode_tensor
+    from proto.frames import parse_request
     from proto.limits import MAX_UNSCANNED_FRAME_BYTES
     from proto.tensors import varint
 

@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 def _one_error_line(result: subprocess.CompletedProcess, expected: str) -> None:
     assert result.returncode != 0
-    lines = [l for l in result.stderr.splitlines() if l.startswith("meshd: error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("meshd: error:")]
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr
@@ -79,6 +79,12 @@ def test_unreachable_bootstrap(tmp_path, model_dir):
     r = meshd("join", "--model", str(model_dir), "--layers", "0:2", "--data-dir", str(tmp_path / "d"),
               "--listen", "/ip4/127.0.0.1/tcp/0", "--bootstrap", dead)
     _one_error_line(r, "no bootstrap peer answered")
+
+
+def test_a_swarm_name_we_cannot_use(tmp_path, model_dir):
+    r = meshd("join", "--model", str(model_dir), "--layers", "0:2", "--data-dir", str(tmp_path / "d"),
+              "--swarm", "the smiths")
+    _one_error_line(r, "swarm name 'the smiths': use 1 to 64 letters, digits")
 
 
 def test_status_without_daemon(tmp_path):

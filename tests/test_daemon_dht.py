@@ -13,10 +13,11 @@ from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.peer.peerinfo import PeerInfo
 
 from dht import keys as K
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.node import DhtNode
 from dht.records import validate_capability
 from meshd.errors import RecordRejected
-from relay.host import connect_bootstrap, running_host
 from tests._daemon_helpers import DIGEST, as_record_set, forged_records, good, identity
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
@@ -81,9 +82,9 @@ def test_records_propagate_and_forgeries_are_refused_locally_and_remotely():
 
 @pytest.mark.parametrize("offer", ["plaintext", "secio"])
 def test_dialer_without_noise_is_refused(offer):
+    import libp2p.security.secio.transport as secio
     from libp2p.custom_types import TProtocol
     from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
-    import libp2p.security.secio.transport as secio
 
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):

@@ -8,10 +8,10 @@ import stat
 import pytest
 import trio
 
+from dht.host.build import running_host
+from dht.identity import KEY_FILE_NAME, load_or_create_identity
 from meshd.config import DaemonConfig, load_config, parse_layers
 from meshd.errors import ConfigError, IdentityError, PortInUse
-from relay.host import running_host
-from dht.identity import KEY_FILE_NAME, load_or_create_identity
 from tests._daemon_helpers import identity
 
 

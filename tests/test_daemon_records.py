@@ -2,12 +2,20 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht import keys as K
 from dht.records import (
-    MAX_CLOCK_SKEW_MS, MAX_INDEX_RECORDS, decode_record_set, encode_record_set, merge_records,
-    news, sign_withdrawal, validate_capability, validate_record_set,
+    MAX_CLOCK_SKEW_MS,
+    MAX_INDEX_RECORDS,
+    decode_record_set,
+    encode_record_set,
+    merge_records,
+    news,
+    sign_withdrawal,
+    validate_capability,
+    validate_record_set,
 )
 from dht.validator import MeshdValidator, check_value
 from meshd.errors import RecordRejected
@@ -130,8 +138,9 @@ def test_fuzz_bit_flips_never_validate_as_another_record(pos, flip):
 
 
 def test_store_refuses_new_keys_beyond_its_bound(monkeypatch):
-    import dht.validator as V
     from libp2p.kad_dht.pb.kademlia_pb2 import Record
+
+    import dht.validator as V
 
     class FakeHost:  # ValueStore only keeps a reference; nothing is dialed here
         def get_private_key(self):

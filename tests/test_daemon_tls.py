@@ -9,7 +9,12 @@ import pytest
 
 from meshd.errors import CertificateMismatch, ConfigError
 from meshd.reach.tls import (
-    channel_trusting, pinned_channel_factory, generate_self_signed, load_or_create_tls, loopback_channel, pinned_channel,
+    channel_trusting,
+    generate_self_signed,
+    load_or_create_tls,
+    loopback_channel,
+    pinned_channel,
+    pinned_channel_factory,
     server_credentials,
 )
 

@@ -18,7 +18,7 @@ from meshd.cli.status_view import failure_lines, render_status
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from meshd.daemon.worker_process import WorkerProcess, _ChildProcess, _stop
 from proto import shard_runtime_pb2 as pb
-from shard.worklog import TRACE_MARK
+from shard.session.worklog import TRACE_MARK
 from tests._daemon_helpers import subprocess_env
 
 FAILS_TO_LOAD = r"""

@@ -13,13 +13,23 @@ import hashlib
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 
 from dht import keys as K
 from dht.errors import RecordRejected
 from dht.kademlia import ops
-from dht.kademlia.book import CLOSE, KEEP, RPC_TIMEOUT_CEILING_S, RPC_TIMEOUT_S, STUCK_AFTER, RpcBook
+from dht.kademlia.book import (
+    CLOSE,
+    FOREIGN_RECHECK_S,
+    KEEP,
+    RPC_TIMEOUT_CEILING_S,
+    RPC_TIMEOUT_S,
+    STUCK_AFTER,
+    ForeignPeers,
+    RpcBook,
+)
 from dht.kademlia.ops import ANSWERED, FAILED, TIMED_OUT, Get, Outcome, Pause, Put, Together
 from dht.kademlia.values import ValueStore, fetched
 from dht.lookup import key_hash
@@ -121,7 +131,8 @@ class FakeNetwork:
             return Outcome(FAILED, True)
 
     def closest(self, key: bytes, count: int, but: int) -> list[int]:
-        return sorted((i for i in range(len(self.nodes)) if i != but), key=lambda p: position(p) ^ key_hash(key))[:count]
+        others = (i for i in range(len(self.nodes)) if i != but)
+        return sorted(others, key=lambda p: position(p) ^ key_hash(key))[:count]
 
 
 def record(seed: int, *, seq: int = 10, now: int = NOW_MS, start: int = 0, end: int = 4):
@@ -292,7 +303,8 @@ def test_a_connected_peers_misses_double_its_own_deadline_and_close_it_when_alon
     assert book.deadline("b", True) == RPC_TIMEOUT_S
     for miss in range(STUCK_AFTER):
         misses = book.misses("b", True)
-        assert book.deadline("b", True) == pytest.approx(min(RPC_TIMEOUT_CEILING_S, book.connected.timeout() * 2 ** miss))
+        backed_off = min(RPC_TIMEOUT_CEILING_S, book.connected.timeout() * 2 ** miss)
+        assert book.deadline("b", True) == pytest.approx(backed_off)
         verdict = book.timed_out("b", True, 3.0, now=float(miss), misses=misses)
     assert verdict == CLOSE and book.counts["stuck_closed"] == 1 and book.connected.samples == 1
     assert book.deadline("c", True) == book.connected.timeout()      # another peer's is untouched
@@ -313,6 +325,33 @@ def test_a_peer_we_dial_has_the_dial_deadline_and_its_timeout_is_no_miss():
     book = RpcBook()
     assert book.deadline("d", False) == book.dialed.timeout()
     assert book.timed_out("d", False, 2.0, now=0.0, misses=0) is None and book.misses("d", True) == 0
+
+
+def test_a_peer_of_another_swarm_stays_out_until_its_recheck_and_is_counted_once():
+    foreign = RpcBook().foreign
+    assert not foreign.excluded("x", 0.0)
+    assert foreign.found("x", 10.0) is True and foreign.excluded("x", 10.0 + FOREIGN_RECHECK_S - 1)
+    assert not foreign.excluded("x", 10.0 + FOREIGN_RECHECK_S)          # due for a check again
+    assert foreign.found("x", 100.0) is False and foreign.seen == 1     # still remembered: not new
+    assert foreign.excluded("x", 100.0 + FOREIGN_RECHECK_S - 1)         # its recheck moved on
+    foreign.speaks("x")                                                 # restarted into our swarm
+    assert not foreign.excluded("x", 101.0) and len(foreign) == 0
+
+
+@settings(max_examples=50, deadline=None)
+@given(peers=st.lists(st.integers(0, 20), max_size=60), limit=st.integers(1, 8))
+def test_foreign_peers_are_bounded_and_the_oldest_finding_goes_first(peers, limit):
+    foreign = ForeignPeers(recheck_s=5.0, limit=limit)
+    for t, peer in enumerate(peers):
+        foreign.found(peer, float(t))
+        assert len(foreign) <= limit and foreign.excluded(peer, float(t))
+    last = {peer: float(t) for t, peer in enumerate(peers)}          # each peer's latest finding
+    kept = sorted(last, key=last.__getitem__)[-limit:]                 # the latest findings survive
+    now = float(len(peers))
+    assert all(foreign.excluded(p, now) == (p in kept and last[p] + 5.0 > now) for p in last)
+    with pytest.raises(ValueError):
+        ForeignPeers(recheck_s=0.0)
+
 
 
 # ------------------------------------------------------------------------------------- the store

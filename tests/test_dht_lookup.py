@@ -14,7 +14,8 @@ import os
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht.lookup import K_CLOSEST, LATE_QUORUM, SEED_PEERS, Lookup, key_hash, peer_hash
 

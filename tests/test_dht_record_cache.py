@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from dht import keys as K
 from dht.errors import RecordRejected
 from dht.records import RecordCache, parse_record_set_lenient, validate_capability
 from dht.validator import check_value
-from dht import keys as K
 from tests._daemon_helpers import DIGEST, NOW_MS, TTL_MS, as_record_set, forged_records, good, identity
 
 

@@ -28,12 +28,13 @@ import pytest
 import trio
 
 from dht import keys as K
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
 from dht.identity import Identity
 from dht.kademlia.book import RpcTimer
 from dht.kademlia.values import lenient
 from dht.node import DhtNode
 from dht.records import CapabilityClaim, sign_capability, validate_capability
-from relay.host import connect_bootstrap, running_host
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ import random
 
 import pytest
 import trio
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from libp2p.kad_dht import routing_table as library
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
@@ -35,7 +36,8 @@ def ours(me: int, k: int, max_buckets: int) -> RoutingTable[int]:
 
 
 def test_the_constants_are_the_librarys():
-    from libp2p.kad_dht.common import BUCKET_SIZE as LIB_K, MAXIMUM_BUCKETS as LIB_BUCKETS
+    from libp2p.kad_dht.common import BUCKET_SIZE as LIB_K
+    from libp2p.kad_dht.common import MAXIMUM_BUCKETS as LIB_BUCKETS
 
     assert (BUCKET_SIZE, MAX_BUCKETS) == (LIB_K, LIB_BUCKETS) == (20, 256)
 

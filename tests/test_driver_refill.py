@@ -18,7 +18,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
 from meshd.errors import ConfigError
 from meshd.generate.driver import CoverageGap, GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver
@@ -26,9 +25,8 @@ from meshd.generate.push import PushDriver
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.plan.adverts import Span
 from meshd.reach.tls import loopback_channel
-from meshd.testing.models import build_random_llama
-from shard.reference import WholeModel
-from shard.server import GRPC_OPTIONS
+from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
@@ -36,12 +34,6 @@ PROMPT = tuple(range(5, 45))  # 40 tokens: three prefill chunks of 16
 NEW_TOKENS = 20
 KILL_AT = 6                   # tokens received before B dies
 REFILL_AFTER_READS = 3        # the refill appears on the driver's 3rd read of the ads after the kill
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """Free KV in the capability record: when it is republished (FreeKvGate) and what the claim says."""
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.daemon.advertiser import claim_from_report
 from meshd.daemon.free_kv import MIN_INTERVAL_S, MOVE_FRACTION, FreeKvGate

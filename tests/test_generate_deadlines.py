@@ -3,8 +3,16 @@ from __future__ import annotations
 
 import pytest
 
-from meshd.generate.deadlines import (DECODE_FLOOR_S, FACTOR, FIRST_CHUNK_DEADLINE_S, MAX_PATIENCE,
-                                      OPEN_DEADLINE_S, PREFILL_FLOOR_S, RECENT, StepDeadlines)
+from meshd.generate.deadlines import (
+    DECODE_FLOOR_S,
+    FACTOR,
+    FIRST_CHUNK_DEADLINE_S,
+    MAX_PATIENCE,
+    OPEN_DEADLINE_S,
+    PREFILL_FLOOR_S,
+    RECENT,
+    StepDeadlines,
+)
 
 
 def test_nothing_measured_gets_the_generous_first_bound():

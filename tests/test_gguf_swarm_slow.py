@@ -24,7 +24,7 @@ import time
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 from meshd.generate.tokenizer import EntryTokenizer
 from native.llama_reference import reference_generate
 from proto.errors import MeshdError
@@ -176,6 +176,7 @@ def _deliver_from_tracker(swarm, target, span):
 
     import trio
 
+    from dht.host.build import running_host
     from dht.identity import Identity, load_or_create_identity
     from meshd.plan.adverts import Span
     from meshd.plan.assignment import DirectiveIntent
@@ -183,7 +184,6 @@ def _deliver_from_tracker(swarm, target, span):
     from meshd.plan.tracker import epoch_at
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange, sign_directive
     from proto import shard_runtime_pb2 as pb
-    from relay.host import running_host
 
     view = target.swarm()
     tracker_id = view["tracker"]
@@ -225,7 +225,7 @@ def test_a_route_never_mixes_recipes(tmp_path):
 def test_relayed_llama_cpp_hop(tmp_path):
     """A --reachability private llama.cpp daemon reached only through a relay circuit: same tokens."""
     from meshd.benchmarks import relay_harness as H
-    from meshd.benchmarks.local_swarm import LocalDaemon
+    from meshd.daemon.local_swarm import LocalDaemon
     from meshd.testing.gguf_models import build_random_gguf
 
     path = build_random_gguf("qwen3")

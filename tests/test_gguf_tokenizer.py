@@ -80,7 +80,7 @@ def test_gemma3_ids_match_transformers():
 def test_gguf_without_vocabulary_is_a_config_error(tmp_path):
     from meshd.errors import ConfigError
     from native.slice import slice_path
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     os.environ["MESHD_SLICE_CACHE"] = str(tmp_path)
     try:
@@ -89,3 +89,15 @@ def test_gguf_without_vocabulary_is_a_config_error(tmp_path):
         del os.environ["MESHD_SLICE_CACHE"]
     with pytest.raises(ConfigError, match="cannot tokenize"):
         EntryTokenizer(no_vocab)
+
+
+def test_a_lone_surrogate_is_the_clients_error_not_a_type_error():
+    """The tokenizers library raises TypeError on a lone surrogate (it was an HTTP 500): now LocalError."""
+    from proto.errors import LocalError
+
+    tok = EntryTokenizer(smollm2_gguf_path())
+    for call in (lambda: tok.encode_chat([("user", "hi \ud800")]), lambda: tok.encode_prompt("x \udfff", raw=True),
+                 lambda: tok.encode_prompt("x \udfff", raw=False)):
+        with pytest.raises(LocalError, match="lone surrogate"):
+            call()
+    assert tok.encode_prompt("hi \U0001F600", raw=True)

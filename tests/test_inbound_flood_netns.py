@@ -1,4 +1,4 @@
-"""Connection limits that keep the door open (issue 17 item 5), with REAL daemons in namespaces.
+"""Connection limits that keep the door open, with REAL daemons in namespaces.
 
 Topology (tests/_netns.py): the public namespace runs the bootstrap daemon (layers [0, 3)) on
 10.213.1.1; home1 (10.213.1.2, one address) holds 500 idle TCP connections open to its libp2p
@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
+from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from tests._netns import NetnsUnavailable, new_topology
 from tests.test_relayd_netns import START_TIMEOUT_S, NsDaemon
 
@@ -72,7 +72,7 @@ def test_a_new_node_joins_through_a_node_flooded_by_one_address(tmp_path):
 
     from meshd.generate.tokenizer import EntryTokenizer
     from meshd.testing.models import build_random_llama
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=0)

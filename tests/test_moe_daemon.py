@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht.expert_records import ExpertClaim, validate_experts
 from meshd.config import load_config
@@ -14,8 +16,8 @@ from meshd.daemon.experts_part import ExpertAdvertiser, ExpertWorkerSpec
 from meshd.daemon.worker_process import WorkerSpec
 from meshd.errors import ConfigError
 from meshd.plan.experts import runs_of
-from shard.expert_pool import placements_from_json, placements_to_json, Placement
-from shard.expert_spec import ExpertSpec
+from shard.experts.pool import Placement, placements_from_json, placements_to_json
+from shard.experts.spec import ExpertSpec
 from tests._daemon_helpers import DIGEST, NOW_MS, identity
 
 MODEL = Path("/models/qwen3-moe")
@@ -127,9 +129,6 @@ def test_expert_worker_refuses_incomplete_arguments(capsys, kw, match):
 
     assert worker.run(_worker_args(**kw)) == 2
     assert match in capsys.readouterr().err
-
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,16 +8,17 @@ teacher-forced positions, < 1/3 of f32's bytes); rows once (copies per item
 from __future__ import annotations
 
 import pytest
-
 from _shard_helpers import PROMPT
+
+import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
 from meshd.testing.experts import ExpertPeer, generate, teacher_forced, tls_files
 from meshd.testing.models import build_random_qwen2_moe, build_random_qwen3_moe
-from proto import moe_wire as W
-from shard.expert_pool import ExpertRouter, Placement
-from shard.expert_spec import ExpertSpec
-from shard.moe import ExpertsUnavailable
-from shard.reference import WholeModel
-from shard.torch_backend import TorchRangeBackend
+from proto import moe as W
+from shard.experts.dispatch import ExpertsUnavailable
+from shard.experts.pool import ExpertRouter, Placement
+from shard.experts.spec import ExpertSpec
+from shard.model.reference import WholeModel
+from shard.model.torch_backend import TorchRangeBackend
 
 NEW_TOKENS = 12
 # The drift gate's fixed prompt set: 4 sequences x 16 positions = 64 positions.
@@ -124,7 +125,7 @@ def _drift(path, tls, served, act):
         stats = router.stats()
     finally:
         peer.stop()
-    return [t for argmax, _ in runs for t in argmax], [l for _, logits in runs for l in logits], stats
+    return [t for argmax, _ in runs for t in argmax], [row for _, logits in runs for row in logits], stats
 
 
 def test_q8_drift_gate(qwen3_wide, tls):
@@ -242,7 +243,7 @@ def test_a_peer_of_another_recipe_refuses_the_hello(qwen3, tls):
 
 
 def test_the_expert_store_reads_only_its_experts(qwen3):
-    from shard.expert_store import ExpertStore
+    from shard.experts.store import ExpertStore
 
     path, _ = qwen3
     store = ExpertStore.load(path, ExpertSpec.parse("1:E2+E5"))
@@ -255,8 +256,8 @@ def test_the_expert_store_reads_only_its_experts(qwen3):
 
 
 def test_a_validated_holder_reports_the_experts_it_needs(qwen2, tls):
-    from shard.service import ShardService
-    from shard.sessions import SessionPolicy
+    from shard.session.service import ShardService
+    from shard.session.sessions import SessionPolicy
 
     path, _ = qwen2
     peer = ExpertPeer.start(path, "0-3:E4-E7+shared", tls)
@@ -276,8 +277,8 @@ def test_bf16_delegation_is_exact(tls):
     """bfloat16 holders: rows cross as float32 (exact for bf16 values), peers compute in bfloat16."""
     path = build_random_qwen3_moe()
     ref = WholeModel(path, "bfloat16").generate(PROMPT, 8, chunk_tokens=16)
-    from shard.expert_server import ExpertServer
-    from shard.expert_store import ExpertStore as Store
+    from shard.experts.server import ExpertServer
+    from shard.experts.store import ExpertStore as Store
 
     store = Store.load(path, ExpertSpec.parse("0-5:E4-E7"), dtype="bfloat16")
     fp = store.fingerprint

@@ -1,4 +1,4 @@
-"""Expert exchange link states (proto/moe_link.py) and the one exchange function over socket pairs.
+"""Expert exchange link states (proto/moe/link.py) and the one exchange function over socket pairs.
 
 The rule under test: a transport or protocol failure marks the link failed,
 and every later exchange on it fails at once without sending or reading -- so
@@ -13,13 +13,16 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from proto import moe_wire as W
+from proto import moe as W
 from proto.errors import LocalError, ProtocolViolation
+from proto.errors import ProtocolError as ProtocolError_
 from proto.frames import encode_frame
-from proto.moe_link import ClientLink, LinkFailed, PeerRefused, ServerLink
-from shard.expert_server import serve_connection
-from shard.expert_transport import ExpertConnection, recv_exactly
+from proto.moe.link import ClientLink, LinkFailed, PeerRefused, ServerLink
+from shard.experts.server import serve_connection
+from shard.experts.transport import ExpertConnection, recv_exactly
 
 ART, REC = "sha256:" + "a" * 64, "sha256:" + "b" * 64
 ROWS = np.array([[1.0, 2.0], [3.0, 4.0]], np.float32)
@@ -154,7 +157,7 @@ class ScriptedPeer(threading.Thread):
         self.sock.settimeout(1.0)
         try:
             self.later = self.sock.recv(1 << 16)   # a second request would arrive here
-        except (socket.timeout, OSError):
+        except (TimeoutError, OSError):
             pass
 
 
@@ -291,8 +294,6 @@ def test_hello_to_a_peer_that_closes_on_it_names_the_version():
 
 # --------------------------------------------------------------------------- fuzz of both ends
 
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300), st.booleans())
@@ -321,12 +322,9 @@ def test_fuzz_client_link_fails_cleanly_on_any_reply(body):
     assert isinstance(reply, W.Reply) and client.state == "ready"
 
 
-from proto.errors import ProtocolError as ProtocolError_  # noqa: E402
-
-
 def test_the_router_probes_peers_before_any_token_and_sets_refusers_aside():
-    from shard.expert_pool import ExpertRouter, Placement
-    from shard.expert_spec import ExpertSpec
+    from shard.experts.pool import ExpertRouter, Placement
+    from shard.experts.spec import ExpertSpec
 
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]

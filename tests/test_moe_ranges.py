@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
-
 from _shard_helpers import PROMPT, max_diff, run_split
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from meshd.testing.models import build_random_llama, build_random_qwen2_moe, build_random_qwen3_moe
-from shard.expert_spec import SHARED, ExpertSpec, ExpertSpecError
-from shard.moe import MoeDispatch
-from shard.moe_adapters import moe_layers
-from shard.reference import WholeModel
-from shard.torch_backend import TorchRangeBackend
+from shard.experts.adapters import moe_layers
+from shard.experts.dispatch import MoeDispatch
+from shard.experts.spec import SHARED, ExpertSpec, ExpertSpecError
+from shard.model.reference import WholeModel
+from shard.model.torch_backend import TorchRangeBackend
 
 FAMILIES = {"qwen3_moe": (build_random_qwen3_moe, 6), "qwen2_moe": (build_random_qwen2_moe, 4)}
 NEW_TOKENS = 12
@@ -90,7 +91,7 @@ def test_dispatch_holding_every_expert_equals_the_transformers_block(references)
 
 
 def test_missing_experts_without_peers_fail_clearly(references):
-    from shard.moe import ExpertsUnavailable
+    from shard.experts.dispatch import ExpertsUnavailable
 
     path, _ = references["qwen3_moe"]
     backend = TorchRangeBackend.load(path, 0, 6, progress=None, experts=ExpertSpec.parse("0-5:E0-E6"))

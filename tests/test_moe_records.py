@@ -5,18 +5,25 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht import keys as K
 from dht.errors import RecordRejected
-from dht.expert_records import (MAX_EXPERT_RUNS, ExpertClaim, sign_experts, sign_experts_withdrawal,
-                                validate_expert_set, validate_experts)
+from dht.expert_records import (
+    MAX_EXPERT_RUNS,
+    ExpertClaim,
+    sign_experts,
+    sign_experts_withdrawal,
+    validate_expert_set,
+    validate_experts,
+)
 from dht.records import encode_record_set, merge_records
 from dht.validator import MeshdValidator, check_value
 from meshd.plan.experts import ExpertFootprint, coverage, placements, plan_experts, runs_of, spec_of
 from proto import shard_runtime_pb2 as pb
 from proto.records import sign_record
-from shard.expert_spec import SHARED, ExpertSpec
+from shard.experts.spec import SHARED, ExpertSpec
 from tests._daemon_helpers import DIGEST, NOW_MS, TTL_MS, identity
 
 A, B, EVE = identity(31), identity(32), identity(33)
@@ -172,8 +179,9 @@ def test_plan_experts_counts_shared_experts():
 def test_expert_records_propagate_through_a_real_dht():
     import time
 
+    from dht.host.bootstrap import connect_bootstrap
+    from dht.host.build import running_host
     from dht.node import DhtNode
-    from relay.host import connect_bootstrap, running_host
 
     def wall_ms() -> int:
         return int(time.time() * 1000)

@@ -19,7 +19,7 @@ import signal
 import pytest
 import torch
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 from meshd.daemon.worker_process import HEALTH_INTERVAL_S
 from meshd.testing.models import build_random_qwen3_moe
 
@@ -37,7 +37,8 @@ HEALTH_SNAPSHOTS = 6      # health snapshots to wait for one taken after the kil
 
 def _reference_tokens(path, prompt_ids, new_tokens):
     """The whole model in this process, at the workers' one compute thread (numerics depend on it)."""
-    from shard.reference import WholeModel
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
+    from shard.model.reference import WholeModel
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,15 +1,15 @@
-"""The expert exchange codec (proto/moe_wire.py): golden bytes, round trips, every bound, fuzz."""
+"""The expert exchange codec (proto/moe/wire.py): golden bytes, round trips, every bound, fuzz."""
 from __future__ import annotations
 
 import struct
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from proto import moe_wire as W
-from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolError, ProtocolViolation, \
-    VersionUnsupported
+from proto import moe as W
+from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolError, ProtocolViolation, VersionUnsupported
 from proto.q8 import BLOCK
 
 

@@ -16,7 +16,7 @@ import torch
 from meshd.testing.gguf_models import ARCHS, build_random_gguf
 from meshd.testing.models import gemma3_gguf_path
 from native.torch_gguf import load_torch_gguf
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from tests._native_helpers import greedy_chain, max_logit_diff, ranges
 
 PROMPT = [5, 17, 99, 200, 3, 44, 12, 8, 150, 77]

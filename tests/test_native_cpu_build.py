@@ -10,8 +10,15 @@ import platform
 
 import pytest
 
-from native.cpu_build import (BASE_ARGS, XFEATURE_XTILEDATA, amx_usable, build_key, cmake_args, cpu_flags,
-                              xcomp_supported)
+from native.cpu_build import (
+    BASE_ARGS,
+    XFEATURE_XTILEDATA,
+    amx_usable,
+    build_key,
+    cmake_args,
+    cpu_flags,
+    xcomp_supported,
+)
 
 # Sapphire Rapids that reports AMX (the machine).
 SPR = ("processor\t: 0\nvendor_id\t: GenuineIntel\n"

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshd.testing.models import build_random_llama, smollm2_gguf_path
 from native.convert import convert, permute_qk, unpermute_qk
 from native.errors import ArtifactError, RangeUnavailable
 from native.gguf_range import artifact_digest, gguf_recipe, model_info, open_reader, read_range
 from native.slice import FAKE_VOCAB, slice_path
 from proto.errors import LocalError, MeshdError
-from shard.backend import LayerRange
-from meshd.testing.models import build_random_llama, smollm2_gguf_path
+from shard.model.backend import LayerRange
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meshd.testing.models import build_random_llama, smollm2_gguf_path
 from native.convert import convert
 from native.errors import ArtifactError, RangeUnavailable
 from native.llama_backend import KvBudgetExhausted, LlamaBackendConfig, LlamaRangeBackend
 from proto.errors import LimitExceeded, LocalError, ProtocolViolation
-from shard.backend import BackendCache, LayerRange, RangeBackend
-from meshd.testing.models import build_random_llama, smollm2_gguf_path
+from shard.model.backend import BackendCache, LayerRange, RangeBackend
 from tests._native_helpers import greedy_chain, max_logit_diff, ranges
 
 pytestmark = pytest.mark.native

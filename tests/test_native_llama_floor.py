@@ -26,7 +26,7 @@ from native.llama_engine import EngineConfig, LlamaEngine
 from native.llama_floor import floor_generate
 from native.llama_reference import reference_generate
 from native.slice import slice_path
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 
 pytestmark = pytest.mark.native
 

@@ -10,7 +10,7 @@ from native.gguf_range import model_info, open_reader, read_range
 from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
 from native.moe_gguf import convert_qwen3_moe
 from native.slice import slice_path
-from shard.backend import LayerRange
+from shard.model.backend import LayerRange
 from tests._native_helpers import greedy_chain, max_logit_diff, ranges
 
 pytestmark = pytest.mark.native
@@ -69,7 +69,8 @@ def test_a_slice_carries_exactly_its_layers_experts(ggufs, tmp_path, monkeypatch
 
 def test_llama_cpp_and_torch_agree_on_the_same_inputs(ggufs):
     """Across runtimes only the logits on the same inputs compare (random weights have near-tied logits)."""
-    from shard.torch_backend import TorchRangeBackend
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
+    from shard.model.torch_backend import TorchRangeBackend
 
     artifact, files = ggufs
     ll = LlamaRangeBackend(files["F32"], LayerRange(0, 6, 6), CONFIG, progress=None)

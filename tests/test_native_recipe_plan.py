@@ -1,11 +1,20 @@
 """The recipe benchmark's pure parts: cell metrics, drift and the locked DGR-001 verdict."""
 from __future__ import annotations
 
-
 import pytest
 
-from meshd.benchmarks.recipe_plan import (PERFORMANCE_FIT, PROMPTS, QUALITY, Outcome, Plan, Thresholds,
-                                          cell_metrics, drift, evaluate, outputs_by_prompt)
+from meshd.benchmarks.recipe_plan import (
+    PERFORMANCE_FIT,
+    PROMPTS,
+    QUALITY,
+    Outcome,
+    Plan,
+    Thresholds,
+    cell_metrics,
+    drift,
+    evaluate,
+    outputs_by_prompt,
+)
 
 
 def test_cell_metrics_follow_the_conventions():

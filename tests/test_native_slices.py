@@ -8,18 +8,17 @@ import sys
 import numpy as np
 import pytest
 
+from meshd.errors import LayerRangeInvalid
 from meshd.plan.footprint import gguf_footprint
 from meshd.plan.modelinfo import check_layers, held_layers, model_digest
-from meshd.errors import LayerRangeInvalid
 from meshd.testing.gguf_models import build_random_gguf
-from meshd.testing.models import smollm2_gguf_path
+from meshd.testing.models import build_random_llama, smollm2_gguf_path
 from meshd.testing.procs import child_env
 from native.convert import convert
 from native.errors import RangeUnavailable
 from native.gguf_range import artifact_digest, held_range, model_info, open_reader, read_range, size_table
 from native.slice import slice_path, write_user_slice
-from shard.backend import LayerRange
-from meshd.testing.models import build_random_llama
+from shard.model.backend import LayerRange
 
 
 @pytest.fixture(scope="module")

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
+from meshd.testing.models import build_random_llama, smollm2_artifact, smollm2_gguf_path
 from native.convert import convert
 from native.errors import ArtifactError
 from native.torch_gguf import load_torch_gguf
-from shard.backend import LayerRange
-from shard.reference import WholeModel
-from meshd.testing.models import build_random_llama, smollm2_artifact, smollm2_gguf_path
+from shard.model.backend import LayerRange
+from shard.model.reference import WholeModel
 from tests._native_helpers import greedy_chain, max_logit_diff, ranges
 
 PROMPT = [5, 17, 99, 200, 3, 44, 12, 8, 150, 77]

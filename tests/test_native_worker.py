@@ -7,15 +7,15 @@ import sys
 import numpy as np
 import pytest
 
-from native.convert import convert
-from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
 from meshd.errors import HopFailure
 from meshd.generate.driver import RouteFailed
 from meshd.generate.routes import PeerConnector, discover_fingerprint, fixed_route
-from proto import shard_runtime_pb2 as pb
-from shard.backend import LayerRange
-from meshd.testing.procs import child_env, spawn_worker
 from meshd.testing.models import build_random_llama
+from meshd.testing.procs import child_env, spawn_worker
+from native.convert import convert
+from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
+from proto import shard_runtime_pb2 as pb
+from shard.model.backend import LayerRange
 from tests._native_helpers import greedy_chain
 from tests._shard_helpers import drive_fixed
 

@@ -6,8 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshd.plan.adverts import CoverageMap, Span
-from meshd.plan.assignment import (AssignmentReason, DirectiveIntent, JoinRequest, ModelFootprint,
-                              plan_join, plan_rebalance)
+from meshd.plan.assignment import (
+    AssignmentReason,
+    DirectiveIntent,
+    JoinRequest,
+    ModelFootprint,
+    plan_join,
+    plan_rebalance,
+)
 from meshd.plan.errors import NoFitError, PlanInputError, PlanningError
 from proto import shard_runtime_pb2 as pb
 from tests._planner_helpers import MODEL, make_ad, swarms

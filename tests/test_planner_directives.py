@@ -9,8 +9,15 @@ from hypothesis import strategies as st
 
 from meshd.plan.adverts import Span
 from meshd.plan.assignment import DirectiveIntent
-from meshd.plan.directives import (CLOCK_SKEW_MS, MAX_DIRECTIVE_TTL_MS, MAX_SEEN_DIRECTIVES,
-                              DirectiveLedger, NodeView, accept_directive, build_directive)
+from meshd.plan.directives import (
+    CLOCK_SKEW_MS,
+    MAX_DIRECTIVE_TTL_MS,
+    MAX_SEEN_DIRECTIVES,
+    DirectiveLedger,
+    NodeView,
+    accept_directive,
+    build_directive,
+)
 from meshd.plan.errors import DirectiveRefused, PlanInputError, RefusalReason
 from meshd.plan.tracker import TRACKER_EPOCH_MS, rank_trackers
 from proto import shard_runtime_pb2 as pb

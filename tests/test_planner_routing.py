@@ -7,11 +7,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshd.plan.adverts import CoverageMap, Span
 from meshd.benchmarks import route_plan
+from meshd.plan.adverts import CoverageMap, Span
 from meshd.plan.errors import MissingLayersError, PlanInputError, PlanningError
-from meshd.plan.routing import (DEFAULT_RTT_MS, NO_KV_PENALTY_MS, RELAY_PENALTY_MS, Hop, Route,
-                           RouteCosts, hops_to_reprefill, link_rtt, plan_route, replacement_route)
+from meshd.plan.routing import (
+    DEFAULT_RTT_MS,
+    NO_KV_PENALTY_MS,
+    RELAY_PENALTY_MS,
+    Hop,
+    Route,
+    RouteCosts,
+    hops_to_reprefill,
+    link_rtt,
+    plan_route,
+    replacement_route,
+)
 from tests._planner_helpers import MODEL, make_ad, swarms
 
 ENTRY = "entry"

@@ -8,8 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshd.plan.errors import PlanInputError
-from meshd.plan.tracker import (TRACKER_DOMAIN, TRACKER_EPOCH_MS, current_tracker, eligible_peers,
-                           epoch_at, peer_distance, rank_trackers, tracker_key)
+from meshd.plan.tracker import (
+    TRACKER_DOMAIN,
+    TRACKER_EPOCH_MS,
+    current_tracker,
+    eligible_peers,
+    epoch_at,
+    peer_distance,
+    rank_trackers,
+    tracker_key,
+)
 from tests._planner_helpers import MODEL, make_ad
 
 HEADS = [make_ad(f"12D3KooWhead{i}", 0, 4) for i in range(6)]

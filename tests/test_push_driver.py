@@ -10,28 +10,20 @@ Tokens equal the whole model's, greedy and seeded, with and without failure.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from meshd.generate.driver import GenerationRequest, RouteFailed, collect
 from meshd.generate.push import PushDriver
 from meshd.generate.routes import AdsRouteSource, PeerConnector, fixed_route
 from meshd.reach.tls import loopback_channel
-from meshd.testing.models import build_random_llama
 from proto import shard_runtime_pb2 as pb
-from shard.reference import WholeModel
-from shard.sampling import SamplingSpec
-from shard.server import GRPC_OPTIONS
+from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
+from shard.model.sampling import SamplingSpec
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
 PROMPT = tuple(range(5, 45))  # 40 tokens: three prefill chunks of 16
 NEW_TOKENS = 20
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +227,7 @@ def test_a_silent_middle_hop_is_found_by_the_route_deadline_and_replaced(shards,
 def _feed_attempt(shard, session_id: str, fp, token: bytes) -> pb.SessionResponse:
     """Open a push_feed stream on ``shard`` for the session, as an upstream hop would."""
     from proto.frames import parse_response
-    from shard.forwarder import SESSION_METHOD
+    from shard.push.successor import SESSION_METHOD
 
     body = pb.SessionRequest(open=pb.SessionOpen(
         schema_version=1, route_session_id=session_id, route_epoch=0, fingerprint=fp,

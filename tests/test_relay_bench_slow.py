@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from meshd.benchmarks import relay_harness as H
+
 pytestmark = pytest.mark.slow
 
 

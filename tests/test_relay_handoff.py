@@ -4,7 +4,8 @@ from __future__ import annotations
 import threading
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proto.errors import LocalError
 from relay.handoff import Credits, Inbox

@@ -125,7 +125,7 @@ def test_a_destination_that_never_reads_cannot_make_the_relay_buffer():
                     while pushed < 64 * 1024 * 1024:
                         pushed += len(chunk)
                         await stream.write(chunk)
-                except Exception:  # py-libp2p gives up after 5 s without a window update
+                except Exception:  # noqa: BLE001 - py-libp2p gives up after 5 s without a window update
                     stopped = True
             forwarded = t.hop.snapshot()["bytes_forwarded"]
             print(f"dialer pushed {pushed} bytes before blocking, relay forwarded {forwarded}")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from meshd.benchmarks import relay_harness as H
-from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
+from tests._netns import NetnsUnavailable, new_topology, start_capture, stop_capture, tcp_connects
 
 pytestmark = pytest.mark.netns
 
@@ -33,8 +33,8 @@ NEW_TOKENS = 12
 
 
 def test_generation_through_a_home_node_behind_nat(tmp_path):
-    from shard.reference import WholeModel
     from meshd.testing.models import build_random_llama
+    from shard.model.reference import WholeModel
 
     model = build_random_llama(seed=0)
     topo = new_topology()
@@ -68,7 +68,10 @@ def test_generation_through_a_home_node_behind_nat(tmp_path):
         assert "/p2p-circuit/p2p/" in relayed_addr
 
         peer = node.ready["peer_id"]
-        hop = lambda endpoint, a, b: {"endpoint": endpoint, "start": a, "end": b, "num_layers": LAYERS}  # noqa: E731
+
+        def hop(endpoint, a, b):
+            return {"endpoint": endpoint, "start": a, "end": b, "num_layers": LAYERS}
+
         spec = {"hops": [hop(head.ready["listen"], 0, 2), hop("p2p:" + peer, 2, 4), hop(tail.ready["listen"], 4, 6)],
                 "relayed": {peer: relayed_addr}, "prompt": PROMPT, "max_new_tokens": NEW_TOKENS,
                 "chunk_tokens": 16, "return_logits": True}

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 
 from meshd.benchmarks import relay_harness as H
+
 pytestmark = pytest.mark.slow
 
 
 def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
-    from shard.reference import WholeModel
     from meshd.testing.models import build_random_llama
+    from shard.model.reference import WholeModel
 
     model = build_random_llama(seed=0)
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 380, size=40)]
@@ -25,7 +26,10 @@ def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
                                  middle.ready["listen"])
         kids.append(node)
         peer = node.ready["peer_id"]
-        hop = lambda endpoint, a, b: {"endpoint": endpoint, "start": a, "end": b, "num_layers": 6}  # noqa: E731
+
+        def hop(endpoint, a, b):
+            return {"endpoint": endpoint, "start": a, "end": b, "num_layers": 6}
+
         base = {"prompt": prompt, "max_new_tokens": 12, "chunk_tokens": 16, "return_logits": True}
         direct = H.drive({**base, "hops": [hop(head.ready["listen"], 0, 2), hop(middle.ready["listen"], 2, 4),
                                            hop(tail.ready["listen"], 4, 6)]})

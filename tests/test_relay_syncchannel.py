@@ -6,15 +6,15 @@ import queue
 import grpc
 import pytest
 import trio
+from libp2p.tools.anyio_service import background_trio_service
 
 from relay.bridge import SESSION_METHOD
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import HopService
-from shard.request_queue import RequestQueue
 from relay.syncchannel import RelayedRpcError, TrioPortal, relayed_channel_factory
 from relay.transport import RelayedSessionServer
+from shard.session.request_queue import RequestQueue
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
-from libp2p.tools.anyio_service import background_trio_service
 
 
 def _portal(target: str | None):

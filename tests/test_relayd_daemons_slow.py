@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
 from meshd.benchmarks import relay_harness as H
+from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from relay.client import parse_relayed_addr
 
 pytestmark = pytest.mark.slow
@@ -64,8 +64,8 @@ def test_private_home_node_through_two_relays_survives_a_relay_death(tmp_path):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
     from meshd.testing.models import build_random_llama
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=5, num_hidden_layers=LAYERS)

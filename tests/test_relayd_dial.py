@@ -8,9 +8,9 @@ import trio
 from libp2p.tools.anyio_service import background_trio_service
 
 from meshd.errors import HopFailure
-from meshd.reach.relay_dial import LoopPortal, RelayDialer
-from meshd.plan.routing import Hop
 from meshd.generate.routes import PeerConnector
+from meshd.plan.routing import Hop
+from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from relay.bridge import SESSION_METHOD
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService

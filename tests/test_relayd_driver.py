@@ -9,14 +9,12 @@ model's. When no way is left the peer is avoided like any failed peer.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from meshd.generate.driver import GenerationRequest, RouteFailed, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource
 from meshd.reach.tls import loopback_channel
-from shard.reference import WholeModel
-from shard.server import GRPC_OPTIONS
-from meshd.testing.models import build_random_llama
+from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
@@ -41,12 +39,6 @@ class TwoWayConnector:
             self.retries.append(peer_id)
             return True
         return False
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 def test_same_peer_through_another_way_keeps_route_and_tokens_then_gives_up(model):

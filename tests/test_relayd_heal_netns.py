@@ -1,4 +1,4 @@
-"""Relays that heal (issue 17 item 4), with REAL daemons under real NAT in network namespaces.
+"""Relays that heal, with REAL daemons under real NAT in network namespaces.
 
 Topology (tests/_netns.py): "public" runs two `meshd relay`s and a public daemon (tail layers
 [4, 6), bootstrapping through both relays); home1 runs the middle layers [2, 4), home2 the entry
@@ -23,8 +23,8 @@ import time
 import pytest
 
 from meshd.benchmarks import relay_harness as H
-from meshd.benchmarks.local_swarm import LocalDaemon, wait_for
 from meshd.daemon.control import request as control_request
+from meshd.daemon.local_swarm import LocalDaemon, wait_for
 from tests._netns import NetnsUnavailable, new_topology
 from tests.test_relayd_netns import START_TIMEOUT_S, NsDaemon
 
@@ -53,7 +53,7 @@ def test_a_home_node_holds_two_relays_and_heals_when_one_dies(tmp_path):
 
     from meshd.generate.tokenizer import EntryTokenizer
     from meshd.testing.models import build_random_llama
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=0)

@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshd.daemon.control import request as control_request
-from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
 from meshd.benchmarks import relay_harness as H
-from tests._netns import start_capture, stop_capture, NetnsUnavailable, new_topology, tcp_connects
+from meshd.daemon.control import request as control_request
+from meshd.daemon.local_swarm import REPO_ROOT, LocalDaemon, child_env, wait_for
+from tests._netns import NetnsUnavailable, new_topology, start_capture, stop_capture, tcp_connects
 
 pytestmark = pytest.mark.netns
 
@@ -54,7 +54,8 @@ class NsDaemon(LocalDaemon):
         self.log = root / f"{name}.log"
         args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
                 "--listen", listen, "--data-dir", str(self.data_dir), "--record-ttl", str(RECORD_TTL_S),
-                "--reachability", "auto", *(["--bootstrap", *bootstrap] if bootstrap else []), *extra]
+                "--reachability", "auto", *(["--bootstrap", *bootstrap] if bootstrap else []),
+                "--no-mdns", *extra]   # the homes sit behind NAT, on no LAN with the public side
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(), stdout=self._log_file,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -66,8 +67,8 @@ def _head_activation_probes(model: Path, ids: list[int]) -> tuple[list[bytes], b
     COMPRESSION_NONE only, so these bytes cross the wire as they are, unless encrypted)."""
     from proto import shard_runtime_pb2 as pb
     from proto import wire
-    from shard.stream import HIDDEN
-    from shard.torch_backend import TorchRangeBackend
+    from shard.model.torch_backend import TorchRangeBackend
+    from shard.session.stream import HIDDEN
 
     backend = TorchRangeBackend.load(model, 0, 2)
     hidden = backend.forward(backend.new_cache(len(ids) + 8), np.asarray(ids, dtype=np.int64), effective_start=0)
@@ -80,8 +81,8 @@ def test_real_daemons_generate_through_a_home_node_behind_nat(tmp_path):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
     from meshd.testing.models import build_random_llama
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     model = build_random_llama(seed=0)

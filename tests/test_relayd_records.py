@@ -7,17 +7,18 @@ from contextlib import AsyncExitStack
 
 import pytest
 import trio
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht import keys as K
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
+from dht.identity import Identity
 from dht.node import DhtNode
 from dht.records import MAX_CLOCK_SKEW_MS, encode_record_set
-from dht.relay_records import (MAX_RELAY_ADDRS, parse_relay_set_lenient, sign_relay, validate_relay,
-                               validate_relay_set)
+from dht.relay_records import MAX_RELAY_ADDRS, parse_relay_set_lenient, sign_relay, validate_relay, validate_relay_set
 from dht.validator import MeshdValidator, check_value
 from meshd.errors import RecordRejected
-from relay.host import connect_bootstrap, running_host
-from dht.identity import Identity
 from proto import shard_runtime_pb2 as pb
 from proto.records import sign_record
 from relay.announce import announce_relay, public_addrs
@@ -160,7 +161,9 @@ def test_announce_republishes_with_rising_sequence_on_a_fake_clock():
         return 1
 
     async def main():
-        wall = lambda: NOW + int(trio.current_time() * 1000)  # noqa: E731
+        def wall():
+            return NOW + int(trio.current_time() * 1000)
+
         async with trio.open_nursery() as nursery:
             await nursery.start(lambda task_status: announce_relay(
                 A, lambda: [addr(A)], publish, ttl_s=30.0, wall_ms=wall,
@@ -178,7 +181,10 @@ def test_announce_republishes_with_rising_sequence_on_a_fake_clock():
 
 def test_a_relay_record_published_on_one_node_is_listed_by_the_others():
     idents = [ident(51), ident(52), ident(53)]
-    wall = lambda: int(time.time() * 1000)  # noqa: E731
+
+    def wall():
+        return int(time.time() * 1000)
+
 
     async def main():
         with trio.fail_after(60):

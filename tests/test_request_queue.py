@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from shard.request_queue import RequestQueue
+from shard.session.request_queue import RequestQueue
 
 
 def test_as_an_iterator_it_yields_in_order_and_ends_at_finish():

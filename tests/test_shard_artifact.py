@@ -5,8 +5,12 @@ import hashlib
 
 import pytest
 
-from shard.artifact import (
-    Recipe, artifact_digest, fingerprints_match, make_fingerprint, torch_recipe,
+from shard.model.artifact import (
+    Recipe,
+    artifact_digest,
+    fingerprints_match,
+    make_fingerprint,
+    torch_recipe,
 )
 
 

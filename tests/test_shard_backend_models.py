@@ -5,8 +5,10 @@ import json
 
 import pytest
 
-from shard.backend import LayerRange
 from meshd.testing import models as testmodels
+from shard.model.backend import LayerRange
+
+
 def test_layer_range_properties():
     r = LayerRange(0, 3, 6)
     assert r.is_head and not r.is_tail and r.count == 3

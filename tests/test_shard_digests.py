@@ -1,4 +1,4 @@
-"""The artifact digest is computed once per file and cached on disk (shard/digests.py).
+"""The artifact digest is computed once per file and cached on disk (shard/model/digests.py).
 
 Real files: hashed once, found again after the in-process memo is gone (a worker
 respawn) and in a fresh process (a restart); touched, rewritten or replaced files
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from native.gguf_range import artifact_digest as gguf_digest
-from shard import digests
-from shard.artifact import artifact_digest
+from shard.model import digests
+from shard.model.artifact import artifact_digest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,7 +163,7 @@ def test_hashing_a_large_file_reports_progress_a_few_times_per_second(tmp_path, 
     assert quiet.getvalue() == ""                   # below PROGRESS_MIN_BYTES: no lines
 
 
-PROBE = ("import sys; from shard import digests; from shard.artifact import artifact_digest; "
+PROBE = ("import sys; from shard.model import digests; from shard.model.artifact import artifact_digest; "
          "from native.gguf_range import artifact_digest as g; "
          "d = artifact_digest(sys.argv[1]); e = g(sys.argv[2]); print(d, e, digests.hash_runs)")
 

@@ -12,27 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from proto import shard_runtime_pb2 as pb
-from proto.limits import MAX_FRAME_BYTES
-from proto.tensors import encode_tensor
-from meshd.testing import models as testmodels
 from meshd.errors import HopFailure
 from meshd.generate.driver import RouteFailed
 from meshd.generate.routes import fixed_route
 from meshd.testing.procs import spawn_workers
-from shard.reference import WholeModel
-from shard.server import GRPC_OPTIONS, SERVICE_NAME
-from tests._shard_helpers import (PROMPT, RawStream, StatusError, check_route_equals_whole, drive_fixed,
-                                  fixed_source)
+from proto import shard_runtime_pb2 as pb
+from proto.limits import MAX_FRAME_BYTES
+from proto.tensors import encode_tensor
+from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+from shard.model.reference import WholeModel
+from tests._shard_helpers import PROMPT, RawStream, StatusError, check_route_equals_whole, drive_fixed, fixed_source
 
 torch.set_num_threads(1)
 SPECS = ["0:3", "3:6"]
 BUDGET = 512
-
-
-@pytest.fixture(scope="module")
-def model():
-    return testmodels.build_random_llama()
+MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +202,7 @@ def test_the_tail_draws_what_the_logits_say_and_sends_only_the_token(model, work
     """Token-only tails (the default) and tails that also return logits draw the same tokens,
     greedy and seeded; each drawn token is the pure function of (seed, position) of its logits."""
     from proto.limits import MAX_TAIL_BYTES_PER_DECODE_STEP
-    from shard.sampling import SamplingSpec, sample_token
+    from shard.model.sampling import SamplingSpec, sample_token
 
     source = fixed_source(workers, SPECS, 6)
     for sampling in (SamplingSpec(), SamplingSpec(temperature=0.8, top_k=20, seed=11)):

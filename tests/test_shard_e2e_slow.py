@@ -66,7 +66,7 @@ def _self_signed(tmp_path):
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshd-test")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
             .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
             .not_valid_after(now + datetime.timedelta(hours=1))
@@ -85,14 +85,15 @@ def test_tls_port_serves_a_generation(tmp_path):
     import grpc
 
     from meshd.generate.routes import fixed_route
-    from shard.reference import WholeModel
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
+    from shard.model.reference import WholeModel
     from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed
 
     cert_pem = _self_signed(tmp_path)
     path = testmodels.build_random_llama()
     workers = spawn_workers(path, ["0:6"], threads=1, extra=[
-        "--tls-listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")])
+        "--tls-listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "cert.pem"),
+        "--tls-key", str(tmp_path / "key.pem")])
     try:
         assert workers[0].tls_endpoint and workers[0].tls_endpoint != workers[0].endpoint
 

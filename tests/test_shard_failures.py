@@ -20,13 +20,13 @@ import torch
 
 from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
-from shard import worklog
-from shard.worklog import TRACE_MARK
 from shard.errors import MAX_DETAIL_CHARS, ResourceExhausted, is_out_of_memory, map_failure
-from shard.service import ShardService
-from shard.sessions import SessionPolicy
-from shard.stream import SessionStream
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
+from shard.session import worklog
+from shard.session.service import ShardService
+from shard.session.sessions import SessionPolicy
+from shard.session.stream import SessionStream
+from shard.session.worklog import TRACE_MARK
 from tests.test_shard_stream import decode_req, error_of, open_req, opened, parse
 
 torch.set_num_threads(1)
@@ -79,7 +79,7 @@ def test_a_backend_failure_mid_decode_is_logged_with_its_traceback_and_answered_
     assert status.error.code == pb.ERROR_CODE_INTERNAL and status.error.retryable and not status.terminal
     assert "RuntimeError" in status.error.detail and "worker's log" in status.error.detail
     assert "session cache reset to 0" in status.error.detail
-    [rec] = records(caplog, "shard.sessions")
+    [rec] = records(caplog, "shard.session.sessions")
     assert rec.levelno == logging.ERROR and rec.exc_info and rec.exc_info[0] is RuntimeError
     assert "mat1 and mat2" in str(rec.exc_info[1])        # torch's own message, in the log
     # the cache was reset: the next step is told where the session really is
@@ -95,7 +95,7 @@ def test_a_failed_validation_keeps_its_message_bounded_and_logs_the_traceback(mo
     assert not report.validated
     assert report.detail.startswith("validation forward failed: RuntimeError: mat1 and mat2 shapes cannot be")
     assert len(report.detail) <= MAX_DETAIL_CHARS and "\n" not in report.detail
-    [rec] = records(caplog, "shard.service")
+    [rec] = records(caplog, "shard.session.service")
     assert rec.levelno == logging.ERROR and rec.exc_info[0] is RuntimeError
 
 
@@ -114,7 +114,7 @@ def test_a_cache_failure_that_is_not_memory_is_internal_never_no_room(model_dir,
                                                                vanished)))
     assert status.terminal and status.error.code == pb.ERROR_CODE_INTERNAL
     assert "creating a KV cache of 64 tokens failed (OSError)" in status.error.detail
-    [rec] = records(caplog, "shard.sessions")
+    [rec] = records(caplog, "shard.session.sessions")
     assert rec.levelno == logging.ERROR and rec.exc_info[0] is OSError
 
 
@@ -129,7 +129,7 @@ def test_a_real_lack_of_memory_is_resource_exhausted_and_logged(model_dir, caplo
     assert status.error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and status.error.retryable
     assert status.error.detail == "out of memory creating a KV cache of 64 tokens"
     assert status.error.retry_after_ms > 0
-    [rec] = records(caplog, "shard.sessions")
+    [rec] = records(caplog, "shard.session.sessions")
     assert rec.levelno == logging.WARNING and rec.exc_info
 
 
@@ -139,7 +139,7 @@ def test_a_budget_shortfall_is_resource_exhausted_and_not_logged(model_dir, capl
     opened(svc, session="first")                       # 64 of 100 tokens reserved, in use
     status = _open_status(svc)
     assert status.error.code == pb.ERROR_CODE_RESOURCE_EXHAUSTED and "KV budget full" in status.error.detail
-    assert records(caplog, "shard.sessions") == []     # a refusal, not a failure of ours
+    assert records(caplog, "shard.session.sessions") == []     # a refusal, not a failure of ours
 
 
 def test_the_mapping_rules():
@@ -149,7 +149,8 @@ def test_the_mapping_rules():
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     mine = ResourceExhausted("KV budget full")
     assert map_failure(mine, "x") is mine
-    assert map_failure(KeyError("k"), "doing y").detail == "doing y failed (KeyError); the traceback is in the worker's log"
+    assert (map_failure(KeyError("k"), "doing y").detail
+            == "doing y failed (KeyError); the traceback is in the worker's log")
 
 
 # ------------------------------------------------------------------ the stream's own catch-all
@@ -166,7 +167,7 @@ def test_an_unexpected_exception_in_the_stream_is_logged_and_ends_only_that_stre
     status = error_of(s.receive(open_req(svc, session="bug")))
     assert s.closed and status.terminal and status.error.code == pb.ERROR_CODE_INTERNAL
     assert status.error.detail.startswith("handling the open message failed (KeyError)")
-    [rec] = records(caplog, "shard.stream")
+    [rec] = records(caplog, "shard.session.stream")
     assert rec.levelno == logging.ERROR and rec.exc_info[0] is KeyError
     monkeypatch.undo()
     opened(svc, session="next")                        # the worker serves on

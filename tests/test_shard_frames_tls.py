@@ -1,4 +1,4 @@
-"""The framed fast path (shard/frame_server.py, meshd/generate/unix_channel.py TlsFrameChannel):
+"""The framed fast path (shard/edges/frame_server.py, meshd/generate/unix_channel.py TlsFrameChannel):
 Session frames over pinned TLS/TCP to real worker processes -- exact, pinned, bounded, gRPC fallback."""
 from __future__ import annotations
 
@@ -16,24 +16,19 @@ from hypothesis import strategies as st
 from meshd.errors import CertificateMismatch
 from meshd.generate.unix_channel import TlsFrameChannel, UnixLinkError
 from meshd.reach.tls import pinned_channel
-from meshd.testing import models as testmodels
 from meshd.testing.experts import tls_files
 from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
 from proto.limits import MAX_FRAME_BYTES
-from shard.expert_transport import client_tls_context
-from shard.reference import WholeModel
-from shard.server import GRPC_OPTIONS
+from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.experts.transport import client_tls_context
+from shard.model.reference import WholeModel
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]
+MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
 torch.set_num_threads(1)  # as the workers: same reduction order, exact logits
-
-
-@pytest.fixture(scope="module")
-def model():
-    return testmodels.build_random_llama()
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +104,7 @@ def test_unreachable_frames_port_falls_back_to_grpc(model, workers, tls):
 def test_wrong_pin_is_refused_and_never_falls_back(workers, tls):
     fell_back = []
     ch = TlsFrameChannel(workers[0].frames_endpoint, bytes(32), lambda: fell_back.append(1))
-    from shard.request_queue import RequestQueue
+    from shard.session.request_queue import RequestQueue
 
     with pytest.raises(CertificateMismatch):
         ch.stream_stream("/x/Session")(RequestQueue(4))
@@ -215,7 +210,7 @@ def test_grpc_fallback_channel_carries_unary_calls(workers, tls):
 def test_the_frames_port_is_not_a_private_edge(workers):
     """A TLS frames caller is a public peer: an open without an owner token is refused, so it can
     neither act as the local daemon nor name a relayed peer (only the Unix socket may)."""
-    from shard.server import SERVICE_NAME
+    from shard.edges.grpc_server import SERVICE_NAME
 
     with grpc.insecure_channel(workers[0].endpoint) as channel:   # the private loopback port
         report = pb.CapabilityReport.FromString(channel.unary_unary(f"/{SERVICE_NAME}/GetCapability")(
@@ -233,7 +228,7 @@ def test_the_frames_port_is_not_a_private_edge(workers):
 
 def _health(worker, tls) -> pb.HealthReport:
     from proto.frames import SCHEMA_VERSION
-    from shard.server import SERVICE_NAME
+    from shard.edges.grpc_server import SERVICE_NAME
 
     channel = pinned_channel(worker.tls_endpoint, tls.pin, GRPC_OPTIONS)
     try:
@@ -246,7 +241,7 @@ def _health(worker, tls) -> pb.HealthReport:
 
 @pytest.mark.parametrize("frames_to_successor", [True, False])
 def test_a_pushed_hop_reaches_its_successor_over_frames(model, workers, tls, frames_to_successor):
-    """Push topology between real workers: the head's forwarder dials the successor's framed port
+    """Push topology between real workers: the head's successor stream dials the successor's framed port
     (the real ``meshd worker`` push dialer, pinned TLS) when the entry names it, gRPC when not;
     same tokens and logits as the whole model either way."""
     from meshd.generate.driver import GenerationRequest

@@ -7,13 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from proto.errors import ProtocolViolation
 from meshd.testing import models as testmodels
-from shard.errors import CacheMiss, EpochStale, PermissionDenied, ResourceExhausted, to_shard_error
 from proto import shard_runtime_pb2 as pb
-from shard.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
-from shard.torch_backend import TorchRangeBackend
+from proto.errors import ProtocolViolation
+from relay.transport import stamp_relayed_peer
+from shard.errors import CacheMiss, EpochStale, PermissionDenied, ResourceExhausted, to_shard_error
+from shard.model.torch_backend import TorchRangeBackend
+from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
 
 torch.set_num_threads(1)
 ALICE = Owner.of("noise:alice", b"a" * 32)
@@ -133,9 +136,6 @@ def test_per_peer_session_quota(head, clock):
 
 
 # -- the home node's stamp on a relayed session's first frame (relay/transport.py) ---------------
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
-from relay.transport import stamp_relayed_peer  # noqa: E402
 
 PEER = "12D3KooWcircuitpeer"
 

@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 import trio
 
-from proto import shard_runtime_pb2 as pb
-from proto.frames import parse_response
-from proto.tensors import encode_tensor
-from shard.request_queue import RequestQueue
 from meshd.reach.tls import channel_trusting, generate_self_signed
 from meshd.testing import models as testmodels
 from meshd.testing.procs import spawn_worker
+from proto import shard_runtime_pb2 as pb
+from proto.frames import parse_response
+from proto.tensors import encode_tensor
 from relay.client import dial_relayed
 from relay.transport import RelayedSessionServer, open_session_channel
-from shard.server import GRPC_OPTIONS, SERVICE_NAME
+from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+from shard.session.request_queue import RequestQueue
 from tests._relay_helpers import LOOPBACK, info, new_host, triangle
 
 BUDGET = 512

@@ -3,13 +3,20 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.limits import MAX_TOP_LOGPROBS
-from shard.sampling import (SamplingSpec, check_top_logprobs, draw_uniform, greedy_token, sample_token,
-                            token_logprobs)
+from shard.model.sampling import (
+    SamplingSpec,
+    check_top_logprobs,
+    draw_uniform,
+    greedy_token,
+    sample_token,
+    token_logprobs,
+)
 
 
 def full_sort_reference(logits: np.ndarray, spec: SamplingSpec, position: int) -> int:

@@ -5,13 +5,18 @@ import numpy as np
 import pytest
 import torch
 
-from proto.errors import LimitExceeded, ProtocolViolation
 from meshd.testing import models as testmodels
+from proto.errors import LimitExceeded, ProtocolViolation
 from shard.errors import (
-    CacheMiss, Cancelled, EpochStale, InternalError, ResourceExhausted, to_shard_error,
+    CacheMiss,
+    Cancelled,
+    EpochStale,
+    InternalError,
+    ResourceExhausted,
+    to_shard_error,
 )
-from shard.sessions import SessionKey, SessionManager, SessionPolicy
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
+from shard.session.sessions import SessionKey, SessionManager, SessionPolicy
 
 torch.set_num_threads(1)
 

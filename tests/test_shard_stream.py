@@ -4,15 +4,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
 from proto.tensors import encode_bundle, encode_tensor
-from meshd.testing import models as testmodels
-from shard.service import ShardService
-from shard.sessions import SessionPolicy
-from shard.stream import SessionStream
-from shard.torch_backend import TorchRangeBackend
+from shard.model.torch_backend import TorchRangeBackend
+from shard.session.service import ShardService
+from shard.session.sessions import SessionPolicy
+from shard.session.stream import SessionStream
 
 torch.set_num_threads(1)
 
@@ -101,7 +102,8 @@ def test_wrong_fingerprint_range_and_schema(service):
         (open_req(service, shard_range=pb.ShardRange(start_layer=0, end_layer=3)), pb.ERROR_CODE_SHARD_RANGE_MISMATCH),
         (open_req(service, shard_range=pb.ShardRange(start_layer=0, end_layer=6, effective_start_layer=6)),
          pb.ERROR_CODE_SHARD_RANGE_MISMATCH),
-        (pb.SessionRequest(open=pb.SessionOpen(schema_version=9)).SerializeToString(), pb.ERROR_CODE_SCHEMA_UNSUPPORTED),
+        (pb.SessionRequest(open=pb.SessionOpen(schema_version=9)).SerializeToString(),
+         pb.ERROR_CODE_SCHEMA_UNSUPPORTED),
     ]
     for body, code in cases:
         st_ = error_of(SessionStream(service).receive(body))
@@ -157,7 +159,8 @@ def test_release_and_cancel(service):
     assert out.WhichOneof("kind") == "ack" and s.closed
     s2, acc = opened(service, session="rel")
     assert acc.past_len == 0  # released: a fresh session
-    st_ = error_of(s2.receive(pb.SessionRequest(cancel=pb.CancelSignal(route_session_id="rel", reason="user")).SerializeToString()))
+    cancel = pb.SessionRequest(cancel=pb.CancelSignal(route_session_id="rel", reason="user"))
+    st_ = error_of(s2.receive(cancel.SerializeToString()))
     assert st_.error.code == pb.ERROR_CODE_CANCELLED and st_.terminal
     st_ = error_of(SessionStream(service).receive(open_req(service, session="rel")))
     assert st_.error.code == pb.ERROR_CODE_CANCELLED
@@ -203,7 +206,7 @@ def sampling_tail(svc, session, *, logits=False, **tail):
 
 def test_a_sampling_tail_answers_with_the_token_only(service):
     from proto.zerocopy import read_response
-    from shard.sampling import SamplingSpec, sample_token, token_logprobs
+    from shard.model.sampling import SamplingSpec, sample_token, token_logprobs
 
     spec = SamplingSpec(temperature=0.9, top_k=40, seed=77)
     s, out = sampling_tail(service, "tok", sampling=spec.to_pb())

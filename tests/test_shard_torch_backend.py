@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from meshd.testing import models as testmodels
-from shard.adapters import UnsupportedArchitecture, adapter_for
-from shard.backend import BackendCache, RangeBackend
-from shard.reference import WholeModel
-from shard.torch_backend import BackendInputError, TorchRangeBackend
+from shard.model.adapters import UnsupportedArchitecture, adapter_for
+from shard.model.backend import BackendCache, RangeBackend
+from shard.model.reference import WholeModel
+from shard.model.torch_backend import BackendInputError, TorchRangeBackend
 from tests._shard_helpers import max_diff, run_split
 
 torch.set_num_threads(1)
@@ -107,6 +107,31 @@ def test_wrong_range_and_unknown_architecture(tmp_path):
         adapter_for(Cfg())
 
 
+def test_model_families_register_themselves_one_family_per_model_type(monkeypatch):
+    # The model room never imports the families that extend it: they register where they are defined.
+    import shard.experts.adapters as moe  # importing registers (before the registry is copied below)
+    from shard.model import adapters
+
+    assert {moe.Qwen3MoeFamily, moe.Qwen2MoeFamily} <= set(adapters._FAMILIES)
+    monkeypatch.setattr(adapters, "_FAMILIES", list(adapters._FAMILIES))   # the registry as it was, after
+
+    @adapters.register_family
+    class ToyFamily(adapters.LlamaFamily):
+        MODEL_TYPES = {"toy": "Toy"}
+
+        def __init__(self, config) -> None:
+            self.config = config
+
+    class Cfg:
+        model_type = "toy"
+
+    assert isinstance(adapters.adapter_for(Cfg()), ToyFamily)
+    with pytest.raises(ValueError, match="both serve"):
+        @adapters.register_family
+        class Impostor(adapters.LlamaFamily):
+            MODEL_TYPES = {"llama": "Llama"}
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
     """Llama-family tails hold the head as [hidden, vocab] (adapters.InputMajorLinear); a tied table is
@@ -114,7 +139,7 @@ def test_the_lm_head_runs_input_major_with_one_copy_of_a_tied_table(tied):
     import torch
     from safetensors.torch import load_file
 
-    from shard.adapters import ColumnEmbedding, InputMajorLinear
+    from shard.model.adapters import ColumnEmbedding, InputMajorLinear
 
     path = testmodels.build_random_llama(seed=3, tie_word_embeddings=tied)
     tensors = {}
@@ -149,7 +174,7 @@ def test_the_layers_dense_projections_run_input_major(bias):
     the transformers reference (which runs the same layout) bit for bit."""
     from safetensors.torch import load_file
 
-    from shard.adapters import DENSE_PROJECTIONS, InputMajorLinear
+    from shard.model.adapters import DENSE_PROJECTIONS, InputMajorLinear
 
     path = testmodels.build_random_llama(seed=4, attention_bias=bias, mlp_bias=bias)
     tensors = {}

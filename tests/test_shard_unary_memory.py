@@ -2,7 +2,7 @@
 
 grpcio's own failed-deserialization path keeps ~16-20 KB per call alive; the
 worker registers every method with identity (de)serializers and parses inside
-the handler (shard/server.py). The fast tests check the typed refusals; the
+the handler (shard/edges/grpc_server.py). The fast tests check the typed refusals; the
 slow one sends 20,000 malformed unary requests to a real ``meshd worker`` and
 to a bare grpcio server registered the old way (protobuf deserializers), in
 the same run, and compares their resident memory growth.
@@ -16,15 +16,16 @@ import time
 
 import grpc
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from meshd.testing import models as testmodels
+from meshd.testing.procs import child_env, spawn_worker, stop_process
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, PayloadCorrupt
 from proto.frames import parse_unary
 from proto.limits import MAX_UNARY_REQUEST_BYTES
-from meshd.testing import models as testmodels
-from meshd.testing.procs import child_env, spawn_worker, stop_process
-from shard.server import GRPC_OPTIONS, SERVICE_NAME
+from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 
 UNARY = {"GetCapability": pb.CapabilityRequest, "Health": pb.HealthRequest,
          "Release": pb.ReleaseRequest, "Cancel": pb.CancelRequest}
@@ -42,8 +43,9 @@ BARE_SERVER = textwrap.dedent("""
     import sys, time, grpc
     from concurrent import futures
     from proto import shard_runtime_pb2 as pb
-    from shard.server import GRPC_OPTIONS, SERVICE_NAME
-    types = {"GetCapability": (pb.CapabilityRequest, pb.CapabilityReport), "Health": (pb.HealthRequest, pb.HealthReport),
+    from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+    types = {"GetCapability": (pb.CapabilityRequest, pb.CapabilityReport),
+             "Health": (pb.HealthRequest, pb.HealthReport),
              "Release": (pb.ReleaseRequest, pb.ReleaseResponse), "Cancel": (pb.CancelRequest, pb.CancelResponse)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(lambda request, context, resp=resp: resp(),
                 request_deserializer=req.FromString, response_serializer=resp.SerializeToString)

@@ -1,4 +1,4 @@
-"""The worker's Unix frame socket (shard/unix_server.py) and the trio link a home node uses
+"""The worker's Unix frame socket (shard/edges/unix_server.py) and the trio link a home node uses
 (relay/local_link.py): the same Session core as gRPC, exact through a real worker process."""
 from __future__ import annotations
 
@@ -13,26 +13,21 @@ import pytest
 import torch
 import trio
 
+from meshd.generate.routes import PeerConnector, discover_fingerprint
+from meshd.reach.tls import loopback_channel
+from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
 from proto.limits import MAX_FRAME_BYTES
 from relay.errors import WorkerUnavailable
 from relay.local_link import UnixWorkerLink, UnixWorkerSession
-from meshd.testing import models as testmodels
-from meshd.generate.routes import PeerConnector, discover_fingerprint
-from meshd.reach.tls import loopback_channel
-from meshd.testing.procs import spawn_workers
-from shard.reference import WholeModel
-from shard.server import GRPC_OPTIONS
+from shard.edges.grpc_server import GRPC_OPTIONS
+from shard.model.reference import WholeModel
 from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]
+MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
 torch.set_num_threads(1)  # as the workers: same reduction order, exact logits
-
-
-@pytest.fixture(scope="module")
-def model():
-    return testmodels.build_random_llama()
 
 
 @pytest.fixture(scope="module")

@@ -13,26 +13,18 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 from meshd.errors import HopFailure
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from proto.errors import LocalError
-from shard.reference import WholeModel
-from shard.sampling import SamplingSpec
-from meshd.testing.models import build_random_llama
+from shard.model.reference import WholeModel
+from shard.model.sampling import SamplingSpec
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
 PROMPT = tuple(range(5, 45))  # 40 tokens: three prefill chunks of 16
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +200,7 @@ def test_the_tail_sends_only_the_token(shards, reference):
 
 
 def test_logits_and_logprobs_only_when_asked(shards, model):
-    from shard.sampling import sample_token, token_logprobs
+    from shard.model.sampling import sample_token, token_logprobs
 
     spec = SamplingSpec(temperature=0.9, top_k=30, seed=5)
     whole = WholeModel(model).generate(list(PROMPT), NEW_TOKENS, chunk_tokens=16)

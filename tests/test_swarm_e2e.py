@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from meshd.benchmarks.local_swarm import LocalSwarm, wait_for
+from meshd.daemon.local_swarm import LocalSwarm, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -46,15 +46,8 @@ PROMPT = "the swarm answers"
 
 
 @pytest.fixture(scope="module")
-def model():
-    from meshd.testing.models import build_random_llama
-
-    return build_random_llama(seed=3)
-
-
-@pytest.fixture(scope="module")
 def swarm(model, tmp_path_factory):
-    # These daemons push (issue 18): each hop sends its rows to the next, the tail the token.
+    # These daemons push: each hop sends its rows to the next, the tail the token.
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), model, kv_budget_tokens=KV_TOKENS, record_ttl_s=RECORD_TTL_S,
                    extra=("--topology", "push"))
     try:
@@ -80,7 +73,7 @@ def swarm(model, tmp_path_factory):
 def whole(model):
     import torch
 
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     return WholeModel(model)
@@ -146,7 +139,7 @@ def test_meshd_generate_streams_the_same_text(swarm, whole, model):
     import subprocess
     import sys
 
-    from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+    from meshd.daemon.local_swarm import REPO_ROOT, child_env
     from meshd.generate.tokenizer import EntryTokenizer
 
     r = subprocess.run([sys.executable, "-m", "meshd", "generate", PROMPT, "--raw", "--max-tokens", "12",
@@ -158,8 +151,8 @@ def test_meshd_generate_streams_the_same_text(swarm, whole, model):
     assert "tokens" in r.stderr and "route" in r.stderr
 
 
-def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
-    from relay.host import running_host
+def _deliver(daemon, record: bytes) -> pb.DirectiveAck:  # noqa: F821 - pb is imported in the body
+    from dht.host.build import running_host
     from dht.identity import Identity
     from meshd.swarm.wire import DIRECTIVE_PROTOCOL, exchange
     from proto import shard_runtime_pb2 as pb
@@ -176,12 +169,12 @@ def _deliver(daemon, record: bytes) -> "pb.DirectiveAck":
 
 
 def test_directives_not_from_the_tracker_expired_forged_or_replayed_are_refused(swarm):
+    from dht.identity import Identity, load_or_create_identity
     from meshd.plan.adverts import Span
     from meshd.plan.assignment import DirectiveIntent
     from meshd.plan.directives import build_directive
-    from dht.identity import Identity, load_or_create_identity
-    from meshd.swarm.wire import sign_directive
     from meshd.plan.tracker import epoch_at
+    from meshd.swarm.wire import sign_directive
     from proto import shard_runtime_pb2 as pb
 
     target = swarm.daemons[3]

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from meshd.benchmarks.local_swarm import LocalSwarm
+from meshd.daemon.local_swarm import LocalSwarm
 
 pytestmark = pytest.mark.slow
 
@@ -33,13 +33,6 @@ PROMPT = "the swarm answers"
 SAMPLING = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "seed": 7}
 # A user-visible stall bound for a frozen hop (the issue's target).
 MAX_FROZEN_STALL_S = 5.0
-
-
-@pytest.fixture(scope="module")
-def model():
-    from meshd.testing.models import build_random_llama
-
-    return build_random_llama(seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -71,14 +64,14 @@ def whole(model):
     import torch
 
     from meshd.generate.tokenizer import EntryTokenizer
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(1)
     return WholeModel(model), EntryTokenizer(model)
 
 
 def expected_tokens(whole, n: int, sampling=None) -> list[int]:
-    from shard.sampling import SamplingSpec
+    from shard.model.sampling import SamplingSpec
 
     model, tok = whole
     spec = SamplingSpec(**sampling) if sampling else None
@@ -115,7 +108,7 @@ def entry_of(swarm):
     """The only daemon serving layer 0, once its view holds no record of a daemon killed before
     (records outlive their node by up to RECORD_TTL_S; a route through one fails over at once,
     which would be a second failover in the counts below)."""
-    from meshd.benchmarks.local_swarm import wait_for
+    from meshd.daemon.local_swarm import wait_for
 
     entry = swarm.daemons[0]
     alive = sum(d.alive() for d in swarm.daemons)

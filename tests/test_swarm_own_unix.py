@@ -9,26 +9,19 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
 
 from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
-from meshd.plan.routing import Hop
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.unix_channel import UnixFrameChannel
-from shard.reference import WholeModel
-from meshd.testing.models import build_random_llama
-from shard.unix_server import UnixFrameServer
+from meshd.plan.routing import Hop
+from shard.edges.unix_server import UnixFrameServer
+from shard.model.reference import WholeModel
 from tests._swarm_helpers import start_shard
 
 NUM_LAYERS = 6
 PROMPT = tuple(range(7, 40))
 NEW_TOKENS = 12
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.set_num_threads(1)
-    return build_random_llama(seed=11)
+MODEL_SEED = 11   # the shared ``model`` fixture's seed (tests/conftest.py)
 
 
 def test_the_own_hop_goes_over_the_frame_socket_with_the_whole_models_tokens(model):
@@ -60,9 +53,9 @@ def test_the_frame_socket_call_is_cut_from_another_thread_and_a_gone_worker_is_a
 
     import grpc
 
-    from shard.request_queue import RequestQueue
     from meshd.generate.unix_channel import UnixLinkError
     from proto import shard_runtime_pb2 as pb
+    from shard.session.request_queue import RequestQueue
 
     own = start_shard(model, "entry", 0, 3)
     own.kill()

@@ -5,16 +5,16 @@ import random
 
 import pytest
 
+from dht.identity import Identity
+from meshd.generate.service import GenerateParams
 from meshd.plan.adverts import ShardAd, Span
 from meshd.plan.assignment import DirectiveIntent, ModelFootprint
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive, build_directive
-from meshd.generate.service import GenerateParams
-from dht.identity import Identity
 from meshd.plan.errors import DirectiveRefused
-from meshd.swarm.view import SwarmSnapshot
-from meshd.swarm.wire import open_directive, sign_directive
 from meshd.plan.tracker import epoch_at
 from meshd.swarm.tracker_duty import GAP_CONFIRMATIONS, PENDING_LOAD_MS, TrackerDuty
+from meshd.swarm.view import SwarmSnapshot
+from meshd.swarm.wire import open_directive, sign_directive
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError, ProtocolError
 
@@ -67,7 +67,8 @@ def test_the_accepting_node_takes_a_tracker_directive_and_refuses_a_replay():
     reply = duty(tracker).answer_join(joiner.peer_id, ask(4 * LAYER), snap, NOW)
     directive, signer = open_directive(reply.directive.SerializeToString())
     view = NodeView(joiner.peer_id, DIGEST, 8, snap.ads)
-    accepted, ledger = accept_directive(directive, signer_peer_id=signer, view=view, ledger=DirectiveLedger(), now_ms=NOW)
+    accepted, ledger = accept_directive(directive, signer_peer_id=signer, view=view, ledger=DirectiveLedger(),
+                                        now_ms=NOW)
     assert accepted.intent.span == Span(4, 8)
     with pytest.raises(DirectiveRefused) as err:
         accept_directive(directive, signer_peer_id=signer, view=view, ledger=ledger, now_ms=NOW)
@@ -143,7 +144,8 @@ def test_entry_tokenizer_matches_transformers_on_the_test_model():
 
 
 def test_demo_memory_makes_three_joiners_cover_the_model():
-    from meshd.plan.assignment import even_memory_for as demo_memory, simulate_joins
+    from meshd.plan.assignment import even_memory_for as demo_memory
+    from meshd.plan.assignment import simulate_joins
     from meshd.plan.footprint import artifact_footprint
     from meshd.testing.models import build_random_llama
 

@@ -1,7 +1,8 @@
 """The Kademlia core: what a DHT node decides, with no I/O (sans-I/O), and its simulation.
 
     table.py   pure k-bucket routing table following py-libp2p 0.8.1's rules
-    book.py    a node's RPC bookkeeping: deadlines (RpcTimer), peer health, counts
+    book.py    a node's RPC bookkeeping: deadlines (RpcTimer), peer health, peers of
+               another swarm (ForeignPeers), counts
     values.py  what a node stores, serves and reads: validate, select, merge, prune
     ops.py     lookup, publish, fetch, refresh as step generators that yield effects
                (GET, PUT, pause, concurrent sub-steps) for an edge to carry out

@@ -23,11 +23,18 @@ CONGESTION_WINDOW_S: then this machine or the network is congested and the
 peer is kept (``stuck_kept``), since closing a busy peer's connection fails
 its RPCs in flight both ways and makes the next one pay a handshake.
 
-State: the two timers, the PeerHealth, the counts; owned by one node.
+Peers of another swarm (``ForeignPeers``): the edge checks whether a connected
+peer speaks our swarm's DHT protocol (dht/node.py ``speaks_dht``: identify's
+list, else a probe stream) and reports a peer that does not; it stays out of
+the routing table and the lookup seeds until FOREIGN_RECHECK_S later, when it
+is checked again.
+
+State: the two timers, the PeerHealth, the foreign peers, the counts; owned by one node.
 """
 from __future__ import annotations
 
-from typing import Hashable
+from collections import OrderedDict
+from collections.abc import Hashable
 
 from dht.peer_health import CLOSE, KEEP, PeerHealth
 
@@ -57,6 +64,12 @@ RECENT_MISSES = 64
 # MAX_UNREACHABLE remembered (the oldest forgotten first).
 UNREACHABLE_S = 300.0
 MAX_UNREACHABLE = 1024
+
+# A connected peer found not to speak our swarm's DHT protocol (another swarm, another libp2p
+# program) stays out of the routing table and lookups this long before it is checked again
+# (a peer that restarted into our swarm is in again within that); at most MAX_FOREIGN remembered.
+FOREIGN_RECHECK_S = 60.0
+MAX_FOREIGN = 1024
 
 OUTCOMES = ("answered", "timed_out", "failed", "stuck_closed", "stuck_kept")
 
@@ -106,6 +119,43 @@ def peer_health() -> PeerHealth:
                       recent=RECENT_MISSES, unreachable_s=UNREACHABLE_S, max_unreachable=MAX_UNREACHABLE)
 
 
+class ForeignPeers:
+    """Peers found not to speak our swarm's DHT protocol, each until its recheck time (pure;
+    the caller passes the time). State: peer -> recheck time, oldest finding first, at most
+    ``limit``; ``seen``: how many peers were found foreign while not remembered as such."""
+
+    def __init__(self, recheck_s: float = FOREIGN_RECHECK_S, limit: int = MAX_FOREIGN) -> None:
+        if recheck_s <= 0 or limit < 1:
+            raise ValueError("need recheck_s > 0 and limit >= 1")
+        self.recheck_s, self.limit = recheck_s, limit
+        self._until: OrderedDict[Hashable, float] = OrderedDict()
+        self.seen = 0
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+    def excluded(self, peer: Hashable, now: float) -> bool:
+        """Is ``peer`` kept out now (found foreign, not yet due for a recheck)?"""
+        until = self._until.get(peer)
+        return until is not None and until > now
+
+    def speaks(self, peer: Hashable) -> None:
+        """A check found that ``peer`` speaks our protocol: forgotten as foreign."""
+        self._until.pop(peer, None)
+
+    def found(self, peer: Hashable, now: float) -> bool:
+        """A check found that ``peer`` does not speak our protocol: out until ``now`` +
+        recheck_s. True when it was not remembered as foreign (worth one log line)."""
+        new = peer not in self._until
+        if new:
+            self.seen += 1
+        self._until.pop(peer, None)
+        self._until[peer] = now + self.recheck_s
+        while len(self._until) > self.limit:
+            self._until.popitem(last=False)
+        return new
+
+
 class RpcBook:
     """One node's deadlines, peer health and RPC outcome counts (see the module docstring)."""
 
@@ -113,6 +163,7 @@ class RpcBook:
         self.connected = RpcTimer(RPC_TIMEOUT_S, RPC_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
         self.dialed = RpcTimer(DIAL_TIMEOUT_S, DIAL_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
         self.health = peer_health()
+        self.foreign = ForeignPeers()
         self.counts = dict.fromkeys(OUTCOMES, 0)
 
     def timer(self, connected: bool) -> RpcTimer:

@@ -60,7 +60,8 @@ from typing import Any, Protocol, TypeVar
 
 from dht import keys as K
 from dht.kademlia import values
-from dht.lookup import FAILED as FAILED_ASK, NEW, Lookup, key_hash
+from dht.lookup import FAILED as FAILED_ASK
+from dht.lookup import NEW, Lookup, key_hash
 from dht.records import CapabilityRecord, RecordCache, encode_record_set
 
 # Concurrent PUTs of one key's fan-out (Kademlia's alpha is 3; ours is a small swarm).

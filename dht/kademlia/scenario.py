@@ -171,7 +171,8 @@ class _Scenario:
         claim = CapabilityClaim(model_artifact_digest=_digest(self._model_of(index)),
                                 runtime_recipe_digest=_digest(self._model_of(index)),
                                 start_layer=layer, end_layer=layer + 1, num_layers=MODEL_LAYERS,
-                                direct_addrs=(f"/ip4/10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}/tcp/4001",))
+                                direct_addrs=(
+                                    f"/ip4/10.{index >> 16 & 255}.{index >> 8 & 255}.{index & 255}/tcp/4001",))
         now = node.wall_ms()
         raw = sign_capability(claim, ident.signing_key, peer_id=ident.peer_id, sequence=self.sequence[index],
                               now_ms=now, ttl_ms=int(self.config.record_ttl_s * 1000))

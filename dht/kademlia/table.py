@@ -39,7 +39,8 @@ from __future__ import annotations
 import hashlib
 from bisect import bisect_left, bisect_right, insort
 from collections import OrderedDict
-from typing import Callable, Generic, Hashable, Iterator, TypeVar
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, TypeVar
 
 # Kademlia's k, py-libp2p's BUCKET_SIZE.
 BUCKET_SIZE = 20

@@ -31,11 +31,12 @@ prefers it, refuse (the stream is reset); else store ``merged``.
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import cast
 
 from dht import keys as K
 from dht.errors import RecordRejected
-from dht.expert_records import parse_expert_set_lenient, validate_expert_set
+from dht.expert_records import ExpertRecord, parse_expert_set_lenient, validate_expert_set
 from dht.records import (
     CapabilityRecord,
     RecordCache,
@@ -46,7 +47,7 @@ from dht.records import (
     validate_capability,
     validate_record_set,
 )
-from dht.relay_records import parse_relay_set_lenient, validate_relay_set
+from dht.relay_records import RelayRecord, parse_relay_set_lenient, validate_relay_set
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,9 @@ log = logging.getLogger(__name__)
 MAX_STORED_KEYS = 8192
 
 
-def check_value(key: str, value: bytes, now_ms: int, cache: RecordCache | None = None) -> list[CapabilityRecord]:
-    """Strict check of a /meshd/ value under ``key``; returns its records."""
+def check_value(key: str, value: bytes, now_ms: int, cache: RecordCache | None = None
+                ) -> list[CapabilityRecord] | list[RelayRecord] | list[ExpertRecord]:
+    """Strict check of a /meshd/ value under ``key``; returns its records (of the key's kind)."""
     try:
         parsed = K.parse_key(key)
     except ValueError as exc:
@@ -69,12 +71,12 @@ def check_value(key: str, value: bytes, now_ms: int, cache: RecordCache | None =
             raise RecordRejected("key_mismatch", "record of another peer under a peer key")
         return [rec]
     if parsed.kind == "relays":
-        return validate_relay_set(value, now_ms)  # type: ignore[return-value]
+        return validate_relay_set(value, now_ms)
     if parsed.kind == "experts":
         experts = validate_expert_set(value, now_ms)
         if any(r.model_artifact_digest != parsed.subject for r in experts):
             raise RecordRejected("key_mismatch", "expert record of another model under this index key")
-        return experts  # type: ignore[return-value]
+        return experts
     records = validate_record_set(value, now_ms, cache)
     if not records:
         raise RecordRejected("malformed", "an empty record set")
@@ -152,12 +154,13 @@ def decode(parsed: K.ParsedKey, value: bytes, now_ms: int, cache: RecordCache | 
     """A reader's decoding of one answer's value: its live records, each under the right key;
     RecordRejected for anything else."""
     if parsed.kind == "relays":
-        return parse_relay_set_lenient(value, now_ms)  # type: ignore[return-value]
+        # fetch() reads every key kind; fetch_relays/fetch_experts name what theirs return.
+        return parse_relay_set_lenient(value, now_ms)  # type: ignore[return-value]  # see above
     if parsed.kind == "experts":
         experts = parse_expert_set_lenient(value, now_ms)
         if any(r.model_artifact_digest != parsed.subject for r in experts):
             raise RecordRejected("key_mismatch", "expert record of another model")
-        return experts  # type: ignore[return-value]
+        return experts  # type: ignore[return-value]  # see above
     if parsed.kind == "peer":
         rec = validate_capability(value, now_ms, cache)
         if rec.peer_id != parsed.subject:
@@ -239,7 +242,8 @@ class ValueStore:
 
     def _put(self, name: str, key: bytes, value: bytes, *, refuse: bool) -> bool:
         now = self.clock()
-        arriving = check_value(name, value, now, self.cache)
+        # every kind's records merge alike (peer, sequence, expiry), as ``lenient`` reads them
+        arriving = cast("list[CapabilityRecord]", check_value(name, value, now, self.cache))
         parsed = self._keys.get(key) or K.parse_key(name)
         current = self._records(key, parsed, now) if key in self.values else []
         if current and select_decoded(parsed, [current, arriving]) == 0:

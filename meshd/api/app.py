@@ -9,14 +9,20 @@
     POST /v1/completions         OpenAI completions (prompt string)
     POST /api/chat               Ollama chat (NDJSON stream by default) meshd/api/ollama.py
     POST /api/generate           Ollama generate
-    GET  /api/tags               Ollama model list
+    GET  /api/tags               Ollama model list (size, family, parameters, digest)
+    POST /api/show               Ollama model card (meshd/api/model_card.py)
+    GET  /api/ps                 the model loaded on the swarm
+    POST /api/embed              mean-pooled last hidden states through the swarm (/api/embeddings:
+    POST /v1/embeddings          the older Ollama route; /v1/embeddings: OpenAI's)
 
 Every generation goes through ``Entry.generate`` (meshd/api/entry.py), the
-same door as the control socket. Bodies are bounded (MAX_BODY_BYTES, read
-within BODY_READ_TIMEOUT_S) and parsed with a nesting bound
-(meshd/api/jsonbody.py). With an API key, every route but the page and its
-static files needs ``Authorization: Bearer <key>`` (the page asks for the
-key and sends it with its requests; the key never sits in a URL sent to us).
+same door as the control socket; embeddings through ``Entry.embed``. Bodies
+are ``application/json`` only (415), bounded (MAX_BODY_BYTES, read within
+BODY_READ_TIMEOUT_S) and parsed strictly (meshd/api/jsonbody.py: nesting
+bound, no NaN, no lone surrogate). Host, Origin, CORS and the bearer key are
+checked before any route (meshd/api/guard.py); with a key, every route but
+the page and its static files needs ``Authorization: Bearer <key>`` (the page
+asks for the key and sends it; the key never sits in a URL sent to us).
 
 A generation's response is an ASGI callable (``GenerationResponse``): it
 waits for the first generated token before sending the status line, so an
@@ -27,12 +33,12 @@ generation: the driver releases the KV on every hop.
 """
 from __future__ import annotations
 
-import hmac
 import json
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Awaitable, Callable
 
 import trio
 from starlette.applications import Starlette
@@ -43,10 +49,10 @@ from starlette.routing import Route
 
 from meshd.api import ollama, openai
 from meshd.api.entry import Entry
-from meshd.api.errors import ApiError, api_error, first_leaf
+from meshd.api.errors import ApiError, api_error, excerpt, first_leaf
+from meshd.api.guard import guarded
 from meshd.api.jsonbody import loads_object
 from meshd.api.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from meshd.api.server import MAX_HEADER_BYTES
 from meshd.generate.params import GenerateParams
 from proto.errors import MeshdError
 
@@ -58,10 +64,10 @@ MAX_BODY_BYTES = 1 << 20
 # the client gets its 413 instead of a connection reset mid-upload; larger
 # ones are answered at once.
 MAX_DRAIN_BYTES = 8 << 20
+# The one body type the API takes (see read_json).
+JSON_MEDIA_TYPE = "application/json"
 # A client gets this long to send its whole body (slow senders hold a connection).
 BODY_READ_TIMEOUT_S = 30.0
-# Paths anyone may fetch even with an API key: the page itself carries no data.
-OPEN_PATHS = ("/", "/static/dashboard.js", "/static/dashboard.css", "/favicon.ico")
 STATIC = {"dashboard.js": "text/javascript; charset=utf-8", "dashboard.css": "text/css; charset=utf-8"}
 DASHBOARD_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self' data:; "
                  "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
@@ -76,13 +82,29 @@ class ApiContext:
     model: Callable[[], dict]                  # {"id", "digest", "num_layers", "coverage", "serving"}
     status: Callable[[], Awaitable[dict]]      # the node's status JSON
     api_key: str | None = None
+    card: Callable[[], object] = lambda: None   # the model's ModelCard (meshd/api/model_card.py), None: no model
+    loaded: Callable[[], dict] = lambda: {}     # {"size_bytes", "expires_at"} of the model on the swarm (/api/ps)
+    allowed_hosts: tuple[str, ...] = ()     # names beyond IP literals and localhost (meshd/api/guard.py)
+    cors_origins: tuple[str, ...] = ()      # web origins that may drive the API (CORS off when empty)
 
 
 def _error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers())
 
 
+def _media_type(value: str | None) -> str:
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
 async def read_json(request: Request) -> dict:
+    """The request's JSON object: ``application/json`` only (415), bounded (413, 408), strict (400).
+
+    Any other type is refused before a byte is read: text/plain, form and XML bodies (and none at
+    all) are what a browser sends cross-site without asking first (a CORS "simple" request)."""
+    media = _media_type(request.headers.get("content-type"))
+    if media != JSON_MEDIA_TYPE:
+        raise ApiError(415, f"the body must be {JSON_MEDIA_TYPE} (Content-Type: {JSON_MEDIA_TYPE}), "
+                            f"not {excerpt(media) if media else 'untyped'}", code="unsupported_media_type")
     too_large = ApiError(413, f"the body must be at most {MAX_BODY_BYTES} bytes", code="request_too_large")
     length = request.headers.get("content-length")
     if length is not None and (not length.isdigit() or int(length) > MAX_DRAIN_BYTES):
@@ -142,7 +164,7 @@ class GenerationResponse:
             nursery.start_soon(watch_disconnect)
             try:
                 await self.entry.generate(self.params, on_event)
-            except Exception as exc:  # noqa: BLE001 - every failure becomes an HTTP answer
+            except Exception as exc:  # every failure becomes an HTTP answer
                 leaf = first_leaf(exc)
                 error = api_error(leaf)
                 if error.status >= 500 and error.status not in (503, 504):
@@ -179,7 +201,7 @@ def build_app(ctx: ApiContext) -> Starlette:
     async def static_file(request: Request) -> Response:
         name = request.path_params["name"]
         if name not in STATIC:
-            raise ApiError(404, f"no static file {name!r}", type="not_found_error")
+            raise ApiError(404, f"no static file {excerpt(name)}", type="not_found_error")
         return Response(static[name], media_type=STATIC[name], headers={"cache-control": "no-cache"})
 
     async def status(request: Request) -> Response:
@@ -209,20 +231,57 @@ def build_app(ctx: ApiContext) -> Starlette:
                                       framing="ndjson")
         return endpoint
 
+    def card():
+        served_model()
+        card = ctx.card()
+        if card is None:
+            raise ApiError(503, "this node is still reading the model's files", type="service_unavailable",
+                           retry_after_s=5)
+        return card
+
     async def tags(request: Request) -> Response:
-        info = ctx.model()
-        return JSONResponse(ollama.tags(info["id"], info.get("digest")) if info.get("id") else {"models": []})
+        return JSONResponse(ollama.tags_of(card()) if ctx.model().get("id") else {"models": []})
+
+    async def show(request: Request) -> Response:
+        return JSONResponse(ollama.show(await read_json(request), card()))
+
+    async def ps(request: Request) -> Response:
+        loaded = ctx.loaded()
+        if not ctx.model().get("id") or not loaded:
+            return JSONResponse({"models": []})
+        return JSONResponse(ollama.ps(card(), expires_at=loaded["expires_at"], size_bytes=loaded["size_bytes"]))
+
+    async def embed(request: Request) -> Response:
+        texts, truncate = ollama.parse_embed(await read_json(request), served_model())
+        t0 = time.perf_counter_ns()
+        result = await ctx.entry.embed(texts, truncate=truncate)
+        return JSONResponse({"model": served_model(), "embeddings": result.vectors,
+                             "total_duration": time.perf_counter_ns() - t0, "load_duration": 0,
+                             "prompt_eval_count": result.prompt_tokens})
+
+    async def embeddings_legacy(request: Request) -> Response:
+        prompt = ollama.parse_embeddings(await read_json(request), served_model())
+        result = await ctx.entry.embed([prompt], normalize=False)
+        return JSONResponse({"embedding": result.vectors[0]})
+
+    async def embeddings_openai(request: Request) -> Response:
+        texts, encoding = openai.parse_embeddings(await read_json(request), served_model())
+        result = await ctx.entry.embed(texts)
+        return JSONResponse(openai.embeddings_answer(served_model(), result.vectors, result.prompt_tokens, encoding))
 
     async def version(request: Request) -> Response:
         from meshd import __version__
         return JSONResponse({"version": __version__})
 
-    async def on_api_error(request: Request, exc: ApiError) -> Response:
+    # Starlette types every handler as taking an Exception; it calls each for its own class only.
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
         return _error_response(exc)
 
-    async def on_http_error(request: Request, exc: HTTPException) -> Response:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+        return _error_response(ApiError(exc.status_code, f"{request.method} {excerpt(request.url.path)}: {exc.detail}",
                                         type=kind))
 
     async def on_other_error(request: Request, exc: Exception) -> Response:
@@ -238,47 +297,13 @@ def build_app(ctx: ApiContext) -> Starlette:
         Route("/v1/completions", openai_route(openai.parse_completion, openai.CompletionFormat), methods=["POST"]),
         Route("/api/chat", ollama_route(ollama.parse_chat, True), methods=["POST"]),
         Route("/api/generate", ollama_route(ollama.parse_generate, False), methods=["POST"]),
-        Route("/api/tags", tags), Route("/api/version", version),
+        Route("/api/tags", tags), Route("/api/version", version), Route("/api/ps", ps),
+        Route("/api/show", show, methods=["POST"]), Route("/api/embed", embed, methods=["POST"]),
+        Route("/api/embeddings", embeddings_legacy, methods=["POST"]),
+        Route("/v1/embeddings", embeddings_openai, methods=["POST"]),
     ]
     # ApiError and our own errors are answered here; anything else is a bug: ServerErrorMiddleware
     # answers 500 in the same shape and re-raises it for the server's log.
     app = Starlette(routes=routes, exception_handlers={ApiError: on_api_error, HTTPException: on_http_error,
                                                        MeshdError: on_other_error, Exception: on_other_error})
-    return HeaderBound(BearerAuth(app, ctx.api_key) if ctx.api_key else app)
-
-
-class HeaderBound:
-    """ASGI middleware: a request whose headers exceed MAX_HEADER_BYTES gets 431 (h11 bounds only the
-    part of a request still incomplete in its buffer; a request read in one chunk is not checked there)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and sum(len(k) + len(v) + 4 for k, v in scope.get("headers", ())) > MAX_HEADER_BYTES:
-            err = ApiError(431, f"the request headers exceed {MAX_HEADER_BYTES} bytes", code="headers_too_large")
-            await _error_response(err)(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
-
-
-class BearerAuth:
-    """ASGI middleware: every path but OPEN_PATHS needs ``Authorization: Bearer <key>``."""
-
-    def __init__(self, app, key: str) -> None:
-        self.app, self._key = app, key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = b""
-            for name, value in scope.get("headers", ()):
-                if name == b"authorization":
-                    given = value
-            scheme, _, token = given.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self._key):
-                err = ApiError(401, "Incorrect API key provided: send Authorization: Bearer <the node's api key>",
-                               type="authentication_error", code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401,
-                                   headers={"www-authenticate": "Bearer"})(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+    return guarded(app, key=ctx.api_key, allowed_hosts=ctx.allowed_hosts, cors_origins=ctx.cors_origins)

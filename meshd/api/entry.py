@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import trio
 
 from meshd.api.errors import Busy, GenerationDeadline, first_leaf
 from meshd.api.metrics import ApiMetrics
 from meshd.generate.params import GenerateParams
-from meshd.generate.service import NotReady
+from meshd.generate.service import Embeddings, EmbeddingsUnsupported, NotReady
 from proto.errors import LocalError
 
 Send = Callable[[dict], Awaitable[None]]
 Core = Callable[..., Awaitable[None]]     # core(params, send, *, observer)
+EmbedCore = Callable[..., Awaitable["Embeddings"]]   # embed_core(texts, *, truncate, observer)
 
 # A CPU entry runs a handful of generations at once (each hop serialises
 # its forwards); more would only slow every one of them down.
@@ -105,8 +106,9 @@ def _outcome(exc: BaseException) -> str:
 
 
 class Entry:
-    def __init__(self, core: Core, limits: EntryLimits = EntryLimits(), metrics: ApiMetrics | None = None) -> None:
-        self.core, self.limits = core, limits
+    def __init__(self, core: Core, limits: EntryLimits = EntryLimits(), metrics: ApiMetrics | None = None,
+                 embed_core: EmbedCore | None = None) -> None:
+        self.core, self.limits, self.embed_core = core, limits, embed_core
         self.metrics = metrics or ApiMetrics()
         self._slots = trio.Semaphore(limits.max_running)
         self.running = 0
@@ -171,6 +173,35 @@ class Entry:
                                         prompt_s=prompt_s, predicted=record.tokens,
                                         predicted_s=max(record.last - record.first, 0.0),
                                         failovers=record.failovers)
+        except BaseException as exc:
+            outcome = _outcome(first_leaf(exc))
+            raise
+        finally:
+            self.metrics.requests.labels(edge, outcome).inc()
+
+    async def embed(self, texts: list[str], *, truncate: bool = True, normalize: bool = True,
+                    edge: str = "http") -> Embeddings:
+        """Mean-pooled last hidden states of ``texts`` through the swarm, with the same admission and
+        deadline as a generation (each text is one prefill of the whole route)."""
+        outcome = "error"
+        try:
+            if self.embed_core is None:
+                raise EmbeddingsUnsupported("this node cannot compute embeddings")
+            await self._admit()
+            self.running += 1
+            self.metrics.processing.set(self.running)
+            try:
+                with trio.fail_after(self.limits.deadline_s):
+                    result = await self.embed_core(texts, truncate=truncate, normalize=normalize,
+                                                    observer=self.metrics)
+                outcome = "ok"
+                return result
+            except trio.TooSlowError as exc:
+                raise GenerationDeadline(f"the embeddings did not finish within {self.limits.deadline_s:g} s") from exc
+            finally:
+                self._slots.release()
+                self.running -= 1
+                self.metrics.processing.set(self.running)
         except BaseException as exc:
             outcome = _outcome(first_leaf(exc))
             raise

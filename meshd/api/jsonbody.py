@@ -27,6 +27,9 @@ MAX_JSON_DEPTH = 32
 # Bytes of a control-socket or API body; the API's own bound is in app.py.
 DEFAULT_MAX_JSON_BYTES = 1 << 20
 
+# The parser's own reason, quoted in our message, is cut here (it may quote the body).
+MAX_REASON_CHARS = 200
+
 _OPEN = frozenset(b"[{")
 _CLOSE = frozenset(b"]}")
 _QUOTE = ord('"')
@@ -35,6 +38,51 @@ _BACKSLASH = ord("\\")
 
 class BadJson(LocalError):
     """The body is not JSON we accept (malformed, too deep, too large, NaN, not an object)."""
+
+
+class BadText(BadJson):
+    """A string of the body is not Unicode scalar values (a lone surrogate); ``path`` says where."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(f"{path or 'the body'} holds a lone surrogate (U+D800..U+DFFF): every string must be "
+                         "Unicode scalar values (valid UTF-8)")
+        self.path = path
+
+
+def _is_scalar_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _join(path: str, key) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def check_text(value: Any, path: str = "") -> None:
+    """Raise BadText naming the first string (value or key) that is not Unicode scalar values.
+
+    Iterative: the depth is already bounded, but a walk needs no stack either way. A bad key is
+    named by its parent's path (its own text cannot be shown)."""
+    todo = [(value, path)]
+    while todo:
+        item, where = todo.pop()
+        if isinstance(item, str):
+            if not _is_scalar_text(item):
+                raise BadText(where)
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                if not _is_scalar_text(key):
+                    raise BadText(f"a key of {where}" if where else "a key of the body")
+                todo.append((sub, _join(where, key)))
+        elif isinstance(item, list):
+            todo.extend((sub, _join(where, i)) for i, sub in enumerate(item))
 
 
 def json_depth(data: bytes, limit: int = MAX_JSON_DEPTH) -> int:
@@ -75,11 +123,13 @@ def loads_bounded(data: bytes | str, *, max_bytes: int = DEFAULT_MAX_JSON_BYTES,
     if json_depth(raw, max_depth) > max_depth:
         raise BadJson(f"the JSON body nests deeper than {max_depth} levels")
     try:
-        return json.loads(raw, parse_constant=_no_constants)
+        value = json.loads(raw, parse_constant=_no_constants)
     except BadJson:
         raise
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise BadJson(f"the body is not valid JSON: {exc}") from exc
+        raise BadJson(f"the body is not valid JSON: {str(exc)[:MAX_REASON_CHARS]}") from exc
+    check_text(value)
+    return value
 
 
 def loads_object(data: bytes | str, **bounds) -> dict:

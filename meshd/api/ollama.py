@@ -1,4 +1,5 @@
-"""Ollama's /api/chat, /api/generate and /api/tags over the same core (pure, like openai.py).
+"""Ollama's routes over the same core (pure, like openai.py): /api/chat, /api/generate, /api/tags,
+/api/show, /api/ps, /api/embed, /api/embeddings.
 
 Ollama streams by default: one JSON object per line (``application/x-ndjson``),
 one per generated token, then a last object with ``done: true``,
@@ -10,9 +11,9 @@ options we cannot honour are refused with 400, like OpenAI fields.
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
-from meshd.api.errors import ApiError, bad_field
+from meshd.api.errors import ApiError, bad_field, excerpt
 from meshd.api.openai import CHAT_DEFAULT_MAX_TOKENS, ROLE_ALIASES
 from meshd.generate.params import MAX_NEW_TOKENS, GenerateParams
 from proto.errors import LocalError
@@ -27,16 +28,16 @@ SAMPLING_OPTIONS = {"temperature", "top_p", "top_k", "seed", "num_predict", "sto
 
 
 def _now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
 def _check(body: dict, known: set[str], served_model: str) -> bool:
     for key in body:
         if key not in known:
-            raise bad_field(key, f"unknown field {key}")
+            raise bad_field(key, f"unknown field {excerpt(key)}")
     model = body.get("model")
     if not isinstance(model, str) or model.split(":")[0] != served_model:
-        raise ApiError(404, f"model {model!r} not found; this swarm serves {served_model!r} (GET /api/tags)",
+        raise ApiError(404, f"model {excerpt(model)} not found; this swarm serves {served_model!r} (GET /api/tags)",
                        type="not_found_error", param="model", code="model_not_found")
     for name in ("format", "tools", "images", "context", "suffix", "template"):
         if body.get(name):
@@ -58,7 +59,7 @@ def _options(body: dict) -> dict:
         if key in IGNORED_OPTIONS:
             continue
         if key not in SAMPLING_OPTIONS:
-            raise bad_field(f"options.{key}", f"option {key} is not supported by this server")
+            raise bad_field(f"options.{key}", f"option {excerpt(key)} is not supported by this server")
         if key == "num_predict":
             if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value > MAX_NEW_TOKENS:
                 raise bad_field("options.num_predict", f"num_predict must be -1 or 1..{MAX_NEW_TOKENS}")
@@ -91,7 +92,8 @@ def parse_chat(body: dict, served_model: str) -> tuple[GenerateParams, bool]:
         raise bad_field("messages", "messages must be a non-empty list")
     chat = []
     for i, m in enumerate(messages[:1024]):
-        role = ROLE_ALIASES.get(m.get("role")) if isinstance(m, dict) else None
+        said = m.get("role") if isinstance(m, dict) else None
+        role = ROLE_ALIASES.get(said) if isinstance(said, str) else None
         if role is None or not isinstance(m.get("content"), str) or m.get("images") or m.get("tool_calls"):
             raise bad_field(f"messages[{i}]", "each message needs a role (system, user, assistant) and text content")
         chat.append((role, m["content"]))
@@ -112,12 +114,6 @@ def parse_generate(body: dict, served_model: str) -> tuple[GenerateParams, bool]
     return _params(prompt=prompt, raw=raw, **fields), stream
 
 
-def tags(model_id: str, digest: str | None) -> dict:
-    return {"models": [{"name": model_id, "model": model_id, "modified_at": _now_iso(), "size": 0,
-                        "digest": (digest or "").removeprefix("sha256:"),
-                        "details": {"format": "meshd", "family": "", "parameter_size": "", "quantization_level": ""}}]}
-
-
 class OllamaFormat:
     """Core events -> Ollama's lines (``chat``: ``message``; generate: ``response``)."""
 
@@ -131,7 +127,7 @@ class OllamaFormat:
         self._tail = ""   # text released after the last token rides on the last line
 
     def _line(self, text: str, done: bool) -> dict:
-        out = {"model": self.model, "created_at": _now_iso()}
+        out: dict[str, object] = {"model": self.model, "created_at": _now_iso()}
         if self.chat:
             out["message"] = {"role": "assistant", "content": text}
         else:
@@ -171,3 +167,73 @@ class OllamaFormat:
 
     def whole(self) -> dict:
         return self._final("".join(self.text))
+
+
+# ---------------------------------------------------------------------------------- model routes
+# Texts one embeddings request may carry (each is one pass through the swarm).
+MAX_EMBED_INPUTS = 64
+SHOW_FIELDS = {"model", "name", "verbose", "system", "template", "options"}
+EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
+EMBEDDINGS_FIELDS = {"model", "prompt", "options", "keep_alive"}
+
+
+def _model_of(body: dict, served_model: str, known: set[str]) -> None:
+    for key in body:
+        if key not in known:
+            raise bad_field(key, f"unknown field {excerpt(key)}")
+    model = body.get("model", body.get("name"))
+    if not isinstance(model, str) or model.split(":")[0] != served_model:
+        raise ApiError(404, f"model {excerpt(model)} not found; this swarm serves {served_model!r} (GET /api/tags)",
+                       type="not_found_error", param="model", code="model_not_found")
+
+
+def tags_of(card) -> dict:
+    """``/api/tags``: the swarm's model with its real size, family, parameter size and digest."""
+    return {"models": [{"name": card.name, "model": card.name, "modified_at": card.modified_at,
+                        "size": card.size_bytes, "digest": card.digest, "details": card.details()}]}
+
+
+def show(body: dict, card) -> dict:
+    """``/api/show``: what the model's files say (meshd/api/model_card.py)."""
+    _model_of(body, card.name, SHOW_FIELDS)
+    info = dict(card.model_info)
+    if card.context_length:
+        info.setdefault(f"{card.family}.context_length", card.context_length)
+    return {"license": "", "modelfile": f"# served by a meshd swarm\nFROM {card.name}\n",
+            "parameters": "", "template": card.template, "details": card.details(), "model_info": info,
+            "capabilities": ["completion", "embedding"], "modified_at": card.modified_at}
+
+
+def ps(card, *, expires_at: str, size_bytes: int) -> dict:
+    """``/api/ps``: the model loaded on the swarm (every layer served), its bytes held across peers."""
+    return {"models": [{"name": card.name, "model": card.name, "size": size_bytes, "digest": card.digest,
+                        "details": card.details(), "expires_at": expires_at, "size_vram": 0,
+                        "context_length": card.context_length}]}
+
+
+def parse_embed(body: dict, served_model: str) -> tuple[list[str], bool]:
+    """``/api/embed``: (texts, truncate)."""
+    _model_of(body, served_model, EMBED_FIELDS)
+    texts = body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not texts or len(texts) > MAX_EMBED_INPUTS or \
+            not all(isinstance(t, str) for t in texts):
+        raise bad_field("input", f"input must be a string or a list of 1..{MAX_EMBED_INPUTS} strings")
+    if body.get("dimensions") is not None:
+        raise bad_field("dimensions", "dimensions is not supported: the embedding is the model's hidden size")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise bad_field("truncate", "truncate must be a boolean")
+    _options(body)
+    return texts, truncate
+
+
+def parse_embeddings(body: dict, served_model: str) -> str:
+    """``/api/embeddings`` (the older route): one prompt."""
+    _model_of(body, served_model, EMBEDDINGS_FIELDS)
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt:
+        raise bad_field("prompt", "prompt must be a non-empty string")
+    _options(body)
+    return prompt

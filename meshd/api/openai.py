@@ -21,7 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from meshd.api.errors import ApiError, bad_field
+from meshd.api.errors import ApiError, bad_field, excerpt
 from meshd.generate.params import MAX_NEW_TOKENS, MAX_TOP_LOGPROBS, GenerateParams
 from proto.errors import LocalError
 
@@ -53,7 +53,7 @@ class Answer:
 def _unknown(body: dict, known: set[str]) -> None:
     for key in body:
         if key not in known:
-            raise bad_field(key, f"Unrecognized request argument supplied: {key}")
+            raise bad_field(key, f"Unrecognized request argument supplied: {excerpt(key)}")
 
 
 def _int(body: dict, name: str, lo: int, hi: int) -> int | None:
@@ -94,7 +94,7 @@ def _common(body: dict, served_model: str) -> dict:
     if not isinstance(model, str) or not model:
         raise bad_field("model", "model is required: the id from GET /v1/models")
     if model != served_model:
-        raise ApiError(404, f"The model `{model}` does not exist here; this swarm serves `{served_model}` "
+        raise ApiError(404, f"The model {excerpt(model)} does not exist here; this swarm serves `{served_model}` "
                             "(GET /v1/models)", type="not_found_error", param="model", code="model_not_found")
     _refuse_unless(body, "n", lambda v: v is None or (v == 1 and not isinstance(v, bool)))
     for name in ("presence_penalty", "frequency_penalty"):
@@ -167,7 +167,8 @@ def parse_chat(body: dict, served_model: str) -> tuple[GenerateParams, Answer]:
     for i, message in enumerate(messages[:1024]):
         if not isinstance(message, dict):
             raise bad_field(f"messages[{i}]", "each message must be an object")
-        role = ROLE_ALIASES.get(message.get("role"))
+        said = message.get("role")
+        role = ROLE_ALIASES.get(said) if isinstance(said, str) else None
         if role is None:
             raise bad_field(f"messages[{i}].role", "role must be system, developer, user or assistant "
                                                    "(tool messages are not supported)")
@@ -217,6 +218,7 @@ def _bytes(text: str) -> list[int]:
 
 class _Format:
     object_name = ""
+    prefix = chunk_object = ""   # set by each format
 
     def __init__(self, answer: Answer) -> None:
         self.answer = answer
@@ -265,6 +267,16 @@ class _Format:
 
     def usage(self) -> dict:
         return _usage(self.prompt_tokens, int((self.done or {}).get("completion_tokens", 0)))
+
+    # -- what each format says its own way
+    def _logprob(self, event: dict) -> dict:
+        raise NotImplementedError
+
+    def _token_choice(self, text: str, entry: dict | None) -> dict:
+        raise NotImplementedError
+
+    def _final_choice(self, tail: str, reason: str) -> dict:
+        raise NotImplementedError
 
 
 class ChatFormat(_Format):
@@ -330,3 +342,46 @@ class CompletionFormat(_Format):
                              "logprobs": self._legacy(self.logprobs) if self.answer.logprobs is not None else None,
                              "finish_reason": done.get("finish_reason", "length")}],
                 "usage": self.usage()}
+
+
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+# Texts one request may carry (each is one pass through the swarm).
+MAX_EMBEDDING_INPUTS = 64
+
+
+def parse_embeddings(body: dict, served_model: str) -> tuple[list[str], str]:
+    """``/v1/embeddings``: (the texts, "float" | "base64"); token-id inputs are refused: the entry tokenizes.
+    The official client asks for base64 (little-endian float32) by default."""
+    _unknown(body, EMBEDDING_FIELDS)
+    model = body.get("model")
+    if not isinstance(model, str) or model != served_model:
+        raise ApiError(404, f"The model {excerpt(model)} does not exist here; this swarm serves `{served_model}` "
+                            "(GET /v1/models)", type="not_found_error", param="model", code="model_not_found")
+    texts = body.get("input")
+    if isinstance(texts, str):
+        texts = [texts]
+    if not isinstance(texts, list) or not texts or len(texts) > MAX_EMBEDDING_INPUTS or \
+            not all(isinstance(t, str) and t for t in texts):
+        raise bad_field("input", f"input must be a non-empty string or a list of 1..{MAX_EMBEDDING_INPUTS} "
+                                 "non-empty strings (token ids are not supported)")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise bad_field("encoding_format", "encoding_format must be float or base64")
+    _refuse_unless(body, "dimensions", lambda v: v is None)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise bad_field("user", "user must be a string")
+    return texts, encoding
+
+
+def embeddings_answer(model: str, vectors: list[list[float]], prompt_tokens: int, encoding: str = "float") -> dict:
+    def encoded(v: list[float]):
+        if encoding == "base64":
+            import base64
+
+            import numpy as np
+
+            return base64.b64encode(np.asarray(v, dtype="<f4").tobytes()).decode("ascii")
+        return v
+    return {"object": "list", "model": model,
+            "data": [{"object": "embedding", "index": i, "embedding": encoded(v)} for i, v in enumerate(vectors)],
+            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}

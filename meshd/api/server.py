@@ -2,12 +2,23 @@
 
 ``serve_api`` is a child of the daemon's nursery (``nursery.start``): it binds,
 reports the bound address through ``task_status`` and serves until
-cancelled. It uses Hypercorn's per-connection server (``TCPServer``) under its
-own accept loop so the number of connections is bounded: at most
-``max_connections`` are served at once; the next ones wait in the kernel's
-listen backlog (nothing is accepted that cannot be served). Header bytes,
-HTTP/2 streams and idle keep-alive are bounded in the Hypercorn config;
-bodies are bounded by the app (meshd/api/app.py).
+cancelled. It runs Hypercorn's per-connection server (``TCPServer``, or the
+version-gated subclass of meshd/api/hypercorn_compat.py) under its own accept
+loop, and the slots are meshd's (meshd/api/connections.py):
+
+    accept (always: a full listen backlog would drop a newcomer's SYN for seconds)
+      -> table.admit(peer)    a slot, or room made by closing an idle connection, or
+                              refused (closed at once)
+      -> connection task      Hypercorn's TCPServer in a cancel scope, beside a watcher
+                              that closes the connection at its deadline (no whole
+                              request yet, or idle) -- cancelling the scope closes it
+    the app is wrapped by ``tracked``: each request marks its connection busy, so
+    the table knows what the app is doing, whatever Hypercorn believes.
+
+Header bytes, HTTP/2 streams and idle keep-alive are bounded in the Hypercorn
+config; bodies by the app (meshd/api/app.py). Refusals, evictions and
+timeouts are counted (``ConnectionTable.snapshot``, in ``meshd status``) and
+logged at most once per LOG_EVERY_S.
 """
 from __future__ import annotations
 
@@ -17,10 +28,11 @@ import socket
 
 import trio
 from hypercorn.config import Config
-from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.utils import wrap_app
 
+from meshd.api import hypercorn_compat
+from meshd.api.connections import ConnectionTable
 from meshd.errors import DaemonError
 
 log = logging.getLogger(__name__)
@@ -31,8 +43,10 @@ MAX_HEADER_BYTES = 16 * 1024
 # HTTP/2 (h2c upgrade): header list and concurrent streams per connection.
 H2_MAX_HEADER_LIST_BYTES = 16 * 1024
 H2_MAX_STREAMS = 16
-# An idle keep-alive connection is closed after this long.
+# An idle keep-alive connection is closed after this long (Hypercorn's timer; the table's IDLE_S agrees).
 KEEP_ALIVE_S = 5.0
+# Refused / evicted / timed-out connections are logged as one line of counts at most this often.
+LOG_EVERY_S = 60.0
 LISTEN_BACKLOG = 128
 # accept() errors that mean "out of file descriptors / memory for now": wait, then retry.
 _CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
@@ -66,38 +80,104 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve_api(app, sock: socket.socket, *, max_connections: int,
+def tracked(app, table: ConnectionTable):
+    """ASGI middleware: each HTTP request marks its connection (the peer's host, port) busy while it runs."""
+    async def asgi(scope, receive, send) -> None:
+        conn = table.find(scope.get("client")) if scope["type"] == "http" else None
+        if conn is None:
+            await app(scope, receive, send)
+            return
+        table.request_started(conn)
+        try:
+            await app(scope, receive, send)
+        finally:
+            table.request_ended(conn, trio.current_time())
+    return asgi
+
+
+class _Log:
+    """One warning line of what the table closed, at most every LOG_EVERY_S."""
+
+    def __init__(self, table: ConnectionTable) -> None:
+        self.table, self.logged, self.at = table, dict(table.counts), -LOG_EVERY_S
+
+    def maybe(self) -> None:
+        now = trio.current_time()
+        if now - self.at < LOG_EVERY_S or self.table.counts == self.logged:
+            return
+        news = {k: v - self.logged.get(k, 0) for k, v in self.table.counts.items() if v != self.logged.get(k, 0)}
+        self.logged, self.at = dict(self.table.counts), now
+        log.warning("API connections closed since the last report: %s (%d open, at most %d, %d per address)",
+                    ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in news.items()), len(self.table.conns),
+                    self.table.max_connections, self.table.per_address)
+
+
+async def serve_api(app, sock: socket.socket, *, max_connections: int, table: ConnectionTable | None = None,
                     task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` on the bound, listening ``sock`` until cancelled; started() with "http://host:port"."""
     config = hypercorn_config()
-    asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    table = table if table is not None else ConnectionTable(max_connections)
+    asgi = wrap_app(tracked(app, table), config.wsgi_max_body_size, "asgi")
+    server_class = hypercorn_compat.server_class()
     context = WorkerContext(None)
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-    slots = trio.Semaphore(max_connections)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scopes: dict[int, trio.CancelScope] = {}
+    report = _Log(table)
 
-    async def connection(stream: trio.SocketStream) -> None:
+    async def watch(conn, scope: trio.CancelScope) -> None:
+        while True:
+            deadline = table.deadline(conn)
+            now = trio.current_time()
+            if deadline is not None and table.expire(conn, now):
+                report.maybe()
+                scope.cancel()
+                return
+            await trio.sleep_until(deadline if deadline is not None else now + table.idle_s)
+
+    async def connection(stream: trio.SocketStream, conn) -> None:
         try:
-            await TCPServer(asgi, config, context, {}, stream)
-        except Exception:  # noqa: BLE001 - one connection's failure must not stop the API
-            log.exception("API connection failed")
+            with trio.CancelScope() as scope:
+                scopes[conn.id] = scope
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(watch, conn, inner.cancel_scope)
+                    try:
+                        # hypercorn annotates an SSLStream; its own trio worker serves plain SocketStreams too.
+                        await server_class(asgi, config, context, {}, stream)  # type: ignore[arg-type]
+                    except Exception:  # one connection's failure must not stop the API
+                        log.exception("API connection failed")
+                    inner.cancel_scope.cancel()
         finally:
-            slots.release()
+            scopes.pop(conn.id, None)
+            table.remove(conn.id)
+            await trio.aclose_forcefully(stream)
 
     async with listener, trio.open_nursery() as nursery:
         task_status.started(url)
         try:
             while True:
-                await slots.acquire()
                 try:
                     stream = await listener.accept()
                 except OSError as exc:
-                    slots.release()
                     if exc.errno not in _CAPACITY_ERRNOS:
                         raise
                     await trio.sleep(CAPACITY_SLEEP_S)
                     continue
-                nursery.start_soon(connection, stream)
+                try:
+                    peer = tuple(stream.socket.getpeername()[:2])
+                except OSError:          # gone before we looked
+                    await trio.aclose_forcefully(stream)
+                    continue
+                admission = table.admit(peer, trio.current_time())
+                for victim in admission.evict:
+                    if victim in scopes:
+                        scopes[victim].cancel()
+                if admission.conn is None:
+                    await trio.aclose_forcefully(stream)
+                else:
+                    nursery.start_soon(connection, stream, admission.conn)
+                if admission.evict or admission.conn is None:
+                    report.maybe()
         finally:
             await context.terminated.set()   # idle keep-alive connections close at once

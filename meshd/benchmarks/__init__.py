@@ -17,6 +17,8 @@
     hopfloor.py       the machine's gRPC / raw-socket round-trip floors
     hoptransport.py   one hop's decode step over TLS gRPC, framed TLS and the Unix socket, alternating
     torch_floor.py    the route's ranges in bare processes on a ring of pipes: what splitting alone costs
-    local_swarm.py    LocalSwarm / LocalDaemon: real daemons on loopback (demo, benchmarks, slow tests)
     relay_harness.py  process orchestration for the relay benchmark and relay end-to-end tests
+
+Nothing in the product imports this room: the local swarm the demo runs
+lives with the daemon (meshd/daemon/local_swarm.py).
 """

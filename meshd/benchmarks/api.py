@@ -74,7 +74,7 @@ def _via_control(daemon, n: int) -> tuple[str, float, float | None, int]:
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     import httpx
 
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
     from meshd.plan.assignment import even_memory_for
     from meshd.plan.footprint import artifact_footprint
     from native.packaged import smollm2_artifact
@@ -99,15 +99,19 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         http = httpx.Client(timeout=600)
         _via_control(entry, 4)   # warm both edges (tokenizer, channels, relay-free routes)
         _via_api(http, url, model_id, 4)
-        api, control, equal = [], [], True
+        api: list[tuple[float, float | None, int]] = []
+        control: list[tuple[float, float | None, int]] = []
+        equal = True
         for i in range(rounds):
-            order = (("api", lambda: _via_api(http, url, model_id, new_tokens)), ("control", lambda: _via_control(entry, new_tokens)))
+            order = (("api", lambda: _via_api(http, url, model_id, new_tokens)),
+                     ("control", lambda: _via_control(entry, new_tokens)))
             texts = {}
             for name, fn in (order if i % 2 == 0 else order[::-1]):
                 text, ttft, rate, count = fn()
                 texts[name] = text
                 (api if name == "api" else control).append((ttft, rate, count))
-                _say(progress, f"round {i + 1} {name}: ttft {ttft * 1000:.0f} ms, {rate or 0:.2f} tok/s, {count} tokens")
+                _say(progress,
+                     f"round {i + 1} {name}: ttft {ttft * 1000:.0f} ms, {rate or 0:.2f} tok/s, {count} tokens")
             equal = equal and texts["api"] == texts["control"]
         recent = httpx.get(f"{url}/meshd/status", timeout=60).json()["generations"]["recent"]
         http.close()

@@ -1,31 +1,34 @@
-"""What ``meshd bench swarm`` and ``pipeline`` share: the product path timed beside the whole model.
+"""What ``meshd bench swarm`` (both lanes) and ``pipeline`` share: the product path timed beside the whole model.
 
     options        --model PATH (an artifact directory), --layers A:B,C:D (a fixed
                    split: one ``meshd join --layers`` daemon per range), --backend
                    (passed to the daemons); ``bench_model`` / ``parse_splits`` check them
     daemons        ``start_split`` starts one fixed-range daemon per range (1 compute
-                   thread each, local_swarm.THREADS; the product's record lifetime,
-                   BENCH_RECORD_TTL_S) and waits until the entry sees the model
+                   thread each, THREADS of meshd/daemon/local_swarm.py; the product's record
+                   lifetime, BENCH_RECORD_TTL_S) and waits until the entry sees the model
                    covered; ``entry_of`` is the daemon serving layer 0
     one run        ``generate`` asks a daemon through its control socket (the generate
                    op, as ``meshd generate`` does) and returns the done event, which carries
                    the driver's own timings (prefill, per-step wall and execution time,
                    tail bytes per decode step)
-    reference      ``Reference``: shard/reference.py's WholeModel in this process, with the
+    reference      ``Reference``: shard/model/reference.py's WholeModel in this process, with the
                    same thread count, greedy, cut at the tokenizer's stop ids as the
                    daemon's generation is
     logits check   ``route_logits``: the same route driven by the route driver in this
                    process over the daemons' pinned TLS endpoints (from ``status``), asking
                    the tail for its logits rows -- only for max_abs_logit_diff, never timed
+    failover       ``measure_failover``: a backup for the middle hop's range, that hop's
+                   daemon killed after the first token; same tokens? how long to recover?
+                   (both lanes of ``meshd bench swarm``)
 
-Blocking code; every wait is bounded (local_swarm).
+Blocking code; every wait is bounded (meshd/daemon/local_swarm.py).
 """
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from meshd.config import DEFAULT_RECORD_TTL_S
 from meshd.errors import ConfigError
@@ -84,7 +87,7 @@ def even_splits(num_layers: int, parts: int) -> list[str]:
 def start_split(root: Path, model: Path, specs: Sequence[str], *, backend: str | None = None,
                 kv_budget_tokens: int = 1024, record_ttl_s: float = BENCH_RECORD_TTL_S):
     """One ``meshd join --layers SPEC`` daemon per range, covering the model; returns the LocalSwarm."""
-    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.daemon.local_swarm import LocalSwarm
 
     root.mkdir(parents=True, exist_ok=True)
     swarm = LocalSwarm(root, model, kv_budget_tokens=kv_budget_tokens, backend=backend, record_ttl_s=record_ttl_s)
@@ -140,7 +143,7 @@ class RunFigures:
     looped: bool = False     # the tail sent each token straight to the head (meshd/generate/push.py)
 
     @classmethod
-    def of(cls, done: dict) -> "RunFigures":
+    def of(cls, done: dict) -> RunFigures:
         hops = done["step_hops"][-1] if done.get("step_hops") else len(done["route"])
         return cls(done["tokens"], done["decode_tokens_per_s"] or 0.0, done["prefill_s"], done["step_wall_ms"],
                    done["step_execution_ms"], hops, done.get("tail_bytes_per_decode_step"), done["route"],
@@ -163,7 +166,7 @@ class Reference:
         import torch
 
         from meshd.generate.tokenizer import EntryTokenizer
-        from shard.reference import WholeModel
+        from shard.model.reference import WholeModel
 
         torch.set_num_threads(threads)
         self.whole = WholeModel(model)
@@ -212,3 +215,36 @@ def route_logits(entry, prompt_ids: Sequence[int], n: int):
     tokens = [t.id for t in driver.generate(GenerationRequest(tuple(prompt_ids), n, return_logits=True))]
     # the sessions' channels are the last ones made (after the capability questions)
     return tokens, driver.stats.logits, [getattr(c, "used", "") or "grpc" for c in made[-len(hops):]]
+
+
+def measure_failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dict,
+                     say: Callable[[str], None]) -> None:
+    """A backup for the middle hop's range, then that hop's daemon SIGKILLed after the first token
+    (``meshd bench swarm``, both lanes): ``result`` gets whether the tokens stayed the same and
+    the recovery time."""
+    by_peer = {(d.swarm() or {}).get("peer_id"): d for d in swarm.daemons}
+    ads = {a["peer_id"]: a for a in entry.swarm()["ads"]}
+    route = result["route"]
+    middle = ads[route[len(route) // 2].split(":")[0]]
+    backup = swarm.add(layers=f"{middle['start']}:{middle['end']}", name="backup")
+    swarm.wait_serving(backup, START_TIMEOUT_S)
+    swarm.wait_covered(120, peers=len(ads) + 1)
+    probe = generate(entry, prompt, 2)["route"]  # which of the two twins this entry's route uses
+    victim = by_peer.get(probe[len(probe) // 2].split(":")[0]) or backup
+    say(f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
+                   f"killing {victim.name} (middle hop, daemon and worker) after the first token")
+    killed: list[float] = []
+
+    def kill(count: int) -> None:
+        if count == 1 and not killed:
+            killed.append(victim.kill_node())
+
+    n = max(new_tokens, 48)
+    failed = generate(entry, prompt, n, on_token=kill)
+    expected = reference.generate(prompt, n)[0]
+    fo = failed["failovers"]
+    result.update(tokens_equal_with_failure=failed["tokens"] == expected, failovers=len(fo))
+    if fo and fo[0].get("next_token_at") and killed:
+        result["recovery_s"] = round(fo[0]["next_token_at"] - killed[0], 3)
+        result["failover_to_token_s"] = round(fo[0]["next_token_at"] - fo[0]["failed_at"], 3)
+    say(f"failure run: {len(fo)} failover(s), recovery {result.get('recovery_s')} s")

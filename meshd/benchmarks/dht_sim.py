@@ -138,10 +138,11 @@ async def _child_main(first_index: int, count: int, models: int, republish_s: fl
     import trio
 
     from dht import keys as K
+    from dht.host.bootstrap import connect_bootstrap
+    from dht.host.build import running_host
     from dht.identity import Identity
     from dht.node import DhtNode
     from dht.records import CapabilityClaim, parse_record_set_lenient, sign_capability, validate_capability
-    from relay.host import connect_bootstrap, running_host
 
     def wall_ms() -> int:
         return int(time.time() * 1000)
@@ -296,11 +297,13 @@ class _Child:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        assert self.proc.stdout is not None   # piped
         for line in self.proc.stdout:
             self.lines.put(line)
         self.lines.put(None)
 
     def send(self, **cmd) -> None:
+        assert self.proc.stdin is not None   # piped
         self.proc.stdin.write((json.dumps(cmd) + "\n").encode())
         self.proc.stdin.flush()
 
@@ -393,6 +396,7 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
     per = nodes // processes
     digests = [_digest(m) for m in range(models)]
     scratch = Path(tempfile.mkdtemp(prefix="meshd-dht-sim-"))
+    keep_logs = False
     children: list[_Child] = []
     t0 = time.monotonic()
     try:
@@ -566,12 +570,12 @@ def simulate(nodes: int, processes: int, republish_s: float, progress=None) -> d
         }
     except BaseException:
         _say(progress or sys.stderr, f"children's logs kept in {scratch}")
-        scratch = None
+        keep_logs = True
         raise
     finally:
         for c in children:
             c.stop()
-        if scratch is not None:
+        if not keep_logs:
             shutil.rmtree(scratch, ignore_errors=True)
 
 

@@ -44,7 +44,7 @@ def serve(port_file: str, hold_ms: float) -> None:
 
     import grpc
 
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     hold = hold_ms / 1000
 
@@ -68,7 +68,7 @@ def grpc_floor_ms(hold_ms: float, size: int, rounds: int) -> float:
     import grpc
 
     from meshd.testing.procs import child_env
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     port_file = os.path.join(tempfile.mkdtemp(prefix="meshd-hopfloor-"), "port")
     proc = subprocess.Popen([sys.executable, "-m", "meshd.benchmarks.hopfloor", "serve", port_file, str(hold_ms)],
@@ -80,7 +80,7 @@ def grpc_floor_ms(hold_ms: float, size: int, rounds: int) -> float:
                 raise RuntimeError("the echo server did not start")
             time.sleep(0.02)
         channel = grpc.insecure_channel(f"127.0.0.1:{Path(port_file).read_text()}", options=GRPC_OPTIONS)
-        sends: "queue.Queue[object]" = queue.Queue(maxsize=16)
+        sends: queue.Queue[object] = queue.Queue(maxsize=16)
         end = object()
         call = channel.stream_stream(f"/{SERVICE}/Echo", request_serializer=None, response_deserializer=None)
         responses = call(iter(sends.get, end), timeout=600)

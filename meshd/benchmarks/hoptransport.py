@@ -3,7 +3,7 @@
 Beside ``bench pipeline``'s floors: a real ``meshd worker`` process (a seeded
 Llama with SmolLM2's hidden size, serving the middle layer of three: hidden
 rows in, hidden rows out -- hop-to-hop traffic) with its TLS gRPC port, its
-framed TLS port (shard/frame_server.py) and its Unix frame socket; one
+framed TLS port (shard/edges/frame_server.py) and its Unix frame socket; one
 ``HopLink`` (the product's) per transport, each over the channel the
 product's ``PeerConnector`` would build (pinned gRPC, ``TlsFrameChannel``,
 ``UnixFrameChannel``). Decode steps alternate between the links step by step,
@@ -16,7 +16,6 @@ median of (step wall time - the worker's own execution time), in ms:
 from __future__ import annotations
 
 import secrets
-
 import statistics
 import tempfile
 import time
@@ -38,7 +37,7 @@ def measure(steps: int = 200) -> dict:
     from meshd.testing.procs import spawn_worker
     from proto import shard_runtime_pb2 as pb
     from proto.frames import SCHEMA_VERSION
-    from shard.server import GRPC_OPTIONS, SERVICE_NAME
+    from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
 
     path = models.build_random_llama(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3,
                                      num_attention_heads=4, num_key_value_heads=4)
@@ -49,6 +48,8 @@ def measure(steps: int = 200) -> dict:
         "--frames-listen", "127.0.0.1:0", "--unix-listen", str(tmp / "w.sock")])
     links = {}
     try:
+        # all three were asked for on the worker's command line above
+        assert worker.tls_endpoint and worker.frames_endpoint and worker.unix_endpoint
         grpc_channel = pinned_channel(worker.tls_endpoint, tls.pin, GRPC_OPTIONS)
         fingerprint = grpc_channel.unary_unary(
             f"/{SERVICE_NAME}/GetCapability", request_serializer=pb.CapabilityRequest.SerializeToString,

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
@@ -69,7 +69,7 @@ class ProcessCpu:
         self.tokens += tokens - 1
         self._mark = None
 
-    def per_token_ms(self) -> dict[str, float]:
+    def per_token_ms(self) -> dict[str, float | None]:
         return {name: round(s * 1e3 / self.tokens, 3) if self.tokens else None for name, s in self.cpu_s.items()}
 
 
@@ -78,7 +78,7 @@ def engine_cpu(model: Path, specs: Sequence[str], steps: int = 64, prompt_tokens
     from native.gguf_range import model_info, open_reader
     from native.llama_engine import EngineConfig, LlamaEngine
     from native.slice import FAKE_VOCAB, slice_path
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     info = model_info(open_reader(model))
     config = EngineConfig(n_threads=1, n_ctx=prompt_tokens + steps + 64, n_seq_max=1)
@@ -124,4 +124,5 @@ def engine_cpu(model: Path, specs: Sequence[str], steps: int = 64, prompt_tokens
     return {"whole_cpu_ms": round(ms["whole"], 3), "slices_cpu_ms": round(slices, 3),
             "slices_vs_whole_cpu": round(slices / ms["whole"], 3),
             "per_slice_cpu_ms": {f"{p.start}:{p.end}": round(ms[f"{p.start}:{p.end}"], 3) for p in ranges},
-            "python_capture_extra_cpu_ms": round(ms["head_python_capture"] - ms[f"{ranges[0].start}:{ranges[0].end}"], 3)}
+            "python_capture_extra_cpu_ms": round(
+                ms["head_python_capture"] - ms[f"{ranges[0].start}:{ranges[0].end}"], 3)}

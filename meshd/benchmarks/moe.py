@@ -11,7 +11,7 @@
    ``f32_max_abs_logit_diff``: delegated f32 against local (both layouts);
    ``q8_mismatch_positions``: argmax of the q8 run differing from local f32.
    This process and the worker both compute with one thread (the numerics
-   of a product depend on the thread count; meshd workers default to one).
+   of a product depend on the thread count; the benchmarks give every worker one).
 2. Decode through the daemon path, alternating rounds: swarm "local" (one
    ``meshd join --layers 0:6``) and swarm "delegated" (``--layers 0:6
    --experts 0-5:E0-E3`` plus an expert peer ``--experts 0-5:E4-E7``);
@@ -53,10 +53,11 @@ def _teacher_forced(backend) -> tuple[list[int], list, float]:
 def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
     import numpy as np
 
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves
     from meshd.testing.experts import spawn_expert_worker, tls_files
-    from proto import moe_wire as W
-    from shard.expert_pool import ExpertRouter
-    from shard.torch_backend import TorchRangeBackend
+    from proto import moe as W
+    from shard.experts.pool import ExpertRouter
+    from shard.model.torch_backend import TorchRangeBackend
 
     local = TorchRangeBackend.load(path, 0, 6, progress=None)
     want, want_logits, local_s = _teacher_forced(local)
@@ -103,7 +104,7 @@ def _bytes_and_drift(path: Path, root: Path, progress) -> dict:
 
 
 def _decode(path: Path, root: Path, quick: bool, progress) -> dict:
-    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.daemon.local_swarm import LocalSwarm
 
     new_tokens, rounds = (8, 1) if quick else (32, 3)
     out: dict = {"decode_new_tokens": new_tokens, "decode_rounds": rounds}
@@ -127,7 +128,7 @@ def _decode(path: Path, root: Path, quick: bool, progress) -> dict:
                 speeds[name].append(float(done.get("decode_tokens_per_s") or 0.0))
                 tokens.setdefault(name, done["tokens"])
                 _say(progress, f"round {r}: {name} {speeds[name][-1]:.1f} tok/s")
-        from meshd.benchmarks.local_swarm import wait_for
+        from meshd.daemon.local_swarm import wait_for
 
         try:   # the worker's health (polled every 5 s) carries the exchange's bytes per position
             status = wait_for(lambda: (lambda s: s if (s.get("worker") or {}).get("health", {}).get("experts")

@@ -15,7 +15,8 @@ Two measurements, both in-process after the timed runs:
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,7 @@ def _top2(logits: np.ndarray) -> tuple[int, int, float]:
 def _llama_whole(path, max_tokens: int, threads: int):
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     layers = model_info(open_reader(path)).num_layers
     return LlamaRangeBackend(path, LayerRange(0, layers, layers),
@@ -69,7 +70,7 @@ def diagnose(artifact, ggufs: Mapping[str, Any], prompts: Mapping[str, list[int]
     """``ggufs``: qtype -> path (needs "F32"); ``recipes``: recipe qtype -> prompt -> tokens."""
     import torch
 
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(threads)
     longest = max(len(p) for p in prompts.values()) + n_tokens + 1

@@ -17,8 +17,9 @@ and times the same prefill and decode steps on both.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence, TextIO
+from typing import TextIO
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def vocab_projection_probe(gguf: Path, cut: int, num_layers: int, prompt: Sequen
                            decode_steps: int = 32, threads: int = 2) -> dict[str, float]:
     """Head range [0, cut): time with the vocabulary projection skipped vs computed."""
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     figures: dict[str, float] = {}
     for skip in (True, False):

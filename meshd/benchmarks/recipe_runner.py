@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -37,7 +37,7 @@ def _proc_kib(field: str) -> int:
 def _transformers(path: str, dtype: str, threads: int, chunk: int) -> Generate:
     import torch
 
-    from shard.reference import WholeModel
+    from shard.model.reference import WholeModel
 
     torch.set_num_threads(threads)
     model = WholeModel(path, dtype)
@@ -51,7 +51,7 @@ def _transformers(path: str, dtype: str, threads: int, chunk: int) -> Generate:
 def _llama(path: str, threads: int, chunk: int, max_tokens: int, sessions: int) -> Generate:
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
+    from shard.model.backend import LayerRange
 
     layers = model_info(open_reader(path)).num_layers
     config = LlamaBackendConfig(n_threads=threads, kv_budget_tokens=max_tokens * sessions, max_sessions=sessions)
@@ -84,7 +84,7 @@ def measure(generate: Generate, prompts: dict[str, list[int]], plan: Plan,
         try:
             tokens, ttft, decode = generate(ids, plan.output_tokens)
             return Outcome(prompt_id, level, repeat, True, len(ids), tuple(tokens), ttft, decode)
-        except Exception as exc:  # a failed request is data here, counted against the recipe
+        except Exception as exc:  # noqa: BLE001 - a failed request is data here, counted against the recipe
             return Outcome(prompt_id, level, repeat, False, len(ids), error=f"{type(exc).__name__}: {exc}")
 
     for i in range(plan.warmups):
@@ -98,7 +98,7 @@ def measure(generate: Generate, prompts: dict[str, list[int]], plan: Plan,
             for repeat in range(plan.repeats):
                 for prompt_id in prompts:
                     t0 = time.perf_counter()
-                    outcomes += list(pool.map(lambda _: one(prompt_id, level, repeat), range(level)))
+                    outcomes += list(pool.map(lambda _, p=prompt_id, c=level, r=repeat: one(p, c, r), range(level)))
                     wall += time.perf_counter() - t0
         walls[str(level)] = wall
         log(f"concurrency {level}: {sum(o.ok for o in outcomes if o.concurrency == level)} requests ok")

@@ -27,8 +27,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from meshd.benchmarks.recipe_plan import (PERFORMANCE_FIT, PROMPTS, QUALITY, Outcome, Plan, Thresholds,
-                                          cell_metrics, drift, evaluate, outputs_by_prompt)
+from meshd.benchmarks.recipe_plan import (
+    PERFORMANCE_FIT,
+    PROMPTS,
+    QUALITY,
+    Outcome,
+    Plan,
+    Thresholds,
+    cell_metrics,
+    drift,
+    evaluate,
+    outputs_by_prompt,
+)
 
 REFERENCE = "transformers-safetensors-reference"
 GGUF_RECIPES = (("llama.cpp-BF16", "BF16", QUALITY), ("llama.cpp-Q8_0", "Q8_0", PERFORMANCE_FIT),
@@ -111,7 +121,7 @@ def run(quick: bool, progress: TextIO | None, options=None) -> dict[str, Any]:
                                    artifact_bytes=_bytes(path), artifact=path)
 
     def decode_text(tokens) -> str:
-        return tokenizer.decode(list(tokens), skip_special_tokens=False)
+        return str(tokenizer.decode(list(tokens), skip_special_tokens=False))
 
     reference_outputs = {k: tuple(v) for k, v in recipes[REFERENCE]["outputs"].items()}
     for recipe_id, entry in recipes.items():

@@ -3,7 +3,7 @@
 Setup (real processes on loopback): a seeded random Llama with hidden 1024 and
 2 layers; worker A serves layer 0:1 (the head, always direct), worker B serves
 1:2 (the tail). B is reached either directly over gRPC, or through
-``meshd relay`` via a home node (``python -m relay.node``) that forwards the
+``meshd relay`` via a bare home node (meshd/benchmarks/relay_home.py) that forwards the
 relayed session to B over its local gRPC. The entry node is this process:
 the route driver (SwarmDriver over a fixed route) with a libp2p host in a
 TrioPortal (meshd/benchmarks/relay_harness.py).
@@ -54,9 +54,9 @@ def run(quick: bool, progress=None, options=None) -> dict:
     import numpy as np
 
     from meshd.benchmarks import relay_harness as H
-    from relay import trace
-    from shard.reference import WholeModel
     from meshd.testing.models import build_random_llama
+    from relay import trace
+    from shard.model.reference import WholeModel
 
     repeats = 1 if quick else 3
     decode_tokens = 16 if quick else 48
@@ -86,7 +86,7 @@ def run(quick: bool, progress=None, options=None) -> dict:
         def hop(endpoint, start, end):
             return {"endpoint": endpoint, "start": start, "end": end, "num_layers": 2}
 
-        routes = {
+        routes: dict[str, dict] = {
             "direct": {"hops": [hop(head.ready["listen"], 0, 1), hop(tail.ready["listen"], 1, 2)]},
             "relayed": {"hops": [hop(head.ready["listen"], 0, 1), hop("p2p:" + peer, 1, 2)],
                         "relayed": {peer: home.ready["relayed_addrs"][0]}},

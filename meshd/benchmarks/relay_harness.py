@@ -7,7 +7,7 @@ ready file (waited for with a bound; an early exit fails at once).
 
     spawn_relay        meshd relay                       -> {peer_id, addrs}
     spawn_worker       meshd worker (shard)              -> {listen, pid}
-    spawn_home_node    python -m relay.node              -> {peer_id, relayed_addrs, verdict}
+    spawn_home_node    python -m meshd.benchmarks.relay_home -> {peer_id, relayed_addrs, verdict}
     drive(...)         the entry node: a libp2p host in a TrioPortal, circuits to
                        the relayed hops, the route driver (SwarmDriver) over a fixed
                        route of mixed hops
@@ -23,11 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 from meshd.testing import procs
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Loading a model or starting libp2p on a loaded 2-core machine: bounded, generous.
 READY_TIMEOUT_S = 300.0
@@ -46,10 +47,10 @@ class Child:
     ready: dict = field(default_factory=dict)
     log: Path | None = None
     ready_path: Path | None = None
-    check: object = None
+    check: Callable[[dict], bool] | None = None
     scratch: Path | None = None     # a private directory of this child's, removed at stop()
 
-    def stop(self) -> int:
+    def stop(self) -> int | None:
         code = procs.stop_process(self.proc)
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
@@ -75,10 +76,12 @@ def spawn_ready(name: str, args: Sequence[str], ready: Path, *, prefix: Sequence
 def wait_ready(child: Child, timeout_s: float = READY_TIMEOUT_S) -> Child:
     """Wait until the child's ready file exists (and its check holds); stop it on failure."""
     deadline = time.monotonic() + timeout_s
+    ready_path = child.ready_path
+    assert ready_path is not None   # spawn_ready names it
     try:
         while True:
-            if child.ready_path.exists():
-                child.ready = json.loads(child.ready_path.read_text())
+            if ready_path.exists():
+                child.ready = json.loads(ready_path.read_text())
                 if child.check is None or child.check(child.ready):
                     return child
             if child.proc.poll() is not None:
@@ -121,8 +124,8 @@ def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, work
                     prefix: Sequence[str] = (), bench_echo: bool = False) -> Child:
     d = workdir / name
     d.mkdir(parents=True, exist_ok=True)
-    return spawn_ready(name, ["relay.node", "--listen", listen, "--relay", relay_addr, "--worker", worker,
-                              "--data-dir", str(d), "--ready-file", str(d / "ready.json"),
+    return spawn_ready(name, ["meshd.benchmarks.relay_home", "--listen", listen, "--relay", relay_addr,
+                              "--worker", worker, "--data-dir", str(d), "--ready-file", str(d / "ready.json"),
                               *(["--bench-echo"] if bench_echo else [])], d / "ready.json",
                        prefix=prefix, check=lambda r: bool(r.get("relayed_addrs")))
 
@@ -211,14 +214,14 @@ def drive(spec: dict, on_sent=None) -> dict:
     import multiaddr
     import trio
 
+    from dht.host.build import build_host
     from dht.identity import Identity
     from meshd.generate.driver import GenerationRequest, SwarmDriver
     from meshd.generate.routes import discover_fingerprint, fixed_route
     from meshd.reach.tls import loopback_channel
     from relay.client import dial_relayed, parse_relayed_addr
-    from relay.host import build_host
     from relay.syncchannel import TrioPortal, relayed_channel_factory
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     async def setup(task_status=trio.TASK_STATUS_IGNORED):
         host = build_host(Identity.from_seed(os.urandom(32)))
@@ -236,14 +239,16 @@ def drive(spec: dict, on_sent=None) -> dict:
                                 chunk_tokens=spec.get("chunk_tokens", 128),
                                 return_logits=spec.get("return_logits", False))
     with TrioPortal(setup) as portal:
-        direct = lambda endpoint: loopback_channel(endpoint, GRPC_OPTIONS)  # noqa: E731
+        def direct(endpoint):
+            return loopback_channel(endpoint, GRPC_OPTIONS)
+
         connector = _FactoryConnector(_recording_factory(relayed_channel_factory(portal, portal.value, direct),
                                                          sent, on_sent))
         driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))
         tokens = [t.id for t in driver.generate(request)]
     stats = driver.stats
     times = stats.token_times
-    return {"tokens": tokens, "logits": [l.tolist() for l in stats.logits],
+    return {"tokens": tokens, "logits": [row.tolist() for row in stats.logits],
             "prefill_s": stats.prefill_s, "decode_s": times[-1] - times[0] if len(times) > 1 else 0.0,
             "hop_execution_ns": list(stats.hop_execution_ns),
             "step_wall_ns": list(stats.step_wall_ns),
@@ -258,10 +263,10 @@ def relayed_echo_rtts(relayed_addr: str, *, frame_bytes: int, count: int) -> lis
     import multiaddr
     import trio
 
-    from relay.host import build_host
+    from dht.host.build import build_host
     from dht.identity import Identity
+    from meshd.benchmarks.relay_home import ECHO_PROTOCOL
     from relay.client import dial_relayed, parse_relayed_addr
-    from relay.node import ECHO_PROTOCOL
     from relay.transport import RelayedFrameChannel
 
     async def main() -> list[float]:

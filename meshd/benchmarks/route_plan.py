@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from meshd.plan.adverts import ShardAd
 from meshd.plan.routing import plan_route, replacement_route
@@ -58,7 +58,7 @@ def run(quick: bool = False, progress: TextIO | None = None, *, peers: int = 200
     repeats = 5 if quick else 30
     ads, rtt = synthetic_swarm(peers, layers, random.Random(seed))
     entry = next(a.peer_id for a in ads if a.start == 0)
-    kwargs = dict(now_ms=0, entry_peer_id=entry, rtt=rtt, needed_tokens=4096)
+    kwargs: dict[str, Any] = dict(now_ms=0, entry_peer_id=entry, rtt=rtt, needed_tokens=4096)
     if progress is not None:
         print(f"route_plan: {peers} peers x {layers} layers, {len(rtt)} RTTs, "
               f"{repeats} repeats", file=progress)

@@ -5,7 +5,7 @@ layout (one KV stream per session), sized for c=8: ``[worker] llama_kv_streams =
 8 streams of 512 tokens from the 4096-token budget (``auto`` would make 2 of 2048), the same with the shared
 KV pool (``llama.cpp-shared``, ``llama_kv_streams = 0``, opt-in), torch on the
 SmolLM2 safetensors artifact -- three ``meshd join`` daemons on fixed ranges
-(0:10, 10:20, 20:30; ``local_swarm.LocalSwarm``, one compute thread each,
+(0:10, 10:20, 20:30; ``meshd.daemon.local_swarm.LocalSwarm``, one compute thread each,
 ``--api-listen 127.0.0.1:0``); node0 is the entry. Its config sets
 ``[api] max_running = 8``: the default (4) would queue half of the c=8
 requests at the entry and hide what the workers do; ``peak_streaming_c8``
@@ -17,24 +17,11 @@ token budget) are sent one at a time (c=1: every request alone -- these are
 also the reference outputs), then 4 and 8 at once (streaming
 ``/v1/chat/completions`` read with httpx, one client per request thread).
 Repeated ``rounds`` times in alternating order (1,4,8 then 8,4,1).
-Per concurrency, from each token chunk's arrival time at the client:
-
-    aggregate_tokens_per_s_cN   decode tokens (after each request's first) / the
-                                span from the first first-token to the last token
-    p50_itl_s_cN, p95_itl_s_cN  inter-token gaps of every request, pooled
-    aggregate_ratio_c8          aggregate c8 / aggregate c1
-    p95_itl_ratio_c8            p95 ITL c8 / p95 ITL c1
-    outputs_equal               every request's token chunks at c=4 and c=8 equal the same
-                                request alone (c=1); requests_equal counts those that do. Must hold
-                                on ``llama.cpp`` and ``torch``. ``llama.cpp-shared`` reports it: in
-                                a shared pool llama.cpp refills a released session's cells from the
-                                start, out of the running sessions' position order, and their
-                                logits drift by up to ~1 (tests/test_batching_native.py), so a near
-                                tie can flip a token
-    floor_batch8_throughput_ratio  in process, on one thread like the workers: the lane's
-                                backend (whole model, the lane's KV layout) decoding 8 sessions' rows in one batched
-                                forward vs one session's row, tokens/s ratio (alternating
-                                rounds) -- what batching can give on this machine at most
+Per concurrency, from each token chunk's arrival time at the client: the
+aggregate decode rate, the inter-token gaps (p50, p95) and their ratios to
+c=1, and whether every concurrent request's answer equals the same request
+alone (it must on ``llama.cpp`` and ``torch``; ``llama.cpp-shared``'s shared
+pool can drift). Every key is listed in docs/benchmarks.md (serve).
 
 What the machine allows (per lane, no timing of its own): with P = min(cores, hops) hops
 computing at once and each forward of 8 sessions' rows F times the throughput of one row
@@ -44,22 +31,14 @@ one token alone costs hops x t: ``bound_aggregate_ratio_c8`` = F P and ``bound_p
 this machine's reach for that backend.
 
 ``itl_gap_causes_c8`` (per lane): what the slowest 5% of the c=8 gaps overlapped in the
-workers' own batch traces (``MESHD_BATCH_TRACE``, shard/batching.py): ``with_prefill`` (a
-forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
-gaps and the forwards' queue wait; decode-only forwards' mean ms and rows at c=1 and c=8.
+workers' own batch traces (``MESHD_BATCH_TRACE``, shard/session/batching.py).
 
-Where the CPU goes (per lane, c=1 and c=8 rounds, from ``/proc``): ``cpu_cores_busy_cN`` is the
-CPU time of every swarm process (the daemons and their workers) and of this client over the
-rounds' wall time, i.e. how many of the machine's ``machine_cores`` were busy on average;
-``cpu_ms_per_token_cN`` is that CPU time per generated token (prefill included, the same prompts
-at every concurrency). At c=8 the first says whether the lane is CPU-bound (busy cores near
-``machine_cores``: then only less CPU per token makes it faster), the ratio of the second
-(``cpu_per_token_ratio_c8`` = c1 / c8) is the batching gain the product achieved, to set against
-``floor_batch8_throughput_ratio``. Together they bound c=8 a second way:
-``cpu_bound_aggregate_ratio_c8`` = ``machine_cores`` / ``cpu_cores_busy_c1`` x the floor -- c=8 can at
-most keep every core busy where c=1 keeps ``cpu_cores_busy_c1`` of them, and at most cut the CPU
-per token by what the backend's own 8-row forward gains (optimistic: the entry's and the wire's
-share of it does not batch).
+Where the CPU goes (per lane, from ``/proc``): the CPU time of every swarm process and of this
+client over the rounds' wall time says whether the lane is CPU-bound at c=8 (busy cores near
+``machine_cores``: then only less CPU per token makes it faster), and the CPU per token at c=1
+over c=8 is the batching gain the product achieved, to set against the floor. Together they bound
+c=8 a second way: ``cpu_bound_aggregate_ratio_c8`` = ``machine_cores`` / ``cpu_cores_busy_c1`` x
+the floor (optimistic: the entry's and the wire's share does not batch).
 
 ``load_average`` is the 1-minute load at the end (other work on the machine
 makes absolute numbers noisy; every ratio is side by side in this run).
@@ -74,10 +53,10 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from meshd.benchmarks.sse import choices
-from shard.batching import TRACE_ENV
+from shard.session.batching import TRACE_ENV
 
 PROMPTS = (
     "Tell me about the history of Rome.", "What is a transformer model?", "Write a short poem about the sea.",
@@ -94,7 +73,7 @@ SHARED_TOML = "llama_kv_streams = 0"
 # The llama.cpp lane: the default layout (a stream per session), 8 streams for 8 users at once.
 STREAMS = 8
 STREAMS_TOML = f"llama_kv_streams = {STREAMS}"
-FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (local_swarm.THREADS)
+FLOOR_THREADS = 1   # a LocalSwarm worker's compute threads (meshd/daemon/local_swarm.py THREADS)
 
 
 def _say(progress: TextIO | None, line: str) -> None:
@@ -192,7 +171,7 @@ class _Cpu:
         self.wall_s: dict[int, float] = {}
         self.tokens: dict[int, int] = {}
 
-    def _now(self) -> dict[int, float]:
+    def _now(self) -> dict[int, float | None]:
         return {pid: _cpu_seconds(pid) for pid in self.pids}
 
     def measure(self, c: int, wave):
@@ -201,8 +180,8 @@ class _Cpu:
         runs = wave()
         wall, own = time.perf_counter() - t0, time.process_time() - own
         after = self._now()
-        used = own + sum(after[p] - before[p] for p in self.pids
-                         if before[p] is not None and after[p] is not None)
+        pairs = [(before[p], after[p]) for p in self.pids]
+        used = own + sum(b - a for a, b in pairs if a is not None and b is not None)   # an exited one: left out
         self.cpu_s[c] = self.cpu_s.get(c, 0.0) + used
         self.wall_s[c] = self.wall_s.get(c, 0.0) + wall
         self.tokens[c] = self.tokens.get(c, 0) + sum(len(pieces) for _, pieces, _ in runs)
@@ -219,7 +198,7 @@ class _Cpu:
 
 
 def _read_traces(root: Path) -> list[list[dict]]:
-    """Every worker's batch trace (shard/batching.py, MESHD_BATCH_TRACE): one list per hop."""
+    """Every worker's batch trace (shard/session/batching.py, MESHD_BATCH_TRACE): one list per hop."""
     hops = []
     for path in sorted(root.glob("batch-trace.*.jsonl")):
         with path.open() as fh:
@@ -227,7 +206,7 @@ def _read_traces(root: Path) -> list[list[dict]]:
     return hops
 
 
-def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
+def _gap_causes(stats: dict[int, _Stats], hops: list[list[dict]]) -> dict:
     """What the slowest 5% of the c=8 inter-token gaps overlapped in the workers' batch traces.
 
     A gap (one request's token k to k+1, client clock) is ``with_prefill`` when a forward on some
@@ -242,14 +221,15 @@ def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
     out: dict = {"hops_traced": len(hops)}
     for c in (1, 8):
         decode = [b for hop in hops for b in hop if b["max_item"] == 1 and inside(b, stats[c].windows)]
-        out[f"decode_forward_ms_c{c}"] = round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3) if decode else None
+        out[f"decode_forward_ms_c{c}"] = (round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3)
+                                          if decode else None)
         out[f"decode_forward_rows_c{c}"] = round(statistics.fmean(b["rows"] for b in decode), 2) if decode else None
     s8 = stats[8]
     if not s8.gaps or not hops:
         return out
     threshold = s8.quantile(0.95)
     tail = [span for gap, span in zip(s8.gaps, s8.spans) if gap >= threshold]
-    prefill = busy = 0
+    prefill, busy = 0, 0.0
     waits: list[float] = []
     for a, b in tail:
         over = [[x for x in hop if x["t1"] > a and x["t0"] < b] for hop in hops]
@@ -265,7 +245,7 @@ def _gap_causes(stats: dict[int, "_Stats"], hops: list[list[dict]]) -> dict:
 def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_toml: str = "") -> dict:
     import httpx
 
-    from meshd.benchmarks.local_swarm import LocalSwarm
+    from meshd.daemon.local_swarm import LocalSwarm
 
     new_tokens = 16 if quick else 48
     rounds = 1 if quick else 2
@@ -301,7 +281,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
                         alone.setdefault(index, pieces)
                 else:
                     waves = [everyone[k:k + c] for k in range(0, len(everyone), c)]
-                    runs = cpu.measure(c, lambda: [run for wave in waves for run in _wave(url, model_id, wave, new_tokens)])
+                    runs = cpu.measure(c, lambda waves=waves: [run for wave in waves
+                                                               for run in _wave(url, model_id, wave, new_tokens)])
                 stats[c].add(runs, concurrent=c > 1)
                 _say(progress, f"{name} round {r + 1} c={c}: {len(runs)} requests done")
                 if c > 1:
@@ -314,7 +295,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
         agg = {c: statistics.median(stats[c].rates) for c in stats}
         p50 = {c: stats[c].quantile(0.50) for c in stats}
         p95 = {c: stats[c].quantile(0.95) for c in stats}
-        out = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal, "new_tokens": new_tokens, "rounds": rounds,
+        out: dict[str, Any] = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal,
+               "new_tokens": new_tokens, "rounds": rounds,
                "peak_streaming_c8": stats[8].peak, "api_max_running": MAX_RUNNING,
                "aggregate_ratio_c8": round(agg[8] / agg[1], 3), "aggregate_ratio_c4": round(agg[4] / agg[1], 3),
                "p95_itl_ratio_c8": round(p95[8] / p95[1], 3), "p95_itl_ratio_c4": round(p95[4] / p95[1], 3)}
@@ -364,8 +346,8 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
 
     from native.gguf_range import model_info, open_reader
     from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
-    from shard.backend import LayerRange
-    from shard.torch_backend import TorchRangeBackend
+    from shard.model.backend import LayerRange
+    from shard.model.torch_backend import TorchRangeBackend
 
     rounds = 2 if quick else 4
     layers = model_info(open_reader(gguf)).num_layers

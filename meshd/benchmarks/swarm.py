@@ -9,11 +9,11 @@ Steps (progress lines on the given stream):
 2. the daemons: by default three ``meshd join --layers auto`` (memory sized as in
    ``meshd demo``; ``join_to_routable_s`` = from starting the last joiners to the
    entry seeing every layer covered), or with ``--layers`` one ``meshd join
-   --layers A:B`` per range; one compute thread per worker (local_swarm.THREADS),
+   --layers A:B`` per range; one compute thread per worker (meshd/daemon/local_swarm.py THREADS),
    records living as long as a user's (daemon_runs.BENCH_RECORD_TTL_S);
 3. generation through the entry daemon's control socket (the generate op, what
    ``meshd generate`` does; the entry is the layer-0 daemon) and through the
-   whole model in this process (shard/reference.py, same thread count), in
+   whole model in this process (shard/model/reference.py, same thread count), in
    alternating rounds after a warm-up of each: ``decode_ratio`` = best swarm
    decode tok/s / best whole tok/s (``decode_ratio_median``: the medians),
    ``prefill_ratio`` = whole prefill time / the swarm's time to its first token
@@ -54,7 +54,7 @@ def _say(progress: TextIO | None, line: str) -> None:
 
 def _start(root: Path, model: Path, options, progress, result: dict):
     from meshd.benchmarks import daemon_runs as R
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS, DEMO_NODES, LocalSwarm
     from meshd.plan.assignment import even_memory_for
     from meshd.plan.footprint import artifact_footprint
     from meshd.plan.modelinfo import model_num_layers
@@ -88,7 +88,7 @@ def _start(root: Path, model: Path, options, progress, result: dict):
 
 def run(quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     if (getattr(options, "backend", None) or "torch") == "llama.cpp":
-        from meshd.benchmarks.swarm_llama import run as run_llama   # whole-model llama.cpp as the reference
+        from meshd.benchmarks.swarm_llama import run as run_llama  # whole-model llama.cpp as the reference
 
         return run_llama(quick, progress, options)
     if getattr(options, "rtt_ms", None) is not None:   # star vs push across a delayed network
@@ -97,8 +97,8 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         return wan.run(options.rtt_ms, quick=quick, progress=progress, options=options)
     from meshd.benchmarks import daemon_runs as R
     from meshd.benchmarks import route_plan
-    from meshd.benchmarks.local_swarm import THREADS
     from meshd.benchmarks.torch_floor import TorchFloor
+    from meshd.daemon.local_swarm import THREADS
     from native.packaged import smollm2_artifact
 
     model = R.bench_model(options, smollm2_artifact)
@@ -155,7 +155,7 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
             decode_ratio_vs_bare_split=round(max(swarm_rates) / max(b[0] for b in bares), 3),
             bare_split_tokens_equal=all(b[1][:len(whole_tokens)] == whole_tokens for b in bares),
         )
-        _failover(swarm, entry, reference, prompt, new_tokens, result, progress)
+        R.measure_failover(swarm, entry, reference, prompt, new_tokens, result, lambda line: _say(progress, line))
     finally:
         _say(progress, "stopping the daemons")
         if swarm is not None:
@@ -163,34 +163,3 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         shutil.rmtree(root, ignore_errors=True)
     return result
 
-
-def _failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dict, progress) -> None:
-    """A backup for the middle hop's range, then that hop's daemon SIGKILLed after the first token."""
-    from meshd.benchmarks import daemon_runs as R
-
-    by_peer = {(d.swarm() or {}).get("peer_id"): d for d in swarm.daemons}
-    ads = {a["peer_id"]: a for a in entry.swarm()["ads"]}
-    route = result["route"]
-    middle = ads[route[len(route) // 2].split(":")[0]]
-    backup = swarm.add(layers=f"{middle['start']}:{middle['end']}", name="backup")
-    swarm.wait_serving(backup, R.START_TIMEOUT_S)
-    swarm.wait_covered(120, peers=len(ads) + 1)
-    probe = R.generate(entry, prompt, 2)["route"]  # which of the two twins this entry's route uses
-    victim = by_peer.get(probe[len(probe) // 2].split(":")[0]) or backup
-    _say(progress, f"backup serves {middle['start']}:{middle['end']}; entry {entry.name}; "
-                   f"killing {victim.name} (middle hop, daemon and worker) after the first token")
-    killed: list[float] = []
-
-    def kill(count: int) -> None:
-        if count == 1 and not killed:
-            killed.append(victim.kill_node())
-
-    n = max(new_tokens, 48)
-    failed = R.generate(entry, prompt, n, on_token=kill)
-    expected = reference.generate(prompt, n)[0]
-    fo = failed["failovers"]
-    result.update(tokens_equal_with_failure=failed["tokens"] == expected, failovers=len(fo))
-    if fo and fo[0].get("next_token_at") and killed:
-        result["recovery_s"] = round(fo[0]["next_token_at"] - killed[0], 3)
-        result["failover_to_token_s"] = round(fo[0]["next_token_at"] - fo[0]["failed_at"], 3)
-    _say(progress, f"failure run: {len(fo)} failover(s), recovery {result.get('recovery_s')} s")

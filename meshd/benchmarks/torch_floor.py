@@ -7,7 +7,7 @@ caches were cooled by the others while it waited, and the rows cross a
 process boundary. This runs the split with nothing of meshd on the path, so
 the benchmark can say how much of the gap is the split and how much meshd:
 
-    one process per range   ``shard.torch_backend.TorchRangeBackend`` (the
+    one process per range   ``shard.model.torch_backend.TorchRangeBackend`` (the
                             worker's own backend) for that range, ``threads``
                             compute threads, one cache, no sessions, no
                             batching, no validation beyond the backend's own
@@ -31,9 +31,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["FloorRun", "TorchFloor"]
 
@@ -62,7 +62,7 @@ def _hop(model: str, start: int, end: int, threads: int, rx, tx, control) -> Non
     import numpy as np
     import torch
 
-    from shard.torch_backend import TorchRangeBackend
+    from shard.model.torch_backend import TorchRangeBackend
 
     torch.set_num_threads(threads)
     backend = TorchRangeBackend.load(model, start, end, dtype="float32", progress=None)
@@ -171,7 +171,7 @@ class TorchFloor:
         for control in self._controls:
             control.close()
 
-    def __enter__(self) -> "TorchFloor":
+    def __enter__(self) -> TorchFloor:
         return self
 
     def __exit__(self, *exc) -> None:

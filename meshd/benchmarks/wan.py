@@ -22,24 +22,17 @@ in its namespace, bootstrapped from the first, and the entry: a client-only
 daemon. It holds no layers, so every hop of its route is remote, as for a
 user whose machine serves nothing. In the same run, alternating rounds after
 a warm-up of each: a generation with ``topology: star``, the whole model in
-this process (shard/reference.py, one thread like each worker: the compute
+this process (shard/model/reference.py, one thread like each worker: the compute
 per token) and a generation with ``topology: push`` through the entry's
 control socket (the generate op a user runs). Then the same daemons' figures
 on loopback (a LocalSwarm of the same ranges plus a client-only entry, same
 rounds).
 
-Keys: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
-``legs_per_token`` (push: the median of the legs the hops counted in each
-decode step's frames, not computed from the route), ``looped``,
-``critical_legs_per_token`` (the legs a token waits for), ``star_legs_per_token``
-(the star driver's count: one send and one answer per hop), ``hops``,
-``rtt_ms``, ``tokens_equal`` (star == push, every round),
-``entry_serves_layers`` (false: the entry is on no hop), ``compute_ms_per_token``
-(the whole model's best decode step, same rounds), ``legs_ceiling_ratio`` (star
-legs / push legs: the ratio if legs were all that cost), ``star_step_ms`` /
-``push_step_ms`` (medians of the decode steps: wall, the hops' own compute,
-the rest), ``arithmetic`` (the measured decomposition below), ``loopback``
-(the same keys on loopback).
+Reported: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
+the legs per token each topology took, each topology's median decode step
+split into wall, the hops' compute and the rest, ``arithmetic`` (the measured
+decomposition below) and ``loopback`` (the same on loopback); every key is
+in docs/benchmarks.md (swarm --rtt-ms N).
 Every namespace and daemon is removed at the end.
 
 Arithmetic. Per decode token the star crosses the network 2 x hops times. A
@@ -58,8 +51,7 @@ At 20 ms a looped route reaches 1.4 up to c = 45 ms (entry-fed: c <= 10 ms);
 ``arithmetic`` splits the median decode step of each topology into its delay
 (critical legs x RTT/2), the hops' own compute c in those steps and the software per
 leg (what is left), and gives the ratio delay and compute alone predict,
-with c and with the whole model's compute. (With the entry serving the head, as this
-bench ran before the client-only entry, its first leg is local.)
+with c and with the whole model's compute.
 """
 from __future__ import annotations
 
@@ -102,13 +94,14 @@ class DelayedNet:
 
     def delay(self, ports: dict[int, list[int]]) -> None:
         """Forward hub_ip(i):port -> ip(i):port for each node i and each of its ports, RTT/2 each way."""
-        from meshd.benchmarks.local_swarm import REPO_ROOT, child_env
+        from meshd.daemon.local_swarm import REPO_ROOT, child_env
 
         pairs = [f"{self.hub_ip(i)}:{p}={self.ip(i)}:{p}" for i, ps in ports.items() for p in ps]
         self.proxy = subprocess.Popen(["ip", "netns", "exec", self.hub, sys.executable, "-m",
                                        "meshd.benchmarks.delay_proxy", f"{self.rtt_ms / 2:g}", *pairs],
                                       cwd=REPO_ROOT, env=child_env(1), stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True)
+        assert self.proxy.stdout is not None and self.proxy.stderr is not None   # piped just above
         line = self.proxy.stdout.readline()
         if line.strip() != "ready":
             raise NetnsError(f"the delay proxy did not start: {self.proxy.stderr.read()[-500:]}")
@@ -119,7 +112,7 @@ class DelayedNet:
     def prefix(self, i: int) -> list[str]:
         return ["ip", "netns", "exec", self.nodes[i]]
 
-    def up(self) -> "DelayedNet":
+    def up(self) -> DelayedNet:
         if os.geteuid() != 0:
             raise NetnsError("--rtt-ms needs root (network namespaces and tc netem)")
         for tool in ("ip",):
@@ -161,14 +154,16 @@ class DelayedNet:
 def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str, advertise: str, layers: str,
                bootstrap: str | None, threads: int, record_ttl_s: float, kv_budget_tokens: int):
     """``meshd join`` in a namespace (``layers`` "none": the client-only entry)."""
-    from meshd.benchmarks.local_swarm import REPO_ROOT, LocalDaemon, child_env
+    from meshd.daemon.local_swarm import REPO_ROOT, LocalDaemon, child_env
 
     d = LocalDaemon.__new__(LocalDaemon)
     d.name, d.data_dir, d.log = name, root / name, root / f"{name}.log"
     args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
-            "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir), "--record-ttl", str(record_ttl_s),
+            "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir),
+            "--record-ttl", str(record_ttl_s),
             "--reachability", "public", "--api-listen", "off", "--threads", str(threads),
-            "--kv-budget-tokens", str(kv_budget_tokens)]
+            "--kv-budget-tokens", str(kv_budget_tokens),
+            "--no-mdns"]   # the WAN under test is the bootstrapped one, not a LAN found by mDNS
     if bootstrap:
         args += ["--bootstrap", bootstrap]
     d._log_file = open(d.log, "w")
@@ -223,7 +218,7 @@ def compare(entry, prompt: str, new_tokens: int, rounds: int, progress, label: s
         "star_legs_per_token": statistics.median(legs["star"]) if legs["star"] else None,
         "hops": len(runs["push"][-1]["route"]),
         "entry_serves_layers": any(h.split(":")[0] == me for d in runs["push"] + runs["star"] for h in d["route"]),
-        "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}),
+        "topologies_run": sorted({d.get("topology") for t in runs for d in runs[t]}, key=str),
         "tokens_equal": all(t == tokens[0] for t in tokens),
         **{f"{t}_step_ms": _steps(runs[t]) for t in runs},
         "star_prefill_s": round(min(d["prefill_s"] for d in runs["star"]), 4),
@@ -270,7 +265,8 @@ def arithmetic(figures: dict, rtt_ms: float) -> dict:
     out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + c) / (push["delay_ms"] + c), 3)
     whole = figures.get("compute_ms_per_token")
     if whole:
-        out["ratio_from_delay_and_whole_model_compute"] = round((star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
+        out["ratio_from_delay_and_whole_model_compute"] = round(
+            (star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
     out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)  # software 0
     gap = star["legs"] - 1.4 * push["legs"]   # (ls R/2 + c) / (lp R/2 + c) = 1.4  <=>  R = 0.8 c / (ls - 1.4 lp)
     out["rtt_ms_for_1_4"] = round(0.8 * c / gap, 3) if gap > 0 else None
@@ -284,7 +280,7 @@ def _say(progress: TextIO | None, line: str) -> None:
 
 def run(rtt_ms: float, quick: bool = False, progress: TextIO | None = None, options=None) -> dict:
     from meshd.benchmarks import daemon_runs as R
-    from meshd.benchmarks.local_swarm import THREADS, LocalSwarm, wait_for
+    from meshd.daemon.local_swarm import THREADS, LocalSwarm, wait_for
     from meshd.plan.modelinfo import model_num_layers
     from native.packaged import smollm2_artifact
 

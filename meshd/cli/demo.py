@@ -39,10 +39,10 @@ def _say(line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshd.benchmarks.local_swarm import DEMO_KV_TOKENS, DEMO_NODES as NODES
+    from meshd.daemon.local_swarm import DEMO_KV_TOKENS, LocalSwarm
+    from meshd.daemon.local_swarm import DEMO_NODES as NODES
     from meshd.plan.assignment import even_memory_for as demo_memory
     from meshd.plan.footprint import model_footprint
-    from meshd.benchmarks.local_swarm import LocalSwarm
     from meshd.sizes import format_size
     from proto.errors import MeshdError
 

@@ -5,7 +5,7 @@ Expert peer (``--experts SPEC --expert-listen HOST:PORT``, no ``--layers``)::
     meshd worker --model DIR --experts 0-3:E4-E7 --expert-listen 127.0.0.1:0 \\
                  --tls-cert FILE --tls-key FILE --ready-file FILE
 
-Order: load only those experts (shard/expert_store.py) -> validate them with
+Order: load only those experts (shard/experts/store.py) -> validate them with
 a real forward -> listen (TLS; the node certificate whose hash the daemon
 puts in its signed expert record) -> write the ready file ({"expert_listen",
 "experts", "fingerprint", "validation", "weight_bytes", "pid"}) and print
@@ -14,7 +14,7 @@ puts in its signed expert record) -> write the ready file ({"expert_listen",
 Holder (``--layers A:B --experts SPEC``): the range loads only SPEC's experts
 of its sparse layers; the others run on expert peers named in
 ``--expert-peers FILE`` (JSON written by the daemon from the signed records
-it reads in the DHT; shard/expert_pool.py). Before the validation forward
+it reads in the DHT; shard/experts/pool.py). Before the validation forward
 the worker waits (bounded by ``--expert-wait``) until every delegated
 expert has a peer; afterwards it reloads the file as it changes.
 """
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from proto import moe_wire as W
+from proto import moe as W
 from proto.errors import MeshdError
 
 # How often the holder looks at the daemon's placement file.
@@ -64,8 +64,8 @@ def holder_exchange(args: argparse.Namespace):
     """(held ExpertSpec | None, ExpertRouter | None) for a range worker."""
     if not args.experts and not args.expert_peers and not args.offload_experts:
         return None, None
-    from shard.expert_pool import ExpertRouter
-    from shard.expert_spec import ExpertSpec
+    from shard.experts.pool import ExpertRouter
+    from shard.experts.spec import ExpertSpec
 
     held = ExpertSpec.parse(args.experts) if args.experts else None
     # The digests the hello names are the loaded range's own (set by adopt_fingerprint after the load).
@@ -128,9 +128,9 @@ def run_peer(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from shard.expert_server import ExpertServer
-    from shard.expert_spec import ExpertSpec, ExpertSpecError
-    from shard.expert_store import ExpertStore
+    from shard.experts.server import ExpertServer
+    from shard.experts.spec import ExpertSpec, ExpertSpecError
+    from shard.experts.store import ExpertStore
 
     try:
         spec = ExpertSpec.parse(args.experts)

@@ -11,8 +11,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshd.config import load_config
     from dht.identity import load_or_create_identity
+    from meshd.config import load_config
     from proto.errors import MeshdError
 
     try:

@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", help="memory this node offers with --layers auto (weights + KV), e.g. 4GiB")
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
+    parser.add_argument("--swarm", help="the swarm to join (default: 'default'): LAN discovery finds only its "
+                             "nodes and the DHT talks only to them, so two households on one LAN stay apart")
+    parser.add_argument("--no-mdns", action="store_false", dest="mdns", default=None,
+                        help="do not announce this node or look for peers by mDNS on the LAN")
     parser.add_argument("--advertise-host", help="host or IP peers use to reach our TLS gRPC endpoint")
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our DHT records, seconds")
     parser.add_argument("--refill-wait", type=float, dest="refill_wait_s",
@@ -34,8 +38,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "star: the entry carries every boundary (2 x hops)")
     parser.add_argument("--api-listen", metavar="HOST:PORT|off",
                         help="the HTTP API, metrics and dashboard (default 127.0.0.1:8080; port 0: any free port); "
-                             "beyond loopback it needs --api-key")
-    parser.add_argument("--api-key", help="bearer key the HTTP API requires (or MESHD_API_KEY; at least 16 characters)")
+                             "beyond loopback it needs a key (--api-key-file or MESHD_API_KEY)")
+    parser.add_argument("--api-key-file", metavar="PATH",
+                        help="file whose first line is the bearer key the HTTP API requires (chmod 600; "
+                             "or MESHD_API_KEY in the environment; at least 16 characters)")
+    parser.add_argument("--api-key", help="the bearer key itself -- visible to every local user in ps: "
+                                          "prefer --api-key-file or MESHD_API_KEY")
+    parser.add_argument("--api-allow-host", action="append", metavar="NAME", dest="api_allowed_hosts",
+                        help="a host name the API answers to besides IP addresses and localhost (repeatable); "
+                             "other Host headers are refused (DNS rebinding)")
+    parser.add_argument("--api-cors-origin", action="append", metavar="ORIGIN", dest="api_cors_origins",
+                        help="a web origin (https://app.example) whose pages may call the API (repeatable; "
+                             "CORS is off without it)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"))
     parser.add_argument("--backend", choices=("torch", "llama.cpp"))
     parser.add_argument("--kv-budget-tokens", type=int)
@@ -58,8 +72,14 @@ def _progress(line: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {line}", file=sys.stderr, flush=True)
 
 
+API_KEY_ON_COMMAND_LINE = ("meshd: warning: --api-key puts the key on the command line, where every user of "
+                           "this machine can read it (ps, /proc); use --api-key-file PATH or MESHD_API_KEY")
+
+
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.verbose)
+    if args.api_key:
+        print(API_KEY_ON_COMMAND_LINE, file=sys.stderr, flush=True)
     try:
         from meshd.config import load_config, parse_layers
         from meshd.plan.modelinfo import check_layers, model_num_layers
@@ -73,13 +93,16 @@ def run(args: argparse.Namespace) -> int:
             "memory_bytes": parse_size(args.memory) if args.memory else None,
             "listen": tuple(args.listen) if args.listen else None,
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
+            "swarm": args.swarm, "mdns": args.mdns,
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "refill_wait_s": args.refill_wait_s,
             "route_topology": args.route_topology,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,
             "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,
-            "api.listen": args.api_listen, "api.key": args.api_key,
+            "api.listen": args.api_listen, "api.key": args.api_key, "api.key_file": args.api_key_file,
+            "api.allowed_hosts": tuple(args.api_allowed_hosts) if args.api_allowed_hosts else None,
+            "api.cors_origins": tuple(args.api_cors_origins) if args.api_cors_origins else None,
         }
         config = load_config(args.config, overrides)
         if config.model is None:
@@ -95,15 +118,17 @@ def run(args: argparse.Namespace) -> int:
             num_layers = model_num_layers(config.model)
             _progress(f"model {config.model}: {num_layers} layers; range: auto (asking the tracker)")
         else:
-            num_layers = check_layers(config.model, config.layers)
-            _progress(f"model {config.model}: {num_layers} layers; serving {config.layers[0]}:{config.layers[1]}")
+            layers = config.layers
+            assert layers is not None   # neither client-only, experts nor auto: the config requires --layers
+            num_layers = check_layers(config.model, layers)
+            _progress(f"model {config.model}: {num_layers} layers; serving {layers[0]}:{layers[1]}")
         import trio  # the daemon's imports (libp2p, grpc) take seconds: only after the checks
 
         from meshd.daemon.node import run_daemon
 
         setup_logging(args.verbose)  # again: importing libp2p reset its logger
         trio.run(run_daemon, config, _progress)
-    except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
+    except BaseException as exc:  # errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))

@@ -11,7 +11,9 @@ from meshd.cli.common import add_config_arguments, fail, first_meshd_error, setu
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
-    parser.add_argument("--advertise-host", help="public IP announced in our DHT relay record when listening on 0.0.0.0")
+    parser.add_argument("--swarm", help="the swarm whose DHT this relay serves (default: 'default')")
+    parser.add_argument("--advertise-host",
+                        help="public IP announced in our DHT relay record when listening on 0.0.0.0")
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our relay record, seconds")
     parser.add_argument("--no-dht", action="store_true", help="relay only; do not serve the DHT")
     parser.add_argument("--ready-file", help="write {peer_id, addrs} as JSON here once serving")
@@ -29,6 +31,7 @@ def run(args: argparse.Namespace) -> int:
         import functools
         import json
         import os
+        import signal
 
         import trio
 
@@ -37,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, {
             "data_dir": args.data_dir, "listen": tuple(args.listen) if args.listen else None,
-            "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
+            "bootstrap": tuple(args.bootstrap) if args.bootstrap else None, "swarm": args.swarm,
             "advertise_host": args.advertise_host, "record_ttl_s": args.record_ttl_s})
 
         async def main() -> None:
@@ -45,18 +48,18 @@ def run(args: argparse.Namespace) -> int:
                 node = await nursery.start(functools.partial(run_relay, config, _progress, with_dht=not args.no_dht))
                 if args.ready_file:
                     tmp = args.ready_file + ".tmp"
-                    with open(tmp, "w") as f:
-                        json.dump({"peer_id": node.peer_id, "addrs": node.addrs(), "pid": os.getpid()}, f)
+                    ready = {"peer_id": node.peer_id, "addrs": node.addrs(), "pid": os.getpid()}
+                    await trio.Path(tmp).write_text(json.dumps(ready))
                     os.replace(tmp, args.ready_file)
                 print("ready", flush=True)
-                with trio.open_signal_receiver(2, 15) as signals:  # SIGINT, SIGTERM
+                with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                     async for _ in signals:
                         _progress("stopping the relay")
                         nursery.cancel_scope.cancel()
                         break
 
         trio.run(main)
-    except BaseException as exc:  # noqa: BLE001 - errors arrive wrapped in nursery exception groups
+    except BaseException as exc:  # errors arrive wrapped in nursery exception groups
         ours = first_meshd_error(exc)
         if ours is not None:
             return fail(str(ours))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from relay.adjustments import render_library
+from dht.compat.registry import render_library
 
 # Bars wider than this are scaled down so a 120-layer model fits a terminal.
 MAX_BAR_CHARS = 64
@@ -78,6 +78,48 @@ def failure_lines(failure: dict, log_path: str = "", now: float | None = None) -
     return lines
 
 
+def render_http(http: dict | None) -> list[str]:
+    """The API's HTTP library (Hypercorn), its adjustment and the connection slots."""
+    if not http:
+        return []
+    rows = http.get("adjustments") or []
+    conns = http.get("connections") or {}
+    closed = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in (conns.get("closed") or {}).items() if n)
+    lines = [f"http       {http.get('url') or 'API off'}: hypercorn {http.get('version') or '?'}, "
+             f"{conns.get('open', 0)} of {conns.get('max', 0)} connections open "
+             f"({conns.get('per_address', 0)} per address)" + (f"; closed: {closed}" if closed else "")]
+    width = max((len(r["name"]) for r in rows), default=0)
+    for r in rows:
+        lines.append(f"  {'on ' if r['applied'] else 'off'}  {r['name'].ljust(width)}  {r['reason']}")
+    return lines
+
+
+def render_discovery(d: dict | None) -> list[str]:
+    """The swarm this node is in, its mDNS (interfaces, peers found, what it ignored), foreign peers."""
+    if not d:
+        return []
+    swarm, mdns = d.get("swarm") or {}, d.get("mdns") or {}
+    lines = [f"swarm      {swarm.get('name', '?')} (tag {swarm.get('tag', '?')}, DHT {swarm.get('dht_protocol', '?')})"]
+    if mdns.get("state") != "on":
+        lines.append(f"mdns       {mdns.get('reason') or mdns.get('state', 'off')}")
+    else:
+        peers = mdns.get("peers") or []
+        connected = sum(1 for p in peers if p["state"] == "connected")
+        lines.append(f"mdns       on {', '.join(mdns.get('interfaces') or [])} as {mdns.get('instance', '')}: "
+                     f"{len(peers)} peers of this swarm found ({connected} connected)")
+        for p in peers[:MAX_PEERS_LISTED]:
+            err = f" ({p['last_error']})" if p.get("last_error") else ""
+            lines.append(f"           {_short(p['peer_id'])} {p['state']} {' '.join(p['addrs'])}{err}")
+        ignored = mdns.get("ignored") or {}
+        if ignored:
+            lines.append("  ignored  " + ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in ignored.items()))
+    foreign = d.get("foreign_peers") or []
+    if foreign:
+        lines.append(f"  {len(foreign)} connected peers of other swarms (no DHT with them): "
+                     + ", ".join(_short(p) for p in foreign[:MAX_PEERS_LISTED]))
+    return lines
+
+
 def render_status(s: dict) -> str:
     own, worker = s["own"], s["worker"]
     lines = [f"peer id    {s['peer_id']}"]
@@ -90,13 +132,15 @@ def render_status(s: dict) -> str:
         lines.append(f"           {peer}")
     if len(s["peers"]) > MAX_PEERS_LISTED:
         lines.append(f"           ... and {len(s['peers']) - MAX_PEERS_LISTED} more (meshd status --json)")
+    lines += render_discovery(s.get("discovery"))
     reach = s.get("reachability")
     if reach:
         lines.append(f"reachable  {reach['verdict']} (mode {reach['mode']})")
         for addr in reach["relayed_addrs"]:
             lines.append(f"  relayed  {addr}")
         if reach.get("relay_losses"):
-            lines.append(f"  relay connections lost: {reach['relay_losses']} (re-reserved elsewhere when one was known)")
+            lines.append(f"  relay connections lost: {reach['relay_losses']}"
+                         " (re-reserved elsewhere when one was known)")
     if own["layers"]:
         state = "advertising" if own["advertising"] else "not advertising"
         extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, {own['acks']} remote stores acked"
@@ -128,12 +172,14 @@ def render_status(s: dict) -> str:
             lines += failure_lines(failure, worker.get("log", ""))
         pushed = health.get("push_streams")
         if pushed:
-            lines.append(f"push       streams to successors: {pushed['frames']} over frames, {pushed['grpc']} over gRPC")
+            lines.append(f"push       streams to successors: {pushed['frames']} over frames,"
+                         f" {pushed['grpc']} over gRPC")
         moe = health.get("experts")
         if moe:
             lines.append(f"experts    exchange {moe['bytes_sent_per_position']:.0f} B/position sent, "
                          f"{moe['bytes_received_per_position']:.0f} received, {moe['failovers']} failovers")
     lines += render_library(s.get("libp2p"))
+    lines += render_http(s.get("http"))
     experts = s.get("experts")
     if experts:
         line = f"experts    {experts['role']}, holds {experts.get('experts') or 'all'}"

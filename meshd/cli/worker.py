@@ -14,7 +14,7 @@ forward -> listen -> write the ready file ({"listen", "tls_listen", "frames_tls"
 atomically) and print one "ready" line on stdout -> serve until SIGTERM /
 SIGINT. Plaintext listens only on loopback; peers use the TLS port.
 
-Errors: stderr is the worker's log (shard/worklog.py: tracebacks marked so the
+Errors: stderr is the worker's log (shard/session/worklog.py: tracebacks marked so the
 daemon keeps them in worker.log, off the user's terminal). A model that cannot
 be loaded or validated ends the worker with exit code 1 and one clear last
 line, ``cannot load MODEL layers A:B: why``; an unexpected exception logs its
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS, machine_cores
-from shard.sessions import DEFAULT_MAX_QUEUED_STEPS
 from proto.errors import MeshdError
+from shard.session.sessions import DEFAULT_MAX_QUEUED_STEPS
 
 log = logging.getLogger("meshd.worker")
 
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unix-listen", help="also serve Session frames on this Unix socket (mode 0600; "
                         "the daemon's own link for relayed sessions)")
     parser.add_argument("--frames-listen", help="HOST:PORT of the framed fast path (Session frames over TLS, "
-                        "the --tls-cert certificate; shard/frame_server.py)")
+                        "the --tls-cert certificate; shard/edges/frame_server.py)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
     parser.add_argument("--llama-kv-streams", type=_kv_streams, default="auto", metavar="N|auto",
                         help="llama.cpp KV layout: N = one stream of kv-budget/N tokens per session, at most N "
@@ -120,7 +120,8 @@ def load_backend(args: argparse.Namespace, experts=None, exchange=None):
                                  progress=sys.stderr)
     if args.backend != "torch":
         raise ValueError("the llama.cpp backend serves .gguf files; use --backend torch for artifact directories")
-    from shard.torch_backend import TorchRangeBackend
+    import shard.experts.adapters  # noqa: F401 - the MoE families register themselves (qwen3_moe, qwen2_moe)
+    from shard.model.torch_backend import TorchRangeBackend
 
     return TorchRangeBackend.load(args.model, start, end, dtype=args.dtype, progress=sys.stderr,
                                   experts=experts, exchange=exchange)
@@ -139,9 +140,9 @@ def _one_line(exc: BaseException) -> str:
 def _load_and_validate(args: argparse.Namespace):
     """(service, router, None) once validated, or (None, None, the one-line reason it cannot serve)."""
     from meshd.cli import expert_worker
-    from shard.service import ShardService
-    from shard.sessions import SessionPolicy
-    from shard.worklog import LOG_ONLY
+    from shard.session.service import ShardService
+    from shard.session.sessions import SessionPolicy
+    from shard.session.worklog import LOG_ONLY
 
     try:
         held, router = expert_worker.holder_exchange(args)
@@ -154,7 +155,7 @@ def _load_and_validate(args: argparse.Namespace):
     except (OSError, ValueError, MeshdError) as exc:  # bad path, malformed file, wrong range
         log.info("loading %s layers %s failed", args.model, args.layers, exc_info=exc, extra=LOG_ONLY)
         return None, None, _one_line(exc)
-    except Exception as exc:  # noqa: BLE001 - unexpected: the traceback goes to the log first
+    except Exception as exc:  # unexpected: the traceback goes to the log first
         log.error("loading %s layers %s failed", args.model, args.layers, exc_info=exc)
         return None, None, f"unexpected {type(exc).__name__}: {_one_line(exc)} (traceback in the worker log)"
     # llama.cpp holds at most its sequences (with per-session KV streams, the streams): the manager
@@ -172,7 +173,7 @@ def _load_and_validate(args: argparse.Namespace):
 
 
 def push_dialer(target):
-    """How this worker reaches the successor an entry named (push topology, shard/forward.py).
+    """How this worker reaches the successor an entry named (push topology, shard/push/hub.py).
 
     The worker dials itself rather than through its daemon: the rows are here, and a detour
     through the daemon would add a process hop and a thread hand-off to every step. Only TLS
@@ -185,7 +186,7 @@ def push_dialer(target):
     from meshd.errors import ConfigError
     from meshd.generate.unix_channel import TlsFrameChannel
     from meshd.reach.tls import pinned_channel
-    from shard.server import GRPC_OPTIONS
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     pin = bytes(target.tls_cert_sha256)
     if len(pin) != 32:
@@ -198,7 +199,7 @@ def push_dialer(target):
 
 def run(args: argparse.Namespace) -> int:
     from meshd.cli import expert_worker
-    from shard import worklog
+    from shard.session import worklog
 
     worklog.install(sys.stderr)
     if args.layers is None:
@@ -213,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from shard.server import build_server
+    from shard.edges.grpc_server import build_server
 
     service, router, failure = _load_and_validate(args)
     if service is None:
@@ -226,12 +227,12 @@ def run(args: argparse.Namespace) -> int:
     server.start()
     unix = None
     if args.unix_listen:
-        from shard.unix_server import UnixFrameServer
+        from shard.edges.unix_server import UnixFrameServer
 
         unix = UnixFrameServer(service, args.unix_listen).start()
     frames = None
     if args.frames_listen:
-        from shard.frame_server import TlsFrameServer
+        from shard.edges.frame_server import TlsFrameServer
 
         frames = TlsFrameServer(service, args.frames_listen, cert_file=args.tls_cert, key_file=args.tls_key).start()
     host = args.listen.rpartition(":")[0]

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from dht.records import CapabilityClaim, CapabilityRecord, sign_capability, sign_withdrawal, validate_capability
 from dht.identity import Identity
+from dht.records import CapabilityClaim, CapabilityRecord, sign_capability, sign_withdrawal, validate_capability
 from proto import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,27 @@ RETRY_S = 2.0
 # Bound on the withdrawal at shutdown: leaving must not hang on a dead swarm.
 WITHDRAW_TIMEOUT_S = 10.0
 
-Publish = Callable[[CapabilityRecord], Awaitable[int]]
+
+
+class _Claim(Protocol):
+    @property
+    def model_artifact_digest(self) -> str: ...
+
+
+class _Record(Protocol):
+    @property
+    def model_artifact_digest(self) -> str: ...
+    @property
+    def sequence(self) -> int: ...
+    @property
+    def expires_at_ms(self) -> int: ...
+    @property
+    def withdrawn(self) -> bool: ...
+
+
+ClaimT = TypeVar("ClaimT", bound=_Claim)
+RecordT = TypeVar("RecordT", bound=_Record)
+Publish = Callable[[RecordT], Awaitable[int]]
 
 BACKEND_ENUM = {"torch": pb.BACKEND_TORCH, "llama.cpp": pb.BACKEND_LLAMA_CPP}
 
@@ -68,29 +89,31 @@ class AdvertStatus:
     withdrawn: bool
 
 
-class Advertiser:
-    def __init__(self, identity: Identity, publish: Publish, *, ttl_s: float,
+class RecordSchedule(Generic[ClaimT, RecordT]):
+    """The schedule above for one kind of signed record; a subclass signs its claims and withdrawals."""
+
+    def __init__(self, identity: Identity, publish: Publish[RecordT], *, ttl_s: float,
                  wall_ms: Callable[[], int]) -> None:
         self.identity = identity
         self._publish = publish
         self.ttl_ms = int(ttl_s * 1000)
         self.interval_s = ttl_s / 3.0
         self.wall_ms = wall_ms
-        self._claim: CapabilityClaim | None = None
+        self._claim: ClaimT | None = None
         self._changed = trio.Event()
         self._sequence = 0
         self._advertised_digest: str | None = None
-        self.last: CapabilityRecord | None = None
+        self.last: RecordT | None = None
         self.last_acks = 0
 
     # ------------------------------------------------------------------ control
 
-    def set_claim(self, claim: CapabilityClaim | None) -> None:
+    def set_claim(self, claim: ClaimT | None) -> None:
         self._claim = claim
         self._changed.set()
 
     @property
-    def claim(self) -> CapabilityClaim | None:
+    def claim(self) -> ClaimT | None:
         return self._claim
 
     def status(self) -> AdvertStatus:
@@ -120,7 +143,7 @@ class Advertiser:
                         await self._publish_record(self._sign(claim))
                 elif self._advertised_digest is not None:
                     await self._withdraw()
-            except Exception as exc:  # network faults of the DHT layer: retry soon
+            except Exception as exc:  # noqa: BLE001 - network faults of the DHT layer: retry soon
                 log.warning("publishing the capability record failed (%s); retrying in %.0f s", exc, RETRY_S)
                 next_at = trio.current_time() + RETRY_S
             with trio.move_on_at(next_at):
@@ -141,25 +164,38 @@ class Advertiser:
         self._sequence = max(self._sequence + 1, now_ms)
         return self._sequence
 
-    def _sign(self, claim: CapabilityClaim) -> CapabilityRecord:
-        now = self.wall_ms()
-        raw = sign_capability(claim, self.identity.signing_key, peer_id=self.identity.peer_id,
-                              sequence=self._next_sequence(now), now_ms=now, ttl_ms=self.ttl_ms)
-        return validate_capability(raw, now)
+    def _sign(self, claim: ClaimT) -> RecordT:
+        raise NotImplementedError
+
+    def _withdrawal(self, digest: str) -> RecordT:
+        raise NotImplementedError
 
     async def _withdraw(self) -> None:
         digest = self._advertised_digest
         assert digest is not None
-        now = self.wall_ms()
-        raw = sign_withdrawal(digest, self.identity.signing_key, peer_id=self.identity.peer_id,
-                              sequence=self._next_sequence(now), now_ms=now, ttl_ms=self.ttl_ms)
-        await self._publish_record(validate_capability(raw, now))
+        await self._publish_record(self._withdrawal(digest))
         self._advertised_digest = None
 
-    async def _publish_record(self, record: CapabilityRecord) -> None:
+    async def _publish_record(self, record: RecordT) -> None:
         self.last = record
         if not record.withdrawn:
             # set before the remote stores: the local store happens first, so a
             # publish cut short by the cadence still leaves a record to withdraw
             self._advertised_digest = record.model_artifact_digest
         self.last_acks = await self._publish(record)
+
+
+class Advertiser(RecordSchedule[CapabilityClaim, CapabilityRecord]):
+    """This node's capability record."""
+
+    def _sign(self, claim: CapabilityClaim) -> CapabilityRecord:
+        now = self.wall_ms()
+        raw = sign_capability(claim, self.identity.signing_key, peer_id=self.identity.peer_id,
+                              sequence=self._next_sequence(now), now_ms=now, ttl_ms=self.ttl_ms)
+        return validate_capability(raw, now)
+
+    def _withdrawal(self, digest: str) -> CapabilityRecord:
+        now = self.wall_ms()
+        raw = sign_withdrawal(digest, self.identity.signing_key, peer_id=self.identity.peer_id,
+                              sequence=self._next_sequence(now), now_ms=now, ttl_ms=self.ttl_ms)
+        return validate_capability(raw, now)

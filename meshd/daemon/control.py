@@ -14,12 +14,11 @@ blocking sockets, for the CLI.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Awaitable, Callable, Iterator
-
-import logging
 
 import trio
 
@@ -57,13 +56,19 @@ def _socket_is_live(path: Path) -> bool:
             return False
 
 
-async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamHandler | None = None,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket file no daemon answers on (a killed one's); refuse a live one."""
     if path.exists():
         if _socket_is_live(path):
             raise DaemonError(f"another meshd is already running with this data dir ({path}); "
                               "stop it or use --data-dir")
         path.unlink()
+
+
+async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamHandler | None = None,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    # The probe may block up to its 1 s connect timeout: off the loop.
+    await trio.to_thread.run_sync(_clear_stale_socket, path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
@@ -81,13 +86,13 @@ async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamH
         task_status.started(path)
         await trio.serve_listeners(lambda stream: _serve_one(stream, handler, stream_handler), [listener])
     finally:
-        path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # noqa: ASYNC240 - must run when cancelled; takes microseconds
 
 
 async def _serve_one(stream: trio.SocketStream, handler: Handler, stream_handler: StreamHandler | None) -> None:
     try:
         await _serve_request(stream, handler, stream_handler)
-    except Exception:  # noqa: BLE001 - one bad connection must never stop the control server (or the daemon)
+    except Exception:  # one bad connection must never stop the control server (or the daemon)
         log.exception("control connection failed")
 
 
@@ -101,7 +106,7 @@ async def _serve_request(stream: trio.SocketStream, handler: Handler, stream_han
                     break
                 buf += chunk
         request = _streamed_request(buf) if stream_handler is not None else None
-        if request is not None:
+        if request is not None and stream_handler is not None:
             await _serve_stream(stream, request, stream_handler)
             return
         reply = await _answer(buf, handler)
@@ -139,7 +144,7 @@ async def _serve_stream(stream: trio.SocketStream, request: dict, stream_handler
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the client left mid-reply
             except Exception as exc:  # noqa: BLE001 - report the failure to the client, keep serving others
-                while getattr(exc, "exceptions", None):  # the first leaf of an exception group
+                while isinstance(exc, ExceptionGroup):  # the first leaf of an exception group
                     exc = exc.exceptions[0]
                 try:
                     await stream.send_all(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -163,7 +168,7 @@ async def _answer(buf: bytes, handler: Handler) -> dict:
         return {"ok": False, "error": f"op must be one of {', '.join(OPS)}"}
     try:
         return {"ok": True, **await handler(request)}
-    except Exception as exc:  # the handler's fault must not kill the control server
+    except Exception as exc:  # noqa: BLE001 - the handler's fault must not kill the control server
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
 
 

@@ -36,12 +36,13 @@ from pathlib import Path
 import trio
 
 from dht.expert_records import ExpertClaim, ExpertRecord, sign_experts, sign_experts_withdrawal, validate_experts
-from meshd.daemon.advertiser import Advertiser
+from meshd.daemon.advertiser import RecordSchedule
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerState
 from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, _stop, ready_or_exit
 from meshd.errors import WorkerFailed
 from meshd.plan.experts import ExpertFootprint, coverage, demand, placements, plan_experts, runs_of
-from proto import moe_wire as W
+from meshd.reach.tls import TlsMaterial
+from proto import moe as W
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ExpertWorkerSpec:
     model: Path
     experts: str
     run_dir: Path
-    tls: object          # meshd.reach.tls.TlsMaterial
+    tls: TlsMaterial
     tls_host: str = "127.0.0.1"
     dtype: str = "float32"
     torch_threads: int = 1
@@ -135,7 +136,7 @@ class ExpertWorkerProcess(WorkerProcess):
 # --------------------------------------------------------------------------- the advertiser
 
 
-class ExpertAdvertiser(Advertiser):
+class ExpertAdvertiser(RecordSchedule[ExpertClaim, ExpertRecord]):
     """Advertiser's schedule (publish, republish every ttl/3, withdraw) for an expert record."""
 
     def _sign(self, claim: ExpertClaim) -> ExpertRecord:
@@ -144,14 +145,11 @@ class ExpertAdvertiser(Advertiser):
                            sequence=self._next_sequence(now), now_ms=now, ttl_ms=self.ttl_ms)
         return validate_experts(raw, now)
 
-    async def _withdraw(self) -> None:
-        digest = self._advertised_digest
-        assert digest is not None
+    def _withdrawal(self, digest: str) -> ExpertRecord:
         now = self.wall_ms()
         raw = sign_experts_withdrawal(digest, self.identity.signing_key, peer_id=self.identity.peer_id,
                                       sequence=self._next_sequence(now), now_ms=now, ttl_ms=self.ttl_ms)
-        await self._publish_record(validate_experts(raw, now))
-        self._advertised_digest = None
+        return validate_experts(raw, now)
 
 
 # --------------------------------------------------------------------------- the part
@@ -159,8 +157,8 @@ class ExpertAdvertiser(Advertiser):
 
 def _model_facts(model: Path, dtype: str) -> tuple[dict, ExpertFootprint, str]:
     """(config.json, the expert footprint, the torch recipe digest) -- blocking, run in a thread."""
-    from shard.artifact import torch_recipe
-    from shard.moe_adapters import moe_layers
+    from shard.experts.adapters import moe_layers
+    from shard.model.artifact import torch_recipe
 
     config = json.loads((model / "config.json").read_text())
     from transformers import AutoConfig
@@ -198,7 +196,7 @@ class ExpertPart:
         return W.ACT_Q8 if self.config.expert_act == "q8" else W.ACT_F32
 
     async def _describe(self) -> str:
-        from shard.artifact import artifact_digest
+        from shard.model.artifact import artifact_digest
 
         self.digest = await trio.to_thread.run_sync(artifact_digest, self.config.model)
         _, self.footprint, recipe = await trio.to_thread.run_sync(_model_facts, self.config.model,
@@ -216,11 +214,14 @@ class ExpertPart:
                 if self.spec is None:
                     self.spec = await self._plan_auto()
                 w = self.config.worker
-                worker = ExpertWorkerProcess(ExpertWorkerSpec(
+                # The expert worker reuses WorkerProcess's log pump and stop with a spec of its own.
+                worker = ExpertWorkerProcess(ExpertWorkerSpec(  # type: ignore[arg-type]
                     model=self.config.model, experts=self.spec, run_dir=self.config.data_dir, tls=self.node.tls,
                     tls_host=self.node.tls_bind_host, dtype=w.dtype, torch_threads=w.torch_threads,
                     ready_timeout_s=w.ready_timeout_s), progress=lambda line: self.node.progress(f"experts: {line}"))
-                self.supervisor = Supervisor(worker.life, on_ready=self._on_ready, on_down=self._on_down,
+                # The supervisor hands on_ready whatever its life reports ready: here an ExpertReady.
+                self.supervisor = Supervisor(worker.life, on_ready=self._on_ready,  # type: ignore[arg-type]
+                                             on_down=self._on_down,
                                              backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s))
                 self.node.progress(f"starting the expert worker for experts {self.spec} of {self.config.model}")
                 await nursery.start(self.supervisor.run)
@@ -229,7 +230,7 @@ class ExpertPart:
     async def _plan_auto(self) -> str:
         assert self.footprint is not None and self.digest is not None
         with trio.move_on_after(AUTO_PLAN_WAIT_S):
-            while not self.node.host.get_connected_peers():
+            while not self.node.host.get_connected_peers():  # noqa: ASYNC110 - py-libp2p has no connection event
                 await trio.sleep(0.5)
         await trio.sleep(min(2.0, AUTO_PLAN_WAIT_S))   # let the records reach us
         from dht import keys as K
@@ -264,9 +265,10 @@ class ExpertPart:
         if relaying.private:
             self._note("expert peers must be directly dialable; this node is behind NAT: not advertising")
             return
-        from shard.expert_spec import ExpertSpec
+        from shard.experts.spec import ExpertSpec
 
         info, fp = ready.info, self.footprint
+        assert fp is not None   # read with the model, before the worker started
         claim = ExpertClaim(model_artifact_digest=info["fingerprint"]["artifact"],
                             runtime_recipe_digest=info["fingerprint"]["recipe"],
                             runs=runs_of(ExpertSpec.parse(info["experts"])), num_layers=fp.num_layers,
@@ -287,7 +289,7 @@ class ExpertPart:
 
     # ------------------------------------------------------------------ holder
     async def _directory(self, recipe: str) -> None:
-        from shard.expert_pool import placements_to_json
+        from shard.experts.pool import placements_to_json
 
         me = self.node.identity.peer_id
         last = None

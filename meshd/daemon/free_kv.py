@@ -1,6 +1,6 @@
 """Free KV in our capability record: republished when it moves, never more often than allowed.
 
-The worker admits sessions against its KV budget (shard/sessions.py); routes
+The worker admits sessions against its KV budget (shard/session/sessions.py); routes
 avoid a peer whose record says it has less free KV than a generation needs
 (meshd/plan/routing.py). So the record's ``free_kv_tokens`` must follow the
 worker: the node polls its own worker's Health every POLL_S (loopback, a few
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 __all__ = ["FreeKvGate", "MOVE_FRACTION", "MIN_INTERVAL_S", "POLL_S"]
 
-# "Moves by more than 10%" (issue 15): of the worker's KV budget.
+# "Moves by more than 10%": of the worker's KV budget.
 MOVE_FRACTION = 0.10
 # At most one republish for free KV per 2 s: bursts of opens coalesce.
 MIN_INTERVAL_S = 2.0

@@ -1,7 +1,7 @@
 """Relay mode: a meshd on a public host that relays circuits and serves the DHT.
 
     run_relay(config)
-    └── host (libp2p, Noise + yamux; relay/host.py)
+    └── host (libp2p, Noise + yamux; dht/host/build.py)
         └── HopService (circuit relay v2 hop with meshd limits; relay/hop.py)
             └── DHT server (dht/node.py), unless disabled
                 └── nursery
@@ -10,7 +10,7 @@
                     │   republished every ttl/3 and when a peer connects, so
                     │   it is in that peer's store at once; relay/announce.py)
                     └── control API (meshd/daemon/control.py): `meshd status` gets
-                        {"mode": "relay", "peer_id", "addrs", "peers", "relay": {...},
+                        {"mode": "relay", "peer_id", "addrs", "peers", "swarm" (whose DHT), "relay": {...},
                          "libp2p": {version, adjustments}}
 
 The relay keeps no state beyond the library's reservations and its own
@@ -21,19 +21,20 @@ from __future__ import annotations
 
 import logging
 import time
-from functools import partial
+from collections.abc import Callable
 from contextlib import nullcontext
-from typing import Callable
+from functools import partial
 
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from meshd.config import DaemonConfig
-from relay.adjustments import library_status, record_dht_node, render_library
-from relay.announce import announce_relay, public_addrs
-from relay.conn_watch import ConnectionWatch
-from relay.host import connect_bootstrap, running_host
+from dht.compat.registry import library_status, render_library
+from dht.host.bootstrap import connect_bootstrap
+from dht.host.build import running_host
+from dht.host.conn_watch import ConnectionWatch
 from dht.identity import load_or_create_identity
+from meshd.config import DaemonConfig
+from relay.announce import announce_relay, public_addrs
 from relay.hop import DEFAULT_HOP_LIMITS, HopLimits, HopService
 from relay.reachability import serve_dialback
 
@@ -59,7 +60,8 @@ def render_relay_status(s: dict) -> str:
     r = s["relay"]
     refused = ", ".join(f"{k} {v}" for k, v in sorted(r["circuits_refused"].items())) or "none"
     lines = [f"relay {s['peer_id']}", "  addrs: " + " ".join(s["addrs"]),
-             f"  peers connected: {r['peers_connected']}   DHT routing table: {s['dht_routing_table']}",
+             f"  peers connected: {r['peers_connected']}   DHT routing table: {s['dht_routing_table']}"
+             + (f"   swarm: {s['swarm']['name']}" if s.get("swarm") else ""),
              f"  reservations: {r['reservations_active']} / {r['limits']['reservations_total']}",
              f"  circuits: {r['circuits_active']} active / {r['limits']['circuits_total']}, "
              f"{r['circuits_opened']} opened, refused: {refused}",
@@ -103,6 +105,7 @@ class RelayNode:
             return {"peer_id": self.peer_id}
         return {"mode": "relay", "peer_id": self.peer_id, "addrs": self.addrs(),
                 "dht_routing_table": self.dht.routing_table_size() if self.dht else None,
+                "swarm": self.dht.scope.status() if self.dht else None,
                 "relay": relay_status(self.hop, self.host), "announced": self.announced,
                 "libp2p": library_status()}
 
@@ -131,9 +134,7 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
         serve_dialback(host)   # home nodes ask us whether they can be dialed
         async with background_trio_service(hop):
             await hop.event_started.wait()
-            dht = DhtNode(host, _wall_ms) if with_dht else None
-            if dht is not None:
-                record_dht_node(dht)
+            dht = DhtNode(host, _wall_ms, config.scope) if with_dht else None   # records its library adjustments
             async with (dht.running() if dht is not None else nullcontext()):
                 node = RelayNode(identity.peer_id, host, hop, dht)
                 progress("relay listening on " + " ".join(node.addrs()))

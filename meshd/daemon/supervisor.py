@@ -22,8 +22,8 @@ import collections
 import logging
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable
 
 import trio
 
@@ -170,7 +170,7 @@ class Supervisor:
                     code, failure, sig = None, str(exc), None
                 now = trio.current_time()
                 was_ready = self._ready_at is not None
-                served = now - self._ready_at if was_ready else 0.0
+                served = now - self._ready_at if self._ready_at is not None else 0.0
                 self.state.last_exit = code
                 self.state.pid = None
                 tail = tuple(self.state.stderr_tail)[-FAILURE_TAIL_LINES:]
@@ -187,7 +187,8 @@ class Supervisor:
                 log.warning("%s%s; restarting in %.0f s%s", failure, why, delay, where)
                 await trio.sleep(delay)
                 self.state.restarts += 1
-                self.state.last_failure = replace(self.state.last_failure, next_restart_at=None)
+                if self.state.last_failure is not None:   # recorded above
+                    self.state.last_failure = replace(self.state.last_failure, next_restart_at=None)
         finally:
             if self.state.state != "failed":
                 self.state.state = "stopped"

@@ -39,18 +39,18 @@ import time
 
 import trio
 
-from meshd.plan.adverts import CoverageMap, Span
+from meshd.daemon.worker_slot import WorkerSlot
+from meshd.errors import DaemonError
 from meshd.generate.routes import LoadBook
+from meshd.plan.adverts import CoverageMap, Span
 from meshd.plan.assignment import JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
 from meshd.plan.tracker import current_tracker, epoch_at
 from meshd.sizes import format_size
-from meshd.swarm.view import SwarmSnapshot, fetch_snapshot
-from meshd.swarm.wire import (DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, open_directive,
-                              serve)
 from meshd.swarm.tracker_duty import DUTY_REFRESH_S, TrackerDuty
-from meshd.daemon.worker_slot import WorkerSlot
+from meshd.swarm.view import SwarmSnapshot, fetch_snapshot
+from meshd.swarm.wire import DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, open_directive, serve
 from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError
 
@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 # death of the node everyone bootstrapped through.
 MAX_MESH_DIALS = 8
 MESH_DIAL_TIMEOUT_S = 5.0
-# An auto node with bootstrap peers that sees no tracker plans its own range
+# An auto node with bootstrap peers (or mDNS) that sees no tracker plans its own range
 # only after this long: right after start its DHT view may not hold the
 # swarm's records yet, and nine joiners that plan against an empty view all
 # take the same first window (the tracker, once seen, tracks what it assigned).
@@ -106,7 +106,7 @@ class Swarm:
         self.context_tokens = model_context_tokens(model)   # the driver refuses longer generations at once
         held = held_layers(model)
         self.held = Span(*held) if held else None
-        if self.held is not None:
+        if held is not None:
             self.node.progress(f"{model.name} is a slice holding layers {held[0]}:{held[1]}: "
                                "serving ranges inside it only")
             if self.slot is not None:
@@ -119,6 +119,13 @@ class Swarm:
         footprint = await trio.to_thread.run_sync(model_footprint, model, self.digest, w.backend, w.dtype)
         self.duty = TrackerDuty(self.node.identity.peer_id, footprint, self.node.identity.signing_key,
                                 self.kv_budget, rng=random.Random())
+
+    @property
+    def _digest(self) -> str:
+        """The model's digest, once read (every caller runs after that)."""
+        if self.digest is None:
+            raise DaemonError("the model's digest is not read yet")
+        return self.digest
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         if self.config.model is None:
@@ -153,7 +160,7 @@ class Swarm:
 
     # ------------------------------------------------------------------ refresh
     async def fresh_snapshot(self) -> SwarmSnapshot:
-        snap = await fetch_snapshot(self.node.dht, self.digest, wall_ms())
+        snap = await fetch_snapshot(self.node.dht, self._digest, wall_ms())
         self.snapshot = snap
         self.pins.update(snap.pins)
         for peer in snap.pins:   # a peer that stopped offering the fast path loses it here
@@ -179,7 +186,7 @@ class Swarm:
                 try:
                     await host.connect(PeerInfo(ID.from_base58(peer),
                                                 [multiaddr.Multiaddr(a.split("/p2p/")[0]) for a in addrs]))
-                except Exception as exc:  # an unreachable peer is the routing planner's business
+                except Exception as exc:  # noqa: BLE001 - an unreachable peer is the routing planner's business
                     log.info("mesh dial to %s failed: %s", peer[:16], exc)
 
         async with trio.open_nursery() as nursery:
@@ -198,22 +205,24 @@ class Swarm:
             await self._push(target, records, snap)
 
     async def _join(self, snap: SwarmSnapshot, now: int) -> None:
-        tracker = self.duty.tracker(snap, now)
+        duty, slot = self.duty, self.slot
+        assert duty is not None and slot is not None   # the refresh checked both
+        tracker = duty.tracker(snap, now)
         me = self.node.identity.peer_id
         request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget, self.held)
-        if tracker is None and self.config.bootstrap and time.monotonic() - self.started < NO_TRACKER_GRACE_S:
+        if tracker is None and self.node.expects_peers and time.monotonic() - self.started < NO_TRACKER_GRACE_S:
             self._note_join("waiting for the swarm's records to name a tracker before planning our own range")
             return
         if tracker is None or tracker == me:
-            empty = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
+            empty = CoverageMap.build(snap.ads, model_digest=self._digest, num_layers=self.num_layers)
             try:
-                plan = plan_join(empty, self.duty.footprint, request)
+                plan = plan_join(empty, duty.footprint, request)
             except PlanningError as exc:
                 self._note_join(f"cannot plan a range: {exc}")
                 return
             self.node.progress(f"no tracker for the model yet: taking layers {plan.span.start}:{plan.span.end} "
                                f"({format_size(plan.needed_bytes)} of {format_size(request.memory_bytes)})")
-            await self.slot.load((plan.span.start, plan.span.end))
+            await slot.load((plan.span.start, plan.span.end))
             return
         ask = pb.JoinAsk(schema_version=pb.SCHEMA_VERSION_1, model_artifact_digest=self.digest,
                          memory_budget_bytes=request.memory_bytes, kv_budget_tokens=self.kv_budget,
@@ -270,7 +279,7 @@ class Swarm:
                                    detail="this node serves the range its operator gave (--layers A:B)")
         snap = await self.fresh_snapshot()
         now = wall_ms()
-        view = NodeView(self.node.identity.peer_id, self.digest, self.num_layers, snap.ads,
+        view = NodeView(self.node.identity.peer_id, self._digest, self.num_layers, snap.ads,
                         active_sessions=self._active_sessions())
         try:
             accepted, self.ledger = accept_directive(directive, signer_peer_id=signer, view=view,
@@ -312,7 +321,7 @@ class Swarm:
         duty of its own but names the tracker as every other node does)."""
         if self.duty is not None:
             return self.duty.tracker(snap, now_ms)
-        return current_tracker(snap.ads, model_digest=self.digest, epoch=epoch_at(now_ms), now_ms=now_ms)
+        return current_tracker(snap.ads, model_digest=self._digest, epoch=epoch_at(now_ms), now_ms=now_ms)
 
     async def view(self) -> dict:
         snap = await self.fresh_snapshot() if self.digest else None
@@ -320,7 +329,7 @@ class Swarm:
         tracker = self.tracker(snap, now) if snap else None
         coverage = None
         if snap is not None:
-            cmap = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
+            cmap = CoverageMap.build(snap.ads, model_digest=self._digest, num_layers=self.num_layers)
             coverage = {"fully_covered": cmap.fully_covered, "counts": list(cmap.counts),
                         "gaps": [[g.start, g.end] for g in cmap.gaps()]}
         return {"peer_id": self.node.identity.peer_id, "role": self.config.role,

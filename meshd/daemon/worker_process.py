@@ -8,7 +8,7 @@ until the process exits. Cancellation sends SIGTERM (the worker drains its
 sessions), waits ``STOP_GRACE_S``, then SIGKILL. Worker output goes to
 ``worker.log`` in the data dir and, line by line, to the progress callback
 and the state's stderr tail (``meshd status``) -- except the lines of a
-traceback (marked by the worker, shard/worklog.py), which stay in the log file.
+traceback (marked by the worker, shard/session/worklog.py), which stay in the log file.
 """
 from __future__ import annotations
 
@@ -20,18 +20,18 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import trio
 
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS
-from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import OnReady, WorkerReady, WorkerState
+from meshd.errors import WorkerFailed
 from meshd.reach.tls import TlsMaterial, loopback_channel
 from proto import shard_runtime_pb2 as pb
-from shard.worklog import is_trace_line
+from shard.session.worklog import is_trace_line
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class WorkerSpec:
     llama_kv_streams: int | str = "auto"   # WorkerConfig.llama_kv_streams
 
     @classmethod
-    def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> "WorkerSpec":
+    def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> WorkerSpec:
         """The spec a daemon with ``config`` (meshd.config.Config) starts for ``layers``: the
         ``[worker]`` settings, one place for the fixed-range worker and the assigned slot."""
         w = config.worker
@@ -134,6 +134,7 @@ def check_report(report: pb.CapabilityReport, layers: tuple[int, int]) -> None:
 def fetch_capability(endpoint: str) -> pb.CapabilityReport:
     """Blocking; call through trio.to_thread."""
     import grpc
+
     from proto import shard_runtime_pb2_grpc as pb_grpc
 
     try:
@@ -146,6 +147,7 @@ def fetch_capability(endpoint: str) -> pb.CapabilityReport:
 
 def fetch_health(endpoint: str) -> pb.HealthReport:
     import grpc
+
     from proto import shard_runtime_pb2_grpc as pb_grpc
 
     try:
@@ -208,7 +210,9 @@ class WorkerProcess:
 
     async def _pump(self, stream, log_path: Path, state: WorkerState, ready_line: trio.Event | None) -> None:
         buf = b""
-        with open(log_path, "ab") as log_file:
+        # Synchronous writes on purpose: a line is a few bytes, and an awaited write would be one
+        # more checkpoint where a cancellation loses the last lines of a dying worker.
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230 - see above
             async for chunk in stream:
                 buf += chunk
                 while b"\n" in buf:
@@ -266,7 +270,7 @@ else:  # pragma: no cover - the parent-death signal is a Linux feature
     _prctl = None
 
 
-async def ready_or_exit(proc: "_ChildProcess", ready_line: trio.Event, timeout_s: float, what: str) -> None:
+async def ready_or_exit(proc: _ChildProcess, ready_line: trio.Event, timeout_s: float, what: str) -> None:
     """Wait until the child printed its ready line or exited; WorkerFailed after ``timeout_s``."""
     with trio.move_on_after(timeout_s) as scope:
         async with trio.open_nursery() as race:
@@ -305,13 +309,14 @@ class _ChildProcess:
     def __init__(self, popen: subprocess.Popen) -> None:
         self.popen = popen
         self.pid = popen.pid
+        assert popen.stdout is not None and popen.stderr is not None   # spawn() pipes both
         self.stdout = trio.lowlevel.FdStream(os.dup(popen.stdout.fileno()))
         self.stderr = trio.lowlevel.FdStream(os.dup(popen.stderr.fileno()))
         popen.stdout.close()
         popen.stderr.close()
 
     @classmethod
-    def spawn(cls, cmd: list[str], env: dict[str, str]) -> "_ChildProcess":
+    def spawn(cls, cmd: list[str], env: dict[str, str]) -> _ChildProcess:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         return cls(popen)

@@ -14,13 +14,13 @@ The daemon's ``Node.supervisor`` is pointed at the live supervisor so that
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import trio
 
-from meshd.errors import WorkerFailed
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from meshd.daemon.worker_process import WorkerProcess, WorkerSpec
+from meshd.errors import WorkerFailed
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ class WorkerSlot:
     async def drop(self) -> None:
         if self._scope is not None:
             self._scope.cancel()
-            await self._stopped.wait()
+            if self._stopped is not None:   # set with the scope
+                await self._stopped.wait()
             self._scope = None
         self.layers, self.ready = None, False
 
@@ -62,7 +63,8 @@ class WorkerSlot:
         node, w = self.node, self.node.config.worker
         worker = WorkerProcess(self.spec(layers), progress=lambda line: node.progress(f"worker: {line}"))
         supervisor = Supervisor(worker.life, on_ready=self._on_ready, on_down=self._on_down,
-                                backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s, w.restart_backoff_reset_s),
+                                backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s,
+                                                w.restart_backoff_reset_s),
                                 give_up_before_ready=True)   # a range it cannot load: ask the tracker again
         node.supervisor = supervisor
         node.progress(f"starting the worker for layers {layers[0]}:{layers[1]} of {node.config.model}")

@@ -46,7 +46,7 @@ makes recovery exact and local:
 Greedy output is therefore identical with and without failures (same
 inputs, same recipe on every route: the source pins the recipe). Seeded
 sampling too: the tail's draw for position P is a pure function of (seed,
-P) (shard/sampling.py), so a replacement tail that re-runs position P-1
+P) (shard/model/sampling.py), so a replacement tail that re-runs position P-1
 draws the same token.
 
 Silent hops: each link derives its step deadlines from its own measured
@@ -65,7 +65,7 @@ Ownership: each driver holds a random secret; every hop's SessionOpen (and
 unary Release) carries ``owner_token(peer, range)`` = HMAC-SHA256(secret,
 peer id and range), so a hop knows only its own token: no hop of the route
 (and no one who learns the session id) can release, cancel, re-attach or
-supersede the session on another hop (shard/sessions.py).
+supersede the session on another hop (shard/session/sessions.py).
 
 Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
 daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses
@@ -88,8 +88,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol, Sequence
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -101,7 +102,7 @@ from meshd.plan.routing import Hop, Route, hops_to_reprefill
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, MeshdError
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_STOP_TOKENS
-from shard.sampling import SamplingSpec, check_top_logprobs
+from shard.model.sampling import SamplingSpec, check_top_logprobs
 
 # Failovers one generation may go through before giving up (each needs a
 # distinct failed peer or a bounded retry, so this also bounds the peers we try).
@@ -310,7 +311,7 @@ class SwarmDriver:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
-    def generate(self, request: GenerationRequest) -> Iterator[SampledToken]:
+    def generate(self, request: GenerationRequest) -> Generator[SampledToken, None, None]:
         """Yield the generated tokens one by one (a generator; close() it to stop early)."""
         self._max_tokens = len(request.prompt_ids) + request.max_new_tokens
         if self.context_tokens and self._max_tokens > self.context_tokens:
@@ -334,6 +335,8 @@ class SwarmDriver:
             target = self._prompt_len = len(request.prompt_ids)
             for produced in range(request.max_new_tokens):
                 out = self._advance_with_failover(target)
+                if not isinstance(out, TailOut):
+                    raise LocalError("the tail returned rows, not a token (a route built for embeddings)")
                 token = self._token_of(out)
                 self.stats.token_times.append(time.monotonic())
                 yield token
@@ -341,6 +344,34 @@ class SwarmDriver:
                     return
                 self._rows[0].write(target, np.array([token.id], dtype=np.int64))
                 target += 1
+        finally:
+            done.set()
+            self._close_all()
+
+    def embed(self, prompt_ids: Sequence[int], chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> np.ndarray:
+        """The final-normed hidden state of every prompt position, [T, hidden] float32: one prefill
+        through the route whose tail returns rows (``TailOptions.return_hidden``), not a token. The
+        same failover and replay as a generation; star topology (the rows come back to us)."""
+        if not prompt_ids or any(not isinstance(t, int) or t < 0 for t in prompt_ids):
+            raise LocalError("the text must tokenize to at least one token")
+        self._max_tokens = self._prompt_len = len(prompt_ids)
+        if self.context_tokens and self._max_tokens > self.context_tokens:
+            raise PromptTooLarge(f"the text ({self._max_tokens} tokens) is past the model's "
+                                 f"{self.context_tokens}-token context; shorten it")
+        self._chunk_tokens, self._stop_ids = chunk_tokens, frozenset()
+        self._tail = pb.TailOptions(return_hidden=True)
+        self._return_logits = self._want_logprobs = False
+        self.stats.started_at = time.monotonic()
+        watchdog = threading.Thread(target=self._watch, name="route-watchdog", daemon=True)
+        self._done = done = threading.Event()
+        watchdog.start()
+        try:
+            self._set_route(self._plan_first())
+            self._rows[0] = _Rows(np.asarray(prompt_ids, dtype=np.int64))
+            rows = self._advance_with_failover(self._max_tokens)
+            if not isinstance(rows, np.ndarray) or rows.shape[0] != self._max_tokens:
+                raise LocalError(f"the tail returned {getattr(rows, 'shape', None)} for {self._max_tokens} positions")
+            return rows
         finally:
             done.set()
             self._close_all()
@@ -410,7 +441,7 @@ class SwarmDriver:
         return hmac.new(self._owner_secret, f"{peer_id}|{start}|{end}".encode(), hashlib.sha256).digest()
 
     # ------------------------------------------------------------------ stepping
-    def _advance_with_failover(self, target: int) -> TailOut:
+    def _advance_with_failover(self, target: int) -> TailOut | np.ndarray:
         while True:
             self._check_cancel()
             try:
@@ -419,8 +450,9 @@ class SwarmDriver:
                 self._check_cancel()
                 self._failover(failure, target)
 
-    def _advance(self, target: int) -> TailOut:
-        answer = None
+    def _advance(self, target: int) -> TailOut | np.ndarray:
+        """The tail's answer for ``target``: a token, or rows when the route was built for embeddings."""
+        answer: TailOut | np.ndarray | None = None
         t0, plain, tail_bytes = time.perf_counter_ns(), True, 0
         for link in self._links:
             spec = link.spec
@@ -439,6 +471,7 @@ class SwarmDriver:
                 if spec.is_tail:
                     answer, tail_bytes = out, link.received_bytes - before
                     continue
+                assert isinstance(out, np.ndarray)   # a hop before the tail returns its rows
                 first = b - out.shape[0]
                 if spec.end in self._rows:
                     self._rows[spec.end].write(first, out)
@@ -466,9 +499,9 @@ class SwarmDriver:
 
         A fresh hop after a failover is fed its history in the very batches the failed hop saw,
         because some kernels are not batch-invariant (llama.cpp's tinyBLAS / repacked K-quant
-        GEMMs accumulate differently than its single-row GEMV: measured on Gemma-3 Q4_K_M, a
-        position computed inside a 16-row batch differs from the same position decoded alone by
-        up to 1.1 in the logits). Without a failure this is exactly one batch per call, as before.
+        GEMMs accumulate differently than its single-row GEMV: a position computed inside a batch
+        can differ from the same position decoded alone by far more than rounding,
+        docs/measurements/2026-12-01.md). Without a failure this is exactly one batch per call.
         """
         prompt = getattr(self, "_prompt_len", 0)
         batches = [(past, min(prompt, target))] if past < prompt else []
@@ -526,7 +559,7 @@ class SwarmDriver:
             except CoverageGap as exc:
                 raise CoverageGap(f"{exc}; the hop failed with: {failure}", exc.spans, exc.waited_s) from failure
             fresh = set(hops_to_reprefill(old, new))
-        by_hop = {(l.spec.peer_id, l.spec.start, l.spec.end, l.spec.effective_start): l for l in self._links}
+        by_hop = {(k.spec.peer_id, k.spec.start, k.spec.end, k.spec.effective_start): k for k in self._links}
         keep: dict[int, HopLink] = {}
         for i, hop in enumerate(new.hops):
             if i not in fresh:
@@ -549,7 +582,7 @@ class SwarmDriver:
         while not self._done.wait(WATCHDOG_TICK_S):
             now = time.monotonic()
             with self._lock:
-                late = [l for l in self._links if l.deadline and now > l.deadline]
+                late = [link for link in self._links if link.deadline and now > link.deadline]
             for link in late:
                 link.cut()
 
@@ -566,7 +599,7 @@ class _LazyLink(HopLink):
 
     def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector: HopConnector, *, patience: float) -> None:
         self._hop, self._connector = hop, connector
-        super().__init__(index, spec, None, patience=patience)  # type: ignore[arg-type]
+        super().__init__(index, spec, None, patience=patience)
 
     def open(self) -> None:
         if self.channel is None:

@@ -27,8 +27,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshd.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # llama.cpp's token types (llama_token_type / gguf TokenType).
 CONTROL, USER_DEFINED = 3, 4
@@ -46,7 +50,7 @@ SPIECE_SPACE = "\u2581"
 
 @dataclass(frozen=True, slots=True)
 class TokenizerParts:
-    tokenizer: object              # tokenizers.Tokenizer
+    tokenizer: Tokenizer
     chat_template: str | None
     special: dict[str, str]        # bos_token, eos_token, ... for the template
     stop_ids: frozenset[int]
@@ -131,8 +135,8 @@ def gguf_tokenizer(path: Path) -> TokenizerParts:
     elif kind == "llama" and arch in GEMMA_ARCHITECTURES:
         tokens = [SPIECE_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
         vocab = {t: i for i, t in enumerate(tokens)}
-        merges = reader.value("tokenizer.ggml.merges")
-        pairs = [tuple(m.split(" ", 1)) for m in merges] if isinstance(merges, list) else _derived_merges(tokens)
+        listed = reader.value("tokenizer.ggml.merges")
+        pairs = [tuple(m.split(" ", 1)) for m in listed] if isinstance(listed, list) else _derived_merges(tokens)
         unk_id = reader.value("tokenizer.ggml.unknown_token_id")
         unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else "<unk>"
         tok = Tokenizer(models.BPE(vocab, pairs, unk_token=unk, fuse_unk=True, byte_fallback=True))

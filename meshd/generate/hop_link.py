@@ -25,25 +25,25 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any, cast
 
 import grpc
 import numpy as np
 
 from meshd.errors import HopFailure
 from meshd.generate.deadlines import StepDeadlines
-from shard.request_queue import RequestQueue
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
 from proto.errors import MeshdError
 from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
-from proto.frames import SCHEMA_VERSION
-from proto.frames import parse_response
+from proto.frames import SCHEMA_VERSION, parse_response
 from proto.tensors import decode_bundle
 from proto.zerocopy import read_response
-from shard.server import SERVICE_NAME
-from shard.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
+from shard.edges.grpc_server import SERVICE_NAME
+from shard.session.request_queue import RequestQueue
+from shard.session.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
 SESSION_METHOD = f"/{SERVICE_NAME}/Session"
 RELEASE_METHOD = f"/{SERVICE_NAME}/Release"
@@ -76,6 +76,11 @@ class LinkSpec:
     def is_tail(self) -> bool:
         return self.end == self.num_layers
 
+    @property
+    def returns_rows(self) -> bool:
+        """Hidden rows come back for every position: a non-tail hop, or a tail asked for embeddings."""
+        return not self.is_tail or (self.tail is not None and self.tail.return_hidden)
+
 
 @dataclass(frozen=True, slots=True)
 class TailOut:
@@ -89,7 +94,7 @@ class HopLink:
     def __init__(self, index: int, spec: LinkSpec, channel: grpc.Channel, *, patience: float = 1.0) -> None:
         self.index, self.spec, self.channel = index, spec, channel
         self._queue = RequestQueue(SEND_QUEUE_DEPTH)
-        self._call = None
+        self._call: Any = None      # the open Session stream call (gRPC's, or a framed channel's)
         self._cut = False
         self.window: CreditWindow | None = None
         self.past_len = 0
@@ -178,7 +183,7 @@ class HopLink:
     def is_open(self) -> bool:
         return self.window is not None
 
-    def run(self, inputs: np.ndarray, step: "StepCounter") -> np.ndarray | TailOut:
+    def run(self, inputs: np.ndarray, step: StepCounter) -> np.ndarray | TailOut:
         """Feed positions ``[past_len, past_len + len(inputs))``; returns hidden rows or the tail's answer."""
         first, n = self.past_len, int(inputs.shape[0])
         name = TOKEN_IDS if self.spec.effective_start == 0 else HIDDEN
@@ -200,7 +205,8 @@ class HopLink:
             env = pb.Envelope(
                 schema_version=SCHEMA_VERSION, work_id=f"{s.session_id}:{s.epoch}:{idem}",
                 route_session_id=s.session_id, route_epoch=s.epoch, fingerprint=s.fingerprint,
-                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end,
+                                          effective_start_layer=s.effective_start),
                 phase=pb.PHASE_PREFILL,
                 position=pb.PositionSpan(first_position=first + offset, token_count=count),
                 idempotency_step=idem,
@@ -212,12 +218,13 @@ class HopLink:
             self.deadlines.chunk_done(count, time.monotonic() - t0)
             self.past_len = first + offset + count
             final = index == len(plan) - 1
-            if not self.spec.is_tail or final:
+            if self.spec.returns_rows or final:
                 outs.append(self._output(resp.chunk, tensors, count))
-        return outs[-1] if self.spec.is_tail else np.concatenate(outs, axis=0)
+        # returns_rows: every output is an array of rows (_output)
+        return np.concatenate(cast(list[np.ndarray], outs), axis=0) if self.spec.returns_rows else outs[-1]
 
     def _output(self, holder, tensors: dict[str, np.ndarray], rows: int) -> np.ndarray | TailOut:
-        if not self.spec.is_tail:
+        if self.spec.returns_rows:
             out = tensors.get(HIDDEN)
             if out is None or out.ndim != 2 or out.shape[0] != rows:
                 got = "none" if out is None else str(out.shape)
@@ -264,7 +271,8 @@ class HopLink:
                             RELEASE_METHOD, request_serializer=pb.ReleaseRequest.SerializeToString,
                             response_deserializer=pb.ReleaseResponse.FromString)(
                             pb.ReleaseRequest(schema_version=SCHEMA_VERSION, route_session_id=s.session_id,
-                                              route_epoch=s.epoch, owner_token=s.owner_token), timeout=RELEASE_TIMEOUT_S)
+                                              route_epoch=s.epoch, owner_token=s.owner_token),
+                            timeout=RELEASE_TIMEOUT_S)
                     except (grpc.RpcError, MeshdError):
                         # A dead hop holds nothing worth releasing (its TTL cleans up); a frozen or
                         # gone one cannot even show its certificate (CertificateMismatch) to the
@@ -281,13 +289,14 @@ class HopLink:
 
 def _read(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
     """A response and its tensors: protobuf parses small frames (a decode step: fewer Python
-    steps), the zero-copy reader large ones (shard.stream.SMALL_FRAME_BYTES); same checks."""
+    steps), the zero-copy reader large ones (shard.session.stream.SMALL_FRAME_BYTES); same checks."""
     if len(body) > SMALL_FRAME_BYTES:
         return read_response(body)
     if body[:1] == b"\x32":      # a decode step's answer: read by hand when it is a plain one
         fast = read_decode_response(body)
         if fast is not None:
-            return fast
+            # the view reads like a SessionResponse{decode}: the fields this module uses (proto/fastpath.py)
+            return fast  # type: ignore[return-value]
     resp = parse_response(body)
     kind = resp.WhichOneof("kind")
     holder = resp.decode if kind == "decode" else resp.chunk if kind == "chunk" else None

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from meshd.generate.textstream import check_stops
 from proto.errors import LocalError
-from shard.sampling import SamplingSpec
+from shard.model.sampling import SamplingSpec
 
 # Bounds on what a client may ask for: prompt size (all messages together),
 # new tokens per request, messages per chat, alternatives per token (OpenAI's 20).
@@ -90,7 +91,7 @@ class GenerateParams:
             raise LocalError("topology must be push or star")
 
     @classmethod
-    def from_request(cls, request: dict) -> "GenerateParams":
+    def from_request(cls, request: dict) -> GenerateParams:
         """A control-socket request (``{"op": "generate", ...}``); unknown keys are ignored."""
         known = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "raw", "logprobs",
                  "top_logprobs", "topology"}
@@ -117,7 +118,7 @@ class GenerateParams:
 def _messages(value) -> tuple[tuple[str, str], ...]:
     if not isinstance(value, list):
         raise LocalError("messages must be a list of {role, content} objects")
-    out = []
+    out: list[tuple[Any, str]] = []   # roles are checked with the rest (GenerateParams)
     for item in value[:MAX_MESSAGES + 1]:
         if not isinstance(item, dict) or not isinstance(item.get("content"), str):
             raise LocalError("each message must be an object with a role and a text content")

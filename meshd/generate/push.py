@@ -1,4 +1,4 @@
-"""The entry's side of a pushed route: inputs to the head, tokens from the tail (issue 18).
+"""The entry's side of a pushed route: inputs to the head, tokens from the tail.
 
 ``PushDriver`` is the route driver (driver.py: same planning, failover,
 cancellation, replay batches, stats) with the push topology, closed into a loop:
@@ -14,7 +14,7 @@ and its answer to the entry travels off the token's path. The tail knows where
 the generation ends -- the stop tokens (``TailOptions.stop_token_ids``) and the
 session's length -- and the entry applies the same rule to know what the head
 was sent (``_note_looped``). The entry still opens one Session stream per hop
-(its "control" stream, shard/forward.py): the SessionOpen says ``push`` and,
+(its "control" stream, shard/push/hub.py): the SessionOpen says ``push`` and,
 for every non-tail hop, ``push_next`` -- the successor's peer id, endpoint,
 certificate pin (from its signed record, as the entry's own connector pins it)
 and the epoch of the successor's session. A hop pushes only there. On the
@@ -43,7 +43,7 @@ thread wakes up.
 State the entry keeps: the token history (boundary 0), which positions the
 head has its input for (sent by the entry or by the tail), which successor
 (peer, epoch) each hop pushes to. Boundary rows between hops are kept by the
-hops themselves (shard/forward.py).
+hops themselves (shard/push/hub.py).
 
 Recovery: the driver's failover picks the replacement route (the prefix
 before the failed hop kept, the rest fresh at a bumped epoch); then, before
@@ -69,6 +69,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
+from typing import cast
 
 import grpc
 import numpy as np
@@ -77,15 +79,14 @@ from meshd.errors import HopFailure
 from meshd.generate import driver as star
 from meshd.generate.hop_link import LinkSpec, StepCounter, TailOut, _read
 from meshd.plan.routing import Hop, Route
-from proto import fastpath
+from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
-from proto import wire
 from proto.chunking import plan_prefill_chunks
 from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DECODE_STEP_BASE
-from shard.server import SERVICE_NAME
-from shard.stream import HIDDEN, TOKEN_IDS
+from shard.edges.grpc_server import SERVICE_NAME
+from shard.session.stream import HIDDEN, TOKEN_IDS
 
 TOPOLOGIES = ("push", "star")
 # Health probe of a hop after the route's step deadline passed.
@@ -111,7 +112,8 @@ class PushLink(star._LazyLink):
         self.loop_from = 0                 # ... drawn for positions from this one on
         self.fed_at_ns = 0                 # perf_counter_ns of the last decode step sent to this hop
         self.continued = 0                 # ``fed`` right after the continuation's last send
-        self.continuation = None           # the tail's: called with each decode answer before the driver hears it
+        # the tail's: called with each decode answer before the driver hears it
+        self.continuation: Callable[[pb.SessionResponse], None] | None = None
         self.target: pb.PushTarget | None = None
         self.successor: tuple[str, int] | None = None
 
@@ -218,7 +220,8 @@ class PushLink(star._LazyLink):
             env = pb.Envelope(
                 schema_version=SCHEMA_VERSION, work_id=f"{s.session_id}:{s.epoch}:{idem}",
                 route_session_id=s.session_id, route_epoch=s.epoch, fingerprint=s.fingerprint,
-                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end,
+                                          effective_start_layer=s.effective_start),
                 phase=pb.PHASE_PREFILL, position=pb.PositionSpan(first_position=first + offset, token_count=count),
                 idempotency_step=idem,
                 cache_expectation=pb.CacheExpectation(mode=pb.CACHE_MODE_PREFILL, expected_past_len=first + offset),
@@ -327,6 +330,11 @@ class PushDriver(star.SwarmDriver):
             and self._target_of(route.hops[0], head=True) is not None
         super()._set_route(route, keep)
 
+    @property
+    def _push_links(self) -> list[PushLink]:
+        """The route's links while pushing (``_new_link`` made each one a PushLink)."""
+        return cast(list[PushLink], self._links)
+
     def _new_link(self, index: int, hop: Hop, num_layers: int):
         link = super()._new_link(index, hop, num_layers)
         if not self._pushing:
@@ -336,17 +344,19 @@ class PushDriver(star.SwarmDriver):
 
     def _target(self, link, *, head: bool = False) -> pb.PushTarget:
         target = self._target_of(link._hop, head=head)
+        if target is None:   # pushable() checked every hop this is asked for
+            raise LocalError(f"hop {link.index} cannot be pushed to")
         target.route_epoch = link.spec.epoch
         return target
 
     # ------------------------------------------------------------------ stepping
-    def _advance(self, target: int) -> TailOut:
+    def _advance(self, target: int) -> TailOut | np.ndarray:
         if not self._pushing:
             answer = super()._advance(target)
             if self.stats.step_hops and len(self.stats.step_legs) < len(self.stats.step_hops):
                 self.stats.step_legs.append(2 * self.stats.step_hops[-1])   # counted: one send, one answer per hop
             return answer
-        links = self._links
+        links = self._push_links
         looped = self.looped
         for i in range(len(links) - 1, -1, -1):     # successors first: their sessions exist when pushed to
             link = links[i]
@@ -402,7 +412,7 @@ class PushDriver(star.SwarmDriver):
             s.step_legs.append(int(resp.decode.legs))
         return TailOut(holder.sample, tensors.get("logits"))
 
-    def _note_looped(self, target: int, resp, head: "PushLink", tail: "PushLink") -> None:
+    def _note_looped(self, target: int, resp, head: PushLink, tail: PushLink) -> None:
         """The tail drew position ``target``'s token: the same rule as the tail's (PushSession.
         loop_token) says whether it went on to the head, so the head has input up to there."""
         holder = resp.decode if resp.WhichOneof("kind") == "decode" else resp.chunk
@@ -425,14 +435,14 @@ class PushDriver(star.SwarmDriver):
     # token more, nothing was cancelled, the head has a credit. Everything else (failures,
     # stats, stop strings, logprobs) stays with the driver; a stop string found by the caller
     # after the token costs the head one step that is released with the session.
-    def _arm(self, target: int, head: "PushLink", tail: "PushLink") -> None:
+    def _arm(self, target: int, head: PushLink, tail: PushLink) -> None:
         if target + 1 >= self._max_tokens or head.fed != target or head is tail:
             return
         with self._cont_lock:
             self._armed = (target, head)
         tail.continuation = self._continue
 
-    def _disarm(self, tail: "PushLink") -> None:
+    def _disarm(self, tail: PushLink) -> None:
         tail.continuation = None
         with self._cont_lock:
             self._armed = None
@@ -488,6 +498,7 @@ class PushDriver(star.SwarmDriver):
         this generation and the same route restarts entry-fed, every hop fresh at a new epoch."""
         self.loop_wanted = False
         route = self._route
+        assert route is not None   # a failover happens on a route
         for link in self._links:
             link.close(release=True)
         while True:                                   # what the old sessions still say is history
@@ -504,7 +515,7 @@ class PushDriver(star.SwarmDriver):
             self.on_failover(event)
 
     def _silent(self, budget: float) -> HopFailure:
-        for link in self._links:
+        for link in self._push_links:
             if not link.probe():
                 return HopFailure(link.index, link.spec.peer_id, f"silent past the route's step deadline "
                                   f"({budget:.1f} s) and not answering Health", pb.ERROR_CODE_DEADLINE_EXCEEDED)
@@ -513,11 +524,11 @@ class PushDriver(star.SwarmDriver):
                           pb.ERROR_CODE_DEADLINE_EXCEEDED)
 
     def _failover(self, failure: HopFailure, target: int) -> None:
-        links = self._links
+        links = self._push_links if self._pushing else self._links
         if self.looped and failure.index == len(links) and links and failure.peer_id == links[0].spec.peer_id:
             # The tail could not reach the head. A head that is gone takes the ordinary failover (a
             # replica, the loop kept); only a head that still answers means the tail cannot dial it.
-            head = links[0]
+            head = self._push_links[0]   # looped: pushing
             if head.probe():
                 self._unloop(failure, target)
                 return
@@ -532,7 +543,7 @@ class PushDriver(star.SwarmDriver):
         if not self._pushing:
             return
         fresh_seen = False                            # a kept hop after a fresh one would get rows twice
-        for i, link in enumerate(self._links):
+        for i, link in enumerate(self._push_links):
             if not link.is_open:
                 fresh_seen = True
             elif fresh_seen:

@@ -53,21 +53,26 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace as replace_fields
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from dataclasses import replace as replace_fields
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from meshd.plan.adverts import ShardAd, Span
 from meshd.errors import HopFailure
+from meshd.generate.unix_channel import TlsFrameChannel, UnixFrameChannel
+from meshd.plan.adverts import ShardAd, Span
 from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, RouteCosts, plan_route, replacement_route
 from meshd.reach.tls import loopback_channel, pinned_channel
 from proto import shard_runtime_pb2 as pb
 from proto.frames import SCHEMA_VERSION
-from meshd.generate.unix_channel import TlsFrameChannel, UnixFrameChannel
-from shard.artifact import fingerprints_match
-from shard.server import GRPC_OPTIONS, SERVICE_NAME
+from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+from shard.model.artifact import fingerprints_match
+
+if TYPE_CHECKING:   # libp2p-heavy: a relay dialer exists only in a daemon
+    from meshd.reach.relay_dial import RelayDialer
 
 # A capability question is answered from memory; a worker that takes longer is unusable anyway.
 CAPABILITY_TIMEOUT_S = 30.0
@@ -100,7 +105,7 @@ class LoadBook:
             return dict(self._held)
 
 
-def loaded(ads: Iterable[ShardAd], load: "LoadBook | None") -> tuple[ShardAd, ...]:
+def loaded(ads: Iterable[ShardAd], load: LoadBook | None) -> tuple[ShardAd, ...]:
     """The ads priced by the entry's own load on each peer ((1 + n) x its decode ms per layer)."""
     ads = tuple(ads)
     held = load.snapshot() if load is not None else {}
@@ -168,7 +173,13 @@ def fixed_route(hops: Sequence[tuple[str, int, int]], num_layers: int, *, relaye
     return FixedRouteSource(Route(model_digest, num_layers, built, recipe_digest))
 
 
-def discover_fingerprint(connector: "PeerConnector", route: Route) -> pb.Fingerprint:
+class ChannelSource(Protocol):
+    """What discover_fingerprint dials with (PeerConnector, or a benchmark's recording one)."""
+
+    def channel(self, hop: Hop) -> grpc.Channel: ...
+
+
+def discover_fingerprint(connector: ChannelSource, route: Route) -> pb.Fingerprint:
     """The fingerprint every direct hop's validated capability names (HopFailure if one differs)."""
     found: pb.Fingerprint | None = None
     for i, hop in enumerate(route.hops):
@@ -202,7 +213,7 @@ class PeerConnector:
     own_unix: str = ""                           # our worker's frame socket (unix:/path), preferred
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
-    relay_dialer: object | None = None           # meshd.reach.relay_dial.RelayDialer
+    relay_dialer: RelayDialer | None = None
     relayed_addrs: Callable[[str], Sequence[str]] = lambda peer_id: ()  # the peer's p2p-circuit addrs
     frames: Mapping[str, str] = field(default_factory=dict)  # peer id -> its framed TLS fast path (same pin)
     own_dialable: bool = False                   # peers can dial our worker's TLS port (a loop's head, push.py)

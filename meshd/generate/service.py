@@ -34,7 +34,7 @@ wall time, the hops' own compute and the hop count (``step_wall_ms``,
 
 Routes are planned here, at the entry, from its own DHT view, with the same
 pure planner (routing.py) and the same signed records the tracker would use
-(ARCHITECTURE has the entry ask the tracker): one round trip less, and a
+rather than asking the tracker: one round trip less, and a
 generation never depends on the tracker being reachable mid-way, e.g. while
 duty moves after the tracker died.
 
@@ -47,15 +47,16 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
+import numpy as np
 import trio
 
-from meshd.generate.driver import GenerationCancelled, GenerationRequest, SampledToken, SwarmDriver
+from meshd.generate.driver import GenerationCancelled, GenerationRequest, PromptTooLarge, SampledToken, SwarmDriver
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
+from meshd.generate.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, GenerateParams  # noqa: F401 - re-exported
 from meshd.generate.push import PushDriver
-from meshd.generate.params import (DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS,  # noqa: F401 - re-exported
-                                   GenerateParams)
 from meshd.generate.routes import AdsRouteSource, PeerConnector
 from meshd.generate.textstream import TextStream
 from meshd.plan.adverts import CoverageMap
@@ -85,6 +86,16 @@ class NotReady(MeshdError):
     def __init__(self, message: str, retry_after_s: int = RETRY_AFTER_S) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+
+
+class EmbeddingsUnsupported(MeshdError):
+    """The swarm's runtime recipe cannot return hidden states (a llama.cpp tail): HTTP 501."""
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    vectors: list[list[float]]     # one per text, mean-pooled (L2-normalized when asked)
+    prompt_tokens: int
 
 
 def _relayed_of(swarm, peer_id: str) -> tuple[str, ...]:
@@ -204,6 +215,59 @@ async def generate(swarm, params: GenerateParams, send: Send, *, observer: HopOb
     tokenizer = await entry_tokenizer(swarm)
     driver, failovers = swarm_driver(swarm, observer, params.topology)
     await drive(driver, tokenizer, params, send, failovers=failovers)
+
+
+# Marks the worker's refusal of TailOptions.return_hidden (shard/sessions.py) in a route failure.
+_NO_HIDDEN = "cannot return hidden states"
+
+
+async def embed_rows(driver: SwarmDriver, ids: list[int]) -> np.ndarray:
+    """``driver.embed`` in a worker thread; cancelling the caller cancels the driver (KV released)."""
+    async with trio.open_nursery() as nursery:
+        async def cancel_when_done() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                driver.cancel()
+
+        nursery.start_soon(cancel_when_done)
+        rows = await trio.to_thread.run_sync(driver.embed, ids)
+        nursery.cancel_scope.cancel()
+    return rows
+
+
+async def embed(swarm, texts: list[str], *, truncate: bool = True, normalize: bool = True,
+                observer: HopObserver | None = None) -> Embeddings:
+    """Each text's mean-pooled last hidden state (the tail's final norm over every position), one
+    prefill through the swarm per text (star topology: the rows come back here). A text past the
+    model's context is cut to it when ``truncate``, else refused (LocalError)."""
+    if swarm.config.worker.backend == "llama.cpp" and not _client_only(swarm):
+        raise EmbeddingsUnsupported("embeddings need the torch recipe: this swarm runs llama.cpp, whose tail "
+                                    "returns logits only (start the nodes with --backend torch)")
+    await check_ready(swarm)
+    tokenizer = await entry_tokenizer(swarm)
+    context = getattr(swarm, "context_tokens", 0)
+    vectors, total = [], 0
+    for text in texts:
+        ids = tokenizer.encode_prompt(text, raw=True)
+        if context and len(ids) > context:
+            if not truncate:
+                raise PromptTooLarge(f"the input has {len(ids)} tokens, past the model's {context}-token context")
+            ids = ids[:context]
+        driver, _ = swarm_driver(swarm, observer, "star")
+        try:
+            rows = await embed_rows(driver, ids)
+        except MeshdError as exc:
+            if _NO_HIDDEN in str(exc):
+                raise EmbeddingsUnsupported(f"the swarm's tail cannot return hidden states: {exc}") from exc
+            raise
+        vector = rows.astype(np.float64).mean(axis=0)
+        if normalize:
+            norm = float(np.linalg.norm(vector))
+            vector = vector / norm if norm > 0 else vector
+        vectors.append([float(v) for v in vector])
+        total += len(ids)
+    return Embeddings(vectors, total)
 
 
 def _token_event(tokenizer, params: GenerateParams, delta: str, item: SampledToken) -> dict:

@@ -20,7 +20,7 @@ releases whatever was held when the generation ended another way.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from proto.errors import LocalError
 

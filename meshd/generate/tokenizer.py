@@ -22,8 +22,8 @@ State: the loaded tokenizer and template; immutable after load.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from meshd.errors import ConfigError
 from proto.errors import LocalError
@@ -40,6 +40,19 @@ def _json(path: Path) -> dict:
     except (ValueError, UnicodeDecodeError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _scalar(text: str, what: str) -> None:
+    """The tokenizers library takes only Unicode scalar values: a lone surrogate is the client's error
+    (a LocalError here, not its TypeError). The HTTP API refuses such strings earlier, naming the field."""
+    if not isinstance(text, str):
+        raise LocalError(f"{what} must be a string")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise LocalError(f"{what} holds a lone surrogate (U+D800..U+DFFF) at character {exc.start}: "
+                             "text must be valid Unicode") from exc
 
 
 class EntryTokenizer:
@@ -61,12 +74,12 @@ class EntryTokenizer:
         template_file = Path(model_dir) / "chat_template.jinja"
         self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
         self._special = {k: v for k, v in config.items() if k.endswith("_token") and isinstance(v, str)}
-        stops = set()
+        stops: set[int] = set()
         eos = config.get("eos_token")
         if isinstance(eos, dict):
             eos = eos.get("content")
-        if isinstance(eos, str) and self._tok.token_to_id(eos) is not None:
-            stops.add(self._tok.token_to_id(eos))
+        if isinstance(eos, str) and (eos_id := self._tok.token_to_id(eos)) is not None:
+            stops.add(eos_id)
         gen_eos = _json(Path(model_dir) / "generation_config.json").get("eos_token_id")
         for value in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
             if isinstance(value, int):
@@ -74,6 +87,7 @@ class EntryTokenizer:
         self.stop_ids = frozenset(stops)
 
     def encode_prompt(self, prompt: str, raw: bool) -> list[int]:
+        _scalar(prompt, "the prompt")
         if raw or not self.chat_template:
             return list(self._tok.encode(prompt).ids)
         return self.encode_chat([("user", prompt)])
@@ -83,6 +97,8 @@ class EntryTokenizer:
         if not self.chat_template:
             raise LocalError("this model has no chat template: send a plain prompt instead "
                              "(/v1/completions, or raw)")
+        for i, (_, content) in enumerate(messages):
+            _scalar(content, f"message {i}")
         from jinja2 import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 

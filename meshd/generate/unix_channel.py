@@ -1,7 +1,7 @@
 """Frame channels for the driver's thread: the own worker's Unix socket, a peer's framed TLS port.
 
 The worker serves the Session stream on a private Unix socket too
-(shard/unix_server.py: the same frames, 4-byte length || body, the same
+(shard/edges/unix_server.py: the same frames, 4-byte length || body, the same
 sans-I/O core). The route driver runs in a plain thread and blocks on each
 hop anyway, so the leanest link to the worker next door is a blocking
 socket in that thread: a request is written by ``sendall`` from the
@@ -21,14 +21,14 @@ watchdog, a cancellation) shuts the socket down from any thread, which wakes
 a blocked ``recv``.
 
 ``TlsFrameChannel`` is the same call over TLS/TCP to a peer worker's frames
-port (shard/frame_server.py), the fast path beside its gRPC port: the
+port (shard/edges/frame_server.py), the fast path beside its gRPC port: the
 certificate must hash to the pin in the peer's signed record (checked right
 after the handshake, before a byte is sent); if the port cannot be reached
 the call goes to the pinned gRPC fallback, which also carries the unary
-methods. Measured on this machine, interleaved step by step against pinned
-TLS gRPC to the same worker (decode step overhead above the hop's compute,
-median): frames 1.10 ms, gRPC 2.27 ms, Unix socket 0.72 ms (load ~12 on 2
-cores; the ratio is what counts).
+methods. Both frame channels cost at most about half of pinned gRPC's
+overhead above the hop's compute (``meshd bench pipeline``'s
+``hop_transport_overhead_ms``; figures: docs/measurements/2026-12-01.md and
+2026-12-04.md).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import select
 import socket
 import ssl
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -46,7 +46,7 @@ from meshd.reach.tls import PEER_TLS_NAME, split_endpoint
 from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
-from shard.expert_transport import client_tls_context
+from shard.experts.transport import client_tls_context
 
 __all__ = ["UnixFrameChannel", "TlsFrameChannel", "UnixLinkError"]
 
@@ -108,7 +108,7 @@ class _FrameCall:
             self._write(body)
         self._end_writes()
 
-    def __iter__(self) -> "_FrameCall":
+    def __iter__(self) -> _FrameCall:
         return self
 
     def __next__(self) -> bytes:
@@ -217,7 +217,7 @@ def _connect_tls(endpoint: str, pin: bytes, timeout_s: float) -> ssl.SSLSocket:
 
 
 class TlsFrameChannel:
-    """The framed fast path to a peer's worker (shard/frame_server.py), with gRPC as the fallback.
+    """The framed fast path to a peer's worker (shard/edges/frame_server.py), with gRPC as the fallback.
 
     ``stream_stream`` opens the Session over frames on ``endpoint`` (TLS, the certificate pinned by
     ``pin`` -- the same pin as the peer's gRPC port); when the port cannot be reached or its TLS

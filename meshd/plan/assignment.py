@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -47,7 +48,7 @@ from meshd.plan.errors import NoFitError, PlanInputError
 from meshd.sizes import format_size
 from proto import shard_runtime_pb2 as pb
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS as SCRATCH_LOGIT_ROWS
-from shard.batching import DEFAULT_BATCH_TOKENS as SCRATCH_POSITIONS
+from shard.session.batching import DEFAULT_BATCH_TOKENS as SCRATCH_POSITIONS
 
 # Positions of KV cache a new range reserves per layer by default: the one
 # setting the worker admits against too (meshd.config.DEFAULT_KV_BUDGET_TOKENS).
@@ -73,7 +74,7 @@ class ModelFootprint:
     tail_extra_bytes: int = 0          # final norm + lm_head, held with the last layer
     kv_bytes_per_token_layer: int = 0  # K and V of one position in one layer
     # One batched forward's working memory (scratch), counted once per range: the
-    # worker runs at most SCRATCH_POSITIONS positions per forward (shard/batching.py).
+    # worker runs at most SCRATCH_POSITIONS positions per forward (shard/session/batching.py).
     scratch_row_bytes: int = 0         # activations of one position inside a layer
     score_bytes_per_kv_token: int = 0  # attention scores of one position per cached token
     logit_row_bytes: int = 0           # one position's logits, at the tail only
@@ -139,7 +140,7 @@ class _Costs:
         best: Span | None = None
         for s in range(target.start, target.end):
             ends = range(s + 1, target.end + 1)
-            fits = bisect.bisect_right(ends, memory, key=lambda e, s=s: self.of(s, e))
+            fits = bisect.bisect_right(ends, memory, key=functools.partial(self.of, s))
             if fits and (best is None or fits > best.length):
                 best = Span(s, s + fits)
         return best
@@ -169,7 +170,7 @@ class JoinRequest:
 class DirectiveIntent:
     """What the tracker wants one node to do; directives.py turns it into a payload."""
 
-    action: int  # pb.DirectiveAction: LOAD_SHARD or DROP_SHARD
+    action: pb.DirectiveAction  # LOAD_SHARD or DROP_SHARD
     target_peer_id: str
     span: Span
 

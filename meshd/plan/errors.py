@@ -21,13 +21,24 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from meshd.errors import SizeError  # noqa: F401 - re-exported: the planners' callers catch it here
 from proto.errors import LocalError, MeshdError, ProtocolViolation
 
-if TYPE_CHECKING:  # pragma: no cover
-    from meshd.plan.adverts import Span
+
+class LayerSpan(Protocol):
+    """A half-open layer interval as these errors see it (meshd/plan/adverts.py ``Span``): the
+    planners' errors sit below the planners' inputs, so they name no input type."""
+
+    @property
+    def start(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
 
 
 class PlanInputError(LocalError, ValueError):
@@ -72,7 +83,7 @@ class PlanningError(MeshdError):
 class MissingLayersError(PlanningError):
     """No route: nobody live serves ``spans`` of the model."""
 
-    def __init__(self, spans: Sequence[Span], *, model_digest: str, num_layers: int,
+    def __init__(self, spans: Sequence[LayerSpan], *, model_digest: str, num_layers: int,
                  excluded: Sequence[str] = (), recipe_digest: str = "") -> None:
         self.spans = tuple(spans)
         self.model_digest = model_digest

@@ -4,7 +4,7 @@
   runs an expert record carries (dht/expert_records.py) and back.
 * ``placements(records, recipe=..., now_ms=...)``: the live expert records of
   one model that a holder can use (same recipe digest -- the numerics --,
-  a protocol version and act we speak) as ``shard.expert_pool.Placement``s,
+  a protocol version and act we speak) as ``shard.experts.pool.Placement``s,
   which is what the holder's worker reads (the daemon writes them to its
   placement file).
 * ``coverage(records)``: how many live peers serve each (layer, expert);
@@ -18,14 +18,14 @@ No I/O, no clock: callers pass ``now_ms``.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from dht.expert_records import ExpertRecord
-from proto import moe_wire as W
+from proto import moe as W
 from proto import shard_runtime_pb2 as pb
-from shard.expert_pool import Placement
-from shard.expert_spec import SHARED, ExpertSpec
+from shard.experts.pool import Placement
+from shard.experts.spec import SHARED, ExpertSpec
 
 __all__ = ["runs_of", "spec_of", "demand", "placements", "coverage", "plan_experts", "ExpertFootprint"]
 

@@ -31,8 +31,8 @@ import re
 import struct
 from pathlib import Path
 
-from meshd.plan.assignment import ModelFootprint
 from meshd.errors import ConfigError
+from meshd.plan.assignment import ModelFootprint
 
 # A safetensors header is JSON; real ones are well under a few MiB.
 MAX_HEADER_BYTES = 64 << 20

@@ -91,7 +91,7 @@ def held_layers(path: Path) -> tuple[int, int] | None:
 
 
 def model_digest(path: Path, progress=None) -> str:
-    """The model artifact digest: a directory's (shard.artifact) or a GGUF's (a slice: its source's).
+    """The model artifact digest: a directory's (shard.model.artifact) or a GGUF's (a slice: its source's).
 
     The one place the daemon asks; workers compute the same value for their fingerprints.
     """
@@ -99,7 +99,7 @@ def model_digest(path: Path, progress=None) -> str:
         from native.gguf_range import model_digest as gguf_digest
 
         return gguf_digest(path, progress)
-    from shard.artifact import artifact_digest
+    from shard.model.artifact import artifact_digest
 
     return artifact_digest(path)
 

@@ -23,10 +23,12 @@ keep its circuit). The library logs hole-punch failures at WARNING/ERROR;
 ``quiet_dcutr_logs`` demotes its records to DEBUG (fall back silently).
 
 These overrides reach into py-libp2p 0.8.1's private methods, so they are a
-library adjustment like the data-path patches (relay/adjustments.py): ``run``
-checks the exact version and the methods first (``dcutr_policy_check``) and
-records the decision as ``dcutr_policy`` in the registry ``meshd status``
-shows. On any other version the DCUtR service is not started at all (the
+library adjustment like the data-path patches (dht/compat/): ``run`` checks
+the exact version and the methods first (``dcutr_policy_check``, through
+``dht.compat.gate``) and records the decision as ``dcutr_policy`` in the
+registry ``meshd status`` shows. Upstream: no upstream issue found; the
+overridden members are ``DCUtRProtocol``'s (libp2p/relay/circuit_v2/dcutr.py).
+On any other version the DCUtR service is not started at all (the
 library's own policy would punch every relayed peer and close circuits under
 live sessions): relayed hops simply stay relayed, and status says why.
 
@@ -40,14 +42,16 @@ import contextvars
 import logging
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import trio
 from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
 from libp2p.tools.anyio_service import background_trio_service
 
-from relay.adjustments import Adjustment, installed_version, record, version_gate
+from dht.compat.gate import gate, installed_version
+from dht.compat.registry import Adjustment, record
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +156,8 @@ DCUTR_POLICY = "dcutr_policy"
 
 def dcutr_policy_check(version: str) -> str | None:
     """None when our DCUtR overrides fit ``version`` and the installed class; else why not."""
-    refused = version_gate(version)
-    if refused:
-        return refused
-    missing = [name for name in _DCUTR_MEMBERS if not hasattr(DCUtRProtocol, name)]
-    return f"off: DCUtRProtocol lacks {', '.join(missing)}" if missing else None
+    return gate(version, module="libp2p.relay.circuit_v2.dcutr", what="DCUtR service", owner="DCUtRProtocol",
+                needs=_DCUTR_MEMBERS)
 
 
 def apply_dcutr_policy(version: str | None = None) -> Adjustment:
@@ -232,7 +233,7 @@ class DirectUpgrader:
         self._libp2p_version = libp2p_version    # decide for this version (default: the installed one)
         self.policy = policy or UpgradePolicy()
         self._dcutr_factory = dcutr_factory
-        self._dcutr = None
+        self._dcutr: Any = None   # the factory's DCUtR service (the library's class, or a test's), made in run()
         self._lock = threading.Lock()
         self._direct: dict[str, object] = {}
         self._send, self._receive = trio.open_memory_channel[str](MAX_PENDING_REQUESTS)

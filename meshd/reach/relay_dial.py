@@ -36,7 +36,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
@@ -69,7 +69,7 @@ class LoopPortal:
         self._token = token
 
     @classmethod
-    def current(cls) -> "LoopPortal":
+    def current(cls) -> LoopPortal:
         return cls(trio.lowlevel.current_trio_token())
 
     def run(self, afn, *args):
@@ -215,7 +215,8 @@ async def _still_connected(host, relay_id: str) -> bool:
 
     relay = ID.from_base58(relay_id)
     with trio.move_on_after(RELAY_DEATH_GRACE_S):
-        while any(not c.is_closed for c in host.get_network().get_connections(relay)):
+        # py-libp2p has no connection-closed event to wait on: poll the connections.
+        while any(not c.is_closed for c in host.get_network().get_connections(relay)):  # noqa: ASYNC110 - see above
             await trio.sleep(0.05)
         return False
     return True
@@ -224,5 +225,5 @@ async def _still_connected(host, relay_id: str) -> bool:
 async def _close(conn) -> None:
     try:
         await conn.close()
-    except Exception:  # already gone
+    except Exception:  # noqa: BLE001 - already gone
         pass

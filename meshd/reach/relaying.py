@@ -16,7 +16,7 @@
             together. Each CLAIMS a relay (synchronously, right before its
             RESERVE) and skips relays another slot claims, so two slots never
             sit on one relay while more than one is known. A slot's relay
-            connection closing (relay/conn_watch.py) withdraws that slot's
+            connection closing (dht/host/conn_watch.py) withdraws that slot's
             addresses at once (logged) and the slot reserves elsewhere; the
             relayed addrs of all slots, deduplicated, are ``relayed_addrs``,
             and every change calls ``on_change`` (the advertiser republishes)
@@ -39,14 +39,14 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import multiaddr
 import trio
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 
+from dht.host.conn_watch import ConnectionWatch
 from relay.client import stop_service
-from relay.conn_watch import ConnectionWatch
 from relay.reachability import Verdict, keep_reserved, probe
 from relay.transport import RelayedSessionServer
 
@@ -80,7 +80,7 @@ def relay_candidates(records: Sequence, bootstrap: Sequence[str], own_peer_id: s
     for text in texts:
         try:
             info = info_from_p2p_addr(multiaddr.Multiaddr(text))
-        except Exception:  # a malformed bootstrap address was refused by the config already
+        except Exception:  # noqa: BLE001 - a malformed bootstrap address was refused by the config already
             continue
         pid = info.peer_id.to_base58()
         if pid != own_peer_id and pid not in out:
@@ -90,8 +90,12 @@ def relay_candidates(records: Sequence, bootstrap: Sequence[str], own_peer_id: s
 
 class Relaying:
     def __init__(self, host, dht, *, mode: str, bootstrap: Sequence[str], on_change: Callable[[], None],
-                 progress: Callable[[str], None] = lambda line: None) -> None:
+                 progress: Callable[[str], None] = lambda line: None,
+                 own_addrs: Callable[[], Sequence[str]] | None = None) -> None:
         self.host, self.dht, self.mode = host, dht, mode
+        # the addresses helpers are asked to dial back: the daemon's dialable ones (a wildcard
+        # listener's /ip4/0.0.0.0 rewritten to the address it offers peers); default: the host's
+        self.own_addrs = own_addrs or (lambda: [str(a) for a in host.get_addrs()])
         self.bootstrap = tuple(bootstrap)
         self.on_change = on_change
         self.progress = progress
@@ -183,7 +187,7 @@ class Relaying:
             self.verdict = Verdict.PRIVATE
         else:
             helpers = list(self.host.get_connected_peers())[:MAX_PROBE_HELPERS]
-            own = [str(a).split("/p2p/")[0] for a in self.host.get_addrs()]
+            own = [str(a).split("/p2p/")[0] for a in self.own_addrs()]
             self.verdict = await probe(self.host, helpers, own) if helpers else Verdict.UNKNOWN
         self.progress(f"reachability: {self.verdict.value}"
                       + (" (mode auto: dial-back probe)" if self.mode == "auto" else f" (mode {self.mode})"))

@@ -25,9 +25,9 @@ import hashlib
 import ipaddress
 import os
 import ssl
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import grpc
 from cryptography import x509
@@ -67,7 +67,7 @@ def cert_sha256(cert_pem: bytes) -> bytes:
 
 def generate_self_signed(common_name: str, now: dt.datetime | None = None) -> tuple[bytes, bytes]:
     """(cert PEM, key PEM) of a fresh P-256 key and self-signed certificate."""
-    now = now or dt.datetime.now(dt.timezone.utc)
+    now = now or dt.datetime.now(dt.UTC)
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64])])
     cert = (x509.CertificateBuilder()
@@ -91,7 +91,7 @@ def load_or_create_tls(data_dir: Path, common_name: str) -> TlsMaterial:
     if cert_path.exists() and key_path.exists():
         pem = cert_path.read_bytes()
         cert = x509.load_pem_x509_certificate(pem)
-        if cert.not_valid_after_utc > dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1):
+        if cert.not_valid_after_utc > dt.datetime.now(dt.UTC) + dt.timedelta(days=1):
             return TlsMaterial(cert_path, key_path, pem, cert_sha256(pem))
     cert_pem, key_pem = generate_self_signed(common_name)
     _write_private(key_path, key_pem)
@@ -146,7 +146,7 @@ def channel_trusting(endpoint: str, cert_pem: bytes, options: list | None = None
     return grpc.secure_channel(endpoint, creds, options=opts)
 
 
-def pinned_channel_factory(pins: "Mapping[str, bytes]", options: list | None = None) -> Callable[[str], grpc.Channel]:
+def pinned_channel_factory(pins: Mapping[str, bytes], options: list | None = None) -> Callable[[str], grpc.Channel]:
     """A ``channel_factory(endpoint)`` (tests, e.g. a connector over it): each hop's endpoint is
     dialed through ``pinned_channel`` with the pin from that peer's signed record;
     an endpoint without a pin is refused (never a plaintext or unpinned fallback)."""

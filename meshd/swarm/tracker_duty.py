@@ -33,9 +33,9 @@ from meshd.plan.adverts import CoverageMap, ShardAd, Span
 from meshd.plan.assignment import DirectiveIntent, JoinRequest, ModelFootprint, plan_join, plan_rebalance
 from meshd.plan.directives import build_directive
 from meshd.plan.errors import NoFitError, PlanInputError
+from meshd.plan.tracker import current_tracker, epoch_at
 from meshd.swarm.view import SwarmSnapshot
 from meshd.swarm.wire import sign_directive
-from meshd.plan.tracker import current_tracker, epoch_at
 from proto import shard_runtime_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ caller's ``Handler``.
 from __future__ import annotations
 
 import logging
-from typing import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
@@ -81,12 +81,12 @@ def serve(host, protocol: str, handler: Handler) -> None:
                 await stream.write(encode_frame(reply, MAX_CONTROL_FRAME_BYTES))
         except MeshdError as exc:
             log.info("%s from %s refused: %s", protocol, remote[:16], exc)
-        except Exception as exc:  # a peer's broken stream must never reach the daemon's nursery
+        except Exception as exc:  # noqa: BLE001 - a peer's broken stream must never reach the daemon's nursery
             log.info("%s from %s failed: %s", protocol, remote[:16], exc)
         finally:
             try:
                 await stream.close()
-            except Exception:
+            except Exception:  # noqa: BLE001 - the peer may have reset it already
                 pass
 
     host.set_stream_handler(protocol, on_stream)
@@ -119,7 +119,7 @@ async def exchange(host, peer_id: str, addrs: Sequence[str], protocol: str, body
             finally:
                 try:
                     await stream.close()
-                except Exception:
+                except Exception:  # noqa: BLE001 - the peer may have reset it already
                     pass
         except MeshdError:
             raise
@@ -142,7 +142,7 @@ async def _dial_circuit(host, pid, relayed: Sequence[str], dial_relayed, parse_r
         try:
             await dial_relayed(host, relay, dest)
             return
-        except Exception as exc:  # this relay lost it; the next may still carry it
+        except Exception as exc:  # noqa: BLE001 - this relay lost it; the next may still carry it
             last = exc
     raise SwarmUnreachable(f"no relay circuit to {pid.to_base58()[:16]} ({last})")
 

@@ -19,15 +19,20 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from meshd.testing.procs import REPO_ROOT, child_env, stop_process
-from shard.expert_pool import Placement
-from shard.expert_spec import ExpertSpec
+from shard.experts.pool import Placement
+from shard.experts.spec import ExpertSpec
+
+if TYPE_CHECKING:   # torch-heavy: imported when a peer starts
+    from shard.experts.server import ExpertServer
+    from shard.experts.store import ExpertStore
 
 READY_TIMEOUT_S = 180.0
 
@@ -50,7 +55,7 @@ def tls_files(directory: Path, name: str = "expert") -> TlsFiles:
     from cryptography.x509.oid import NameOID
 
     directory.mkdir(parents=True, exist_ok=True)
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
     key_obj = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     cert_obj = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
@@ -68,14 +73,14 @@ def tls_files(directory: Path, name: str = "expert") -> TlsFiles:
 
 @dataclass
 class ExpertPeer:
-    server: object
+    server: ExpertServer
     placement: Placement
-    store: object
+    store: ExpertStore
 
     @classmethod
-    def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> "ExpertPeer":
-        from shard.expert_server import ExpertServer
-        from shard.expert_store import ExpertStore
+    def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> ExpertPeer:
+        from shard.experts.server import ExpertServer
+        from shard.experts.store import ExpertStore
 
         spec = ExpertSpec.parse(spec) if isinstance(spec, str) else spec
         store = ExpertStore.load(path, spec)
@@ -135,6 +140,8 @@ def generate(backend, prompt: Sequence[int], new_tokens: int, *, chunk: int = 16
     logits = None
     for first in range(0, len(prompt), chunk):
         logits = backend.forward(cache, np.array(prompt[first:first + chunk], np.int64), effective_start=start)
+    if logits is None:
+        raise ValueError("the prompt must hold at least one token")
     tokens, out = [], []
     for step in range(new_tokens):
         out.append(np.array(logits))

@@ -22,8 +22,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-from native.convert import gguf_cache_root
 from meshd.testing.models import SPECIAL_TOKENS, build_tokenizer
+from native.convert import gguf_cache_root
 from native.packaged import key as _key
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")

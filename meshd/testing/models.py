@@ -2,7 +2,7 @@
 
 An artifact is a directory with ``config.json``, ``*.safetensors`` weights and
 a tokenizer (``tokenizer.json`` + ``tokenizer_config.json``), exactly what
-``shard.torch_backend`` and ``transformers.AutoModelForCausalLM`` load.
+``shard.model.torch_backend`` and ``transformers.AutoModelForCausalLM`` load.
 
 * ``build_random_llama(seed, **overrides)``: a tiny LlamaForCausalLM with
   seeded random weights and a byte-level BPE tokenizer trained on a fixed
@@ -30,8 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from native.packaged import (MARKER_NAME, cache_root, cached_build as _cached_build, key as _key, say as _say,  # noqa: F401
-                             gemma3_gguf_path, smollm2_artifact, smollm2_gguf_path)
+from native.packaged import MARKER_NAME, cache_root, gemma3_gguf_path, smollm2_artifact, smollm2_gguf_path  # noqa: F401 - re-exported for tests
+from native.packaged import cached_build as _cached_build
+from native.packaged import key as _key
 
 # Fixed text the test tokenizer is trained on: small, varied, deterministic.
 _TOKENIZER_CORPUS = (

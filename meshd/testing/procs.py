@@ -15,9 +15,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Loading SmolLM2 on a busy 2-core machine can take a minute; never wait forever.
@@ -30,7 +30,8 @@ def child_env(threads: int | None = None) -> dict[str, str]:
     """The environment of a child of this checkout: PYTHONPATH from its root, unbuffered output,
     no model hub, and (when given) ``threads`` torch/BLAS threads."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    inherited = (p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *inherited])
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
     if threads is not None:
@@ -59,7 +60,7 @@ class WorkerProcess:
     unix_endpoint: str | None = None
     frames_endpoint: str | None = None      # the framed fast path (TLS), with --frames-listen
 
-    def stop(self) -> int:
+    def stop(self) -> int | None:
         return stop_process(self.proc)
 
 

@@ -4,7 +4,7 @@
 // textContent only, never as HTML.
 "use strict";
 
-const POLL_MS = 2000;
+const POLL_MS = 1000;   // a gone node shows within a second of the daemon noticing
 let apiKey = sessionStorage.getItem("meshd-api-key") || "";
 const fromHash = new URLSearchParams(location.hash.slice(1)).get("key");  // #key=... never reaches the server
 if (fromHash) { apiKey = fromHash; sessionStorage.setItem("meshd-api-key", apiKey); history.replaceState(null, "", location.pathname); }
@@ -27,19 +27,23 @@ function size(bytes) {
 }
 const num = (v, unit = "") => v == null ? "–" : String(v) + unit;
 
+const gone = (status) => new Set(status.gone || []);
+
 function renderCoverage(status) {
   const table = $("coverage"); table.replaceChildren();
   const n = (status.model && status.model.num_layers) || 0;
-  const peers = status.peers || [];
+  const peers = status.peers || [], dead = gone(status);
   const counts = new Array(n).fill(0);
-  for (const p of peers) for (let l = p.start; l < p.end && l < n; l++) counts[l]++;
+  for (const p of peers) if (!dead.has(p.peer_id)) for (let l = p.start; l < p.end && l < n; l++) counts[l]++;
   const head = el("tr", {}, el("th", {}, "peer [layers)"));
   for (let l = 0; l < n; l++) head.append(el("th", { class: "layer" }, l));
   table.append(el("thead", {}, head));
   const body = el("tbody");
   for (const p of peers) {
-    const row = el("tr", { class: "peer" + (p.self ? " self" : ""), "data-peer": p.peer_id, "data-range": `${p.start}:${p.end}` },
-      el("td", { class: "label", title: p.peer_id }, `${short(p.peer_id)} [${p.start}:${p.end})${p.self ? " (this node)" : ""}`));
+    const isGone = dead.has(p.peer_id);
+    const row = el("tr", { class: "peer" + (p.self ? " self" : "") + (isGone ? " gone" : ""), "data-peer": p.peer_id,
+                           "data-range": `${p.start}:${p.end}`, "data-state": p.live.state },
+      el("td", { class: "label", title: p.peer_id }, `${short(p.peer_id)} [${p.start}:${p.end})${p.self ? " (this node)" : ""}${isGone ? " — gone" : ""}`));
     for (let l = 0; l < n; l++) row.append(el("td", { class: "cell" + (l >= p.start && l < p.end ? " on" : "") + (counts[l] ? "" : " gapcol") }));
     body.append(row);
   }
@@ -56,32 +60,92 @@ function renderCoverage(status) {
   }
   if (!n) gaps.append(el("li", { class: "ok" }, "no coverage information yet"));
   else if (!spans.length) gaps.append(el("li", { class: "ok", "data-covered": "true" }, `every layer 0:${n} is served`));
-  for (const [a, b] of spans) gaps.append(el("li", { class: "gap", "data-gap": `${a}:${b}` }, `gap: layers ${a}:${b} are served by no peer`));
-}
-
-function renderRoutes(gen) {
-  $("gen-summary").textContent = `${gen.running} running (of ${gen.max_running}), ${gen.deferred} waiting`;
-  const body = $("routes").tBodies[0]; body.replaceChildren();
-  const rows = [...gen.live.map((g) => ["running", g]), ...gen.recent.map((g) => ["done", g])];
-  if (!rows.length) body.append(el("tr", {}, el("td", { colSpan: 7 }, "no generation yet")));
-  for (const [state, g] of rows) {
-    const route = (g.route || []).map((h) => { const [peer, a, b] = h.split(":"); return `${short(peer)}[${a}:${b})`; }).join(" → ");
-    body.append(el("tr", { class: "route " + state, "data-route": (g.route || []).join(" ") },
-      el("td", {}, state), el("td", {}, g.edge), el("td", { class: "label" }, route || "–"), el("td", {}, g.tokens),
-      el("td", {}, num(g.decode_tokens_per_s)), el("td", {}, g.ttft_s == null ? "–" : g.ttft_s + " s"),
-      el("td", {}, g.finish_reason || (state === "running" ? "…" : "–") + (g.failovers ? ` (${g.failovers} failover)` : ""))));
+  for (const [a, b] of spans) gaps.append(el("li", { class: "gap", "data-gap": `${a}:${b}` }, `gap: layers ${a}:${b} are served by no live peer`));
+  const sf = status.shortfall;
+  if (sf && sf.needed_bytes != null) {
+    const text = sf.short_bytes > 0
+      ? `memory shortfall: layers ${sf.gaps.map((g) => g.join(":")).join(", ")} need ${size(sf.needed_bytes)} (weights + KV); the pool offers ${size(sf.spare_bytes)} beyond its ranges — ${size(sf.short_bytes)} short: add a node with --memory`
+      : `layers ${sf.gaps.map((g) => g.join(":")).join(", ")} need ${size(sf.needed_bytes)}; the pool offers ${size(sf.spare_bytes)} beyond its ranges: the tracker can move a node there`;
+    gaps.append(el("li", { class: "shortfall", id: "shortfall", "data-short": sf.short_bytes }, text));
   }
 }
 
-function renderNodes(peers) {
+function hops(route, dead) {
+  const span = el("span", { class: "label" });
+  (route || []).forEach((h, i) => {
+    const [peer, a, b] = h.split(":");
+    const isDead = dead.has(peer);
+    if (i) span.append(" → ");
+    span.append(el("span", { class: "hop" + (isDead ? " dead" : ""), "data-peer": peer, ...(isDead ? { "data-dead": "true" } : {}) },
+      `${short(peer)}[${a}:${b})${isDead ? " ✕ gone" : ""}`));
+  });
+  if (!(route || []).length) span.append("–");
+  return span;
+}
+
+function renderRoutes(gen, status) {
+  const dead = gone(status);
+  $("gen-summary").textContent = `${gen.running} running (of ${gen.max_running}), ${gen.deferred} waiting`;
+  for (const [id, rows, state] of [["live-routes", gen.live, "running"], ["done-routes", gen.recent, "done"]]) {
+    const body = $(id).tBodies[0]; body.replaceChildren();
+    if (!rows.length) body.append(el("tr", {}, el("td", { colSpan: 6 }, state === "running" ? "none running" : "none yet")));
+    for (const g of rows) {
+      body.append(el("tr", { class: "route " + state, "data-route": (g.route || []).join(" ") },
+        el("td", {}, g.edge), el("td", {}, hops(g.route, dead)), el("td", {}, g.tokens),
+        el("td", {}, num(g.decode_tokens_per_s)), el("td", {}, g.ttft_s == null ? "–" : g.ttft_s + " s"),
+        el("td", {}, (g.finish_reason || (state === "running" ? "…" : "–")) + (g.failovers ? ` (${g.failovers} failover)` : ""))));
+    }
+  }
+}
+
+function bar(value, max, label) {
+  const wrap = el("span", { class: "bar" });
+  if (value == null || !max) { wrap.append("–"); return wrap; }
+  wrap.append(el("meter", { min: 0, max: max, value: Math.min(value, max) }), " " + label);
+  return wrap;
+}
+
+function spark(history) {
+  const NS = "http://www.w3.org/2000/svg", w = 120, h = 24;
+  const svg = document.createElementNS(NS, "svg");
+  svg.setAttribute("class", "spark"); svg.setAttribute("width", w); svg.setAttribute("height", h);
+  svg.setAttribute("viewBox", `0 0 ${w} ${h}`); svg.setAttribute("data-points", history.length);
+  const top = Math.max(1, ...history.map((p) => p[1]));
+  const pts = history.map((p, i) => `${history.length > 1 ? (i * w) / (history.length - 1) : 0},${h - 1 - (p[1] / top) * (h - 2)}`).join(" ");
+  const line = document.createElementNS(NS, "polyline");
+  line.setAttribute("points", pts || `0,${h - 1} ${w},${h - 1}`); line.setAttribute("fill", "none");
+  line.setAttribute("stroke", "#2d6cdf"); line.setAttribute("stroke-width", "1.5");
+  svg.append(line);
+  const title = document.createElementNS(NS, "title");
+  title.textContent = history.length ? `decode tokens/s, one point per 5 s; peak ${top}` : "no steps yet";
+  svg.append(title);
+  return svg;
+}
+
+function renderNodes(status) {
   const body = $("nodes").tBodies[0]; body.replaceChildren();
-  for (const p of peers) {
+  const dead = gone(status);
+  for (const p of status.peers || []) {
     const reach = p.relayed ? "relayed via " + (p.relays.map(short).join(", ") || "?") : (p.endpoint || "direct");
-    body.append(el("tr", { class: "node", "data-peer": p.peer_id },
+    const state = dead.has(p.peer_id) ? "gone" : p.live.state;
+    const since = p.live.since_ms ? ` since ${new Date(p.live.since_ms).toLocaleTimeString()}` : "";
+    const kvUsed = p.kv_tokens_used, kvMax = p.kv_budget_tokens;
+    const recent = p.recent || {}, val = p.validation || {};
+    body.append(el("tr", { class: "node " + state, "data-peer": p.peer_id, "data-state": state,
+                           "data-rss": p.rss_bytes == null ? "" : p.rss_bytes, "data-since": p.live.since_ms || "" },
       el("td", { class: "label", title: p.peer_id }, short(p.peer_id) + (p.self ? " (this node)" : "")),
-      el("td", {}, `${p.start}:${p.end}`), el("td", {}, size(p.memory_budget_bytes)), el("td", {}, `${p.free_kv_tokens} tokens`),
-      el("td", {}, num(p.decode_tokens_per_s)), el("td", {}, num(p.prefill_tokens_per_s)), el("td", {}, reach),
-      el("td", {}, num(p.expires_in_s, " s"))));
+      el("td", { class: "state " + state }, state + since),
+      el("td", {}, `${p.start}:${p.end}`),
+      el("td", {}, p.cpu_cores ? `${p.cpu_cores} cores, ${size(p.machine_memory_bytes)}` : "–"),
+      el("td", { class: "memory" }, bar(p.rss_bytes, p.machine_memory_bytes, `${size(p.rss_bytes)} worker RSS` +
+        (p.memory_budget_bytes ? ` of ${size(p.memory_budget_bytes)} budget` : " (fixed range: no budget)"))),
+      el("td", {}, bar(kvUsed, kvMax, kvMax ? `${kvUsed} / ${kvMax} tokens` : "")),
+      el("td", {}, recent.decode_tokens_per_s != null ? `${recent.decode_tokens_per_s} tok/s (recent steps)` :
+        `${num(val.decode_tokens_per_s)} tok/s (startup validation)`),
+      el("td", {}, recent.prefill_tokens_per_s != null ? `${recent.prefill_tokens_per_s} tok/s (recent chunks)` :
+        `${num(val.prefill_tokens_per_s)} tok/s (startup validation)`),
+      el("td", {}, spark(p.live.history || [])),
+      el("td", {}, reach), el("td", {}, num(p.expires_in_s, " s"))));
   }
 }
 
@@ -93,7 +157,7 @@ function renderSelf(status) {
     ["worker", `${w.state || "none"}${w.restarts ? `, ${w.restarts} restarts` : ""}`],
     ["KV", h.kv_budget_tokens ? `${h.kv_tokens_used} of ${h.kv_budget_tokens} tokens (${Math.round((h.kv_pressure || 0) * 100)}%), ${h.active_sessions || 0} sessions` : "–"],
     ["worker memory", size(h.resident_bytes)],
-    ["throughput", `${num(t.predicted_tokens_per_s)} tok/s generated, ${num(t.prompt_tokens_per_s)} tok/s prompt, ${t.tokens_predicted_total || 0} tokens so far`],
+    ["throughput", `${num(t.predicted_tokens_per_s)} tok/s generated, ${num(t.prompt_tokens_per_s)} tok/s prompt (averages over this entry's generations), ${t.tokens_predicted_total || 0} tokens so far`],
     ["reachability", `${r.verdict || "?"} (mode ${r.mode || "?"})`],
     ["relayed addresses", (r.relayed_addrs || []).join(" ") || "none"],
     ["relays known", (r.relays_known || []).map(short).join(", ") || "none"],
@@ -106,9 +170,10 @@ function render(status) {
   const m = status.model || {};
   $("model").textContent = m.id || "(no model)";
   const cov = m.coverage;
-  $("summary").textContent = cov ? (cov.fully_covered ? `all ${m.num_layers} layers covered by ${status.peers.length} peers` :
+  const live = (status.peers || []).filter((p) => !gone(status).has(p.peer_id)).length;
+  $("summary").textContent = cov ? (cov.fully_covered ? `all ${m.num_layers} layers covered by ${live} live peers` :
     `${cov.gaps.length} gap(s) in ${m.num_layers} layers`) : "waiting for the swarm view";
-  renderCoverage(status); renderRoutes(status.generations); renderNodes(status.peers || []); renderSelf(status);
+  renderCoverage(status); renderRoutes(status.generations, status); renderNodes(status); renderSelf(status);
   $("updated").textContent = "updated " + new Date(status.time_ms).toLocaleTimeString();
   document.body.dataset.state = "loaded";
 }
