@@ -128,7 +128,7 @@ def run_peer(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from shard.experts.server import ExpertServer
+    from shard.edges.expert_server import ExpertServer
     from shard.experts.spec import ExpertSpec, ExpertSpecError
     from shard.experts.store import ExpertStore
 

@@ -74,7 +74,7 @@ class ExpertPeer:
 
     @classmethod
     def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> ExpertPeer:
-        from shard.experts.server import ExpertServer
+        from shard.edges.expert_server import ExpertServer
         from shard.experts.store import ExpertStore
 
         spec = ExpertSpec.parse(spec) if isinstance(spec, str) else spec
