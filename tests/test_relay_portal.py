@@ -68,7 +68,7 @@ def test_a_thread_reaches_the_loop_through_the_portal_and_posts_run_in_order():
     seen: list = []
 
     async def double(x: int) -> int:
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         return 2 * x
 
     async def main():
