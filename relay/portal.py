@@ -22,9 +22,10 @@ A loop that has stopped is ``LoopStopped`` (a RelayUnreachable: a relayed
 hop whose loop is gone has failed) from every call.
 
 Why hand-offs with credits: a frame crossing from one thread to another costs
-a wakeup (~0.1-0.5 ms on the reference VM). A bounded queue needs a second
-signal the other way (a credit back), but only when the producer is actually
-blocked on a full queue:
+a wakeup (a sizeable share of a relayed step on a small VM:
+docs/measurements/2026-11-29.md). A bounded queue needs a second signal the
+other way (a credit back), but only when the producer is actually blocked on
+a full queue:
 
     producer: waiter = credits.take(make_waiter)   None -> go; else wait on it and retry
     consumer: waiter = credits.give()              not None -> wake that waiter
