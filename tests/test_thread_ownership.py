@@ -10,6 +10,7 @@ the threads enumerated in this process are those from before the test.
 """
 from __future__ import annotations
 
+import re
 import tempfile
 import threading
 from functools import partial
@@ -30,6 +31,7 @@ from shard.model.reference import WholeModel
 from shard.model.torch_backend import TorchRangeBackend
 from shard.session.service import ShardService
 from shard.session.sessions import SessionPolicy
+from tests.conftest import wait_until_blocking
 
 NUM_LAYERS = 6
 PROMPT = tuple(range(5, 45))
@@ -39,8 +41,8 @@ FAR_FUTURE_MS = 2**62
 # Threads started by grpc's own client and server machinery end by themselves once their channel
 # or server is closed; they get this long (a bound on the wait, not on the outcome).
 LIBRARY_THREADS_END_S = 20.0
-# trio keeps a finished to_thread worker for 10 s in case more work comes (trio/_core/_thread_cache.py).
-TRIO_IDLE_S = 10.0
+# trio's idle worker threads (trio/_core/_thread_cache.py): named so only while they run nothing.
+IDLE_TRIO = re.compile(r"Trio thread \d+")
 DAEMON_TEST_TIMEOUT_S = 100.0
 # The thread-name prefixes of our groups (proto.threads: "<group>:<name>").
 OURS = ("shard-", "route-", "hop-", "relayed-call", "frame-call", "expert")
@@ -102,25 +104,30 @@ def test_workers_stopped_mid_generation_and_the_driver_leave_no_thread_alive(mod
     generation.close()                 # the driver fails its links over, releases, joins its threads
     assert [n for n in _new_threads(before) if n.startswith(OURS)] == []
     assert all(w.service.health().active_sessions == 0 for w in workers.values())   # released at stop
-    _wait_for_library_threads(before)
-    assert _new_threads(before) == []
+    assert _left_after_libraries(before) == []
 
 
-def _wait_for_library_threads(before: set[threading.Thread], *, idle_trio_cache: bool = False) -> None:
-    """Wait (bounded) for the libraries' own threads to end: grpc's, and with ``idle_trio_cache``
-    trio's idle worker threads (named "Trio thread N" while idle; they exit after 10 s of it)."""
-    import time
+def _left_after_libraries(before: set[threading.Thread], *, idle_trio_cache: bool = False) -> list[str]:
+    """The new threads still alive once grpc's own have had time to end (a bounded wait). With
+    ``idle_trio_cache``, trio's idle worker threads are not counted: trio keeps a finished
+    ``to_thread`` worker for 10 s in case more work comes, named "Trio thread N" only while it
+    runs nothing (a worker running a job carries the job's name)."""
+    def left() -> list[str]:
+        return [n for n in _new_threads(before) if not (idle_trio_cache and IDLE_TRIO.fullmatch(n))]
 
-    deadline = time.monotonic() + LIBRARY_THREADS_END_S + (TRIO_IDLE_S if idle_trio_cache else 0)
-    while _new_threads(before) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    try:
+        wait_until_blocking(lambda: not left(), LIBRARY_THREADS_END_S, "grpc's own threads to end")
+    except pytest.fail.Exception:
+        pass                           # the assertion names what is left
+    return left()
 
 
+@pytest.mark.slow   # a real worker subprocess (startup ~20 s on 2 loaded cores): the slow step
 def test_a_daemon_that_served_a_generation_leaves_no_thread_alive(model, tmp_path):
     """A daemon in this process (trio), its worker a real subprocess: one generation through the
     generate core (the driver in a trio thread, its Outbox, the worker's frame socket), then the
-    daemon is cancelled. Its own threads are gone; trio's idle thread cache and grpc's client
-    threads (the daemon's Health calls) end by themselves; the worker says it stopped cleanly."""
+    daemon is cancelled. Its own threads are gone; grpc's client threads (the daemon's Health
+    calls) end by themselves, trio's thread cache holds only idle workers; the worker exited 0."""
     import trio
 
     from meshd.config import ApiConfig, DaemonConfig, WorkerConfig
@@ -158,5 +165,4 @@ def test_a_daemon_that_served_a_generation_leaves_no_thread_alive(model, tmp_pat
     # the worker stopped on the daemon's SIGTERM, joined all it started and returned from main
     assert node_state[0].last_exit == 0 and "worker: [worker] stopped" in lines, lines[-5:]
     assert [n for n in _new_threads(before) if n.startswith(OURS)] == []
-    _wait_for_library_threads(before, idle_trio_cache=True)
-    assert _new_threads(before) == []
+    assert _left_after_libraries(before, idle_trio_cache=True) == []
