@@ -248,8 +248,8 @@ def run(args: argparse.Namespace) -> int:
     from meshd.cli.common import ready_to_exit, stop_on_signals
 
     stop = stop_on_signals()
-    edges.start()
     try:
+        edges.start()
         if args.ready_file:
             _write_ready(args.ready_file, {**edges.ready(), "pid": os.getpid()})
         print(f"ready {edges.listen}" + (f" tls {edges.tls_listen}" if edges.tls_listen else ""), flush=True)
