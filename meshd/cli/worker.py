@@ -12,7 +12,30 @@ expert peer instead (meshd/cli/expert_worker.py).
 Order: load the range (progress on stderr) -> validate it with a bounded real
 forward -> listen -> write the ready file ({"listen", "tls_listen", "frames_tls", "unix", "pid"},
 atomically) and print one "ready" line on stdout -> serve until SIGTERM /
-SIGINT. Plaintext listens only on loopback; peers use the TLS port.
+SIGINT -> stop -> return from main. Plaintext listens only on loopback; peers use the TLS port.
+
+The process (every thread started through a ThreadGroup whose owner joins it; the main thread
+owns them all, through WorkerEdges -- shard/edges/worker_edges.py -- and waits for them before
+main returns):
+
+    main thread   load, validate, start the edges, then sweep idle sessions and follow the
+    │             expert peer file until a signal; then WorkerEdges.stop() and exit
+    ├── gRPC      grpcio's own C-core threads; our handlers in its GroupExecutor "shard-rpc":
+    │             one thread per call (the daemon's unary calls, peers' Session streams)
+    ├── "shard-unix"     SocketServer: accept thread + one thread per connection (the daemon)
+    ├── "shard-frames"   SocketServer: accept thread + one thread per connection (peers, TLS)
+    ├── "shard-push"     the PushHub's: a reader per successor stream, a pump per pushed
+    │                    control stream on gRPC
+    └── compute          torch's / llama.cpp's own pools, entered from the threads above under
+                         the service lock (shard/session/batching.py)
+
+Stop (SIGTERM / SIGINT; the handler only appends to a list the main loop polls): the edges stop
+in the order shard/edges/worker_edges.py gives -- listeners closed, live calls a short grace,
+pushed sessions ended, connections shut down, every thread joined with a bound, sessions
+released -- then main returns 0 (1 if a thread failed or outlived its bound: the worker log
+names it). No ``os._exit`` and no watchdog: nothing native here can hang the stop (a forward in
+progress ends with its compute; every blocking read is on a socket the stop shuts down), and
+the daemon's SIGKILL after its grace stays the last resort.
 
 Errors: stderr is the worker's log (shard/session/worklog.py: tracebacks marked so the
 daemon keeps them in worker.log, off the user's terminal). A model that cannot
@@ -27,7 +50,6 @@ import ipaddress
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -214,59 +236,50 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from shard.edges.grpc_server import build_server
+    from shard.edges.worker_edges import WorkerEdges
 
     service, router, failure = _load_and_validate(args)
     if service is None:
         print(f"cannot load {args.model} layers {args.layers}: {failure}", file=sys.stderr, flush=True)
         return 1
     service.push_dialer = push_dialer
-    tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes()) if args.tls_listen else (None, None)
-    server, port, tls_port = build_server(service, args.listen, tls_listen=args.tls_listen,
-                                          tls_cert=tls[0], tls_key=tls[1])
-    server.start()
-    unix = None
-    if args.unix_listen:
-        from shard.edges.unix_server import UnixFrameServer
+    edges = WorkerEdges(service, listen=args.listen, tls_listen=args.tls_listen, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, unix_listen=args.unix_listen, frames_listen=args.frames_listen)
+    from meshd.cli.common import ready_to_exit, stop_on_signals
 
-        unix = UnixFrameServer(service, args.unix_listen).start()
-    frames = None
-    if args.frames_listen:
-        from shard.edges.frame_server import TlsFrameServer
-
-        frames = TlsFrameServer(service, args.frames_listen, cert_file=args.tls_cert, key_file=args.tls_key).start()
-    host = args.listen.rpartition(":")[0]
-    listen = f"{host}:{port}"
-    tls_listen = f"{args.tls_listen.rpartition(':')[0]}:{tls_port}" if tls_port else None
-    # The handler only appends to a list: Event.set() from a signal handler can deadlock against
-    # the main thread's own Event.wait() on it (the handler runs inside that wait, which holds the
-    # event's lock) -- seen as workers that never stopped after SIGTERM.
-    stop: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stop.append(signum))
-    if args.ready_file:
-        _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid(),
-                                       "unix": unix.endpoint if unix else None,
-                                       "frames_tls": frames.endpoint if frames else None})
-    print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
+    stop = stop_on_signals()
     try:
-        last_sweep = time.monotonic()
-        while not stop:
-            time.sleep(STOP_POLL_S)   # short sleeps: signals are handled between them
-            if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
-                with service.lock:
-                    service.manager.expire()
-                last_sweep = time.monotonic()
-            expert_worker.reload_peers(router, args.expert_peers)
+        edges.start()
+        if args.ready_file:
+            _write_ready(args.ready_file, {**edges.ready(), "pid": os.getpid()})
+        print(f"ready {edges.listen}" + (f" tls {edges.tls_listen}" if edges.tls_listen else ""), flush=True)
+        serve_until(stop, service, router, args.expert_peers)
     finally:
-        if unix is not None:
-            unix.close()
-        if frames is not None:
-            frames.close()
-        server.stop(grace=1.0).wait()
-        print("[worker] stopped", file=sys.stderr, flush=True)
-    # Every stream is closed and nothing is left to flush; the interpreter's
-    # teardown of grpc and torch threads takes seconds on a busy machine, so
-    # leave at once with our status.
-    sys.stdout.flush()
-    os._exit(0)
+        problems = edges.stop()
+        ready_to_exit()
+    return _stopped(problems)
+
+
+def serve_until(stop: list[int], service, router, peers_file: str | None) -> None:
+    """The main thread's loop: sweep idle sessions, follow the expert peer file, until a signal."""
+    from meshd.cli import expert_worker
+
+    last_sweep = time.monotonic()
+    while not stop:
+        time.sleep(STOP_POLL_S)   # short sleeps: signals are handled between them
+        if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
+            with service.lock:
+                service.manager.expire()
+            last_sweep = time.monotonic()
+        expert_worker.reload_peers(router, peers_file)
+
+
+def _stopped(problems: list[BaseException]) -> int:
+    """The exit status once every edge is stopped: 0 when every thread was joined and none failed."""
+    if problems:
+        print(f"[worker] stopped with {len(problems)} problem(s): "
+              + "; ".join(_one_line(p) for p in problems[:4]) + " (details in the worker log)",
+              file=sys.stderr, flush=True)
+        return 1
+    print("[worker] stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,4 +1,4 @@
-"""The meshd daemon: one trio process, one tree of nurseries.
+"""The meshd daemon: one trio process, one tree of nurseries; threads only where a task waits.
 
     run_daemon(config)
     └── host (libp2p, Noise + yamux)              dht/host/build.py
@@ -8,22 +8,42 @@
                 ├── mdns        (announce us, find and dial our swarm's LAN peers;
                 │               --no-mdns turns it off)            dht/host/mdns.py
                 ├── relaying    (dial-back probe; when private: STOP service,
-                │               relay reservations, relayed addrs)  meshd/reach/relaying.py
+                │               relay reservations, relayed addrs; relayed sessions
+                │               to the worker's Unix socket, no thread)  meshd/reach/relaying.py
                 ├── upgrader    (DCUtR handler; bounded background direct upgrades
                 │               of relayed hops)                    meshd/reach/direct_upgrade.py
                 ├── advertiser  (publish / republish / withdraw)   meshd/daemon/advertiser.py
+                ├── free KV     (the worker's Health -> our record) [thread: each Health call]
                 ├── control API (unix socket, JSON)                meshd/daemon/control.py
                 ├── HTTP API    (OpenAI, Ollama, /metrics, dashboard; generations of
-                │               both APIs pass its entry)            meshd/daemon/api_part.py
-                ├── supervisor  (worker subprocess)  meshd/daemon/supervisor.py, worker_process.py
-                ├── swarm       (tracker duty, --layers auto, directives, generate)  meshd/daemon/swarm_part.py
+                │   │           both APIs pass its entry; PeerWatch's Health probes
+                │   │           [thread each])                        meshd/daemon/api_part.py
+                │   └── a generation's task (meshd/generate/service.py)
+                │       └── [thread] the route driver (trio.to_thread: the task waits for it)
+                │           └── [ThreadGroup route-<id>] watchdog, push readers, Health probes,
+                │               close guards: joined before the driver thread returns
+                ├── supervisor  (worker subprocess: its life, its Health calls [thread each],
+                │               its output pumps)  meshd/daemon/supervisor.py, worker_process.py
+                ├── swarm       (tracker duty, --layers auto, directives, generate;
+                │               [thread] digest, footprint, tokenizer)  meshd/daemon/swarm_part.py
                 ├── experts     (MoE, --experts: expert peer worker + its record, or the
                 │               holder's directory of expert peers)  meshd/daemon/experts_part.py
                 └── signals     (SIGINT/SIGTERM -> graceful leave)
 
+Threads: trio owns the process. Blocking work leaves the loop only through
+``trio.to_thread.run_sync`` -- the calling task waits for the thread, so its
+nursery does (``[thread]`` above); a thread comes back into the loop only
+through relay/portal.py (the daemon's ``Portal``: DHT snapshots, relay dials,
+DCUtR requests, a generation's tokens in a bounded Outbox). The only threads
+that are not a waiting task's are the route driver's helpers, and those are
+in the driver's ThreadGroup, joined when its generation ends
+(tests/test_thread_ownership.py checks that none outlives the daemon).
+
 Graceful leave: stop advertising and publish the withdrawal (bounded), then
-cancel the tree: the supervisor SIGTERMs the worker (it drains or cancels
-its sessions) and waits for it, the DHT and the host close last.
+cancel the tree: a generation's driver is cancelled (it releases its hops and
+joins its threads; its task waits), the supervisor SIGTERMs the worker (it
+stops its servers, joins its threads, exits 0) and waits for it, the DHT and
+the host close last.
 
 ``Node`` is the composition root: it wires the parts and answers the
 control API; each part owns its own state.
@@ -63,9 +83,10 @@ from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from meshd.daemon.swarm_part import Swarm
 from meshd.daemon.worker_process import WorkerProcess, WorkerSpec, fetch_health
 from meshd.reach.direct_upgrade import DirectUpgrader
-from meshd.reach.relay_dial import LoopPortal, RelayDialer
+from meshd.reach.relay_dial import RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from relay.portal import Portal
 from relay.reachability import serve_dialback
 
 if TYPE_CHECKING:   # torch-heavy: imported when the node runs an expert part
@@ -141,7 +162,7 @@ class Node:
         self._ready: WorkerReady | None = None
         # circuits to relayed peers, shared by every generation (remembers relays that failed)
         self.upgrader = DirectUpgrader(host)   # answers peers' hole punches, tries ours
-        self.relay_dialer = RelayDialer(host, LoopPortal.current(), upgrader=self.upgrader)
+        self.relay_dialer = RelayDialer(host, Portal.current(), upgrader=self.upgrader)
         self.mdns: MdnsDiscovery | None = None   # dht/host/mdns.py (started by run_daemon unless --no-mdns)
         listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
         self.tls_bind_host = listen_ip
@@ -179,7 +200,8 @@ class Node:
     async def on_worker_ready(self, ready: WorkerReady) -> None:
         self._ready = ready
         self.free_kv.reset()
-        self.relaying.serve_worker(ready.unix or ready.listen)   # the frame socket: no gRPC leg
+        if ready.unix:   # relayed sessions reach the worker on its frame socket (a worker without one: none)
+            self.relaying.serve_worker(ready.unix)
         self.refresh_claim()
 
     def refresh_claim(self) -> None:

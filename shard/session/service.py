@@ -220,6 +220,11 @@ class ShardService:
             return pb.ReleaseResponse(released=False, error=to_shard_error(
                 InternalError(f"releasing the session failed ({type(exc).__name__}); see the worker's log")))
 
+    def release_all(self) -> int:
+        """The worker is stopping (every edge is closed and joined): free every session's KV."""
+        with self.lock:
+            return self.manager.release_all()
+
     def cancel(self, request: pb.CancelRequest, peer: str = LOCAL_OWNER.peer) -> pb.CancelResponse:
         try:
             key = self._key(request.route_session_id, request.route_epoch)
