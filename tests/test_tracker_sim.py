@@ -9,6 +9,7 @@ import pytest
 import trio
 import trio.testing
 
+from meshd.cli.status_view import render_status
 from meshd.plan.adverts import Span
 from meshd.plan.assignment import ModelFootprint
 from meshd.plan.footprint import scratch_fields
@@ -125,6 +126,11 @@ def test_three_nodes_at_45_percent_say_how_short_and_the_named_node_covers_witho
     assert extra.layers == Span(21, 26)
     assert [n.loads for n in nodes] == [1, 1, 1]                   # nobody restarted or reloaded
     assert not sim.lost
+    entries = [{"peer_id": n.peer_id, "start": s.start, "end": s.end, "num_layers": 26}
+               for n, s in zip(nodes, spans)]
+    text = render_status({"peer_id": "p", "addresses": [], "peers": [], "routing_table": 0, "worker": {"state": "none"},
+                          "own": {"layers": None, "model_digest": DIGEST}, "coverage": {DIGEST: entries}, "pool": view})
+    assert "3 peers, gaps at 21:26\n" in text and f"\n  short    {view['message']}\n" in text
 
 
 def test_the_named_node_is_the_smallest_that_covers_with_the_others_in_place():
