@@ -204,7 +204,8 @@ class HopLink:
             env = pb.Envelope(
                 schema_version=SCHEMA_VERSION, work_id=f"{s.session_id}:{s.epoch}:{idem}",
                 route_session_id=s.session_id, route_epoch=s.epoch, fingerprint=s.fingerprint,
-                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end,
+                                          effective_start_layer=s.effective_start),
                 phase=pb.PHASE_PREFILL,
                 position=pb.PositionSpan(first_position=first + offset, token_count=count),
                 idempotency_step=idem,
@@ -268,7 +269,8 @@ class HopLink:
                             RELEASE_METHOD, request_serializer=pb.ReleaseRequest.SerializeToString,
                             response_deserializer=pb.ReleaseResponse.FromString)(
                             pb.ReleaseRequest(schema_version=SCHEMA_VERSION, route_session_id=s.session_id,
-                                              route_epoch=s.epoch, owner_token=s.owner_token), timeout=RELEASE_TIMEOUT_S)
+                                              route_epoch=s.epoch, owner_token=s.owner_token),
+                            timeout=RELEASE_TIMEOUT_S)
                     except (grpc.RpcError, MeshdError):
                         # A dead hop holds nothing worth releasing (its TTL cleans up); a frozen or
                         # gone one cannot even show its certificate (CertificateMismatch) to the

@@ -1,4 +1,4 @@
-"""The entry's side of a pushed route: inputs to the head, tokens from the tail (issue 18).
+"""The entry's side of a pushed route: inputs to the head, tokens from the tail.
 
 ``PushDriver`` is the route driver (driver.py: same planning, failover,
 cancellation, replay batches, stats) with the push topology, closed into a loop:
@@ -217,7 +217,8 @@ class PushLink(star._LazyLink):
             env = pb.Envelope(
                 schema_version=SCHEMA_VERSION, work_id=f"{s.session_id}:{s.epoch}:{idem}",
                 route_session_id=s.session_id, route_epoch=s.epoch, fingerprint=s.fingerprint,
-                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end,
+                                          effective_start_layer=s.effective_start),
                 phase=pb.PHASE_PREFILL, position=pb.PositionSpan(first_position=first + offset, token_count=count),
                 idempotency_step=idem,
                 cache_expectation=pb.CacheExpectation(mode=pb.CACHE_MODE_PREFILL, expected_past_len=first + offset),

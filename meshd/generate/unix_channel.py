@@ -25,10 +25,10 @@ port (shard/edges/frame_server.py), the fast path beside its gRPC port: the
 certificate must hash to the pin in the peer's signed record (checked right
 after the handshake, before a byte is sent); if the port cannot be reached
 the call goes to the pinned gRPC fallback, which also carries the unary
-methods. Measured on this machine, interleaved step by step against pinned
-TLS gRPC to the same worker (decode step overhead above the hop's compute,
-median): frames 1.10 ms, gRPC 2.27 ms, Unix socket 0.72 ms (load ~12 on 2
-cores; the ratio is what counts).
+methods. Both frame channels cost at most about half of pinned gRPC's
+overhead above the hop's compute (``meshd bench pipeline``'s
+``hop_transport_overhead_ms``; figures: docs/measurements/2026-12-01.md and
+2026-12-04.md).
 """
 from __future__ import annotations
 

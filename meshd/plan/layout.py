@@ -38,8 +38,8 @@ Rules (coverage first, then as little churn as possible):
    ready; moves happen only while the model has a gap, when no route -- so
    no session -- can use any layer. One case has no safe order: a *swap*,
    where every covering layout needs two nodes to trade layers that each
-   holds alone (a tight pool: it happens in about 1% of random join/leave
-   histories). Rather than leave a pool that can cover with a gap, the
+   holds alone (a tight pool; rare, docs/measurements/2026-12-07.md). Rather
+   than leave a pool that can cover with a gap, the
    tracker then makes one move at a time (``forced_move``: the fewest layers
    left without a server), onto layers the layout covers; the model is
    unusable until the gap closes anyway, so the swap costs only load time.
