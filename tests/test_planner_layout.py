@@ -3,7 +3,7 @@ budgets, and the shortfall when the pool cannot cover."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshd.plan.adverts import CoverageMap, Span
@@ -166,7 +166,7 @@ def _settle(fp, spans: dict[str, Span], memory: dict[str, int], n: int, lost: li
     raise AssertionError(f"no convergence in {steps} steps: {spans}")
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])   # draws between steps
 @given(st.data())
 def test_joins_and_leaves_in_any_order_converge_never_drop_a_last_copy_and_cover_when_they_can(data):
     n = data.draw(st.integers(2, 24), label="layers")
