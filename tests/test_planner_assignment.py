@@ -12,7 +12,6 @@ from meshd.plan.assignment import (
     JoinRequest,
     ModelFootprint,
     plan_join,
-    plan_rebalance,
 )
 from meshd.plan.errors import NoFitError, PlanInputError, PlanningError
 from proto import shard_runtime_pb2 as pb
@@ -87,23 +86,6 @@ def test_a_serving_node_is_planned_without_its_own_advert():
 def test_misuse_is_a_local_error(call):
     with pytest.raises(PlanInputError):
         call()
-
-
-def test_rebalance_moves_one_redundant_peer_into_the_gap():
-    ads = [make_ad("b", 0, 4, memory_budget_bytes=400), make_ad("a", 0, 4, memory_budget_bytes=400)]
-    coverage = CoverageMap.build(ads, model_digest=MODEL, num_layers=8)
-    intents = plan_rebalance(coverage, FP, ads, kv_budget_tokens=0)
-    assert intents == (DirectiveIntent(DROP, "a", Span(0, 4)), DirectiveIntent(LOAD, "a", Span(4, 8)))
-
-
-@pytest.mark.parametrize("ads", [
-    [make_ad("a", 0, 8)],                                              # no gap
-    [make_ad("a", 0, 4)],                                              # only server of 0..3
-    [make_ad("a", 0, 4, memory_budget_bytes=50), make_ad("b", 0, 4, memory_budget_bytes=50)],
-])
-def test_rebalance_leaves_things_alone_when_a_move_would_not_help(ads):
-    coverage = CoverageMap.build(ads, model_digest=MODEL, num_layers=8)
-    assert plan_rebalance(coverage, FP, ads, kv_budget_tokens=0) == ()
 
 
 @settings(max_examples=300, deadline=None)

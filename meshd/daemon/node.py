@@ -339,6 +339,8 @@ class Node:
             "http": self.api.http_status(),
             "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
                          for d, v in coverage.items()},
+            # layers of our model without a server, and what closes them (meshd/swarm/view.py pool_status)
+            "pool": self.swarm.pool_status() if self.swarm is not None else None,
         }
 
 

@@ -7,7 +7,8 @@ call ``generate`` with params they validated themselves). Data flow::
     GenerateParams (meshd/generate/params.py; a bad field is the client's LocalError)
       -> readiness: our worker serves (a client-only node, --layers none: the model's
          digest is known), the swarm covers every layer (else NotReady: the edge says
-         "retry later", HTTP 503 + Retry-After)
+         "retry later", HTTP 503 + Retry-After, with the layers nobody serves and, when
+         the pool is short, the memory that closes the gap: the swarm's ``pool_status``)
       -> token ids (the artifact's tokenizer, meshd/generate/tokenizer.py: chat
          template for messages, or for a prompt unless "raw")
       -> SwarmDriver (meshd/generate/driver.py) in one worker thread,
@@ -138,7 +139,10 @@ async def check_ready(swarm) -> None:
         if attempt == 0:
             snap = await swarm.fresh_snapshot()
     gaps = ", ".join(f"{g.start}:{g.end}" for g in cmap.gaps())
-    raise NotReady(f"no peer serves layers {gaps} of the model right now; retry once a node covers them")
+    pool = swarm.pool_status() if hasattr(swarm, "pool_status") else None
+    why = f": {pool['message']}" if pool and pool.get("short") else (
+        "; the tracker is moving ranges to cover them" if pool and pool.get("short") is False else "")
+    raise NotReady(f"no peer serves layers {gaps} of the model right now{why}; retry once a node covers them")
 
 
 async def entry_tokenizer(swarm):

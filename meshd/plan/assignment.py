@@ -4,9 +4,10 @@ Data flow::
 
     CoverageMap (adverts.py) + ModelFootprint + JoinRequest(peer, memory, kv)
         -> plan_join()       -> Assignment(span, reason, needed bytes, intents)
-    CoverageMap + ModelFootprint + live ShardAds
-        -> plan_rebalance()  -> intents moving one fully redundant peer into a gap
     intents -> directives.build_directive() -> signed by the daemon -> DHT/peer
+
+Closing a gap by moving nodes that already serve is layout.py's (the whole
+pool at once); this module places one node.
 
 Rules (ADR-0009 in the seeds: fill every gap before adding redundancy):
 
@@ -38,7 +39,6 @@ from __future__ import annotations
 import bisect
 import enum
 import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -217,7 +217,7 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
     ``current`` is the range the node serves now, if any: its own servers
     entry is ignored, and the intents become DROP(current) + LOAD(new), or
     nothing if the answer is the range it already has. Whether moving a
-    serving node is safe is the caller's call (``plan_rebalance`` checks it).
+    serving node is safe is the caller's call (layout.py orders moves safely).
     """
     if coverage.num_layers != footprint.num_layers or coverage.model_digest != footprint.model_digest:
         raise PlanInputError(f"coverage ({coverage.model_digest}, {coverage.num_layers} layers) and "
@@ -250,38 +250,6 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
             DirectiveIntent(pb.DIRECTIVE_ACTION_DROP_SHARD, request.peer_id, current), load)
     return Assignment(request.peer_id, window, reason, target,
                       costs.of(window.start, window.end), intents)
-
-
-def plan_rebalance(coverage: CoverageMap, footprint: ModelFootprint, ads: Iterable[ShardAd], *,
-                   kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS) -> tuple[DirectiveIntent, ...]:
-    """Move at most one peer whose whole range is redundant into a gap.
-
-    Candidates are live ads of the model whose removal opens no new gap and
-    whose advertised memory budget fits part of the largest gap. The one
-    covering the most gap layers wins (ties: smallest peer id). Returns
-    DROP(old) + LOAD(new) for it, or () when there is no gap or no candidate.
-    The tracker calls this each refresh; one move at a time keeps routes of
-    running sessions valid (each DROP leaves its layers covered).
-    """
-    if coverage.fully_covered:
-        return ()
-    gap_layers = {layer for layer, servers in enumerate(coverage.servers) if not servers}
-    best: tuple[int, str, Assignment] | None = None
-    for ad in sorted(ads, key=lambda a: a.peer_id):
-        if ad.model_digest != coverage.model_digest or ad.num_layers != coverage.num_layers:
-            continue
-        if coverage.without(ad.peer_id).gaps() != coverage.gaps():
-            continue  # its range is not redundant: moving it opens a gap
-        try:
-            plan = plan_join(coverage, footprint,
-                             JoinRequest(ad.peer_id, ad.memory_budget_bytes, kv_budget_tokens),
-                             current=ad.span)
-        except NoFitError:
-            continue
-        gained = len(gap_layers.intersection(range(plan.span.start, plan.span.end)))
-        if gained and (best is None or (-gained, ad.peer_id) < (-best[0], best[1])):
-            best = (gained, ad.peer_id, plan)
-    return best[2].intents if best else ()
 
 
 def simulate_joins(footprint, nodes: int, memory: int, kv_tokens: int):
