@@ -155,3 +155,24 @@ def test_a_slice_writes_its_range_once_and_replaces_the_nodes_other_slices(tmp_p
     moved = range_file(source, second, None, directory=node, replace=True)
     assert sorted(node.iterdir()) == [moved] and not path.exists()
     assert moved.stat().st_size <= read_range(reader, second).touched_bytes() + SLICE_HEADER_ALLOWANCE
+
+
+def test_entering_a_llama_cpp_range_mid_way_costs_its_whole_range():
+    """llama.cpp enters a range mid-way by running the layers before the entry too (one copy of the
+    weights, injection): a route through it pays for them, so an exact-fitting peer wins."""
+    from meshd.plan.routing import DEFAULT_RTT_MS, plan_route
+    from tests._planner_helpers import make_ad
+
+    llama = {"backend": pb.BACKEND_LLAMA_CPP}
+
+    def route(ads):
+        return plan_route(ads, model_digest=MODEL, num_layers=8, now_ms=0, entry_peer_id="e")
+
+    overlap = route([make_ad("a", 0, 5, **llama), make_ad("b", 3, 8, **llama)])
+    assert [(h.peer_id, h.effective_start) for h in overlap.hops] == [("a", 0), ("b", 5)]
+    assert overlap.cost_ms == 5.0 + 5.0 + 3 * DEFAULT_RTT_MS          # b runs 3..8, not 5..8
+    torch = route([make_ad("a", 0, 5), make_ad("b", 3, 8)])
+    assert torch.cost_ms == 5.0 + 3.0 + 3 * DEFAULT_RTT_MS             # torch skips the layers
+    exact = route([make_ad("a", 0, 5, **llama), make_ad("b", 3, 8, decode_ms_per_layer=0.9, **llama),
+                   make_ad("c", 5, 8, **llama)])
+    assert [h.peer_id for h in exact.hops] == ["a", "c"]               # b is faster per layer, not here

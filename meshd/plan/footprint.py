@@ -94,19 +94,20 @@ WORKER_BASE_ESTIMATE = {"llama.cpp": 80 * MIB, "torch": 420 * MIB}
 BACKENDS = {"llama.cpp": pb.BACKEND_LLAMA_CPP, "torch": pb.BACKEND_TORCH}
 
 
-def llama_working_estimate(*, hidden: int, intermediate: int, vocab: int, kv_budget_tokens: int) -> int:
+def llama_working_estimate(*, hidden: int, intermediate: int, vocab: int, kv_budget_tokens: int,
+                           head: bool = True) -> int:
     """llama.cpp's working memory with flash attention, for the range that needs most (a head):
     per ubatch row the FFN's three intermediate-wide and ~4 hidden-wide F32 activations (the compute
     buffer: 12.75 MiB for hidden 2048 / ffn 5632 at 128 rows, as llama.cpp reports it), the F16 KQ
     mask over the context, the batch, capture and output-embedding rows (3 x hidden x F32 a row),
     a head's logits buffer (every row is an output there, so the residual keeps all rows, and
-    llama.cpp fills a vocabulary-wide row for each), and LLAMA_WORKING_FIXED. No attention-score
-    scratch: flash attention never materialises the scores."""
+    llama.cpp fills a vocabulary-wide row for each; ``head`` False leaves it out: another range's),
+    and LLAMA_WORKING_FIXED. No attention-score scratch: flash attention never materialises the scores."""
     rows = LLAMA_UBATCH_ROWS
     compute = rows * SCRATCH_WIDTH * (3 * intermediate + 4 * hidden)
     mask = rows * kv_budget_tokens * 2
     buffers = 3 * rows * hidden * SCRATCH_WIDTH
-    outputs = rows * vocab * SCRATCH_WIDTH
+    outputs = rows * vocab * SCRATCH_WIDTH if head else 0
     return compute + mask + buffers + outputs + LLAMA_WORKING_FIXED
 
 

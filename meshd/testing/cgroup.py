@@ -50,18 +50,40 @@ class MemoryCgroup:
             return cls(None, version, limit)
         path = (ROOT if version == "v2" else V1_ROOT) / name
         path.mkdir(exist_ok=True)
-        if version == "v2":
-            (path / "memory.max").write_text(str(limit))
-            if (path / "memory.swap.max").exists():
-                (path / "memory.swap.max").write_text("0")
-        else:
-            (path / "memory.limit_in_bytes").write_text(str(limit))
-            if (path / "memory.memsw.limit_in_bytes").exists():   # no swapping out of the promise either
+        group = cls(path, version, limit)
+        if version == "v2" and (path / "memory.swap.max").exists():
+            (path / "memory.swap.max").write_text("0")   # no swapping out of the promise either
+        group.set_limit(limit)
+        return group
+
+    def set_limit(self, limit: int) -> None:
+        """Cap the cgroup at ``limit`` bytes (lowering it makes the kernel reclaim down to it).
+        v1: memory+swap follows it, raised first or lowered last (it may never be below the limit)."""
+        self.limit = limit
+        if self.path is None:
+            return
+        if self.version == "v2":
+            (self.path / "memory.max").write_text(str(limit))
+            return
+        memsw = self.path / "memory.memsw.limit_in_bytes"
+        order = [memsw, self.path / "memory.limit_in_bytes"]
+        current = int((self.path / "memory.limit_in_bytes").read_text())
+        for knob in (order if limit > current else order[::-1]):
+            if knob.exists():
                 try:
-                    (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
+                    knob.write_text(str(limit))
                 except OSError:
-                    pass
-        return cls(path, version, limit)
+                    if knob != memsw:
+                        raise
+
+    def reset_peak(self) -> None:
+        """Start the peak over from the current usage (v1 always; v2 from Linux 6.12)."""
+        if self.path is None:
+            return
+        try:
+            (self.path / ("memory.peak" if self.version == "v2" else "memory.max_usage_in_bytes")).write_text("0")
+        except OSError:
+            pass
 
     def wrap(self, cmd: list[str]) -> list[str]:
         """``cmd`` started inside the cgroup (a shell writes its own pid to cgroup.procs, then execs)."""
