@@ -8,8 +8,12 @@ same shape as fp32 safetensors; both built once and cached), in one run:
 1. **whole**: the model in one bare process, no meshd (meshd/benchmarks/pool_whole.py:
    llama-cpp-python alone, or transformers), with the workers' context, KV
    type, flash-attention setting and one thread; the prompt then NEW_TOKENS
-   tokens. ``whole_peak_rss_bytes`` is its VmHWM: what one machine running
-   the model alone needs. Its tokens are the reference.
+   tokens. ``whole_peak_rss_bytes`` is its VmHWM from the end of the load
+   (reset there, as the workers' is; transformers keeps the safetensors map
+   it copied the tensors out of, resident and never read again: those pages
+   are left out, ``whole_stale_map_bytes``): what one machine running the
+   model alone needs. ``whole_peak_with_load_bytes``: over its whole life.
+   Its tokens are the reference.
 2. **pools**: for N = 2, 3, 4 (``--quick``: 3) the smallest equal ``--memory`` M
    at which N ``meshd join --layers auto --memory M`` daemons, each (daemon and
    worker) in a memory cgroup capped at exactly M (meshd/testing/cgroup.py;
@@ -415,6 +419,8 @@ def run_lane(lane: str, quick: bool, progress) -> dict:
     _say(progress, f"[{lane}] whole: peak {whole['peak_bytes'] / MIB:.0f} MiB, "
                    f"{whole['decode_tokens_per_s']:.2f} tok/s")
     result: dict = {"whole_peak_rss_bytes": whole["peak_bytes"], "whole_base_bytes": whole["base_bytes"],
+                    "whole_peak_with_load_bytes": whole["peak_with_load_bytes"],
+                    "whole_stale_map_bytes": whole.get("stale_map_bytes", 0),
                     "whole_cgroup_peak_bytes": whole["cgroup_peak_bytes"],
                     "whole_decode_tokens_per_s": round(whole["decode_tokens_per_s"], 3), "cgroup": cgroup_version(),
                     "model_bytes": _size(model), "kv_budget_tokens": kv}
