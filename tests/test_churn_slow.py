@@ -63,7 +63,8 @@ PROMPT = "the swarm answers"
 def memory_for(model) -> int:
     from meshd.plan.footprint import artifact_footprint
 
-    return LAYERS_MEMORY + artifact_footprint(model, "churn").scratch_bytes(KV_TOKENS, tail=True)
+    fp = artifact_footprint(model, "churn")
+    return LAYERS_MEMORY + fp.scratch_bytes(KV_TOKENS, tail=True) + fp.base_bytes   # --memory: the whole node
 
 
 @pytest.fixture(scope="module")

@@ -183,17 +183,3 @@ def test_one_batched_forwards_scratch_counts_once_per_range_and_logits_at_the_ta
     assert fp.range_bytes(2, 4, kv) == 2 * (1000 + 10 * kv) + scratch + SCRATCH_LOGIT_ROWS * 50
     with pytest.raises(PlanInputError):
         ModelFootprint.uniform(MODEL, 2, 10, scratch_row_bytes=-1)
-
-
-def test_a_real_models_footprint_carries_its_forward_scratch():
-    """SmolLM2 (GGUF, llama.cpp): 512 positions x (6 x 576 + 3 x 1536) x 4 B activations plus
-    9 heads x 4096 cached tokens x 4 B scores -- the size of llama.cpp's own compute buffer."""
-    from pathlib import Path
-
-    from meshd.plan.footprint import model_footprint
-    from native.packaged import smollm2_gguf_path
-
-    fp = model_footprint(Path(smollm2_gguf_path()), MODEL, "llama.cpp")
-    assert (fp.scratch_row_bytes, fp.score_bytes_per_kv_token, fp.logit_row_bytes) == (
-        (6 * 576 + 3 * 1536) * 4, 9 * 4, 49152 * 4)
-    assert fp.scratch_bytes(4096, tail=True) > fp.scratch_bytes(4096, tail=False) > 0

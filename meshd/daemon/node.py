@@ -86,8 +86,10 @@ from meshd.reach.direct_upgrade import DirectUpgrader
 from meshd.reach.relay_dial import RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from proto import shard_runtime_pb2 as pb
 from relay.portal import Portal
 from relay.reachability import serve_dialback
+from shard.model.memory import process_memory
 
 if TYPE_CHECKING:   # torch-heavy: imported when the node runs an expert part
     from meshd.daemon.experts_part import ExpertPart
@@ -102,6 +104,9 @@ REBOOTSTRAP_INTERVAL_S = 10.0
 STATUS_FETCH_TIMEOUT_S = 10.0
 # Models shown in the coverage map: ours plus the indexes we hold, bounded.
 MAX_STATUS_MODELS = 16
+# Our record's daemon base is rounded up to this: the daemon grows by a few MiB as it meets peers
+# and serves requests, and every change of the figure would republish the record.
+DAEMON_BASE_STEP_BYTES = 8 << 20
 
 Progress = Callable[[str], None]
 
@@ -230,6 +235,7 @@ class Node:
             claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
         if self.memory_budget_bytes:
             claim = replace(claim, memory_budget_bytes=self.memory_budget_bytes)
+        claim = replace(claim, memory=self.memory_figures(ready.report))
         if claim == self.advertiser.claim:
             return
         first = self.advertiser.claim is None
@@ -239,6 +245,16 @@ class Node:
             self.progress(f"ready: worker serves layers {claim.start_layer}:{claim.end_layer} of "
                           f"{claim.num_layers} ({claim.model_artifact_digest[:23]}...), advertising"
                           + (f" through {len(claim.relayed_addrs)} relayed addrs" if self.relaying.private else ""))
+
+    def memory_figures(self, report) -> pb.MemoryFigures:
+        """What our record says of our memory: the worker's measured parts plus this daemon's base
+        (its peak resident set so far, rounded up to DAEMON_BASE_STEP_BYTES so that small growth
+        does not republish the record)."""
+        figures = pb.MemoryFigures()
+        figures.CopyFrom(report.memory)
+        peak = process_memory().peak
+        figures.daemon_base_bytes = -(-peak // DAEMON_BASE_STEP_BYTES) * DAEMON_BASE_STEP_BYTES
+        return figures
 
     async def on_worker_down(self) -> None:
         self._ready = None
@@ -309,6 +325,7 @@ class Node:
                     "frames_endpoint": r.payload.reachability.frames_endpoint,
                     "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
                     "model_id": r.payload.model_id, "free_kv_tokens": r.payload.free_kv_tokens,
+                    "memory": memory_dict(r.payload.memory),
                 } for r in live(records, now)]
 
         async with trio.open_nursery() as nursery:
@@ -329,6 +346,12 @@ class Node:
                 "advertising": advert.advertising, "sequence": advert.sequence,
                 "expires_in_s": round((advert.expires_at_ms - now) / 1000, 1) if advert.expires_at_ms else None,
                 "acks": advert.last_acks, "tls_cert_sha256": self.tls.sha256.hex(),
+                # --memory is the whole node's promise: what it is, what we published, what we use now
+                "memory": {"budget_bytes": self.config.memory_bytes or 0,
+                           "published": memory_dict(self.advertiser.claim.memory)
+                           if self.advertiser.claim is not None and self.advertiser.claim.memory else None,
+                           "daemon_rss_bytes": process_memory().rss,
+                           "daemon_peak_bytes": process_memory().peak},
             },
             "worker": worker,
             **({"experts": self.experts.status()} if self.experts is not None else {}),
@@ -352,6 +375,13 @@ async def _warn_foreign_bootstrap(dht: DhtNode, reached: list[str], swarm: str, 
         if not await dht.speaks_dht(ID.from_base58(text)):
             progress(f"warning: bootstrap peer {text} is not in swarm {swarm!r} (it does not speak "
                      f"{dht.protocol}): no records are exchanged with it; give both nodes the same --swarm")
+
+
+def memory_dict(figures: pb.MemoryFigures) -> dict[str, int]:
+    """A record's measured memory for ``meshd status`` (bytes; shard/model/memory.py says what each is)."""
+    return {"weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
+            "working_bytes": figures.working_bytes, "worker_base_bytes": figures.worker_base_bytes,
+            "daemon_base_bytes": figures.daemon_base_bytes}
 
 
 async def _wait_for_signal(cancel_scope: trio.CancelScope, node: Node, progress: Progress) -> None:

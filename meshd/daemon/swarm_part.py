@@ -33,7 +33,10 @@ inside it, and advertises no memory budget (never moved by rebalancing).
 status reply, the dashboard, the API's 503): meshd/swarm/view.py over the
 latest snapshot.
 
-State: the model digest and footprint (from the artifact, once), the last
+State: the model digest and footprint (from the artifact, once, with the
+lane's estimates of working memory and process bases; each refresh plans
+with the figures nodes of our backend measured instead, once the records
+carry any: meshd/plan/footprint.py measured_footprint), the last
 snapshot, the directive ledger, the worker slot. Everything else is the
 daemon's (Node) and is read through it.
 """
@@ -49,7 +52,7 @@ from meshd.daemon.worker_slot import WorkerSlot
 from meshd.errors import DaemonError
 from meshd.generate.routes import LoadBook
 from meshd.plan.adverts import CoverageMap, Span
-from meshd.plan.assignment import JoinRequest
+from meshd.plan.assignment import JoinRequest, ModelFootprint
 from meshd.plan.directives import DirectiveLedger, NodeView
 from meshd.plan.tracker import current_tracker, epoch_at
 from meshd.sizes import format_size
@@ -92,6 +95,7 @@ class Swarm:
         self.num_layers = 0
         self.held: Span | None = None  # the layers a GGUF slice holds (None: the whole model)
         self.duty: TrackerDuty | None = None
+        self.estimated: ModelFootprint | None = None   # the model's footprint with the lane's estimates
         self.snapshot: SwarmSnapshot | None = None
         self.ledger = DirectiveLedger()
         self.pins: dict[str, bytes] = {}
@@ -123,6 +127,7 @@ class Swarm:
             self.node.progress("client-only: holding no layers, generating through the swarm's peers")
             return   # no footprint, no tracker duty: nothing is ever planned for or by this node
         footprint = await trio.to_thread.run_sync(model_footprint, model, self.digest, w.backend, w.dtype)
+        self.estimated = footprint   # the lane's estimates; measured figures replace them (_measured)
         self.duty = TrackerDuty(self.node.identity.peer_id, footprint, self.node.identity.signing_key,
                                 self.kv_budget, rng=random.Random())
 
@@ -199,11 +204,20 @@ class Swarm:
             for peer, addrs in todo:
                 nursery.start_soon(dial, peer, addrs)
 
+    def _measured(self, snap: SwarmSnapshot) -> None:
+        """Plan with the working memory and bases nodes of our backend measured and published
+        (meshd/plan/footprint.py measured_footprint), not the lane's estimates, once there are any."""
+        from meshd.plan.footprint import measured_footprint
+
+        if self.duty is not None and self.estimated is not None:
+            self.duty.footprint = measured_footprint(self.estimated, snap.ads, self.config.worker.backend)
+
     async def refresh(self) -> None:
         snap = await self.fresh_snapshot()
         await self._mesh(snap)
         if self.duty is None:
             return   # a client-only node: the view and the mesh are all it keeps
+        self._measured(snap)
         now = wall_ms()
         if self.slot is not None and (self.slot.layers is None or self.slot.failure):
             await self._join(snap, now)
@@ -303,6 +317,7 @@ class Swarm:
         if self.duty is None:
             return pb.JoinReply(refusal="this node has no tracker duty").SerializeToString()
         snap = await self.fresh_snapshot()
+        self._measured(snap)
         return self.duty.answer_join(remote, ask, snap, wall_ms()).SerializeToString()
 
     # ------------------------------------------------------------------ control API

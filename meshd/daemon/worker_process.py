@@ -99,6 +99,9 @@ class WorkerSpec:
             cmd += ["--no-batching"]
         if self.llama_kv_streams != "auto":   # the worker's default is auto
             cmd += ["--llama-kv-streams", str(self.llama_kv_streams)]
+        if self.backend == "llama.cpp" and not os.environ.get("MESHD_SLICE_CACHE"):
+            # the node's own slice: one range's at a time (native/slice.py), inside the node's data
+            cmd += ["--slice-dir", str(self.run_dir / "slices")]
         if self.experts is not None or self.offload_experts:
             cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
             cmd += ["--expert-peers", str(self.expert_peers)] if self.expert_peers else []
