@@ -107,6 +107,8 @@ class CapabilityClaim:
     prefill_tokens_per_s: float = 0.0
     # MoE: experts of the range that expert peers must serve (pb.ExpertRun, as the worker reported them).
     delegated_experts: tuple = ()
+    # The node's measured memory (pb.MemoryFigures: the worker's figures + the daemon's base); None: unmeasured.
+    memory: pb.MemoryFigures | None = None
 
     def __post_init__(self) -> None:
         _check_digest(self.model_artifact_digest, "model_artifact_digest")
@@ -171,7 +173,8 @@ def sign_capability(claim: CapabilityClaim, key, *, peer_id: str, sequence: int,
                                      tls_cert_sha256=claim.tls_cert_sha256,
                                      frames_endpoint=claim.frames_endpoint),
         issued_at_unix_ms=now_ms, expires_at_unix_ms=now_ms + ttl_ms, sequence=sequence,
-        model_id=claim.model_id, num_layers=claim.num_layers, delegated_experts=list(claim.delegated_experts))
+        model_id=claim.model_id, num_layers=claim.num_layers, delegated_experts=list(claim.delegated_experts),
+        memory=claim.memory)
     return _sign(payload, key)
 
 

@@ -3,10 +3,9 @@
 Two sources in ``native/csrc/``:
 
 * ``capture.c`` -> ``libmeshd_capture.so``: the eval callback that captures a
-  non-tail slice's residual (llama_engine.py). llama.cpp asks the callback
-  about every graph node (hundreds per decode step); through ctypes into
-  Python that would cost a sizeable share of a hop's step
-  (docs/measurements/2026-12-02.md).
+  non-tail slice's residual and injects a mid-range entry's rows (llama_engine.py). llama.cpp asks the callback
+  about every graph node (~470 per decode step of a 15-block SmolLM2 slice);
+  through ctypes into Python that is about a millisecond per step and hop.
 * ``llama_floor.c`` -> ``llama_floor``: the bare split floor the llama.cpp
   swarm bench runs beside the daemons (llama_floor.py).
 
@@ -105,7 +104,9 @@ class CaptureState(ctypes.Structure):
     """``struct meshd_capture`` of capture.c (the layout is checked against the library)."""
 
     _fields_ = [("target", ctypes.c_char * 64), ("want", ctypes.c_int32), ("stop", ctypes.c_int32),
-                ("out", ctypes.c_void_p), ("cap", ctypes.c_int64), ("got", ctypes.c_int64)]
+                ("out", ctypes.c_void_p), ("cap", ctypes.c_int64), ("got", ctypes.c_int64),
+                ("inject", ctypes.c_char * 64), ("in_", ctypes.c_void_p), ("in_len", ctypes.c_int64),
+                ("used", ctypes.c_int64)]
 
 
 @functools.lru_cache(maxsize=1)

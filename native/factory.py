@@ -44,12 +44,14 @@ def is_gguf(path: str | Path) -> bool:
 
 def load_gguf_backend(path: str | Path, start: int, end: int | None, *, backend: str = "llama.cpp",
                       dtype: str = "float32", n_threads: int = 2, kv_budget_tokens: int = 16384,
-                      max_sessions: int = 64, kv_streams: int | str = AUTO, progress: TextIO | None = sys.stderr):
+                      max_sessions: int = 64, kv_streams: int | str = AUTO, progress: TextIO | None = sys.stderr,
+                      slice_dir: Path | None = None):
     """Load layers [start, end) (``end`` None = to the last layer) of a GGUF file.
 
     ``kv_streams`` (llama.cpp): N = N per-session streams of ``kv_budget_tokens // N`` cells
     (kv_unified off, bit-exact under concurrency); ``"auto"`` (default) = ``auto_kv_streams``;
-    0 = one KV pool shared by up to ``max_sessions`` sessions (opt-in: not exact under concurrency)."""
+    0 = one KV pool shared by up to ``max_sessions`` sessions (opt-in: not exact under concurrency).
+    ``slice_dir`` (llama.cpp): the node's own slice directory (LlamaBackendConfig.slice_dir)."""
     if backend not in GGUF_BACKENDS:
         raise ValueError(f"backend must be one of {GGUF_BACKENDS}, got {backend!r}")
     info = model_info(open_reader(path))
@@ -74,7 +76,7 @@ def load_gguf_backend(path: str | Path, start: int, end: int | None, *, backend:
         raise ValueError(f"kv_streams must be 'auto' or in 0..{MAX_LLAMA_SEQUENCES}, got {kv_streams!r}")
     sessions = kv_streams or min(max_sessions, MAX_LLAMA_SEQUENCES)
     config = LlamaBackendConfig(n_threads=n_threads, kv_budget_tokens=kv_budget_tokens,
-                                max_sessions=sessions, kv_unified=not kv_streams)
+                                max_sessions=sessions, kv_unified=not kv_streams, slice_dir=slice_dir)
     return LlamaRangeBackend(path, layer_range, config, progress=progress)
 
 

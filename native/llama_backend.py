@@ -4,11 +4,20 @@ Implements ``shard.model.backend.RangeBackend`` / ``BackendCache``, so shard's
 session manager, servicer and worker serve it unchanged.
 
 Data flow: ``forward(cache, inputs, effective_start)`` validates the inputs
-(they come from a peer), runs them through the ``LlamaEngine`` of the slice
-``[effective_start, end)`` (loaded lazily; normally only ``start``) on the
-cache's llama.cpp sequence, and returns the boundary residual (float32, the
-dtype llama.cpp computes in, so a split reproduces the whole model bit for
-bit) or the tail's last-position logits.
+(they come from a peer), runs them through the range's one ``LlamaEngine``
+on the cache's llama.cpp sequence -- a route entering at a later layer
+(``effective_start`` > start) enters it there by injection (llama_engine.py),
+on the same weights and KV cache -- and returns the boundary residual
+(float32, the dtype llama.cpp computes in, so a split reproduces the whole
+model bit for bit) or the tail's last-position logits.
+
+What llama.cpp maps: the source file itself when it already is the range
+(the whole model served whole, or a ``meshd slice`` of exactly this range),
+else the range's slice (native/slice.py). Memory (shard/model/memory.py):
+``weight_bytes`` is that file's size (llama.cpp maps it populated),
+``kv_bytes_per_token`` the F16 K and V of every layer of the range, and the
+KV buffer is resident from the start (``kv_preallocated``: llama.cpp zeroes it
+when it creates the context).
 
 Sessions map to llama.cpp sequences: ``new_cache(max_tokens)`` reserves a
 free ``seq_id`` and ``max_tokens`` of the shared KV budget (the context's
@@ -17,8 +26,8 @@ that raises drops the sequence's cells too and marks the cache broken, so
 the session layer's next request is a CACHE_MISS at past_len 0, exactly like
 the torch backend. Idempotency/duplicates live in the session layer above.
 
-State owned here: the engines (model + context per effective start), the
-seq-id pool and the reserved-token ledger, all under one lock.
+State owned here: the engine (model + context), the seq-id pool and the
+reserved-token ledger, all under one lock.
 """
 from __future__ import annotations
 
@@ -35,7 +44,7 @@ import numpy as np
 from native.errors import KvCellsExhausted, RangeUnavailable, RuntimeUnavailable
 from native.gguf_range import GGUFModelInfo, gguf_recipe, held_range, model_digest, model_info, open_reader
 from native.llama_engine import MAX_BATCH_TOKENS, EngineConfig, LlamaEngine, load_llama_cpp
-from native.slice import FAKE_VOCAB, slice_path
+from native.slice import FAKE_VOCAB, range_file
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, ProtocolViolation
 from shard.errors import ResourceExhausted
@@ -44,9 +53,8 @@ from shard.model.backend import LayerRange, ids_in_range
 
 __all__ = ["LlamaBackendConfig", "LlamaRangeBackend", "LlamaSeqCache", "KvBudgetExhausted"]
 
-# Distinct effective starts one worker keeps loaded at once: each is a slice
-# plus a context; routes rarely overlap by more than one or two offsets.
-MAX_ENGINES = 4
+# llama.cpp's KV cache type (type_k / type_v default F16, kept by the engine).
+KV_CACHE_BYTES = 2
 
 
 class KvBudgetExhausted(ResourceExhausted):
@@ -65,6 +73,9 @@ class LlamaBackendConfig:
     # bit those of the same request alone while others run (measured on SmolLM2: the shared pool
     # differs by up to 1.5 in logits with concurrent sessions, batched or not; tests/test_batching_native.py).
     kv_unified: bool = True
+    # A directory of this node's own for the range's slice (``meshd worker --slice-dir``): a new
+    # range's slice replaces the node's slices of other ranges there. None: the shared slice cache.
+    slice_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.kv_budget_tokens < 16 or not 1 <= self.max_sessions <= 256 or self.n_threads < 1:
@@ -123,30 +134,40 @@ class LlamaRangeBackend:
         # lets per-session KV streams batch them in one ubatch (llama_engine.stream_groups).
         self._free_seqs = list(range(config.max_sessions))
         self._reserved_tokens = 0
-        self._engines: dict[int, LlamaEngine] = {}
-        self._engine(layer_range.start)  # load (and write the slice) now, not on first request
+        part = layer_range
+        # the file itself when it is the range, else the range's slice (written once, replacing the node's others)
+        path = range_file(self.path, part, self._progress, directory=config.slice_dir,
+                          replace=config.slice_dir is not None)
+        vocab = self.vocab_size if (part.is_head or part.is_tail) else FAKE_VOCAB
+        engine_config = EngineConfig(n_threads=config.n_threads, n_ctx=config.kv_budget_tokens,
+                                     n_seq_max=config.max_sessions, flash_attn=config.flash_attn,
+                                     skip_vocab_projection=config.skip_vocab_projection,
+                                     kv_unified=config.kv_unified)
+        if self._progress is not None:
+            print(f"[meshd llama.cpp] loading {path.name}", file=self._progress, flush=True)
+        # The source mapped as it is: llama.cpp is told it has no vocabulary (meshd tokenizes), as a
+        # slice says itself, so a tokenizer llama.cpp does not know cannot stop the load.
+        overrides: dict[str, int | str] | None = (
+            {"tokenizer.ggml.model": "no_vocab", f"{self.info.architecture}.vocab_size": vocab}
+            if path == self.path else None)
+        self.engine = LlamaEngine(path, engine_config, n_embd=self.hidden_size, n_vocab=vocab,
+                                  capture_layer=None if part.is_tail else part.count - 1, overrides=overrides)
+        self.weight_bytes = path.stat().st_size   # llama.cpp maps it populated: all of it is resident
+        self.kv_bytes_per_token = self.info.kv_elements_per_token_layer() * KV_CACHE_BYTES * part.count
 
-    # -- engines ------------------------------------------------------------------------
+    # llama.cpp zeroes its KV buffer when it creates the context: resident from the start.
+    kv_preallocated = True
+
+    @property
+    def max_session_tokens(self) -> int:
+        """KV positions one session may hold: its stream's, or the whole shared pool's."""
+        if self.config.kv_unified:
+            return self.config.kv_budget_tokens
+        return self.config.kv_budget_tokens // self.config.max_sessions
+
     def _engine(self, effective_start: int) -> LlamaEngine:
-        with self._lock:
-            engine = self._engines.get(effective_start)
-            if engine is not None:
-                return engine
-            if len(self._engines) >= MAX_ENGINES:
-                raise KvBudgetExhausted(f"already serving {MAX_ENGINES} effective starts")
-            part = LayerRange(effective_start, self.layer_range.end, self.layer_range.num_layers)
-            path = slice_path(self.path, part, self._progress)
-            vocab = self.vocab_size if (part.is_head or part.is_tail) else FAKE_VOCAB
-            engine_config = EngineConfig(n_threads=self.config.n_threads, n_ctx=self.config.kv_budget_tokens,
-                                         n_seq_max=self.config.max_sessions, flash_attn=self.config.flash_attn,
-                                         skip_vocab_projection=self.config.skip_vocab_projection,
-                                         kv_unified=self.config.kv_unified)
-            if self._progress is not None:
-                print(f"[meshd llama.cpp] loading {path.name}", file=self._progress, flush=True)
-            engine = LlamaEngine(path, engine_config, n_embd=self.hidden_size, n_vocab=vocab,
-                                 capture_layer=None if part.is_tail else part.count - 1)
-            self._engines[effective_start] = engine
-            return engine
+        del effective_start   # every entry point runs on the one engine (injection)
+        return self.engine
 
     # -- sessions -----------------------------------------------------------------------
     def new_cache(self, max_tokens: int) -> LlamaSeqCache:
@@ -172,9 +193,9 @@ class LlamaRangeBackend:
             if cache.released:
                 return  # release is idempotent
             cache.released = True
-            engine = self._engines.get(cache._engine_start) if cache._engine_start is not None else None
-        if engine is not None:
-            engine.forget(cache.seq_id)
+            used = cache._engine_start is not None
+        if used:
+            self.engine.forget(cache.seq_id)
         with self._lock:
             self._reserved_tokens -= cache.max_tokens
             heapq.heappush(self._free_seqs, cache.seq_id)
@@ -242,7 +263,7 @@ class LlamaRangeBackend:
         cache._engine_start = effective_start
         try:
             out = engine.decode(cache.seq_id, cache.past_len, data, want_hidden=not self.layer_range.is_tail,
-                                lend=lend)
+                                lend=lend, inject_layer=effective_start - self.layer_range.start)
         except (RuntimeUnavailable, ValueError) as exc:
             mapped = self._failed(engine, [cache], exc)
             if mapped is exc:
@@ -278,7 +299,8 @@ class LlamaRangeBackend:
         for i in live:
             caches[i]._engine_start = effective_start
         try:
-            outs = engine.decode_many(rows, want_hidden=not self.layer_range.is_tail)
+            outs = engine.decode_many(rows, want_hidden=not self.layer_range.is_tail,
+                                      inject_layer=effective_start - self.layer_range.start)
         except (RuntimeUnavailable, ValueError) as exc:
             failed = [caches[i] for i in live]
             mapped = self._failed(engine, failed, exc)
@@ -291,7 +313,4 @@ class LlamaRangeBackend:
         return results
 
     def close(self) -> None:
-        with self._lock:
-            engines, self._engines = list(self._engines.values()), {}
-        for engine in engines:
-            engine.close()
+        self.engine.close()

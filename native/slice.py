@@ -32,6 +32,14 @@ embedding (head, or tied tail) and output tensors (tail), and adds
 ``meshd.slice.{source_digest,start,end,num_layers}``. ``gguf_range`` reads it
 as the source model restricted to [A, B); its digest is the source's.
 
+Writing: tensor bytes are copied from the source with ``pread`` in
+COPY_CHUNK_BYTES pieces (the source is never mapped into the writer, so its
+pages never count in a worker's resident set), each piece is synced and
+both its source and its written pages are handed back to the kernel
+(shard/model/memory.drop_page_cache): a node whose promise is a third of the
+model cuts its slice without its memory cgroup filling with dirty or
+read-once pages. What the worker then maps is read back once, from disk.
+
 State: the slice cache directory (``~/.cache/meshd/slices``, override with
 ``MESHD_SLICE_CACHE``). Names hash the source digest and the range; files are
 written to a temporary sibling and moved into place with ``os.replace``, so
@@ -61,8 +69,9 @@ from native.gguf_range import (
     size_table,
 )
 from shard.model.backend import LayerRange
+from shard.model.memory import drop_page_cache
 
-__all__ = ["slice_path", "write_slice", "write_user_slice", "slice_cache_root", "FAKE_VOCAB",
+__all__ = ["slice_path", "range_file", "write_slice", "write_user_slice", "slice_cache_root", "FAKE_VOCAB",
            "SLICE_FORMAT_VERSION"]
 
 # Bump when write_slice changes what it writes, so stale cached slices are not reused.
@@ -86,8 +95,66 @@ def _copy_field(writer: gguf.GGUFWriter, field: GGUFField, value=None) -> None:
     writer.add_key_value(field.name, field.contents() if value is None else value, field.vtype, field.sub_type)
 
 
-def _add(writer: gguf.GGUFWriter, name: str, tensor: GGUFTensor) -> None:
-    writer.add_tensor(name, tensor.data, raw_dtype=tensor.tensor_type)
+# Bytes copied, synced and dropped from the page cache at a time (module docstring): the dirty
+# page cache one slice write holds, small beside any node's promise, large enough to stream.
+COPY_CHUNK_BYTES = 16 << 20
+
+
+class _Tensors:
+    """The tensors of one file being written, in order: source tensors (copied from the source
+    file when the data is written) and small arrays made here (fake embeddings, norms)."""
+
+    def __init__(self, writer: gguf.GGUFWriter, source: Path) -> None:
+        self.writer, self.source = writer, source
+        self.items: list[GGUFTensor | np.ndarray] = []
+
+    def add(self, name: str, tensor: GGUFTensor) -> None:
+        data = tensor.data   # a view of the map: its shape and dtype; no byte is read here
+        self.writer.add_tensor_info(name, data.shape, data.dtype, tensor.n_bytes, raw_dtype=tensor.tensor_type)
+        self.items.append(tensor)
+
+    def add_array(self, name: str, array: np.ndarray) -> None:
+        self.writer.add_tensor_info(name, array.shape, array.dtype, array.nbytes)
+        self.items.append(array)
+
+    def write(self) -> None:
+        """Header, metadata, tensor table, then the data (streamed; module docstring)."""
+        writer = self.writer
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        assert writer.fout is not None   # the writer opened its file in __init__
+        fout = writer.fout[0]
+        writer.write_padding(fout, fout.tell())
+        with open(self.source, "rb") as src:
+            settled = fout.tell()
+            for item in self.items:
+                if isinstance(item, np.ndarray):
+                    fout.write(item.tobytes())
+                    n = item.nbytes
+                else:
+                    n = item.n_bytes
+                    for done in range(0, n, COPY_CHUNK_BYTES):
+                        size = min(COPY_CHUNK_BYTES, n - done)
+                        chunk = os.pread(src.fileno(), size, item.offset + done)
+                        if len(chunk) != size:
+                            raise ArtifactError(f"{self.source.name} ends inside tensor {item.name}")
+                        fout.write(chunk)
+                        drop_page_cache(src.fileno(), item.offset + done, size)
+                        if fout.tell() - settled >= COPY_CHUNK_BYTES:
+                            settled = _settle(fout, settled)
+                writer.write_padding(fout, n)
+            _settle(fout, settled)
+        writer.close()
+
+
+def _settle(fout, start: int) -> int:
+    """Sync what was written since ``start`` and drop it from the page cache; the new start."""
+    fout.flush()
+    os.fdatasync(fout.fileno())
+    end = fout.tell()
+    drop_page_cache(fout.fileno(), start, end - start)
+    return end
 
 
 def _arch_fields(reader: GGUFFile, arch: str, layer_range: LayerRange, writer: gguf.GGUFWriter) -> None:
@@ -116,6 +183,7 @@ def write_slice(reader: GGUFFile, tensors: RangeTensors, out: Path) -> None:
     arch = info.architecture
     layer_range = tensors.layer_range
     writer = gguf.GGUFWriter(out, arch)
+    table = _Tensors(writer, reader.path)
     writer.add_name(f"meshd slice {layer_range}")
     _arch_fields(reader, arch, layer_range, writer)
     for field in reader.fields.values():
@@ -131,45 +199,73 @@ def write_slice(reader: GGUFFile, tensors: RangeTensors, out: Path) -> None:
     writer.add_uint32("meshd.slice.num_layers", layer_range.num_layers)
 
     if tensors.token_embd is not None:
-        _add(writer, "token_embd.weight", tensors.token_embd)
+        table.add("token_embd.weight", tensors.token_embd)
     elif needs_real_vocab:
-        # A non-head tail with an untied output: llama.cpp still wants a
-        # [hidden, vocab] token_embd; zeros in F16 are never read (embd input).
-        writer.add_tensor("token_embd.weight", np.zeros((vocab, info.hidden_size), np.float16))
+        # A non-head tail with an untied output: llama.cpp still wants a [hidden, vocab] token_embd;
+        # zeros in F16 are never read (embd input). (Storing the output matrix under that name and
+        # no output.weight would save them, but llama.cpp then places it as an input tensor, which
+        # CPU weight repacking skips: the tail's logits would differ from the whole model's.)
+        table.add_array("token_embd.weight", np.zeros((vocab, info.hidden_size), np.float16))
     else:
-        writer.add_tensor("token_embd.weight", np.zeros((vocab, info.hidden_size), np.float32))
+        table.add_array("token_embd.weight", np.zeros((vocab, info.hidden_size), np.float32))
     for offset, block in enumerate(tensors.blocks):
         for suffix in sorted(block):
-            _add(writer, f"blk.{offset}.{suffix}", block[suffix])
+            table.add(f"blk.{offset}.{suffix}", block[suffix])
     if tensors.output_norm is not None:
-        _add(writer, "output_norm.weight", tensors.output_norm)
+        table.add("output_norm.weight", tensors.output_norm)
     else:
-        writer.add_tensor("output_norm.weight", np.ones(info.hidden_size, np.float32))
+        table.add_array("output_norm.weight", np.ones(info.hidden_size, np.float32))
     if tensors.output is not None:
-        _add(writer, "output.weight", tensors.output)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file(progress=False)
-    writer.close()
+        table.add("output.weight", tensors.output)
+    table.write()
 
 
 def slice_path(source: str | os.PathLike[str], layer_range: LayerRange,
-               progress: TextIO | None = sys.stderr) -> Path:
-    """Return the cached slice of ``layer_range`` of ``source``, writing it if absent."""
+               progress: TextIO | None = sys.stderr, *, directory: Path | None = None,
+               replace: bool = False) -> Path:
+    """Return the cached slice of ``layer_range`` of ``source``, writing it if absent.
+
+    ``directory``: where slices live (default ``slice_cache_root()``). ``replace``: the directory
+    is one node's (``meshd worker --slice-dir``), whose worker serves one range at a time: once
+    this slice exists, the node's slices of other ranges of the same model are deleted -- a new
+    range replaces the old one on disk instead of piling up beside it.
+    """
     source = Path(source)
     reader = open_reader(source)
     digest = model_digest(source, progress, reader)
-    name = (f"{digest.removeprefix('sha256:')[:24]}-{layer_range.start}-{layer_range.end}"
-            f"-of-{layer_range.num_layers}-v{SLICE_FORMAT_VERSION}.gguf")
-    target = slice_cache_root() / name
-    if target.is_file():
-        return target
-    tensors = read_range(reader, layer_range)
-    if progress is not None:
-        print(f"[meshd gguf] writing slice {layer_range} of {source.name} "
-              f"({tensors.touched_bytes() / 1e6:.1f} MB)", file=progress, flush=True)
-    _atomic_write(target, lambda tmp: write_slice(reader, tensors, tmp))
+    prefix = digest.removeprefix("sha256:")[:24]
+    name = f"{prefix}-{layer_range.start}-{layer_range.end}-of-{layer_range.num_layers}-v{SLICE_FORMAT_VERSION}.gguf"
+    root = directory if directory is not None else slice_cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / name
+    if not target.is_file():
+        tensors = read_range(reader, layer_range)
+        if progress is not None:
+            print(f"[meshd gguf] writing slice {layer_range} of {source.name} "
+                  f"({tensors.touched_bytes() / 1e6:.1f} MB)", file=progress, flush=True)
+        _atomic_write(target, lambda tmp: write_slice(reader, tensors, tmp))
+    if replace:
+        for old in root.glob(f"{prefix}-*.gguf"):
+            if old != target:
+                if progress is not None:
+                    print(f"[meshd gguf] removing {old.name}: this node serves {layer_range} now",
+                          file=progress, flush=True)
+                old.unlink(missing_ok=True)
     return target
+
+
+def range_file(source: str | os.PathLike[str], layer_range: LayerRange,
+               progress: TextIO | None = sys.stderr, *, directory: Path | None = None,
+               replace: bool = False) -> Path:
+    """The file llama.cpp should map for ``layer_range``: ``source`` itself when it already is
+    exactly that range (a whole model served whole: nothing is written), else the range's slice
+    (``slice_path``, with its ``directory`` and ``replace``)."""
+    source = Path(source)
+    reader = open_reader(source)
+    if reader.get_field(SLICE_KEYS["start"]) is None and layer_range.start == 0 \
+            and layer_range.end == layer_range.num_layers == model_info(reader).num_layers:
+        return source
+    return slice_path(source, layer_range, progress, directory=directory, replace=replace)
 
 
 def _atomic_write(target: Path, write) -> None:
@@ -208,6 +304,7 @@ def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: 
 
     def write(tmp: Path) -> None:
         writer = gguf.GGUFWriter(tmp, info.architecture)
+        table = _Tensors(writer, source)
         for field in reader.fields.values():
             if field.name not in ("general.architecture", "general.alignment", *SLICE_KEYS.values()):
                 _copy_field(writer, field)
@@ -222,11 +319,8 @@ def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: 
         writer.add_uint32(SLICE_KEYS["num_layers"], info.num_layers)
         for tensor in reader.tensors:  # source order, original names
             if tensor.name in keep:
-                _add(writer, tensor.name, tensor)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file(progress=False)
-        writer.close()
+                table.add(tensor.name, tensor)
+        table.write()
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(out, write)

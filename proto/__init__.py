@@ -2,7 +2,8 @@
 
 Nothing in this package opens a socket, starts a task or imports trio/grpc:
 bytes and messages in, messages/arrays/bytes out. Transports (gRPC, relay
-streams) are thin layers elsewhere that call these functions.
+streams) are thin layers elsewhere that call these functions. (One module
+that is not codec lives here: threads.py, the house's owned-thread helper.)
 
 Files and roles:
     shard_runtime.proto      the schema (source of truth)
@@ -29,6 +30,9 @@ Files and roles:
     flow.py                  flow-control negotiation (strictest wins) and credit accounting
     chunking.py              token-aligned prefill chunk plans (default 128 tokens)
     records.py               Ed25519-signed DHT records and directives (sign, verify, parse)
+    threads.py               ThreadGroup: how every process of the house starts, stops and joins its
+                             threads (here because every folder may import proto; the codec
+                             modules never import it, and it opens no socket)
     moe/                     the expert exchange: its codec (hello, rows once + per-expert indices,
                              f32 / q8; bounded decoder) and sans-I/O link states
     golden/                  committed golden frames and their generator (python -m proto.golden)

@@ -601,7 +601,7 @@ class CapabilityRequest(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ...) -> None: ...
 
 class CapabilityReport(_message.Message):
-    __slots__ = ("schema_version", "fingerprint", "shard_range", "backend", "device", "validated", "detail", "max_concurrent_sessions", "max_context_tokens", "flow_control", "accepted_compression", "supported_schema_versions", "validated_at_unix_nanos", "num_layers", "hidden_size", "boundary_dtype", "decode_ms_per_layer", "prefill_tokens_per_s", "kv_budget_tokens", "model_id", "delegated_experts")
+    __slots__ = ("schema_version", "fingerprint", "shard_range", "backend", "device", "validated", "detail", "max_concurrent_sessions", "max_context_tokens", "flow_control", "accepted_compression", "supported_schema_versions", "validated_at_unix_nanos", "num_layers", "hidden_size", "boundary_dtype", "decode_ms_per_layer", "prefill_tokens_per_s", "kv_budget_tokens", "model_id", "delegated_experts", "memory")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     SHARD_RANGE_FIELD_NUMBER: _ClassVar[int]
@@ -623,6 +623,7 @@ class CapabilityReport(_message.Message):
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     DELEGATED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     fingerprint: Fingerprint
     shard_range: ShardRange
@@ -644,7 +645,22 @@ class CapabilityReport(_message.Message):
     kv_budget_tokens: int
     model_id: str
     delegated_experts: _containers.RepeatedCompositeFieldContainer[ExpertRun]
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., validated: bool = ..., detail: _Optional[str] = ..., max_concurrent_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., supported_schema_versions: _Optional[_Iterable[_Union[SchemaVersion, str]]] = ..., validated_at_unix_nanos: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., decode_ms_per_layer: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., kv_budget_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ...) -> None: ...
+    memory: MemoryFigures
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[str] = ..., device: _Optional[str] = ..., validated: bool = ..., detail: _Optional[str] = ..., max_concurrent_sessions: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., supported_schema_versions: _Optional[_Iterable[_Union[SchemaVersion, str]]] = ..., validated_at_unix_nanos: _Optional[int] = ..., num_layers: _Optional[int] = ..., hidden_size: _Optional[int] = ..., boundary_dtype: _Optional[_Union[DType, str]] = ..., decode_ms_per_layer: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ..., kv_budget_tokens: _Optional[int] = ..., model_id: _Optional[str] = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ..., memory: _Optional[_Union[MemoryFigures, _Mapping]] = ...) -> None: ...
+
+class MemoryFigures(_message.Message):
+    __slots__ = ("weight_bytes", "kv_bytes", "working_bytes", "worker_base_bytes", "daemon_base_bytes")
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKING_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WORKER_BASE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_BASE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    weight_bytes: int
+    kv_bytes: int
+    working_bytes: int
+    worker_base_bytes: int
+    daemon_base_bytes: int
+    def __init__(self, weight_bytes: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., working_bytes: _Optional[int] = ..., worker_base_bytes: _Optional[int] = ..., daemon_base_bytes: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("schema_version",)
@@ -779,7 +795,7 @@ class Throughput(_message.Message):
     def __init__(self, decode_ms_per_layer: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class CapabilityPayload(_message.Message):
-    __slots__ = ("schema_version", "peer_id", "model_artifact_digest", "runtime_recipe_digest", "shard_range", "backend", "dtypes", "memory_budget_bytes", "free_kv_tokens", "throughput", "reachability", "issued_at_unix_ms", "expires_at_unix_ms", "sequence", "model_id", "num_layers", "withdrawn", "delegated_experts")
+    __slots__ = ("schema_version", "peer_id", "model_artifact_digest", "runtime_recipe_digest", "shard_range", "backend", "dtypes", "memory_budget_bytes", "free_kv_tokens", "throughput", "reachability", "issued_at_unix_ms", "expires_at_unix_ms", "sequence", "model_id", "num_layers", "withdrawn", "delegated_experts", "memory")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -798,6 +814,7 @@ class CapabilityPayload(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
     DELEGATED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     peer_id: str
     model_artifact_digest: str
@@ -816,7 +833,8 @@ class CapabilityPayload(_message.Message):
     num_layers: int
     withdrawn: bool
     delegated_experts: _containers.RepeatedCompositeFieldContainer[ExpertRun]
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., memory_budget_bytes: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., withdrawn: bool = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ...) -> None: ...
+    memory: MemoryFigures
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., memory_budget_bytes: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., withdrawn: bool = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ..., memory: _Optional[_Union[MemoryFigures, _Mapping]] = ...) -> None: ...
 
 class RelayPayload(_message.Message):
     __slots__ = ("schema_version", "peer_id", "addrs", "issued_at_unix_ms", "expires_at_unix_ms", "sequence")

@@ -16,9 +16,9 @@ Relayed hops -- one route session as length-prefixed frames on a stream through 
     transport.py     RelayedFrameChannel (frames over a libp2p stream) + RelayedSessionServer
                      (serving side: each relayed session -> the node's own worker)
     local_link.py    to the own worker over its Unix frame socket (trio-native, no threads)
-    bridge.py        to the own worker over loopback gRPC (grpc.aio in a thread, one hop per frame)
     syncchannel.py   a grpc.Channel look-alike so the route driver drives relayed hops unchanged
-    handoff.py       bounded cross-thread hand-offs (credits, inbox) used by bridge and syncchannel
+    portal.py        the one bridge between trio and plain threads (Portal, LoopThread) and the
+                     bounded hand-offs both ways (Outbox, Inbox, Credits); the whole daemon uses it
     trace.py         opt-in cross-process timestamps along the relayed frame path (benchmark breakdown)
 
     errors.py        RelayError tree (RelayRefused, RelayUnreachable, WorkerUnavailable)

@@ -7,9 +7,11 @@
         │                             no reservation at the destination, a limit reached,
         │                             permission denied. Try another relay or a direct path.
         ├── RelayUnreachable          the relay, the circuit or the far peer went away
-        │                             (dial failed, stream reset, timeout). Re-plan the hop.
+        │   │                         (dial failed, stream reset, timeout). Re-plan the hop.
+        │   └── LoopStopped           the trio loop a plain thread reached through a portal
+        │                             (relay/portal.py) has stopped: the node is ending.
         └── WorkerUnavailable         the node's own worker did not take the session
-                                      (local gRPC failed). Restart or wait for the worker.
+                                      (its frame socket failed). Restart or wait for the worker.
 
 libp2p, trio and grpc exceptions are mapped to these at the edge with
 ``raise ... from exc``; nothing else leaves relay/ for I/O failures. (The
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from proto.errors import MeshdError
 
-__all__ = ["RelayError", "RelayRefused", "RelayUnreachable", "WorkerUnavailable"]
+__all__ = ["RelayError", "RelayRefused", "RelayUnreachable", "LoopStopped", "WorkerUnavailable"]
 
 
 class RelayError(MeshdError):
@@ -36,6 +38,10 @@ class RelayRefused(RelayError):
 
 class RelayUnreachable(RelayError):
     """The relay, the circuit or the far peer is gone (dial failure, reset, timeout)."""
+
+
+class LoopStopped(RelayUnreachable):
+    """The trio loop behind a portal has stopped: whatever was asked of it will not happen."""
 
 
 class WorkerUnavailable(RelayError):

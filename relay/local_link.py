@@ -1,13 +1,12 @@
 """Trio-native link to this node's own worker over its Unix socket (no threads).
 
 The worker serves the Session stream as length-prefixed frames on a Unix
-socket (shard/unix_server.py) beside gRPC. For a relayed session the home
-node then forwards frames from the libp2p stream to that socket inside its
-own trio loop: no gRPC call, no thread hand-off, no extra copy beyond the
-4-byte prefix. ``UnixWorkerSession`` has the same surface as
-``relay.bridge.WorkerSession`` (open / send / receive / done_writing /
-cancel), so ``RelayedSessionServer`` picks one or the other by the worker
-target's spelling (``unix:/path`` or ``host:port``).
+socket (shard/edges/unix_server.py) beside gRPC. For a relayed session the home
+node forwards frames from the libp2p stream to that socket inside its own
+trio loop: no gRPC call, no thread hand-off, no extra copy beyond the 4-byte
+prefix. ``RelayedSessionServer`` (relay/transport.py) opens one
+``UnixWorkerSession`` per relayed session (open / send / receive /
+done_writing / cancel): a relayed session crosses no thread in the daemon.
 
 State: one trio socket stream and one FrameReader per session. Bounds: the
 FrameReader refuses frames over MAX_FRAME_BYTES (the worker never sends

@@ -7,15 +7,15 @@ response_deserializer=None)(request_iterator, timeout=...)`` (raw bytes in,
 raw bytes out), ``.cancel()`` on the call, and ``channel.close()``. So a
 relayed hop plugs in with no change to the driver:
 
-    driver thread ─ RequestQueue.put ─ run_sync_soon ─▶ trio writer task ─▶ stream
-      (any other request_iterator: ─▶ pump thread ─ run_sync_soon ─▶ ...)
-    driver thread ◀── next(call): Inbox.get() ◀──────────────────────── trio reader task ◀─ stream
+    driver thread ─ RequestQueue.put ─ Outbox.put ─ post ─▶ trio writer task ─▶ stream
+      (any other request_iterator: ─▶ pump thread ─ Outbox.put ─▶ ...)
+    driver thread ◀── next(call): Inbox.get() ◀──────────────────── trio reader task ◀─ stream
 
-``TrioPortal`` runs one trio loop (the libp2p host) in a background thread
-and lets plain threads call into it. A call holds at most CALL_QUEUE_FRAMES
-frames per direction besides the driver's queue and the libp2p stream; a
-frame crosses threads once (see ``_RelayedCall``). Only ``portal.run`` is
-needed from a portal, so the daemon's own portal works too.
+Every crossing between the driver's thread and the libp2p host's trio loop
+goes through a ``relay.portal.Portal`` (the daemon's own, or a LoopThread's in
+tests and the relay benchmark): a call holds at most CALL_QUEUE_FRAMES frames
+per direction besides the driver's queue and the libp2p stream, and a frame
+crosses threads once (see ``_RelayedCall``).
 
 Endpoints: ``RELAYED_SCHEME + <peer id>`` names a relayed hop; a
 ``channel_factory`` from ``relayed_channel_factory`` sends those through the
@@ -23,83 +23,30 @@ portal and everything else to the direct gRPC factory it wraps.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 import grpc
 import trio
 from libp2p.peer.id import ID
 
 from proto.errors import ProtocolError
+from proto.threads import ThreadGroup
 from relay import trace
 from relay.errors import RelayError, RelayUnreachable
-from relay.handoff import Inbox
+from relay.portal import Inbox, Outbox, Portal
 from relay.transport import RelayedFrameChannel, open_session_channel
 
-__all__ = ["TrioPortal", "RelayedGrpcChannel", "RelayedRpcError", "relayed_channel_factory", "RELAYED_SCHEME"]
+__all__ = ["RelayedGrpcChannel", "RelayedRpcError", "relayed_channel_factory", "RELAYED_SCHEME",
+           "SESSION_METHOD"]
 
 RELAYED_SCHEME = "p2p:"
-# Joining the portal thread after cancel: the host closes its listeners first.
-PORTAL_STOP_TIMEOUT_S = 30.0
+# The one method a relayed hop carries (the Session stream), as gRPC names it.
+SESSION_METHOD = "/meshd.shard.v1.ShardRuntime/Session"
 # Frames of one relayed call waiting between the driver's threads and the stream,
-# per direction: 2 lets the next request queue while one is in flight, like the bridge.
+# per direction: 2 lets the next request queue while one is in flight.
 CALL_QUEUE_FRAMES = 2
 # How often a pump blocked on a full queue checks whether its call was cancelled.
 PUMP_POLL_S = 0.5
-_END = object()
-
-
-class TrioPortal:
-    """A trio loop in a daemon thread running ``setup(task_status)`` until ``stop()``."""
-
-    def __init__(self, setup: Callable[..., Awaitable[object]]) -> None:
-        self._setup = setup
-        self._ready = threading.Event()
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
-        self.value: Any = None   # what setup passed to task_status.started()
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="trio-portal", daemon=True)
-
-    def __enter__(self) -> TrioPortal:
-        self._thread.start()
-        self._ready.wait()
-        if self.error is not None:
-            raise self.error
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def _main(self) -> None:
-        async def main() -> None:
-            self._token = trio.lowlevel.current_trio_token()
-            async with trio.open_nursery() as nursery:
-                self._scope = nursery.cancel_scope
-                self.value = await nursery.start(self._setup)
-                self._ready.set()
-        try:
-            trio.run(main)
-        except BaseException as exc:  # noqa: BLE001 - reported to the caller of __enter__
-            self.error = exc
-        finally:
-            self._ready.set()
-
-    def run(self, afn, *args):
-        """Run ``await afn(*args)`` in the portal's loop from a plain thread."""
-        try:
-            return trio.from_thread.run(afn, *args, trio_token=self._token)
-        except trio.RunFinishedError as exc:
-            raise RelayUnreachable("the libp2p loop has stopped") from exc
-
-    def stop(self) -> None:
-        if self._token is not None and self._scope is not None:
-            try:
-                trio.from_thread.run_sync(self._scope.cancel, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
-        self._thread.join(PORTAL_STOP_TIMEOUT_S)
 
 
 class RelayedRpcError(grpc.RpcError):
@@ -120,56 +67,58 @@ class _RelayedCall:
     """One Session call over a relayed stream: iterate for responses, ``cancel()`` to reset.
 
     Two tasks in the portal's trio loop own the stream for the call's life (a
-    writer fed by a memory channel, a reader filling an ``Inbox``); they end at
+    writer fed by an ``Outbox``, a reader filling an ``Inbox``); they end at
     the stream's end, on a failure, or when ``cancel()`` cancels their scope.
-    Each frame crosses threads once: the pump thread hands a request to trio
-    with ``run_sync_soon`` (no wait for the write), the reader hands a response
-    to the driver thread through the inbox (no round trip into trio per
-    ``next``). Credits bound both directions to CALL_QUEUE_FRAMES frames.
+    Each frame crosses threads once: the driver's thread posts a request to
+    trio (no wait for the write), the reader hands a response to the driver
+    thread through the inbox (no round trip into trio per ``next``). Both
+    directions are bounded to CALL_QUEUE_FRAMES frames (the request queue's
+    own depth when the driver's RequestQueue is attached).
+
+    A plain request iterator (tests) is drained by a pump thread in the call's
+    ThreadGroup; it ends with the iterator, or at its first item once the call
+    is over (it cannot be woken inside someone else's iterator). The driver
+    always attaches a RequestQueue: the daemon starts no pump.
     """
 
-    def __init__(self, portal: TrioPortal, channel: RelayedFrameChannel, requests: Iterator[bytes]) -> None:
+    def __init__(self, portal: Portal, channel: RelayedFrameChannel, requests: Iterator[bytes]) -> None:
         self._portal, self._channel = portal, channel
         self._done = False
         self._sent_all = False      # we half-closed: an end of stream is now the normal end
         self._inbox: Inbox = Inbox(CALL_QUEUE_FRAMES)
-        # A RequestQueue (shard/request_queue.py) lets the driver's thread hand frames to
+        # A RequestQueue (shard/session/request_queue.py) lets the driver's thread hand frames to
         # trio itself, with the queue's own depth as the credit; any other iterator is
         # drained by a pump thread (one more hand-off per frame).
         attach = getattr(requests, "attach", None)
         depth = getattr(requests, "depth", None)
-        self._depth = depth if attach is not None and depth is not None else CALL_QUEUE_FRAMES
-        self._up = threading.Semaphore(self._depth)   # requests handed to trio, not yet written
+        depth = depth if attach is not None and depth is not None else CALL_QUEUE_FRAMES
+        self._up: Outbox[bytes] = Outbox(portal, depth, poll_s=PUMP_POLL_S)   # requests, not yet written
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
         try:
-            self._token, self._to_writer = portal.run(self._start)
+            portal.run(self._start)
         except RelayError as exc:       # the loop has stopped: the driver sees a failed hop
             raise RelayedRpcError(exc) from exc
-        self._pump: threading.Thread | None = None
+        self._threads = ThreadGroup("relayed-call")
+        self._pump = None
         if attach is not None:
             attach(self._push, self._push_end)
         else:
-            self._pump = threading.Thread(target=self._send_all, args=(requests,), daemon=True,
-                                          name="relayed-call-pump")
-            self._pump.start()
+            self._pump = self._threads.start(self._send_all, requests, name="pump")
 
     # ------------------------------------------------------------- trio side
 
-    async def _start(self):
+    async def _start(self) -> None:
         """In the portal's loop: the writer and reader tasks, each under a scope ``cancel()`` cancels."""
-        send, receive = trio.open_memory_channel(self._depth + 1)   # + the end marker
         # Scopes exist before the tasks run, so a cancel() that comes first still reaches them.
         self._scopes = [trio.CancelScope(), trio.CancelScope()]
-        trio.lowlevel.spawn_system_task(self._guarded, self._scopes[0], self._write_all, receive,
-                                        name="relayed-call-writer")
+        trio.lowlevel.spawn_system_task(self._guarded, self._scopes[0], self._write_all, name="relayed-call-writer")
         trio.lowlevel.spawn_system_task(self._guarded, self._scopes[1], self._read_all, name="relayed-call-reader")
-        return trio.lowlevel.current_trio_token(), send
 
-    async def _guarded(self, scope: trio.CancelScope, afn, *args) -> None:
+    async def _guarded(self, scope: trio.CancelScope, afn) -> None:
         """A system task must never raise: failures go to the driver through the inbox."""
         with scope:
             try:
-                await afn(*args)
+                await afn()
             except Exception as exc:  # noqa: BLE001 - RelayError, ProtocolError, or a library surprise
                 self._stop_tasks()          # the other task stops too
                 cause = exc if isinstance(exc, (RelayError, ProtocolError)) else RelayUnreachable(repr(exc))
@@ -180,14 +129,13 @@ class _RelayedCall:
         for scope in self._scopes:
             scope.cancel()
 
-    async def _write_all(self, requests) -> None:
-        async for body in requests:
-            if body is _END:
-                self._sent_all = True
-                await self._channel.close()
-                return
+    async def _write_all(self) -> None:
+        async for body in self._up:
+            trace.mark("e.trio_got")
             await self._channel.send(body)
-            self._up.release()
+            self._up.give_back()
+        self._sent_all = True               # the driver ended its requests: half-close
+        await self._channel.close()
 
     async def _read_all(self) -> None:
         try:
@@ -205,7 +153,7 @@ class _RelayedCall:
                 self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
             raise
 
-    # ----------------------------------------------------------- pump thread
+    # ------------------------------------------------ driver thread / pump thread
 
     def _send_all(self, requests: Iterator[bytes]) -> None:
         for body in requests:
@@ -216,30 +164,17 @@ class _RelayedCall:
     def _push(self, body: bytes) -> bool:
         """Hand one request to the writer task (in the caller's thread); False once the call is over."""
         trace.mark("e.pump_got")
-        while not self._up.acquire(timeout=PUMP_POLL_S):
-            if self._done:
-                return False
-        if self._done:
-            return False
         try:
-            self._token.run_sync_soon(self._hand_over, body)
-        except trio.RunFinishedError:
+            return self._up.put(body, gone=lambda: self._done)
+        except RelayError:
             self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
             return False
-        return True
 
     def _push_end(self) -> None:
         try:
-            self._token.run_sync_soon(self._hand_over, _END)
-        except trio.RunFinishedError:
+            self._up.close()
+        except RelayError:
             self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
-
-    def _hand_over(self, item) -> None:
-        trace.mark("e.trio_got")
-        try:
-            self._to_writer.send_nowait(item)   # never full: bounded by self._up
-        except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-            pass    # the writer is gone; the reader reports why
 
     # ---------------------------------------------------------- driver thread
 
@@ -269,21 +204,23 @@ class _RelayedCall:
     def _finish(self) -> None:
         """The call is over: make sure neither task outlives it (a writer may still wait)."""
         self._done = True
+        self._threads.stop()
         try:
-            self._token.run_sync_soon(self._stop_tasks)
-        except trio.RunFinishedError:
+            self._portal.post(self._stop_tasks)
+        except RelayError:
             pass
 
     def _wake(self, event: trio.Event) -> None:
         try:
-            self._token.run_sync_soon(event.set)
-        except trio.RunFinishedError:
+            self._portal.post(event.set)
+        except RelayError:
             pass
 
     def cancel(self) -> None:
         if self._done:
             return
         self._done = True
+        self._threads.stop()
         try:
             self._portal.run(self._cancel)
         except RelayError:
@@ -301,12 +238,13 @@ class RelayedGrpcChannel:
     stream of one Session call: a new stream to a peer (``to_peer``) or on one
     given connection ``conn``, meshd/reach/relay_dial.py)."""
 
-    def __init__(self, portal, open_stream: Callable[[], Awaitable[RelayedFrameChannel]], *, conn=None) -> None:
+    def __init__(self, portal: Portal, open_stream: Callable[[], Awaitable[RelayedFrameChannel]], *,
+                 conn=None) -> None:
         self._portal, self._open_stream = portal, open_stream
         self.conn = conn        # the one connection its streams open on, when it has one
 
     @classmethod
-    def to_peer(cls, portal, host, peer_id: ID) -> RelayedGrpcChannel:
+    def to_peer(cls, portal: Portal, host, peer_id: ID) -> RelayedGrpcChannel:
         return cls(portal, lambda: open_session_channel(host, peer_id))
 
     def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):
@@ -333,7 +271,7 @@ class RelayedGrpcChannel:
         pass
 
 
-def relayed_channel_factory(portal: TrioPortal, host, direct_factory: Callable[[str], object]):
+def relayed_channel_factory(portal: Portal, host, direct_factory: Callable[[str], object]):
     """A ``channel_factory(endpoint)``: ``p2p:<peer id>`` endpoints go through the portal."""
     def factory(endpoint: str):
         if endpoint.startswith(RELAYED_SCHEME):

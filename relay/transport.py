@@ -8,10 +8,9 @@ a gRPC hop carries, each length-prefixed by proto.frames: the bytes of a hop
 do not depend on its transport.
 
     dialer: RelayedFrameChannel.send(request bytes) ──▶ stream ──▶ (relay: ciphertext)
-    server: RelayedSessionServer._handle(stream) ──▶ WorkerSession (relay/bridge.py: one
-            thread hop into the node's grpc.aio loop) ──▶ local gRPC Session stream of
-            this node's own worker ──▶ responses
-            ──▶ framed back on the same stream
+    server: RelayedSessionServer._handle(stream) ──▶ UnixWorkerSession (relay/local_link.py:
+            the same frames on this node's own worker's Unix socket, inside trio, no
+            thread) ──▶ responses ──▶ framed back on the same stream
 
 The server parses one frame only: the first; when it is a SessionOpen it
 stamps ``relayed_peer_id`` with the Noise-authenticated peer id of the
@@ -25,15 +24,13 @@ worker's one core for both transports.
 
 Bounds: a channel holds at most one partial frame (FramedStream.read_size),
 whose bytes are first taken from the node-wide ByteBudget; between the stream
-and the worker at most ``bridge.BRIDGE_QUEUE_FRAMES`` frames wait per direction;
-at most ``MAX_RELAYED_SESSIONS`` sessions run at once (more are reset). A
-peer's bad framing ends only its own session (its gRPC call is cancelled).
+and the worker only the Unix socket's buffers; at most ``MAX_RELAYED_SESSIONS``
+sessions run at once (more are reset). A peer's bad framing ends only its own
+session (its worker stream is shut down).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import AbstractAsyncContextManager
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -42,10 +39,9 @@ from libp2p.network.stream.exceptions import StreamEOF
 from proto.errors import ProtocolError, ProtocolViolation
 from proto.frames import parse_request
 from relay import trace
-from relay.bridge import WorkerLink, WorkerSession
 from relay.errors import RelayUnreachable, WorkerUnavailable
 from relay.framing import RELAYED_MAX_FRAME_BYTES, ByteBudget, FramedStream
-from relay.local_link import UNIX_SCHEME, UnixWorkerLink, UnixWorkerSession
+from relay.local_link import UnixWorkerLink, UnixWorkerSession
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +50,9 @@ __all__ = ["SESSION_PROTOCOL", "RelayedFrameChannel", "open_session_channel", "R
 
 SESSION_PROTOCOL = TProtocol("/meshd/shard-session/1")
 
-# Relayed sessions one node serves at once: each holds a worker gRPC stream
-# and a coroutine in the bridge's loop; the worker's own KV budget admits far
-# fewer real sessions, so 16 only stops a peer from opening streams to tie up the worker.
+# Relayed sessions one node serves at once: each holds a connection to the worker's
+# frame socket (one worker thread); the worker's own KV budget admits far fewer real
+# sessions, so 16 only stops a peer from opening streams to tie up the worker.
 MAX_RELAYED_SESSIONS = 16
 # Opening the session stream is one multistream negotiation on a live connection.
 OPEN_STREAM_TIMEOUT_S = 10.0
@@ -159,15 +155,8 @@ class RelayedSessionServer:
 
     def __init__(self, worker_target: str, *, max_sessions: int = MAX_RELAYED_SESSIONS,
                  budget: ByteBudget | None = None) -> None:
-        # ``unix:/path``: the worker's frame socket, forwarded inside trio; else loopback gRPC.
-        self._link: WorkerLink | UnixWorkerLink
-        self._open_worker: Callable[[], AbstractAsyncContextManager[WorkerSession | UnixWorkerSession]]
-        if worker_target.startswith(UNIX_SCHEME):
-            unix = self._link = UnixWorkerLink(worker_target)
-            self._open_worker = lambda: UnixWorkerSession.open(unix)
-        else:
-            grpc_link = self._link = WorkerLink(worker_target)
-            self._open_worker = lambda: WorkerSession.open(grpc_link)
+        # ``unix:/path``: the worker's frame socket, forwarded inside trio (ValueError otherwise).
+        self._link = UnixWorkerLink(worker_target)
         self.max_sessions = max_sessions
         self.budget = budget or ByteBudget()
         self.active = 0
@@ -202,7 +191,7 @@ class RelayedSessionServer:
         if first is None:
             return
         opening = stamp_relayed_peer(first, peer_id)
-        async with self._open_worker() as worker:
+        async with UnixWorkerSession.open(self._link) as worker:
             await worker.send(opening)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._uplink, channel, worker)
@@ -212,13 +201,13 @@ class RelayedSessionServer:
                 nursery.cancel_scope.cancel()   # the worker ended the session
 
     @staticmethod
-    async def _uplink(channel: RelayedFrameChannel, worker: WorkerSession | UnixWorkerSession) -> None:
+    async def _uplink(channel: RelayedFrameChannel, worker: UnixWorkerSession) -> None:
         try:
             while (body := await channel.receive()) is not None:
                 await worker.send(body)
             worker.done_writing()
         except BaseException:
-            worker.cancel()     # the worker sees a cancelled stream and drops the session
+            worker.cancel()     # the worker sees the stream shut down and drops the session
             raise
 
     def snapshot(self) -> dict:

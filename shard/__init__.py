@@ -3,13 +3,14 @@
 Rooms (data flows from the edges down to the model):
 
     edges/     the thin servers: gRPC (plaintext on loopback, TLS for peers), framed TLS, the
-               worker's Unix socket; each moves bytes between a socket and the stream core
+               worker's Unix socket, an expert peer's TLS port; each moves bytes between a
+               socket and a core, on one SocketServer (or grpcio), and joins its threads at stop
     push/      push forwarding: a hop sends its rows straight to its successor, the tail its
                token to the entry; the rows kept to re-feed a replacement successor
     session/   per-(route session, epoch) KV, continuous batching, admission, and the sans-I/O
                Session stream core (request bytes in, response bytes and push actions out)
     experts/   MoE: the MoE model families, expert dispatch, the holder's expert peers, an
-               expert peer's store and server
+               expert peer's store and its side of a connection
     model/     model execution and artifact identity: LayerRange and the backend protocols,
                the torch backend and its model families, the whole-model reference, digests,
                fingerprints, sampling

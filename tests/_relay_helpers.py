@@ -1,22 +1,25 @@
 """Fixtures for relay tests: real libp2p hosts on loopback, a relay between them,
-and a real gRPC server speaking the ShardRuntime Session method as raw bytes."""
+and a real Unix frame socket speaking the Session stream as a worker does (an echo)."""
 from __future__ import annotations
 
 import os
-from concurrent import futures
+import tempfile
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
-import grpc
 import multiaddr
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.tools.anyio_service import background_trio_service
 
 from dht.host.build import build_host
 from dht.identity import Identity
-from relay.bridge import GRPC_OPTIONS, SESSION_METHOD
+from proto.frames import FrameReader, encode_frame
+from proto.limits import MAX_FRAME_BYTES
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
+from relay.local_link import READ_BYTES, UNIX_SCHEME
+from shard.edges.socket_server import SocketServer, unix_listener
 
 LOOPBACK = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
 ECHO_PREFIX = b"echo:"
@@ -28,23 +31,24 @@ def new_host():
 
 @contextmanager
 def echo_worker():
-    """A real gRPC server whose Session method answers every frame with ECHO_PREFIX + frame.
+    """A Unix frame socket whose Session stream answers every frame with ECHO_PREFIX + frame, and
+    ends after the caller's half-close: stands in for the worker where only the byte path is under
+    test. Yields its ``unix:/path`` endpoint."""
+    def session(sock, _address):
+        reader = FrameReader(MAX_FRAME_BYTES)
+        while data := sock.recv(READ_BYTES):
+            reader.feed(data)
+            while (body := reader.next_frame()) is not None:
+                sock.sendall(encode_frame(ECHO_PREFIX + body))
 
-    Stands in for the shard worker where only the byte path is under test."""
-    def session(request_iterator, context):
-        for body in request_iterator:
-            yield ECHO_PREFIX + body
-
-    handler = grpc.method_handlers_generic_handler(SESSION_METHOD.split("/")[1], {
-        "Session": grpc.stream_stream_rpc_method_handler(session)})
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    path = Path(tempfile.mkdtemp(prefix="echo-")) / "w.sock"
+    server = SocketServer(unix_listener(path), session, name="echo-worker", max_connections=64).start()
     try:
-        yield f"127.0.0.1:{port}"
+        yield UNIX_SCHEME + str(path)
     finally:
-        server.stop(grace=None)
+        server.stop()
+        path.unlink(missing_ok=True)
+        path.parent.rmdir()
 
 
 def info(host) -> PeerInfo:

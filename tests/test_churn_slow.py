@@ -17,7 +17,7 @@ the tracker stay). Then:
 
 * the entry's driver fails over, finds no peer for the gap and waits (its
   refill wait) while the dead records expire, the tracker confirms the gap
-  and moves a fully redundant auto node into it (plan_rebalance); the
+  and moves an auto node into it (meshd/plan/layout.py); the
   generation resumes with a re-prefill and its tokens equal the whole
   model's (shard/model/reference.py);
 * a survivor's ``swarm`` view (what ``meshd status`` shows) reports full
@@ -63,7 +63,8 @@ PROMPT = "the swarm answers"
 def memory_for(model) -> int:
     from meshd.plan.footprint import artifact_footprint
 
-    return LAYERS_MEMORY + artifact_footprint(model, "churn").scratch_bytes(KV_TOKENS, tail=True)
+    fp = artifact_footprint(model, "churn")
+    return LAYERS_MEMORY + fp.scratch_bytes(KV_TOKENS, tail=True) + fp.base_bytes   # --memory: the whole node
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,9 @@ leaves the circuit in use, and generations through it succeed meanwhile.
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import trio
@@ -28,11 +30,13 @@ from meshd.reach.direct_upgrade import (
     is_relayed,
     quiet_dcutr_logs,
 )
-from meshd.reach.relay_dial import LoopPortal, RelayDialer
-from relay.bridge import SESSION_METHOD
+from meshd.reach.relay_dial import RelayDialer
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
+from relay.portal import Portal
+from relay.syncchannel import SESSION_METHOD
 from relay.transport import SESSION_PROTOCOL, RelayedSessionServer
+from shard.edges.unix_server import UnixFrameServer
 from shard.model.reference import WholeModel
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
 from tests._swarm_helpers import start_shard
@@ -159,6 +163,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
     home_id = home.get_id().to_base58()
     shards = [start_shard(model, "head", 0, 2), start_shard(model, home_id, 2, 4), start_shard(model, "tail", 4, 6)]
     head, middle, tail = shards
+    middle_unix = UnixFrameServer(middle.service, Path(tempfile.mkdtemp(prefix="dcutr-")) / "w.sock").start()
     fp = head.service.backend.fingerprint
     ads = [head.ad(NUM_LAYERS), replace(middle.ad(NUM_LAYERS), relayed=True, grpc_endpoint=""), tail.ad(NUM_LAYERS)]
 
@@ -166,12 +171,12 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
         with trio.fail_after(TEST_TIMEOUT_S):
             async with trio.open_nursery() as nursery:
                 served_on: list[bool] = []
-                hop, addrs = await relay_and_home(nursery, middle.endpoint, home, served_on=served_on)
+                hop, addrs = await relay_and_home(nursery, middle_unix.endpoint, home, served_on=served_on)
                 dialer = new_host()
                 await nursery.start(_serve_host, dialer)
                 upgrader = DirectUpgrader(dialer)
                 await nursery.start(upgrader.run)
-                dial = RelayDialer(dialer, LoopPortal.current(), upgrader=upgrader)
+                dial = RelayDialer(dialer, Portal.current(), upgrader=upgrader)
                 connector = PeerConnector(self_peer_id="entry", insecure_loopback=True, relay_dialer=dial,
                                           relayed_addrs=lambda peer: addrs if peer == home_id else ())
                 source = AdsRouteSource(lambda: ads, fp.model_artifact_digest, NUM_LAYERS, entry_peer_id="entry",
@@ -221,6 +226,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
     try:
         trio.run(main)
     finally:
+        middle_unix.close()
         for s in shards:
             s.kill()
 
@@ -247,7 +253,7 @@ def test_a_failing_upgrade_keeps_the_circuit_and_generations_succeed_silently(ho
                 upgrader = DirectUpgrader(dialer, timeout_s=SHORT_UPGRADE_TIMEOUT_S, clock=lambda: now[0])
                 assert not upgrader.request(home_id)      # not running yet: no attempt, no error
                 await nursery.start(upgrader.run)
-                dial = RelayDialer(dialer, LoopPortal.current(), upgrader=upgrader)
+                dial = RelayDialer(dialer, Portal.current(), upgrader=upgrader)
 
                 def through_circuit(body: bytes):
                     channel = dial.channel(home_id, addrs)

@@ -12,8 +12,9 @@ Gemma-3-270m Q4_K_M, a seeded random qwen3), in order:
 
 Then: daemons holding only ``meshd slice`` files join with ``--layers auto``,
 are assigned only layers inside their slice, route together with a whole-file
-daemon (one recipe, the source's digest), and refuse a directive outside the
-slice; and a route never mixes recipes (a torch-backend daemon of the same
+daemon (one recipe, the source's digest) that joined before the low slice and
+was moved by the tracker to close the gap between the slices, and refuse a
+directive outside the slice; and a route never mixes recipes (a torch-backend daemon of the same
 file is not used by a llama.cpp entry).
 """
 from __future__ import annotations
@@ -143,18 +144,19 @@ def test_slice_holders_join_serve_and_stay_inside_their_slices(tmp_path):
         view = swarm.wait_serving(a, START_TIMEOUT_S)
         assert 18 <= view["layers"][0] < view["layers"][1] <= 30, view["layers"]
         assert "is a slice holding layers 18:30" in a.text()
+        # The order that once left 12:18 uncovered: the whole file joins before the low slice exists and
+        # is placed inside 0:18; the low slice then takes 0:12, and the tracker moves the whole-file node.
+        c = swarm.add(memory=whole_node)
+        placed = tuple(swarm.wait_serving(c, START_TIMEOUT_S)["layers"])
+        assert 0 <= placed[0] < placed[1] <= 18, placed
         b = swarm.add(memory=roomy, model=low)
-        swarm.wait_serving(b, START_TIMEOUT_S)
-        # The tracker can only place the whole-file node in the gap once both slices are in its view.
-        wait_for(lambda: len((a.swarm() or {}).get("ads", ())) >= 2, "both slices advertised", 120, a)
-        c = swarm.add(memory=whole_node)  # the whole file: takes the gap between the slices
-        spans = {}
+        assert 0 <= swarm.wait_serving(b, START_TIMEOUT_S)["layers"][0] < 12
+        cover = swarm.wait_covered(180, peers=3)
+        print("\nslice swarm:", [(x["start"], x["end"]) for x in cover["ads"]], "digest", cover["model_digest"][:20],
+              "whole-file node first at", placed)
+        spans = {d.name: tuple(d.swarm()["layers"]) for d in (b, c)}
         for d, held in ((b, (0, 12)), (c, (0, 30))):
-            v = swarm.wait_serving(d, START_TIMEOUT_S)
-            spans[d.name] = tuple(v["layers"])
-            assert held[0] <= v["layers"][0] < v["layers"][1] <= held[1], (d.name, v["layers"])
-        cover = swarm.wait_covered(120, peers=3)
-        print("\nslice swarm:", [(x["start"], x["end"]) for x in cover["ads"]], "digest", cover["model_digest"][:20])
+            assert held[0] <= spans[d.name][0] < spans[d.name][1] <= held[1], (d.name, spans[d.name])
         assert len({v["model_digest"] for v in (a.swarm(), b.swarm(), c.swarm())}) == 1  # the source's
         entry = b if spans[b.name][0] == 0 else c
         done = _generate(entry, N_TOKENS)

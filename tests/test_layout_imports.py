@@ -240,10 +240,16 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 # Calls that start a thread (or a pool of them).
 THREAD_STARTERS = {"Thread", "Timer", "ThreadPoolExecutor", "start_new_thread"}
+# Every thread of the product starts through this module's ThreadGroup: importing it counts.
+THREAD_GROUPS = "proto.threads"
 
 
 def starts_threads(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module == THREAD_GROUPS:
+            return True
+        if isinstance(node, ast.Import) and any(a.name == THREAD_GROUPS for a in node.names):
+            return True
         if isinstance(node, ast.Call):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")

@@ -277,7 +277,7 @@ def test_bf16_delegation_is_exact(tls):
     """bfloat16 holders: rows cross as float32 (exact for bf16 values), peers compute in bfloat16."""
     path = build_random_qwen3_moe()
     ref = WholeModel(path, "bfloat16").generate(PROMPT, 8, chunk_tokens=16)
-    from shard.experts.server import ExpertServer
+    from shard.edges.expert_server import ExpertServer
     from shard.experts.store import ExpertStore as Store
 
     store = Store.load(path, ExpertSpec.parse("0-5:E4-E7"), dtype="bfloat16")

@@ -12,7 +12,6 @@ from meshd.plan.assignment import (
     JoinRequest,
     ModelFootprint,
     plan_join,
-    plan_rebalance,
 )
 from meshd.plan.errors import NoFitError, PlanInputError, PlanningError
 from proto import shard_runtime_pb2 as pb
@@ -87,23 +86,6 @@ def test_a_serving_node_is_planned_without_its_own_advert():
 def test_misuse_is_a_local_error(call):
     with pytest.raises(PlanInputError):
         call()
-
-
-def test_rebalance_moves_one_redundant_peer_into_the_gap():
-    ads = [make_ad("b", 0, 4, memory_budget_bytes=400), make_ad("a", 0, 4, memory_budget_bytes=400)]
-    coverage = CoverageMap.build(ads, model_digest=MODEL, num_layers=8)
-    intents = plan_rebalance(coverage, FP, ads, kv_budget_tokens=0)
-    assert intents == (DirectiveIntent(DROP, "a", Span(0, 4)), DirectiveIntent(LOAD, "a", Span(4, 8)))
-
-
-@pytest.mark.parametrize("ads", [
-    [make_ad("a", 0, 8)],                                              # no gap
-    [make_ad("a", 0, 4)],                                              # only server of 0..3
-    [make_ad("a", 0, 4, memory_budget_bytes=50), make_ad("b", 0, 4, memory_budget_bytes=50)],
-])
-def test_rebalance_leaves_things_alone_when_a_move_would_not_help(ads):
-    coverage = CoverageMap.build(ads, model_digest=MODEL, num_layers=8)
-    assert plan_rebalance(coverage, FP, ads, kv_budget_tokens=0) == ()
 
 
 @settings(max_examples=300, deadline=None)
@@ -201,17 +183,3 @@ def test_one_batched_forwards_scratch_counts_once_per_range_and_logits_at_the_ta
     assert fp.range_bytes(2, 4, kv) == 2 * (1000 + 10 * kv) + scratch + SCRATCH_LOGIT_ROWS * 50
     with pytest.raises(PlanInputError):
         ModelFootprint.uniform(MODEL, 2, 10, scratch_row_bytes=-1)
-
-
-def test_a_real_models_footprint_carries_its_forward_scratch():
-    """SmolLM2 (GGUF, llama.cpp): 512 positions x (6 x 576 + 3 x 1536) x 4 B activations plus
-    9 heads x 4096 cached tokens x 4 B scores -- the size of llama.cpp's own compute buffer."""
-    from pathlib import Path
-
-    from meshd.plan.footprint import model_footprint
-    from native.packaged import smollm2_gguf_path
-
-    fp = model_footprint(Path(smollm2_gguf_path()), MODEL, "llama.cpp")
-    assert (fp.scratch_row_bytes, fp.score_bytes_per_kv_token, fp.logit_row_bytes) == (
-        (6 * 576 + 3 * 1536) * 4, 9 * 4, 49152 * 4)
-    assert fp.scratch_bytes(4096, tail=True) > fp.scratch_bytes(4096, tail=False) > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshd.plan.errors import PlanInputError
@@ -87,7 +87,7 @@ def test_bad_arguments_are_local_errors(call):
 peer_ids = st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=1, max_size=20)
 
 
-@settings(max_examples=150)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])   # no clock in it
 @given(st.lists(st.tuples(peer_ids, st.integers(0, 3)), max_size=12),
        st.integers(0, 2**64 - 1), st.randoms(use_true_random=False))
 def test_ranking_is_permutation_invariant_and_total(entries, epoch, rnd):

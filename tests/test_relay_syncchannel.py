@@ -8,10 +8,10 @@ import pytest
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
-from relay.bridge import SESSION_METHOD
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import HopService
-from relay.syncchannel import RelayedRpcError, TrioPortal, relayed_channel_factory
+from relay.portal import LoopThread
+from relay.syncchannel import SESSION_METHOD, RelayedRpcError, relayed_channel_factory
 from relay.transport import RelayedSessionServer
 from shard.session.request_queue import RequestQueue
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
@@ -36,7 +36,7 @@ def _portal(target: str | None):
                 finally:
                     if server:
                         server.close()
-    return TrioPortal(setup)
+    return LoopThread(setup)
 
 
 def test_driver_shaped_calls_travel_through_the_relay():
@@ -102,8 +102,8 @@ def test_a_request_queue_hands_frames_over_from_the_driver_thread_without_a_pump
 
 
 def test_a_home_node_whose_worker_is_gone_fails_the_call_as_an_rpc_error():
-    """The home's bridge fails (nothing listens), it resets the stream, the driver sees UNAVAILABLE."""
-    with _portal("127.0.0.1:9") as portal:
+    """The home's worker link fails (nothing listens), it resets the stream, the driver sees UNAVAILABLE."""
+    with _portal("unix:/nonexistent/meshd-test/w.sock") as portal:
         dialer, home_id = portal.value
         channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
         requests: queue.Queue = queue.Queue(maxsize=4)

@@ -1,6 +1,6 @@
 """Entry-side relayed hops (meshd/reach/relay_dial.py) with real libp2p hosts on loopback:
-two relays, a home node reserved on both that serves an echo gRPC worker, and a
-dialer whose RelayDialer is driven from a plain thread through LoopPortal."""
+two relays, a home node reserved on both that serves an echo worker (its Unix frame socket), and a
+dialer whose RelayDialer is driven from a plain thread through the daemon-style Portal."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +10,11 @@ from libp2p.tools.anyio_service import background_trio_service
 from meshd.errors import HopFailure
 from meshd.generate.routes import PeerConnector
 from meshd.plan.routing import Hop
-from meshd.reach.relay_dial import LoopPortal, RelayDialer
-from relay.bridge import SESSION_METHOD
+from meshd.reach.relay_dial import RelayDialer
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
+from relay.portal import Portal
+from relay.syncchannel import SESSION_METHOD
 from relay.transport import RelayedSessionServer
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
 
@@ -54,7 +55,7 @@ def test_dialer_uses_the_first_live_relay_blames_the_relay_only_when_it_died():
                     home_id = home.get_id().to_base58()
                     addrs = [relayed_addrs(await reserve(home, info(r)), home_id)[0] for r in (a, b)]
                     relay_a_id, relay_b_id = (r.get_id().to_base58() for r in (a, b))
-                    dial = RelayDialer(dialer, LoopPortal.current())
+                    dial = RelayDialer(dialer, Portal.current())
                     connector = PeerConnector(self_peer_id="entry", relay_dialer=dial,
                                               relayed_addrs=lambda peer: addrs if peer == home_id else ())
                     hop = Hop(home_id, 2, 4, 2, True)

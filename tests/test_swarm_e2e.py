@@ -38,7 +38,8 @@ LAYERS_MEMORY = 1_100_000
 def memory_for(model) -> int:
     from meshd.plan.footprint import artifact_footprint
 
-    return LAYERS_MEMORY + artifact_footprint(model, "e2e").scratch_bytes(KV_TOKENS, tail=True)
+    fp = artifact_footprint(model, "e2e")
+    return LAYERS_MEMORY + fp.scratch_bytes(KV_TOKENS, tail=True) + fp.base_bytes   # --memory: the whole node
 # Records expire this long after a node stops republishing (a killed node leaves the map).
 RECORD_TTL_S = 12.0
 START_TIMEOUT_S = 300

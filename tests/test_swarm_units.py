@@ -101,7 +101,7 @@ def test_rebalance_moves_a_redundant_auto_node_into_a_gap():
     kinds = [open_directive(r)[0].action for r in records]
     assert kinds == [pb.DIRECTIVE_ACTION_DROP_SHARD, pb.DIRECTIVE_ACTION_LOAD_SHARD]
     load = open_directive(records[1])[0].shard_range
-    assert (load.start_layer, load.end_layer) == (4, 8) and target == b.peer_id
+    assert (load.start_layer, load.end_layer) == (6, 8) and target == b.peer_id   # the gap, no more
     assert d.rebalance(snap, NOW) == []  # one move at a time: b is still loading
 
 
@@ -154,3 +154,32 @@ def test_demo_memory_makes_three_joiners_cover_the_model():
     cover = simulate_joins(fp, 3, memory, 1024)
     assert cover.fully_covered
     assert not simulate_joins(fp, 2, memory, 1024).fully_covered  # it really takes three
+
+
+def test_a_refused_move_pins_that_node_for_a_while_and_the_tracker_plans_around_it():
+    from dataclasses import replace
+
+    from meshd.swarm.tracker_duty import REFUSED_BACKOFF_MS
+
+    a, b, c = ident(1), ident(2), ident(3)
+
+    def pool(tracker, mover):
+        return SwarmSnapshot(DIGEST, (ad(tracker.peer_id, 0, 4), ad(mover.peer_id, 0, 4, memory=4 * LAYER),
+                                      ad(c.peer_id, 4, 6)))
+    if duty(a).tracker(pool(a, b), NOW) != a.peer_id:
+        a, b = b, a   # the tracker is never moved: b is the redundant auto node
+    d, snap = duty(a), pool(a, b)
+    for _ in range(GAP_CONFIRMATIONS - 1):
+        assert d.rebalance(snap, NOW) == []
+    (target, _), = d.rebalance(snap, NOW)
+    assert target == b.peer_id and b.peer_id in d.pending
+    d.push_failed(b.peer_id, NOW)                      # e.g. it still had sessions
+    assert b.peer_id not in d.pending and d.plan is None
+    for _ in range(GAP_CONFIRMATIONS):                 # b is pinned: nobody else can move, nothing to push
+        assert d.rebalance(snap, NOW + 1) == []
+    later = NOW + REFUSED_BACKOFF_MS + 1
+    snap = SwarmSnapshot(DIGEST, tuple(replace(x, expires_at_ms=later + 60_000) for x in snap.ads))
+    pushes = []
+    for _ in range(GAP_CONFIRMATIONS + 1):
+        pushes += d.rebalance(snap, later)
+    assert [t for t, _ in pushes] == [b.peer_id]       # asked again once the backoff is over

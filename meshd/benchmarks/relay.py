@@ -4,9 +4,9 @@ Setup (real processes on loopback): a seeded random Llama with hidden 1024 and
 2 layers; worker A serves layer 0:1 (the head, always direct), worker B serves
 1:2 (the tail). B is reached either directly over gRPC, or through
 ``meshd relay`` via a bare home node (meshd/benchmarks/relay_home.py) that forwards the
-relayed session to B over its local gRPC. The entry node is this process:
+relayed session to B over its Unix frame socket. The entry node is this process:
 the route driver (SwarmDriver over a fixed route) with a libp2p host in a
-TrioPortal (meshd/benchmarks/relay_harness.py).
+LoopThread (relay/portal.py; meshd/benchmarks/relay_harness.py).
 
 Measured side by side in one run (medians over repeats, alternating order):
 * ``*_step_ms``: one decode step through the route (the hidden row crosses

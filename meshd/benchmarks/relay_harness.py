@@ -8,7 +8,7 @@ ready file (waited for with a bound; an early exit fails at once).
     spawn_relay        meshd relay                       -> {peer_id, addrs}
     spawn_worker       meshd worker (shard)              -> {listen, pid}
     spawn_home_node    python -m meshd.benchmarks.relay_home -> {peer_id, relayed_addrs, verdict}
-    drive(...)         the entry node: a libp2p host in a TrioPortal, circuits to
+    drive(...)         the entry node: a libp2p host in a LoopThread (relay/portal.py), circuits to
                        the relayed hops, the route driver (SwarmDriver) over a fixed
                        route of mixed hops
     python -m meshd.benchmarks.relay_harness drive SPEC.json OUT.json
@@ -220,7 +220,8 @@ def drive(spec: dict, on_sent=None) -> dict:
     from meshd.generate.routes import discover_fingerprint, fixed_route
     from meshd.reach.tls import loopback_channel
     from relay.client import dial_relayed, parse_relayed_addr
-    from relay.syncchannel import TrioPortal, relayed_channel_factory
+    from relay.portal import LoopThread
+    from relay.syncchannel import relayed_channel_factory
     from shard.edges.grpc_server import GRPC_OPTIONS
 
     async def setup(task_status=trio.TASK_STATUS_IGNORED):
@@ -238,11 +239,10 @@ def drive(spec: dict, on_sent=None) -> dict:
     request = GenerationRequest(tuple(spec["prompt"]), spec["max_new_tokens"],
                                 chunk_tokens=spec.get("chunk_tokens", 128),
                                 return_logits=spec.get("return_logits", False))
-    with TrioPortal(setup) as portal:
-        def direct(endpoint):
-            return loopback_channel(endpoint, GRPC_OPTIONS)
-
-        connector = _FactoryConnector(_recording_factory(relayed_channel_factory(portal, portal.value, direct),
+    with LoopThread(setup, name="relay-entry") as loop:
+        assert loop.portal is not None   # __enter__ returns once setup has started
+        direct = lambda endpoint: loopback_channel(endpoint, GRPC_OPTIONS)  # noqa: E731
+        connector = _FactoryConnector(_recording_factory(relayed_channel_factory(loop.portal, loop.value, direct),
                                                          sent, on_sent))
         driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))
         tokens = [t.id for t in driver.generate(request)]

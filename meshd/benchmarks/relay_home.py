@@ -9,7 +9,7 @@ and measure only the transport: no DHT, no tracker, no worker of its own.
     host (Noise + yamux, listening where told; dht/host/)
     ├── dial-back service (answers other peers' probes)
     ├── STOP service (accepts circuits addressed to us)
-    ├── RelayedSessionServer -> the given worker (Unix frame socket or gRPC; relay/transport.py)
+    ├── RelayedSessionServer -> the given worker's Unix frame socket (relay/transport.py)
     ├── probe: dial-back through the relay -> PUBLIC / PRIVATE / UNKNOWN
     ├── keep_reserved on the relay (renewed), relayed addrs -> ready file
     └── with --bench-echo: ECHO_PROTOCOL, every frame sent back (the benchmark's libp2p floor)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", action="append", required=True)
     parser.add_argument("--relay", required=True, help="the relay's multiaddr, with /p2p/<id>")
     parser.add_argument("--worker", required=True,
-                        help="this node's worker: unix:/path (its frame socket) or host:port (loopback gRPC)")
+                        help="this node's worker: unix:/path (its frame socket)")
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--ready-file", required=True)
     parser.add_argument("--bench-echo", action="store_true",

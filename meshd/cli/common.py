@@ -1,8 +1,9 @@
-"""Shared CLI plumbing: config flags, logging, and one-line errors."""
+"""Shared CLI plumbing: config flags, logging, one-line errors, a worker's stop signals."""
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -42,3 +43,31 @@ def first_meshd_error(exc: BaseException) -> MeshdError | None:
 def fail(message: str, code: int = 1) -> int:
     print(f"meshd: error: {message}", file=sys.stderr)
     return code
+
+
+def stop_on_signals() -> list[int]:
+    """SIGTERM / SIGINT append to the returned list, which a worker's main loop polls.
+
+    The handler only appends: Event.set() from a signal handler can deadlock against the main
+    thread's own Event.wait() on it (the handler runs inside that wait, which holds the event's
+    lock) -- seen as workers that never stopped after SIGTERM."""
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    return stop
+
+
+def ready_to_exit() -> None:
+    """A worker has stopped (every thread joined, every socket closed): make its exit quick and clean.
+
+    - Later SIGTERM / SIGINT are ignored. The interpreter's teardown resets every Python signal
+      handler to the default action, so a signal landing then (the daemon's second SIGTERM, the
+      parent-death one) would turn a clean exit into death by signal; an ignored one stays ignored.
+    - The objects alive now are frozen out of the collector (``gc.freeze``): the teardown's final
+      collection walks torch's whole object graph, seconds on a busy machine, for a process whose
+      resources are already released (measured on 2 loaded cores: ~3 s to exit, 0.4-0.8 s frozen)."""
+    import gc
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    gc.freeze()

@@ -9,7 +9,18 @@ Order: load only those experts (shard/experts/store.py) -> validate them with
 a real forward -> listen (TLS; the node certificate whose hash the daemon
 puts in its signed expert record) -> write the ready file ({"expert_listen",
 "experts", "fingerprint", "validation", "weight_bytes", "pid"}) and print
-"ready" -> serve until SIGTERM / SIGINT.
+"ready" -> serve until SIGTERM / SIGINT -> stop -> return from main.
+
+The expert peer's process:
+
+    main thread   load, validate, start the server, wait for a signal; then close it and exit
+    ├── "expert"  SocketServer (shard/edges/expert_server.py): accept thread + one thread per
+    │             holder connection (TLS), each computing under the one compute lock
+    └── compute   torch's own pool, entered from the connection threads
+
+Stop: ``ExpertServer.close()`` closes the listener, shuts every connection down and joins
+every thread with a bound; main returns 0 (1 if a thread failed or outlived its bound). No
+``os._exit``: nothing can block the stop once its sockets are shut down.
 
 Holder (``--layers A:B --experts SPEC``): the range loads only SPEC's experts
 of its sparse layers; the others run on expert peers named in
@@ -22,8 +33,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -128,7 +139,7 @@ def run_peer(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from shard.experts.server import ExpertServer
+    from shard.edges.expert_server import ExpertServer
     from shard.experts.spec import ExpertSpec, ExpertSpecError
     from shard.experts.store import ExpertStore
 
@@ -148,22 +159,40 @@ def run_peer(args: argparse.Namespace) -> int:
     server = ExpertServer(store, artifact=fp.model_artifact_digest, recipe=fp.runtime_recipe_digest,
                           listen=args.expert_listen, tls_cert=args.tls_cert, tls_key=args.tls_key,
                           threads=args.threads).start()
-    stop: list[int] = []   # no Event.set() in a signal handler (meshd/cli/worker.py says why)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stop.append(signum))
-    if args.ready_file:
-        _write_ready(args.ready_file, {
-            "expert_listen": server.endpoint, "pid": os.getpid(), "experts": str(spec),
-            "fingerprint": {"artifact": fp.model_artifact_digest, "recipe": fp.runtime_recipe_digest},
-            "validation": {"ok": check.ok, "detail": check.detail, "experts": check.experts,
-                           "ms_per_expert_row": check.ms_per_expert_row},
-            "weight_bytes": store.weight_bytes, "versions": list(W.SUPPORTED_VERSIONS), "acts": list(W.ACTS)})
-    print(f"ready experts {server.endpoint}", flush=True)
+    from meshd.cli.common import ready_to_exit, stop_on_signals
+
+    stop = stop_on_signals()
     try:
+        if args.ready_file:
+            _write_ready(args.ready_file, {
+                "expert_listen": server.endpoint, "pid": os.getpid(), "experts": str(spec),
+                "fingerprint": {"artifact": fp.model_artifact_digest, "recipe": fp.runtime_recipe_digest},
+                "validation": {"ok": check.ok, "detail": check.detail, "experts": check.experts,
+                               "ms_per_expert_row": check.ms_per_expert_row},
+                "weight_bytes": store.weight_bytes, "versions": list(W.SUPPORTED_VERSIONS), "acts": list(W.ACTS)})
+        print(f"ready experts {server.endpoint}", flush=True)
         while not stop:
             time.sleep(STOP_POLL_S)
     finally:
+        problem = _close(server)
+        ready_to_exit()
+    if problem is not None:
+        print(f"[worker] stopped with a problem: {_one_line(problem)} (details in the worker log)",
+              file=sys.stderr, flush=True)
+        return 1
+    print(f"[worker] stopped; served {server.stats.as_dict()}", file=sys.stderr, flush=True)
+    return 0
+
+
+def _close(server) -> Exception | None:
+    """Close the listener and every connection, join every thread (bounded); the problem, if any."""
+    try:
         server.close()
-        print(f"[worker] stopped; served {server.stats.as_dict()}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(0)
+    except Exception as exc:
+        logging.getLogger("meshd.worker").error("stopping the expert server failed", exc_info=exc)
+        return exc
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:500] or type(exc).__name__

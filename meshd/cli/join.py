@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="model artifact directory or .gguf file")
     parser.add_argument("--layers", help="layer range A:B to serve (half-open), 'auto': the tracker assigns one, or "
                              "'none': a client-only node (no worker, no record; generates through the swarm)")
-    parser.add_argument("--memory", help="memory this node offers with --layers auto (weights + KV), e.g. 4GiB")
+    parser.add_argument("--memory", help="memory this node offers with --layers auto, e.g. 4GiB: the whole node "
+                                         "(daemon and worker at their peak, its weights' page cache included)")
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
     parser.add_argument("--swarm", help="the swarm to join (default: 'default'): LAN discovery finds only its "

@@ -2,7 +2,10 @@
 
 The coverage map is a table of layer spans x peers, one per model: each row
 is a span [A, B) with the peers serving it and a bar over the model's layers;
-the last line counts peers per layer and names the gaps.
+the last line counts peers per layer and names the gaps. Under our own
+model's table, a line says what closes its gaps: the tracker moving ranges,
+or how much memory the pool lacks ("short    need 410MiB more for layers
+21:26: one more node with --memory 420MiB, or raise a node's budget").
 """
 from __future__ import annotations
 
@@ -193,5 +196,14 @@ def render_status(s: dict) -> str:
         lines.append("coverage: no model seen in the DHT yet")
     for digest, entries in s["coverage"].items():
         lines += coverage_table(digest, entries)
+        if digest == own.get("model_digest"):
+            lines += pool_lines(s.get("pool"))
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def pool_lines(pool: dict | None) -> list[str]:
+    """What closes the gaps of our model (meshd/swarm/view.py pool_status): moves, or memory it lacks."""
+    if not pool or not pool.get("message"):
+        return []
+    return [("  short    " if pool.get("short") else "  pool     ") + pool["message"]]

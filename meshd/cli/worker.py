@@ -9,10 +9,37 @@
 Without ``--layers``, ``--experts SPEC --expert-listen HOST:PORT`` makes it an
 expert peer instead (meshd/cli/expert_worker.py).
 
-Order: load the range (progress on stderr) -> validate it with a bounded real
-forward -> listen -> write the ready file ({"listen", "tls_listen", "frames_tls", "unix", "pid"},
-atomically) and print one "ready" line on stdout -> serve until SIGTERM /
-SIGINT. Plaintext listens only on loopback; peers use the TLS port.
+Order: import the backend's libraries (only those: the llama.cpp lane never
+imports torch, ~200 MB of resident memory) and note the process's base ->
+load the range (progress on stderr) -> validate it with a bounded real
+forward and measure what the memory is made of (shard/model/memory.py: the
+figures go into the capability report) -> listen -> write the ready file
+({"listen", "tls_listen", "frames_tls", "unix", "pid"}, atomically) and print
+one "ready" line on stdout -> serve until SIGTERM / SIGINT -> stop -> return
+from main. Plaintext listens only on loopback; peers use the TLS port.
+
+The process (every thread started through a ThreadGroup whose owner joins it; the main thread
+owns them all, through WorkerEdges -- shard/edges/worker_edges.py -- and waits for them before
+main returns):
+
+    main thread   load, validate, start the edges, then sweep idle sessions and follow the
+    │             expert peer file until a signal; then WorkerEdges.stop() and exit
+    ├── gRPC      grpcio's own C-core threads; our handlers in its GroupExecutor "shard-rpc":
+    │             one thread per call (the daemon's unary calls, peers' Session streams)
+    ├── "shard-unix"     SocketServer: accept thread + one thread per connection (the daemon)
+    ├── "shard-frames"   SocketServer: accept thread + one thread per connection (peers, TLS)
+    ├── "shard-push"     the PushHub's: a reader per successor stream, a pump per pushed
+    │                    control stream on gRPC
+    └── compute          torch's / llama.cpp's own pools, entered from the threads above under
+                         the service lock (shard/session/batching.py)
+
+Stop (SIGTERM / SIGINT; the handler only appends to a list the main loop polls): the edges stop
+in the order shard/edges/worker_edges.py gives -- listeners closed, live calls a short grace,
+pushed sessions ended, connections shut down, every thread joined with a bound, sessions
+released -- then main returns 0 (1 if a thread failed or outlived its bound: the worker log
+names it). No ``os._exit`` and no watchdog: nothing native here can hang the stop (a forward in
+progress ends with its compute; every blocking read is on a socket the stop shuts down), and
+the daemon's SIGKILL after its grace stays the last resort.
 
 Errors: stderr is the worker's log (shard/session/worklog.py: tracebacks marked so the
 daemon keeps them in worker.log, off the user's terminal). A model that cannot
@@ -27,7 +54,6 @@ import ipaddress
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -74,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llama.cpp KV layout: N = one stream of kv-budget/N tokens per session, at most N "
                              "sessions (bit-exact under concurrency); auto (default) = kv-budget/512 streams, at "
                              "most 8; 0 = one pool shared by all sessions (their tokens can drift from alone runs)")
+    parser.add_argument("--slice-dir", type=Path,
+                        help="llama.cpp: a directory of this node's own for its range's GGUF slice; a new range's "
+                             "slice replaces the slices of other ranges of the model there (default: the shared "
+                             "cache, ~/.cache/meshd/slices)")
     parser.add_argument("--no-batching", action="store_true",
                         help="run each session's forward alone (continuous batching is on by default)")
     parser.add_argument("--model-id", default="", help="human label reported in the capability")
@@ -108,6 +138,41 @@ def _parse_layers(text: str) -> tuple[int, int | None]:
     return int(start_text or 0), (int(end_text) if end_text else None)
 
 
+def uses_torch(args: argparse.Namespace) -> bool:
+    """Whether this worker computes with torch (every lane but llama.cpp over a GGUF)."""
+    return not (Path(args.model).suffix == ".gguf" and args.backend == "llama.cpp")
+
+
+def import_backend_libraries(args: argparse.Namespace) -> None:
+    """Import what the backend computes with before the base is measured, so that the base is
+    the process without weights and the working memory is not inflated by library imports.
+    transformers imports most of itself lazily, at the first config and model class it builds
+    (~150 MB): the family's config and modeling modules are imported here for that reason."""
+    if uses_torch(args):
+        import importlib
+
+        import torch
+
+        torch.set_num_threads(args.threads)
+        import transformers.modeling_utils  # noqa: F401
+
+        import shard.model.torch_backend  # noqa: F401 - the adapters
+
+        if Path(args.model).is_dir():
+            from transformers import AutoConfig
+
+            try:
+                family = AutoConfig.from_pretrained(args.model).get_text_config(decoder=True).model_type
+                importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+            except Exception:  # noqa: BLE001 - the load reports a bad config; this only warms imports
+                pass
+    else:
+        from native.llama_engine import load_llama_cpp
+
+        load_llama_cpp()
+        import native.llama_backend  # noqa: F401
+
+
 def load_backend(args: argparse.Namespace, experts=None, exchange=None):
     """The RangeBackend named by the arguments (progress on stderr)."""
     start, end = _parse_layers(args.layers)
@@ -117,7 +182,7 @@ def load_backend(args: argparse.Namespace, experts=None, exchange=None):
         return load_gguf_backend(args.model, start, end, backend=args.backend, dtype=args.dtype,
                                  n_threads=args.threads, kv_budget_tokens=args.kv_budget_tokens,
                                  max_sessions=args.max_sessions, kv_streams=args.llama_kv_streams,
-                                 progress=sys.stderr)
+                                 progress=sys.stderr, slice_dir=args.slice_dir)
     if args.backend != "torch":
         raise ValueError("the llama.cpp backend serves .gguf files; use --backend torch for artifact directories")
     import shard.experts.adapters  # noqa: F401 - the MoE families register themselves (qwen3_moe, qwen2_moe)
@@ -140,15 +205,19 @@ def _one_line(exc: BaseException) -> str:
 def _load_and_validate(args: argparse.Namespace):
     """(service, router, None) once validated, or (None, None, the one-line reason it cannot serve)."""
     from meshd.cli import expert_worker
+    from shard.model.memory import memory_figures, process_memory, reset_peak
     from shard.session.service import ShardService
     from shard.session.sessions import SessionPolicy
     from shard.session.worklog import LOG_ONLY
 
     try:
+        import_backend_libraries(args)
+        base = process_memory().rss
         held, router = expert_worker.holder_exchange(args)
         if router is not None and Path(args.model).suffix == ".gguf":
             raise ValueError("--experts with --layers needs the torch lane (an artifact directory)")
         backend = load_backend(args, held, router)
+        reset_peak()   # what the load mapped and dropped is page cache, not the worker's (memory.py)
         if router is not None:
             expert_worker.adopt_fingerprint(router, backend)
             expert_worker.wait_for_peers(backend, router, args.expert_peers, args.expert_wait)
@@ -169,6 +238,13 @@ def _load_and_validate(args: argparse.Namespace):
     report = service.validate()
     if not report.validated:
         return None, None, report.detail
+    figures = memory_figures(backend, base=base, peak=process_memory().peak, kv_budget_tokens=args.kv_budget_tokens,
+                             validation_tokens=service.validation_tokens)
+    service.record_memory(figures)
+    mib = 1 << 20
+    print(f"[worker] memory: weights {figures.weight_bytes / mib:.0f} MiB, KV {figures.kv_bytes / mib:.0f} MiB, "
+          f"working {figures.working_bytes / mib:.0f} MiB, base {figures.worker_base_bytes / mib:.0f} MiB",
+          file=sys.stderr, flush=True)
     return service, router, None
 
 
@@ -211,62 +287,50 @@ def run(args: argparse.Namespace) -> int:
     if (args.tls_listen or args.frames_listen) and not (args.tls_cert and args.tls_key):
         print("--tls-listen and --frames-listen need --tls-cert and --tls-key", file=sys.stderr)
         return 2
-    import torch
-
-    torch.set_num_threads(args.threads)
-    from shard.edges.grpc_server import build_server
+    from shard.edges.worker_edges import WorkerEdges
 
     service, router, failure = _load_and_validate(args)
     if service is None:
         print(f"cannot load {args.model} layers {args.layers}: {failure}", file=sys.stderr, flush=True)
         return 1
     service.push_dialer = push_dialer
-    tls = (Path(args.tls_cert).read_bytes(), Path(args.tls_key).read_bytes()) if args.tls_listen else (None, None)
-    server, port, tls_port = build_server(service, args.listen, tls_listen=args.tls_listen,
-                                          tls_cert=tls[0], tls_key=tls[1])
-    server.start()
-    unix = None
-    if args.unix_listen:
-        from shard.edges.unix_server import UnixFrameServer
+    edges = WorkerEdges(service, listen=args.listen, tls_listen=args.tls_listen, tls_cert=args.tls_cert,
+                        tls_key=args.tls_key, unix_listen=args.unix_listen, frames_listen=args.frames_listen)
+    from meshd.cli.common import ready_to_exit, stop_on_signals
 
-        unix = UnixFrameServer(service, args.unix_listen).start()
-    frames = None
-    if args.frames_listen:
-        from shard.edges.frame_server import TlsFrameServer
-
-        frames = TlsFrameServer(service, args.frames_listen, cert_file=args.tls_cert, key_file=args.tls_key).start()
-    host = args.listen.rpartition(":")[0]
-    listen = f"{host}:{port}"
-    tls_listen = f"{args.tls_listen.rpartition(':')[0]}:{tls_port}" if tls_port else None
-    # The handler only appends to a list: Event.set() from a signal handler can deadlock against
-    # the main thread's own Event.wait() on it (the handler runs inside that wait, which holds the
-    # event's lock) -- seen as workers that never stopped after SIGTERM.
-    stop: list[int] = []
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda signum, _frame: stop.append(signum))
-    if args.ready_file:
-        _write_ready(args.ready_file, {"listen": listen, "tls_listen": tls_listen, "pid": os.getpid(),
-                                       "unix": unix.endpoint if unix else None,
-                                       "frames_tls": frames.endpoint if frames else None})
-    print(f"ready {listen}" + (f" tls {tls_listen}" if tls_listen else ""), flush=True)
+    stop = stop_on_signals()
     try:
-        last_sweep = time.monotonic()
-        while not stop:
-            time.sleep(STOP_POLL_S)   # short sleeps: signals are handled between them
-            if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
-                with service.lock:
-                    service.manager.expire()
-                last_sweep = time.monotonic()
-            expert_worker.reload_peers(router, args.expert_peers)
+        edges.start()
+        if args.ready_file:
+            _write_ready(args.ready_file, {**edges.ready(), "pid": os.getpid()})
+        print(f"ready {edges.listen}" + (f" tls {edges.tls_listen}" if edges.tls_listen else ""), flush=True)
+        serve_until(stop, service, router, args.expert_peers)
     finally:
-        if unix is not None:
-            unix.close()
-        if frames is not None:
-            frames.close()
-        server.stop(grace=1.0).wait()
-        print("[worker] stopped", file=sys.stderr, flush=True)
-    # Every stream is closed and nothing is left to flush; the interpreter's
-    # teardown of grpc and torch threads takes seconds on a busy machine, so
-    # leave at once with our status.
-    sys.stdout.flush()
-    os._exit(0)
+        problems = edges.stop()
+        ready_to_exit()
+    return _stopped(problems)
+
+
+def serve_until(stop: list[int], service, router, peers_file: str | None) -> None:
+    """The main thread's loop: sweep idle sessions, follow the expert peer file, until a signal."""
+    from meshd.cli import expert_worker
+
+    last_sweep = time.monotonic()
+    while not stop:
+        time.sleep(STOP_POLL_S)   # short sleeps: signals are handled between them
+        if time.monotonic() - last_sweep >= SWEEP_INTERVAL_S:
+            with service.lock:
+                service.manager.expire()
+            last_sweep = time.monotonic()
+        expert_worker.reload_peers(router, peers_file)
+
+
+def _stopped(problems: list[BaseException]) -> int:
+    """The exit status once every edge is stopped: 0 when every thread was joined and none failed."""
+    if problems:
+        print(f"[worker] stopped with {len(problems)} problem(s): "
+              + "; ".join(_one_line(p) for p in problems[:4]) + " (details in the worker log)",
+              file=sys.stderr, flush=True)
+        return 1
+    print("[worker] stopped", file=sys.stderr, flush=True)
+    return 0

@@ -190,22 +190,12 @@ class ApiPart:
             "expires_in_s": round((ad.expires_at_ms - now) / 1000, 1)}
 
     def _shortfall(self) -> dict | None:
-        """When layers have no server: what they need (weights + KV at the swarm's budget) against the
-        memory the pool's nodes offer beyond their own ranges -- None when every layer is served."""
-        swarm, cmap = self.node.swarm, self._coverage()
-        duty = getattr(swarm, "duty", None)
-        if cmap is None or cmap.fully_covered:
+        """When layers have no server: whether the tracker can move ranges over them or how much memory
+        the pool lacks (meshd/swarm/view.py ``pool_status``; the peers the watch found gone left out)."""
+        swarm = self.node.swarm
+        if swarm is None:
             return None
-        gaps = [[g.start, g.end] for g in cmap.gaps()]
-        if duty is None:
-            return {"gaps": gaps, "needed_bytes": None, "spare_bytes": None, "short_bytes": None}
-        fp, kv = duty.footprint, self.node.config.worker.kv_budget_tokens
-        needed = sum(fp.range_bytes(a, b, kv) for a, b in gaps)
-        spare = 0
-        for ad in self._live_ads() or []:
-            if ad.memory_budget_bytes:
-                spare += max(0, ad.memory_budget_bytes - fp.range_bytes(ad.start, ad.end, kv))
-        return {"gaps": gaps, "needed_bytes": needed, "spare_bytes": spare, "short_bytes": max(0, needed - spare)}
+        return swarm.pool_status(exclude=self.watch.gone())
 
     async def _fresh(self) -> None:
         swarm = self.node.swarm

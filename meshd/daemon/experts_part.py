@@ -38,7 +38,7 @@ import trio
 from dht.expert_records import ExpertClaim, ExpertRecord, sign_experts, sign_experts_withdrawal, validate_experts
 from meshd.daemon.advertiser import RecordSchedule
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerState
-from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, _stop, ready_or_exit
+from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, ready_or_exit
 from meshd.errors import WorkerFailed
 from meshd.plan.experts import ExpertFootprint, coverage, demand, placements, plan_experts, runs_of
 from meshd.reach.tls import TlsMaterial
@@ -130,7 +130,7 @@ class ExpertWorkerProcess(WorkerProcess):
                 return code
         finally:
             with trio.CancelScope(shield=True):
-                await _stop(proc)
+                await self.stop_and_drain(proc, log_path, state)
 
 
 # --------------------------------------------------------------------------- the advertiser

@@ -59,7 +59,10 @@ def child_env(torch_threads: int = THREADS) -> dict[str, str]:
 class LocalDaemon:
     def __init__(self, root: Path, name: str, model: Path, *, layers: str | None = "auto", memory: int | None = None,
                  bootstrap: str | None = None, record_ttl_s: float = 8.0, kv_budget_tokens: int | None = None,
-                 threads: int = THREADS, backend: str | None = None, extra: tuple[str, ...] = ()) -> None:
+                 threads: int = THREADS, backend: str | None = None, extra: tuple[str, ...] = (),
+                 wrap: Callable[[list[str]], list[str]] | None = None) -> None:
+        """``wrap``: turns the command into the one to run (e.g. inside a memory cgroup; it must exec
+        the command in the same process, so ``proc`` stays the daemon)."""
         self.name = name
         self.data_dir = root / name
         self.log = root / f"{name}.log"
@@ -76,6 +79,8 @@ class LocalDaemon:
         if bootstrap:
             args += ["--bootstrap", bootstrap]
         self._log_file = open(self.log, "w")
+        if wrap is not None:
+            args = wrap(args)
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(threads), stdout=self._log_file,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -181,13 +186,14 @@ class LocalSwarm:
         self.bootstrap: str | None = None
 
     def add(self, *, memory: int | None = None, layers: str | None = "auto", name: str | None = None,
-            model: Path | None = None, extra: tuple[str, ...] = ()) -> LocalDaemon:
+            model: Path | None = None, extra: tuple[str, ...] = (),
+            wrap: Callable[[list[str]], list[str]] | None = None) -> LocalDaemon:
         """Start a daemon; ``model`` overrides the swarm's file (e.g. a GGUF slice of it),
-        ``extra`` adds join flags to the swarm's own."""
+        ``extra`` adds join flags to the swarm's own, ``wrap`` runs it inside something (LocalDaemon)."""
         d = LocalDaemon(self.root, name or f"node{len(self.daemons)}", model or self.model, layers=layers,
                         memory=memory, bootstrap=self.bootstrap, record_ttl_s=self.record_ttl_s,
                         kv_budget_tokens=self.kv_budget_tokens, threads=self.threads, backend=self.backend,
-                        extra=(*self.extra, *extra))
+                        extra=(*self.extra, *extra), wrap=wrap)
         self.daemons.append(d)
         if self.bootstrap is None:
             self.bootstrap = d.address()

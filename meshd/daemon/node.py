@@ -1,4 +1,4 @@
-"""The meshd daemon: one trio process, one tree of nurseries.
+"""The meshd daemon: one trio process, one tree of nurseries; threads only where a task waits.
 
     run_daemon(config)
     └── host (libp2p, Noise + yamux)              dht/host/build.py
@@ -8,22 +8,42 @@
                 ├── mdns        (announce us, find and dial our swarm's LAN peers;
                 │               --no-mdns turns it off)            dht/host/mdns.py
                 ├── relaying    (dial-back probe; when private: STOP service,
-                │               relay reservations, relayed addrs)  meshd/reach/relaying.py
+                │               relay reservations, relayed addrs; relayed sessions
+                │               to the worker's Unix socket, no thread)  meshd/reach/relaying.py
                 ├── upgrader    (DCUtR handler; bounded background direct upgrades
                 │               of relayed hops)                    meshd/reach/direct_upgrade.py
                 ├── advertiser  (publish / republish / withdraw)   meshd/daemon/advertiser.py
+                ├── free KV     (the worker's Health -> our record) [thread: each Health call]
                 ├── control API (unix socket, JSON)                meshd/daemon/control.py
                 ├── HTTP API    (OpenAI, Ollama, /metrics, dashboard; generations of
-                │               both APIs pass its entry)            meshd/daemon/api_part.py
-                ├── supervisor  (worker subprocess)  meshd/daemon/supervisor.py, worker_process.py
-                ├── swarm       (tracker duty, --layers auto, directives, generate)  meshd/daemon/swarm_part.py
+                │   │           both APIs pass its entry; PeerWatch's Health probes
+                │   │           [thread each])                        meshd/daemon/api_part.py
+                │   └── a generation's task (meshd/generate/service.py)
+                │       └── [thread] the route driver (trio.to_thread: the task waits for it)
+                │           └── [ThreadGroup route-<id>] watchdog, push readers, Health probes,
+                │               close guards: joined before the driver thread returns
+                ├── supervisor  (worker subprocess: its life, its Health calls [thread each],
+                │               its output pumps)  meshd/daemon/supervisor.py, worker_process.py
+                ├── swarm       (tracker duty, --layers auto, directives, generate;
+                │               [thread] digest, footprint, tokenizer)  meshd/daemon/swarm_part.py
                 ├── experts     (MoE, --experts: expert peer worker + its record, or the
                 │               holder's directory of expert peers)  meshd/daemon/experts_part.py
                 └── signals     (SIGINT/SIGTERM -> graceful leave)
 
+Threads: trio owns the process. Blocking work leaves the loop only through
+``trio.to_thread.run_sync`` -- the calling task waits for the thread, so its
+nursery does (``[thread]`` above); a thread comes back into the loop only
+through relay/portal.py (the daemon's ``Portal``: DHT snapshots, relay dials,
+DCUtR requests, a generation's tokens in a bounded Outbox). The only threads
+that are not a waiting task's are the route driver's helpers, and those are
+in the driver's ThreadGroup, joined when its generation ends
+(tests/test_thread_ownership.py checks that none outlives the daemon).
+
 Graceful leave: stop advertising and publish the withdrawal (bounded), then
-cancel the tree: the supervisor SIGTERMs the worker (it drains or cancels
-its sessions) and waits for it, the DHT and the host close last.
+cancel the tree: a generation's driver is cancelled (it releases its hops and
+joins its threads; its task waits), the supervisor SIGTERMs the worker (it
+stops its servers, joins its threads, exits 0) and waits for it, the DHT and
+the host close last.
 
 ``Node`` is the composition root: it wires the parts and answers the
 control API; each part owns its own state.
@@ -63,10 +83,13 @@ from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
 from meshd.daemon.swarm_part import Swarm
 from meshd.daemon.worker_process import WorkerProcess, WorkerSpec, fetch_health
 from meshd.reach.direct_upgrade import DirectUpgrader
-from meshd.reach.relay_dial import LoopPortal, RelayDialer
+from meshd.reach.relay_dial import RelayDialer
 from meshd.reach.relaying import Relaying
 from meshd.reach.tls import TlsMaterial, load_or_create_tls, split_endpoint
+from proto import shard_runtime_pb2 as pb
+from relay.portal import Portal
 from relay.reachability import serve_dialback
+from shard.model.memory import process_memory
 
 if TYPE_CHECKING:   # torch-heavy: imported when the node runs an expert part
     from meshd.daemon.experts_part import ExpertPart
@@ -81,6 +104,9 @@ REBOOTSTRAP_INTERVAL_S = 10.0
 STATUS_FETCH_TIMEOUT_S = 10.0
 # Models shown in the coverage map: ours plus the indexes we hold, bounded.
 MAX_STATUS_MODELS = 16
+# Our record's daemon base is rounded up to this: the daemon grows by a few MiB as it meets peers
+# and serves requests, and every change of the figure would republish the record.
+DAEMON_BASE_STEP_BYTES = 8 << 20
 
 Progress = Callable[[str], None]
 
@@ -141,7 +167,7 @@ class Node:
         self._ready: WorkerReady | None = None
         # circuits to relayed peers, shared by every generation (remembers relays that failed)
         self.upgrader = DirectUpgrader(host)   # answers peers' hole punches, tries ours
-        self.relay_dialer = RelayDialer(host, LoopPortal.current(), upgrader=self.upgrader)
+        self.relay_dialer = RelayDialer(host, Portal.current(), upgrader=self.upgrader)
         self.mdns: MdnsDiscovery | None = None   # dht/host/mdns.py (started by run_daemon unless --no-mdns)
         listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
         self.tls_bind_host = listen_ip
@@ -179,7 +205,8 @@ class Node:
     async def on_worker_ready(self, ready: WorkerReady) -> None:
         self._ready = ready
         self.free_kv.reset()
-        self.relaying.serve_worker(ready.unix or ready.listen)   # the frame socket: no gRPC leg
+        if ready.unix:   # relayed sessions reach the worker on its frame socket (a worker without one: none)
+            self.relaying.serve_worker(ready.unix)
         self.refresh_claim()
 
     def refresh_claim(self) -> None:
@@ -208,6 +235,7 @@ class Node:
             claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
         if self.memory_budget_bytes:
             claim = replace(claim, memory_budget_bytes=self.memory_budget_bytes)
+        claim = replace(claim, memory=self.memory_figures(ready.report))
         if claim == self.advertiser.claim:
             return
         first = self.advertiser.claim is None
@@ -217,6 +245,16 @@ class Node:
             self.progress(f"ready: worker serves layers {claim.start_layer}:{claim.end_layer} of "
                           f"{claim.num_layers} ({claim.model_artifact_digest[:23]}...), advertising"
                           + (f" through {len(claim.relayed_addrs)} relayed addrs" if self.relaying.private else ""))
+
+    def memory_figures(self, report) -> pb.MemoryFigures:
+        """What our record says of our memory: the worker's measured parts plus this daemon's base
+        (its peak resident set so far, rounded up to DAEMON_BASE_STEP_BYTES so that small growth
+        does not republish the record)."""
+        figures = pb.MemoryFigures()
+        figures.CopyFrom(report.memory)
+        peak = process_memory().peak
+        figures.daemon_base_bytes = -(-peak // DAEMON_BASE_STEP_BYTES) * DAEMON_BASE_STEP_BYTES
+        return figures
 
     async def on_worker_down(self) -> None:
         self._ready = None
@@ -287,6 +325,7 @@ class Node:
                     "frames_endpoint": r.payload.reachability.frames_endpoint,
                     "tls_cert_sha256": r.payload.reachability.tls_cert_sha256.hex(),
                     "model_id": r.payload.model_id, "free_kv_tokens": r.payload.free_kv_tokens,
+                    "memory": memory_dict(r.payload.memory),
                 } for r in live(records, now)]
 
         async with trio.open_nursery() as nursery:
@@ -307,6 +346,12 @@ class Node:
                 "advertising": advert.advertising, "sequence": advert.sequence,
                 "expires_in_s": round((advert.expires_at_ms - now) / 1000, 1) if advert.expires_at_ms else None,
                 "acks": advert.last_acks, "tls_cert_sha256": self.tls.sha256.hex(),
+                # --memory is the whole node's promise: what it is, what we published, what we use now
+                "memory": {"budget_bytes": self.config.memory_bytes or 0,
+                           "published": memory_dict(self.advertiser.claim.memory)
+                           if self.advertiser.claim is not None and self.advertiser.claim.memory else None,
+                           "daemon_rss_bytes": process_memory().rss,
+                           "daemon_peak_bytes": process_memory().peak},
             },
             "worker": worker,
             **({"experts": self.experts.status()} if self.experts is not None else {}),
@@ -317,6 +362,8 @@ class Node:
             "http": self.api.http_status(),
             "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
                          for d, v in coverage.items()},
+            # layers of our model without a server, and what closes them (meshd/swarm/view.py pool_status)
+            "pool": self.swarm.pool_status() if self.swarm is not None else None,
         }
 
 
@@ -328,6 +375,13 @@ async def _warn_foreign_bootstrap(dht: DhtNode, reached: list[str], swarm: str, 
         if not await dht.speaks_dht(ID.from_base58(text)):
             progress(f"warning: bootstrap peer {text} is not in swarm {swarm!r} (it does not speak "
                      f"{dht.protocol}): no records are exchanged with it; give both nodes the same --swarm")
+
+
+def memory_dict(figures: pb.MemoryFigures) -> dict[str, int]:
+    """A record's measured memory for ``meshd status`` (bytes; shard/model/memory.py says what each is)."""
+    return {"weight_bytes": figures.weight_bytes, "kv_bytes": figures.kv_bytes,
+            "working_bytes": figures.working_bytes, "worker_base_bytes": figures.worker_base_bytes,
+            "daemon_base_bytes": figures.daemon_base_bytes}
 
 
 async def _wait_for_signal(cancel_scope: trio.CancelScope, node: Node, progress: Progress) -> None:

@@ -15,7 +15,9 @@
 
 The relay keeps no state beyond the library's reservations and its own
 counters (HopService.snapshot). It never runs a worker and never parses a
-frame: what it forwards is the end peers' Noise ciphertext.
+frame: what it forwards is the end peers' Noise ciphertext. It starts no
+thread of its own: trio runs everything above (only the libraries' own
+machinery, e.g. trio's and py-libp2p's, may use threads).
 """
 from __future__ import annotations
 

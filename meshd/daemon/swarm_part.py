@@ -4,16 +4,18 @@
     ├── worker slot     meshd/daemon/worker_slot.py   (only with --layers auto)
     └── refresh loop    every DUTY_REFRESH_S:
           read the model's live ads (meshd/swarm/view.py)
-          not serving yet (auto)  -> no tracker: plan our own range (plan_join)
-                                     else ask the tracker (/meshd/join/1)
-          on tracker duty         -> push rebalancing directives (meshd/swarm/tracker_duty.py)
+          not serving yet (auto)  -> meshd/swarm/member.py join_step: wait for the swarm's records,
+                                     plan our own range (no tracker), or ask the tracker (/meshd/join/1)
+          on tracker duty         -> push the moves that close a gap (meshd/swarm/tracker_duty.py);
+                                     a refused or undelivered move is reported back to the duty
     stream handlers: /meshd/join/1 (answered by TrackerDuty when on duty),
                      /meshd/directive/1 (accepted via directives.accept_directive)
     control API:     "generate" (meshd/generate/service.py), "swarm" (this view)
 
 A directive is acted on only after ``accept_directive`` said yes in this
 node's own view (current tracker, expiry, replay ledger, no gap while our
-worker has sessions); LOAD (re)starts the worker on the range, DROP stops it.
+worker has sessions; meshd/swarm/member.py take_directive); LOAD (re)starts
+the worker on the range, DROP stops it.
 Nodes started with a fixed ``--layers A:B`` refuse directives: the user chose.
 
 A client-only node (``--layers none``) has no tracker duty at all (it holds
@@ -27,7 +29,14 @@ its source's), footprint (tensor infos) and tokenizer (its metadata) come
 from the file. A node holding a slice plans, asks and accepts only ranges
 inside it, and advertises no memory budget (never moved by rebalancing).
 
-State: the model digest and footprint (from the artifact, once), the last
+``pool_status`` is what this node says about layers without a server (the
+status reply, the dashboard, the API's 503): meshd/swarm/view.py over the
+latest snapshot.
+
+State: the model digest and footprint (from the artifact, once, with the
+lane's estimates of working memory and process bases; each refresh plans
+with the figures nodes of our backend measured instead, once the records
+carry any: meshd/plan/footprint.py measured_footprint), the last
 snapshot, the directive ledger, the worker slot. Everything else is the
 daemon's (Node) and is read through it.
 """
@@ -43,14 +52,14 @@ from meshd.daemon.worker_slot import WorkerSlot
 from meshd.errors import DaemonError
 from meshd.generate.routes import LoadBook
 from meshd.plan.adverts import CoverageMap, Span
-from meshd.plan.assignment import JoinRequest, plan_join
-from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
-from meshd.plan.errors import DirectiveRefused, PlanningError
+from meshd.plan.assignment import JoinRequest, ModelFootprint
+from meshd.plan.directives import DirectiveLedger, NodeView
 from meshd.plan.tracker import current_tracker, epoch_at
 from meshd.sizes import format_size
+from meshd.swarm.member import PlanOwn, Wait, join_step, open_for, take_directive
 from meshd.swarm.tracker_duty import DUTY_REFRESH_S, TrackerDuty
-from meshd.swarm.view import SwarmSnapshot, fetch_snapshot
-from meshd.swarm.wire import DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, open_directive, serve
+from meshd.swarm.view import SwarmSnapshot, fetch_snapshot, pool_status
+from meshd.swarm.wire import DIRECTIVE_PROTOCOL, JOIN_PROTOCOL, SwarmUnreachable, exchange, serve
 from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError
 
@@ -86,6 +95,7 @@ class Swarm:
         self.num_layers = 0
         self.held: Span | None = None  # the layers a GGUF slice holds (None: the whole model)
         self.duty: TrackerDuty | None = None
+        self.estimated: ModelFootprint | None = None   # the model's footprint with the lane's estimates
         self.snapshot: SwarmSnapshot | None = None
         self.ledger = DirectiveLedger()
         self.pins: dict[str, bytes] = {}
@@ -117,6 +127,7 @@ class Swarm:
             self.node.progress("client-only: holding no layers, generating through the swarm's peers")
             return   # no footprint, no tracker duty: nothing is ever planned for or by this node
         footprint = await trio.to_thread.run_sync(model_footprint, model, self.digest, w.backend, w.dtype)
+        self.estimated = footprint   # the lane's estimates; measured figures replace them (_measured)
         self.duty = TrackerDuty(self.node.identity.peer_id, footprint, self.node.identity.signing_key,
                                 self.kv_budget, rng=random.Random())
 
@@ -193,11 +204,20 @@ class Swarm:
             for peer, addrs in todo:
                 nursery.start_soon(dial, peer, addrs)
 
+    def _measured(self, snap: SwarmSnapshot) -> None:
+        """Plan with the working memory and bases nodes of our backend measured and published
+        (meshd/plan/footprint.py measured_footprint), not the lane's estimates, once there are any."""
+        from meshd.plan.footprint import measured_footprint
+
+        if self.duty is not None and self.estimated is not None:
+            self.duty.footprint = measured_footprint(self.estimated, snap.ads, self.config.worker.backend)
+
     async def refresh(self) -> None:
         snap = await self.fresh_snapshot()
         await self._mesh(snap)
         if self.duty is None:
             return   # a client-only node: the view and the mesh are all it keeps
+        self._measured(snap)
         now = wall_ms()
         if self.slot is not None and (self.slot.layers is None or self.slot.failure):
             await self._join(snap, now)
@@ -206,30 +226,23 @@ class Swarm:
 
     async def _join(self, snap: SwarmSnapshot, now: int) -> None:
         duty, slot = self.duty, self.slot
-        assert duty is not None and slot is not None   # the refresh checked both
-        tracker = duty.tracker(snap, now)
-        me = self.node.identity.peer_id
-        request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget, self.held)
-        if tracker is None and self.node.expects_peers and time.monotonic() - self.started < NO_TRACKER_GRACE_S:
-            self._note_join("waiting for the swarm's records to name a tracker before planning our own range")
+        assert duty is not None and slot is not None   # refresh() checked both
+        request = JoinRequest(self.node.identity.peer_id, int(self.config.memory_bytes), self.kv_budget, self.held)
+        waiting = self.node.expects_peers and time.monotonic() - self.started < NO_TRACKER_GRACE_S
+        step = join_step(duty, snap, now, request, waiting=waiting)
+        if isinstance(step, Wait):
+            self._note_join(step.note)
             return
-        if tracker is None or tracker == me:
-            empty = CoverageMap.build(snap.ads, model_digest=self._digest, num_layers=self.num_layers)
-            try:
-                plan = plan_join(empty, duty.footprint, request)
-            except PlanningError as exc:
-                self._note_join(f"cannot plan a range: {exc}")
-                return
+        if isinstance(step, PlanOwn):
+            plan = step.assignment
             self.node.progress(f"no tracker for the model yet: taking layers {plan.span.start}:{plan.span.end} "
                                f"({format_size(plan.needed_bytes)} of {format_size(request.memory_bytes)})")
             await slot.load((plan.span.start, plan.span.end))
             return
-        ask = pb.JoinAsk(schema_version=pb.SCHEMA_VERSION_1, model_artifact_digest=self.digest,
-                         memory_budget_bytes=request.memory_bytes, kv_budget_tokens=self.kv_budget,
-                         held_start=self.held.start if self.held else 0, held_end=self.held.end if self.held else 0)
+        tracker = step.tracker
         try:
             raw = await exchange(self.node.host, tracker, snap.addrs.get(tracker, ()), JOIN_PROTOCOL,
-                                 ask.SerializeToString(), relayed=snap.relayed.get(tracker, ()))
+                                 step.ask.SerializeToString(), relayed=snap.relayed.get(tracker, ()))
             reply = pb.JoinReply.FromString(raw)
         except (SwarmUnreachable, MeshdError, ValueError) as exc:
             self._note_join(f"tracker {tracker[:16]} unreachable: {exc}")
@@ -247,6 +260,8 @@ class Swarm:
         self.last_join = line
 
     async def _push(self, target: str, records: list[bytes], snap: SwarmSnapshot) -> None:
+        duty = self.duty
+        assert duty is not None   # only a serving node's tracker duty pushes
         for record in records:
             try:
                 raw = await exchange(self.node.host, target, snap.addrs.get(target, ()), DIRECTIVE_PROTOCOL, record,
@@ -254,10 +269,12 @@ class Swarm:
                 ack = pb.DirectiveAck.FromString(raw)
             except (MeshdError, ValueError) as exc:
                 log.info("directive to %s not delivered: %s", target[:16], exc)
+                duty.push_failed(target, wall_ms())
                 return
             self.node.progress(f"tracker: directive to {target[:16]}: "
                                + ("accepted" if ack.accepted else f"refused ({ack.reason}: {ack.detail[:200]})"))
             if not ack.accepted:
+                duty.push_failed(target, wall_ms())
                 return
 
     # ------------------------------------------------------------------ directives
@@ -266,41 +283,28 @@ class Swarm:
         return int(sup.state.health.get("active_sessions", 0)) if sup is not None else 0
 
     async def _apply(self, record: bytes) -> pb.DirectiveAck:
-        """Verify and accept one signed directive in our own fresh view; act on it."""
-        try:
-            directive, signer = open_directive(record)
-        except MeshdError as exc:
-            return pb.DirectiveAck(accepted=False, reason="malformed", detail=str(exc)[:500])
-        if self.client:
-            return pb.DirectiveAck(accepted=False, reason="client_only",
-                                   detail="this node holds no layers (--layers none)")
-        if self.slot is None:
-            return pb.DirectiveAck(accepted=False, reason="fixed_range",
-                                   detail="this node serves the range its operator gave (--layers A:B)")
+        """Verify and accept one signed directive in our own fresh view (meshd/swarm/member.py); act on it."""
+        role = "client" if self.client else "auto" if self.slot is not None else "fixed"
+        opened = open_for(record, role)
+        if isinstance(opened, pb.DirectiveAck):
+            return opened
+        directive, signer = opened
         snap = await self.fresh_snapshot()
-        now = wall_ms()
         view = NodeView(self.node.identity.peer_id, self._digest, self.num_layers, snap.ads,
                         active_sessions=self._active_sessions())
-        try:
-            accepted, self.ledger = accept_directive(directive, signer_peer_id=signer, view=view,
-                                                     ledger=self.ledger, now_ms=now)
-        except DirectiveRefused as exc:
-            self.node.progress(f"refused a directive from {signer[:16]}: {exc}")
-            return pb.DirectiveAck(accepted=False, reason=exc.reason.value, detail=str(exc)[:500])
-        span = accepted.intent.span
-        if (accepted.intent.action == pb.DIRECTIVE_ACTION_LOAD_SHARD and self.held is not None
-                and not self.held.start <= span.start < span.end <= self.held.end):
-            self.node.progress(f"refused a directive from {signer[:16]}: layers {span.start}:{span.end} "
-                               f"are outside our slice {self.held.start}:{self.held.end}")
-            return pb.DirectiveAck(accepted=False, reason="not_held",
-                                   detail=f"this node holds layers {self.held.start}:{self.held.end} only")
-        if accepted.intent.action == pb.DIRECTIVE_ACTION_DROP_SHARD:
-            self.node.progress(f"directive from tracker {signer[:16]}: drop layers {span.start}:{span.end}")
-            await self.slot.drop()
-        else:
-            self.node.progress(f"directive from tracker {signer[:16]}: load layers {span.start}:{span.end}")
-            await self.slot.load((span.start, span.end))
-        return pb.DirectiveAck(accepted=True)
+        verdict = take_directive(directive, signer, view=view, ledger=self.ledger, now_ms=wall_ms(), held=self.held)
+        if verdict.ledger is not None:
+            self.ledger = verdict.ledger
+        if verdict.note:
+            self.node.progress(verdict.note)
+        slot = self.slot
+        if slot is None:   # open_for refuses load/drop directives to fixed and client nodes
+            return verdict.ack
+        if verdict.action == pb.DIRECTIVE_ACTION_DROP_SHARD:
+            await slot.drop()
+        elif verdict.action == pb.DIRECTIVE_ACTION_LOAD_SHARD and verdict.span is not None:
+            await slot.load((verdict.span.start, verdict.span.end))
+        return verdict.ack
 
     async def _on_directive(self, remote: str, body: bytes) -> bytes:
         return (await self._apply(body)).SerializeToString()
@@ -313,6 +317,7 @@ class Swarm:
         if self.duty is None:
             return pb.JoinReply(refusal="this node has no tracker duty").SerializeToString()
         snap = await self.fresh_snapshot()
+        self._measured(snap)
         return self.duty.answer_join(remote, ask, snap, wall_ms()).SerializeToString()
 
     # ------------------------------------------------------------------ control API
@@ -322,6 +327,20 @@ class Swarm:
         if self.duty is not None:
             return self.duty.tracker(snap, now_ms)
         return current_tracker(snap.ads, model_digest=self._digest, epoch=epoch_at(now_ms), now_ms=now_ms)
+
+    def pool_status(self, exclude=()) -> dict | None:
+        """Layers without a server and what closes them, from the latest snapshot (meshd/swarm/view.py):
+        the same answer on every node; the tracker adds the loads it is waiting for."""
+        snap = self.snapshot
+        if snap is None or not self.digest or not self.num_layers:
+            return None
+        now = wall_ms()
+        tracker = self.tracker(snap, now)
+        pending = None
+        if self.duty is not None and tracker == self.node.identity.peer_id:
+            pending = {peer: span for peer, (span, until) in self.duty.pending.items() if until > now}
+        return pool_status(snap, self.duty.footprint if self.duty is not None else None, self.kv_budget, now,
+                           num_layers=self.num_layers, tracker=tracker, pending=pending, exclude=exclude)
 
     async def view(self) -> dict:
         snap = await self.fresh_snapshot() if self.digest else None
@@ -338,5 +357,6 @@ class Swarm:
                 "auto": self.auto, "layers": list(self.slot.layers) if self.slot and self.slot.layers else
                 (list(self.config.layers) if self.config.layers else None),
                 "serving": bool(self.node.advertiser.claim), "coverage": coverage,
+                "pool": self.pool_status() if snap else None,
                 "ads": [{"peer_id": a.peer_id, "start": a.start, "end": a.end} for a in snap.ads] if snap else [],
                 "relayed": {pid: list(addrs) for pid, addrs in snap.relayed.items()} if snap else {}}

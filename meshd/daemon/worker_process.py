@@ -4,8 +4,10 @@
 wait (bounded) for its "ready" line; ask it for its CapabilityReport over
 loopback gRPC -- in a thread, grpc stays out of the trio loop -- and check it
 is validated for exactly our range; hand it to ``on_ready``; then poll Health
-until the process exits. Cancellation sends SIGTERM (the worker drains its
-sessions), waits ``STOP_GRACE_S``, then SIGKILL. Worker output goes to
+until the process exits. Cancellation sends SIGTERM (the worker stops its
+servers, joins its threads and exits 0), waits ``STOP_GRACE_S``, then SIGKILL;
+the worker's last lines still reach its log, and its exit code is the state's
+``last_exit``. Worker output goes to
 ``worker.log`` in the data dir and, line by line, to the progress callback
 and the state's stderr tail (``meshd status``) -- except the lines of a
 traceback (marked by the worker, shard/session/worklog.py), which stay in the log file.
@@ -44,6 +46,8 @@ HEALTH_TIMEOUT_S = 5.0
 HEALTH_INTERVAL_S = 5.0
 # Three missed health checks in a row: the worker is wedged, restart it.
 MAX_HEALTH_FAILURES = 3
+# After a stopped worker is gone, its last output is read for at most this long (module docstring).
+DRAIN_S = 2.0
 # A worker line longer than this is cut (a peer never writes here, but a traceback might).
 MAX_LINE_CHARS = 2000
 
@@ -95,6 +99,9 @@ class WorkerSpec:
             cmd += ["--no-batching"]
         if self.llama_kv_streams != "auto":   # the worker's default is auto
             cmd += ["--llama-kv-streams", str(self.llama_kv_streams)]
+        if self.backend == "llama.cpp" and not os.environ.get("MESHD_SLICE_CACHE"):
+            # the node's own slice: one range's at a time (native/slice.py), inside the node's data
+            cmd += ["--slice-dir", str(self.run_dir / "slices")]
         if self.experts is not None or self.offload_experts:
             cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
             cmd += ["--expert-peers", str(self.expert_peers)] if self.expert_peers else []
@@ -197,7 +204,20 @@ class WorkerProcess:
                 return code
         finally:
             with trio.CancelScope(shield=True):
-                await _stop(proc)
+                await self.stop_and_drain(proc, log_path, state)
+
+    async def stop_and_drain(self, proc: _ChildProcess, log_path: Path, state: WorkerState) -> None:
+        """Stop the child (``_stop``: SIGTERM, SIGKILL after STOP_GRACE_S) while its last lines
+        still reach its log -- "[worker] stopped", or what kept it from stopping cleanly -- and
+        keep its exit code in ``state.last_exit``. Bounded: a pipe some grandchild holds open is
+        given up DRAIN_S after the child is gone."""
+        with trio.move_on_after(STOP_GRACE_S + DRAIN_S):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, proc.stdout, log_path, state, None)
+                nursery.start_soon(self._pump, proc.stderr, log_path, state, None)
+                await _stop(proc, close_pipes=False)
+        await _close_pipes(proc)
+        state.last_exit = proc.returncode
 
     @staticmethod
     def _read_ready(path: Path, pid: int) -> WorkerReady:
@@ -348,8 +368,8 @@ class _ChildProcess:
         self.send_signal(signal.SIGKILL)
 
 
-async def _stop(proc: _ChildProcess) -> None:
-    """SIGTERM (the worker drains), SIGKILL after STOP_GRACE_S; always reaps and closes pipes."""
+async def _stop(proc: _ChildProcess, *, close_pipes: bool = True) -> None:
+    """SIGTERM (the worker drains), SIGKILL after STOP_GRACE_S; always reaps (and closes the pipes)."""
     try:
         if proc.returncode is None:
             proc.terminate()
@@ -359,5 +379,10 @@ async def _stop(proc: _ChildProcess) -> None:
                 proc.kill()
                 await proc.wait()
     finally:
-        await proc.stdout.aclose()
-        await proc.stderr.aclose()
+        if close_pipes:
+            await _close_pipes(proc)
+
+
+async def _close_pipes(proc: _ChildProcess) -> None:
+    await proc.stdout.aclose()
+    await proc.stderr.aclose()

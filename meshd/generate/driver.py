@@ -59,7 +59,9 @@ SLOW_PEER_RETRIES times -- a peer that was merely slow once keeps serving.
 
 Threads: ``generate`` is blocking and runs in a worker thread; ``cancel`` is
 safe from any thread (the current step finishes, then every hop's KV is
-released). The watchdog thread only cuts calls.
+released). The watchdog thread only cuts calls. Every thread a generation
+starts (the watchdog, a pushed route's readers and probes) is in its
+ThreadGroup (``threads``), joined before ``generate`` returns.
 
 Ownership: each driver holds a random secret; every hop's SessionOpen (and
 unary Release) carries ``owner_token(peer, range)`` = HMAC-SHA256(secret,
@@ -84,7 +86,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -102,7 +106,10 @@ from meshd.plan.routing import Hop, Route, hops_to_reprefill
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, MeshdError
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_STOP_TOKENS
+from proto.threads import ThreadGroup
 from shard.model.sampling import SamplingSpec, check_top_logprobs
+
+log = logging.getLogger(__name__)
 
 # Failovers one generation may go through before giving up (each needs a
 # distinct failed peer or a bounded retry, so this also bounds the peers we try).
@@ -325,10 +332,9 @@ class SwarmDriver:
         self._return_logits = request.return_logits
         self._want_logprobs = request.logprobs or request.top_logprobs > 0
         self.stats.started_at = time.monotonic()
-        watchdog = threading.Thread(target=self._watch, name="route-watchdog", daemon=True)
         done = threading.Event()
         self._done = done
-        watchdog.start()
+        self._start_threads()
         try:
             self._set_route(self._plan_first())
             self._rows[0] = _Rows(np.asarray(request.prompt_ids, dtype=np.int64))
@@ -347,6 +353,7 @@ class SwarmDriver:
         finally:
             done.set()
             self._close_all()
+            self._end_threads()
 
     def embed(self, prompt_ids: Sequence[int], chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS) -> np.ndarray:
         """The final-normed hidden state of every prompt position, [T, hidden] float32: one prefill
@@ -362,9 +369,8 @@ class SwarmDriver:
         self._tail = pb.TailOptions(return_hidden=True)
         self._return_logits = self._want_logprobs = False
         self.stats.started_at = time.monotonic()
-        watchdog = threading.Thread(target=self._watch, name="route-watchdog", daemon=True)
         self._done = done = threading.Event()
-        watchdog.start()
+        self._start_threads()
         try:
             self._set_route(self._plan_first())
             self._rows[0] = _Rows(np.asarray(prompt_ids, dtype=np.int64))
@@ -375,6 +381,7 @@ class SwarmDriver:
         finally:
             done.set()
             self._close_all()
+            self._end_threads()
 
     def _token_of(self, out: TailOut) -> SampledToken:
         if self._return_logits:
@@ -574,6 +581,22 @@ class SwarmDriver:
             self.on_failover(event)
 
     # ------------------------------------------------------------------ housekeeping
+    def _start_threads(self) -> None:
+        """This generation's ThreadGroup (the watchdog now; links add their readers and probes)."""
+        self.threads = ThreadGroup(f"route-{self.session_id[:8]}")
+        self.threads.start(self._watch, name="watchdog")
+
+    def _end_threads(self) -> None:
+        """Join every thread of this generation (bounded; the links are closed, so each ends). A
+        thread's error is raised, unless the generation already ends with one: then it is logged."""
+        if sys.exc_info()[1] is None:
+            self.threads.close()
+            return
+        try:
+            self.threads.close()
+        except Exception as exc:
+            log.error("route %s: its threads did not end cleanly", self.session_id[:8], exc_info=exc)
+
     def _check_cancel(self) -> None:
         if self._cancel.is_set():
             raise GenerationCancelled("the generation was cancelled; its KV is released on every hop")

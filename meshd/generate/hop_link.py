@@ -40,6 +40,7 @@ from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION, parse_response
 from proto.tensors import decode_bundle
+from proto.threads import ThreadGroup
 from proto.zerocopy import read_response
 from shard.edges.grpc_server import SERVICE_NAME
 from shard.session.request_queue import RequestQueue
@@ -249,12 +250,16 @@ class HopLink:
         if self._call is not None:
             self._call.cancel()
 
+    def _cut_after(self, closed: threading.Event) -> None:
+        """The close's guard: cut the call unless the close is done within RELEASE_TIMEOUT_S."""
+        if not closed.wait(RELEASE_TIMEOUT_S):
+            self.cancel_call()
+
     def close(self, *, release: bool) -> None:
         """Release the session (in-stream if alive, else by unary RPC) and close the channel."""
         s = self.spec
-        guard = threading.Timer(RELEASE_TIMEOUT_S, self.cancel_call)  # a frozen peer never blocks a close
-        guard.daemon = True
-        guard.start()
+        guard = ThreadGroup(f"hop-{self.index}-close")    # a frozen peer never blocks a close
+        guard.start(self._cut_after, guard.stopping, name="release-guard")
         try:
             if release and self.is_open:
                 released = False
@@ -279,7 +284,7 @@ class HopLink:
                         # gRPC fallback of a frames channel.
                         pass
         finally:
-            guard.cancel()
+            guard.close()
             self._queue.finish()
             if self._call is not None:
                 self._call.cancel()

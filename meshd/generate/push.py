@@ -85,6 +85,7 @@ from proto.chunking import plan_prefill_chunks
 from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
 from proto.limits import DECODE_STEP_BASE
+from proto.threads import ThreadGroup
 from shard.edges.grpc_server import SERVICE_NAME
 from shard.session.stream import HIDDEN, TOKEN_IDS
 
@@ -99,9 +100,10 @@ class PushLink(star._LazyLink):
     """A hop's control stream of a pushed route: sends inputs (head), a reader thread hears the rest."""
 
     def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector, *, patience: float,
-                 events: queue.Queue) -> None:
+                 events: queue.Queue, threads: ThreadGroup) -> None:
         super().__init__(index, spec, hop, connector, patience=patience)
         self._events = events
+        self._threads = threads            # the generation's: joined when it ends
         self._opened = False
         self._closing = False
         self._cond = threading.Condition()
@@ -133,7 +135,7 @@ class PushLink(star._LazyLink):
         self._credits = resp.accepted.flow_control.credits_granted
         self.successor = None if self.target is None else (self.target.peer_id, self.target.route_epoch)
         self._opened = True
-        threading.Thread(target=self._read_loop, name=f"push-hop-{self.index}", daemon=True).start()
+        self._threads.start(self._read_loop, name=f"push-hop-{self.index}")
 
     # ------------------------------------------------------------------ reader thread
     def _read_loop(self) -> None:
@@ -257,7 +259,7 @@ class PushLink(star._LazyLink):
             finally:
                 answered.set()
 
-        threading.Thread(target=ask, name=f"push-probe-{self.index}", daemon=True).start()
+        self._threads.start(ask, name=f"push-probe-{self.index}")
         return answered.wait(PROBE_TIMEOUT_S) and verdict[0]
 
     def close(self, *, release: bool) -> None:
@@ -340,7 +342,7 @@ class PushDriver(star.SwarmDriver):
         if not self._pushing:
             return link
         return PushLink(index, link.spec, hop, self.connector, patience=link.deadlines.patience,
-                        events=self._events)
+                        events=self._events, threads=self.threads)
 
     def _target(self, link, *, head: bool = False) -> pb.PushTarget:
         target = self._target_of(link._hop, head=head)

@@ -7,7 +7,8 @@ call ``generate`` with params they validated themselves). Data flow::
     GenerateParams (meshd/generate/params.py; a bad field is the client's LocalError)
       -> readiness: our worker serves (a client-only node, --layers none: the model's
          digest is known), the swarm covers every layer (else NotReady: the edge says
-         "retry later", HTTP 503 + Retry-After)
+         "retry later", HTTP 503 + Retry-After, with the layers nobody serves and, when
+         the pool is short, the memory that closes the gap: the swarm's ``pool_status``)
       -> token ids (the artifact's tokenizer, meshd/generate/tokenizer.py: chat
          template for messages, or for a prompt unless "raw")
       -> SwarmDriver (meshd/generate/driver.py) in one worker thread,
@@ -15,7 +16,7 @@ call ``generate`` with params they validated themselves). Data flow::
          channels pinned to each peer's certificate (PeerConnector), or
          circuits through a relay for peers behind NAT (meshd/reach/relay_dial.py),
          each metered when an observer is given (meshd/generate/hop_meter.py)
-      -> token ids through a bounded channel -> TextStream (stop strings held
+      -> token ids through a bounded Outbox (relay/portal.py) -> TextStream (stop strings held
          back and cut, meshd/generate/textstream.py) -> events:
       <- {"event": "start", "prompt_tokens": n, "session": id}
          {"text": "...", "token": id[, "logprob", "piece", "top_logprobs"][, "route"]} per token
@@ -38,6 +39,12 @@ rather than asking the tracker: one round trip less, and a
 generation never depends on the tracker being reachable mid-way, e.g. while
 duty moves after the tracker died.
 
+Threads: the driver runs in one ``trio.to_thread`` thread that the calling
+task waits for (so its nursery does), and the driver joins every thread it
+started (its ThreadGroup: watchdog, push readers) before that thread returns.
+The thread reaches the loop only through the daemon's Portal (DHT snapshots,
+tokens).
+
 Cancellation: the caller cancelling (client gone, deadline, daemon stopping)
 cancels the driver; it finishes the step in flight and releases the KV on
 every hop before the thread returns. A completed stop string ends the
@@ -45,7 +52,6 @@ generation the same way. The daemon never abandons the thread.
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -64,6 +70,7 @@ from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import plan_route
 from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError
+from relay.portal import Outbox, Portal
 
 # Tokens buffered between the driver thread and the socket writer.
 TOKEN_QUEUE_DEPTH = 32
@@ -132,7 +139,10 @@ async def check_ready(swarm) -> None:
         if attempt == 0:
             snap = await swarm.fresh_snapshot()
     gaps = ", ".join(f"{g.start}:{g.end}" for g in cmap.gaps())
-    raise NotReady(f"no peer serves layers {gaps} of the model right now; retry once a node covers them")
+    pool = swarm.pool_status() if hasattr(swarm, "pool_status") else None
+    why = f": {pool['message']}" if pool and pool.get("short") else (
+        "; the tracker is moving ranges to cover them" if pool and pool.get("short") is False else "")
+    raise NotReady(f"no peer serves layers {gaps} of the model right now{why}; retry once a node covers them")
 
 
 async def entry_tokenizer(swarm):
@@ -179,8 +189,10 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
         state = node.supervisor.state
         own_endpoint, own_unix = state.endpoint, state.unix
 
+    portal = Portal.current()
+
     def ads():
-        return trio.from_thread.run(swarm.fresh_snapshot).ads
+        return portal.run(swarm.fresh_snapshot).ads
 
     def cached_ads():
         snap = swarm.snapshot   # replaced whole by the refresh loop: safe to read from the driver thread
@@ -291,28 +303,17 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
                             stop_ids=tokenizer.stop_ids, logprobs=params.logprobs,
                             top_logprobs=params.top_logprobs)
     failovers = failovers if failovers is not None else []
-    # Tokens cross into trio without the driver thread waiting for the loop: a slot of
-    # ``room`` is taken per token (so at most TOKEN_QUEUE_DEPTH wait; the reader gives it
-    # back) and the token is queued with run_sync_soon, which runs callbacks in order.
-    send_chan, recv_chan = trio.open_memory_channel(TOKEN_QUEUE_DEPTH)
-    room = threading.BoundedSemaphore(TOKEN_QUEUE_DEPTH)
-    loop = trio.lowlevel.current_trio_token()
-
-    def deliver(token: SampledToken) -> None:
-        try:
-            send_chan.send_nowait(token)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass                            # the reader is gone (client left): the driver is cancelled
+    # Tokens cross into trio without the driver thread waiting for the loop (relay/portal.py
+    # Outbox): at most TOKEN_QUEUE_DEPTH wait, the reader gives each slot back, order is kept.
+    tokens_out: Outbox[SampledToken] = Outbox(Portal.current(), TOKEN_QUEUE_DEPTH, poll_s=ROOM_POLL_S)
     halt = False  # set by the trio side: a stop string completed, stop the driver
 
     def run_driver() -> None:
         stream = driver.generate(gen)
         try:
             for item in stream:
-                while not room.acquire(timeout=ROOM_POLL_S):
-                    if driver.cancelled:
-                        return
-                loop.run_sync_soon(deliver, item)
+                if not tokens_out.put(item, gone=lambda: driver.cancelled):
+                    return
                 if halt:
                     break
         except GenerationCancelled:
@@ -322,7 +323,7 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
                 raise
         finally:
             stream.close()
-            loop.run_sync_soon(send_chan.close)
+            tokens_out.close()
 
     await send({"event": "start", "prompt_tokens": len(prompt_ids), "session": driver.session_id})
     text = TextStream(tokenizer.decode, params.stop)
@@ -341,9 +342,9 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
             await trio.to_thread.run_sync(run_driver)
 
         nursery.start_soon(run_thread)
-        async with recv_chan:
-            async for item in recv_chan:
-                room.release()
+        async with tokens_out:
+            async for item in tokens_out:
+                tokens_out.give_back()
                 if halt:
                     continue  # drain what the thread still sends while it stops
                 tokens.append(item.id)

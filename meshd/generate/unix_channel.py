@@ -46,6 +46,7 @@ from meshd.reach.tls import PEER_TLS_NAME, split_endpoint
 from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
+from proto.threads import ThreadGroup
 from shard.experts.transport import client_tls_context
 
 __all__ = ["UnixFrameChannel", "TlsFrameChannel", "UnixLinkError"]
@@ -85,8 +86,9 @@ class _FrameCall:
             requests.attach(self._write, self._end_writes)
         elif tls:                         # one TLS connection must not be read and written from two threads
             raise ValueError("a TLS frame call takes a RequestQueue (bodies written from the reading thread)")
-        else:                             # any other iterator: a pump thread (tests)
-            threading.Thread(target=self._pump, args=(requests,), name="unix-pump", daemon=True).start()
+        else:                             # any other iterator (tests): a pump thread, which ends with
+            self._threads = ThreadGroup("frame-call")   # the iterator (the driver always attaches)
+            self._threads.start(self._pump, requests, name="pump")
 
     def _write(self, body: bytes) -> None:
         if self._cancelled.is_set():

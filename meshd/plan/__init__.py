@@ -1,7 +1,8 @@
 """Pure planners: records in, decisions out (no I/O, injected clocks).
 
     adverts.py     shard adverts and the coverage map
-    assignment.py  coverage-first range assignment sized to declared memory
+    assignment.py  coverage-first range assignment sized to declared memory (one node)
+    layout.py      the pool's layout: the fewest safe moves that cover, the shortfall when none does
     routing.py     Dijkstra over (peer, layer): the cheapest route, replacements
     tracker.py     consensus-free tracker ranking
     directives.py  LOAD/DROP directives: build (tracker) and accept (node)

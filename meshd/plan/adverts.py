@@ -48,6 +48,8 @@ MAX_MEMORY_BYTES = 1 << 50
 MAX_FREE_KV_TOKENS = 1 << 30
 # Endpoint strings ("host:port") are short; a longer one is garbage.
 MAX_ENDPOINT_LEN = 256
+# pb.Backend values are small; an unknown larger one is kept as is (and matches nothing).
+MAX_BACKEND_ENUM = 255
 
 
 def _check_id(value: object, what: str, limit: int) -> str:
@@ -121,6 +123,12 @@ class ShardAd:
     # Others can dial it directly: its signed record lists direct addresses (a node
     # behind NAT lists none, only relayed ones). Tracker duty needs it (tracker.py).
     dialable: bool = True
+    # What the node measured of its memory (0: not published): the backend's working memory at
+    # its validation forward, and its processes' base (daemon + worker before the weights).
+    # footprint.measured_footprint sizes ranges of the same backend with them.
+    backend: int = 0                    # pb.Backend of its worker
+    measured_working_bytes: int = 0
+    measured_base_bytes: int = 0
 
     def __post_init__(self) -> None:
         _check_id(self.peer_id, "peer_id", MAX_PEER_ID_LEN)
@@ -144,6 +152,9 @@ class ShardAd:
                                  f"{MAX_ENDPOINT_LEN} characters")
         if self.recipe_digest:
             _check_id(self.recipe_digest, "recipe_digest", MAX_DIGEST_LEN)
+        _check_int(self.backend, "backend", 0, MAX_BACKEND_ENUM)
+        _check_int(self.measured_working_bytes, "measured_working_bytes", 0, MAX_MEMORY_BYTES)
+        _check_int(self.measured_base_bytes, "measured_base_bytes", 0, MAX_MEMORY_BYTES)
 
     @property
     def span(self) -> Span:
@@ -180,6 +191,8 @@ class ShardAd:
                                  f"start_layer, got {rng.effective_start_layer}")
         reach = payload.reachability
         relayed = not reach.direct_addrs and not reach.grpc_endpoint and bool(reach.relayed_addrs)
+        memory = payload.memory
+        base = memory.worker_base_bytes + memory.daemon_base_bytes
         try:
             return cls(
                 peer_id=payload.peer_id,
@@ -198,6 +211,9 @@ class ShardAd:
                 grpc_endpoint=reach.grpc_endpoint,
                 recipe_digest=payload.runtime_recipe_digest,
                 dialable=bool(reach.direct_addrs),
+                backend=payload.backend,
+                measured_working_bytes=memory.working_bytes,
+                measured_base_bytes=base,
             )
         except PlanInputError as exc:
             raise AdvertRejected(f"capability advert from {payload.peer_id!r}: {exc}") from exc

@@ -4,9 +4,10 @@ Data flow::
 
     CoverageMap (adverts.py) + ModelFootprint + JoinRequest(peer, memory, kv)
         -> plan_join()       -> Assignment(span, reason, needed bytes, intents)
-    CoverageMap + ModelFootprint + live ShardAds
-        -> plan_rebalance()  -> intents moving one fully redundant peer into a gap
     intents -> directives.build_directive() -> signed by the daemon -> DHT/peer
+
+Closing a gap by moving nodes that already serve is layout.py's (the whole
+pool at once); this module places one node.
 
 Rules (ADR-0009 in the seeds: fill every gap before adding redundancy):
 
@@ -14,12 +15,14 @@ Rules (ADR-0009 in the seeds: fill every gap before adding redundancy):
    only when fully covered, the weakest span (fewest servers, then longest,
    then first). ``CoverageMap.weakest_span`` encodes exactly this order.
 2. Inside the target, the longest window whose footprint fits the node's
-   declared memory: weights of the range (+ embeddings when it holds layer 0,
-   + final norm/lm_head when it holds the last layer) + a KV budget of
-   ``kv_budget_tokens`` positions for every layer of the range + one batched
-   forward's scratch (``ModelFootprint.scratch_bytes``: the worker never runs
-   more than SCRATCH_POSITIONS positions at once). Ties: the
-   leftmost window, so a partly filled gap stays one contiguous gap.
+   declared memory (``--memory``: the whole node, daemon and worker): weights
+   of the range (+ embeddings when it holds layer 0, + final norm/lm_head
+   when it holds the last layer) + a KV budget of ``kv_budget_tokens``
+   positions for every layer of the range + the backend's working memory
+   (``ModelFootprint.working_bytes``, measured by workers and republished;
+   without it, one batched forward's scratch, ``scratch_bytes``) + the
+   node's process base (``base_bytes``: daemon + worker before the weights).
+   Ties: the leftmost window, so a partly filled gap stays one contiguous gap.
 3. If the window covers the whole target and memory is left, grow it one
    layer at a time towards the less redundant neighbour (right on a tie)
    while it fits: a node's memory is used, never idle.
@@ -38,7 +41,6 @@ from __future__ import annotations
 import bisect
 import enum
 import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -78,6 +80,12 @@ class ModelFootprint:
     scratch_row_bytes: int = 0         # activations of one position inside a layer
     score_bytes_per_kv_token: int = 0  # attention scores of one position per cached token
     logit_row_bytes: int = 0           # one position's logits, at the tail only
+    # The backend's working memory per range, measured (meshd/plan/footprint.py); when set it
+    # replaces the scratch estimate above. Counted once per range, like the scratch.
+    working_bytes: int = 0
+    # The node's fixed process memory (daemon + worker before any weight), once per range:
+    # --memory is the whole node's promise, so the range gets what these leave.
+    base_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layer_weight_bytes, tuple) or not 1 <= len(self.layer_weight_bytes) <= MAX_LAYERS:
@@ -88,6 +96,8 @@ class ModelFootprint:
                             ("scratch_row_bytes", self.scratch_row_bytes),
                             ("score_bytes_per_kv_token", self.score_bytes_per_kv_token),
                             ("logit_row_bytes", self.logit_row_bytes),
+                            ("working_bytes", self.working_bytes),
+                            ("base_bytes", self.base_bytes),
                             *(("layer_weight_bytes", b) for b in self.layer_weight_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LAYER_BYTES:
                 raise PlanInputError(f"{name}={value!r} must be an int in [0, {MAX_LAYER_BYTES}]")
@@ -101,14 +111,17 @@ class ModelFootprint:
         return len(self.layer_weight_bytes)
 
     def range_bytes(self, start: int, end: int, kv_budget_tokens: int) -> int:
-        """Bytes to hold ``[start, end)`` with a KV budget (weights + extras + KV + scratch)."""
+        """Bytes to hold ``[start, end)`` with a KV budget (weights + extras + KV + working + base)."""
         return _Costs(self, kv_budget_tokens).of(start, end)
 
     def scratch_bytes(self, kv_budget_tokens: int, *, tail: bool) -> int:
-        """One batched forward's working memory: SCRATCH_POSITIONS positions through a layer
-        (activations, attention scores over at most the KV budget), plus at the tail the logits of
-        SCRATCH_LOGIT_ROWS positions (a prefill chunk on the torch lane's one-session path; one row
-        per session of a batch, and a batch holds fewer sessions than that by default)."""
+        """One batched forward's working memory: ``working_bytes`` when measured, else the estimate:
+        SCRATCH_POSITIONS positions through a layer (activations, attention scores over at most the
+        KV budget), plus at the tail the logits of SCRATCH_LOGIT_ROWS positions (a prefill chunk on
+        the torch lane's one-session path; one row per session of a batch, and a batch holds fewer
+        sessions than that by default)."""
+        if self.working_bytes:
+            return self.working_bytes
         row = self.scratch_row_bytes + self.score_bytes_per_kv_token * kv_budget_tokens
         return SCRATCH_POSITIONS * row + (SCRATCH_LOGIT_ROWS * self.logit_row_bytes if tail else 0)
 
@@ -133,7 +146,8 @@ class _Costs:
                 + (self.fp.head_extra_bytes if start == 0 else 0)
                 + (self.fp.tail_extra_bytes if end == n else 0)
                 + self.kv_per_layer * (end - start)
-                + (self.tail_scratch if end == n else self.scratch))
+                + (self.tail_scratch if end == n else self.scratch)
+                + self.fp.base_bytes)
 
     def best_window(self, target: Span, memory: int) -> Span | None:
         """Longest (then leftmost) sub-span of ``target`` that fits ``memory``."""
@@ -217,7 +231,7 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
     ``current`` is the range the node serves now, if any: its own servers
     entry is ignored, and the intents become DROP(current) + LOAD(new), or
     nothing if the answer is the range it already has. Whether moving a
-    serving node is safe is the caller's call (``plan_rebalance`` checks it).
+    serving node is safe is the caller's call (layout.py orders moves safely).
     """
     if coverage.num_layers != footprint.num_layers or coverage.model_digest != footprint.model_digest:
         raise PlanInputError(f"coverage ({coverage.model_digest}, {coverage.num_layers} layers) and "
@@ -250,38 +264,6 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
             DirectiveIntent(pb.DIRECTIVE_ACTION_DROP_SHARD, request.peer_id, current), load)
     return Assignment(request.peer_id, window, reason, target,
                       costs.of(window.start, window.end), intents)
-
-
-def plan_rebalance(coverage: CoverageMap, footprint: ModelFootprint, ads: Iterable[ShardAd], *,
-                   kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS) -> tuple[DirectiveIntent, ...]:
-    """Move at most one peer whose whole range is redundant into a gap.
-
-    Candidates are live ads of the model whose removal opens no new gap and
-    whose advertised memory budget fits part of the largest gap. The one
-    covering the most gap layers wins (ties: smallest peer id). Returns
-    DROP(old) + LOAD(new) for it, or () when there is no gap or no candidate.
-    The tracker calls this each refresh; one move at a time keeps routes of
-    running sessions valid (each DROP leaves its layers covered).
-    """
-    if coverage.fully_covered:
-        return ()
-    gap_layers = {layer for layer, servers in enumerate(coverage.servers) if not servers}
-    best: tuple[int, str, Assignment] | None = None
-    for ad in sorted(ads, key=lambda a: a.peer_id):
-        if ad.model_digest != coverage.model_digest or ad.num_layers != coverage.num_layers:
-            continue
-        if coverage.without(ad.peer_id).gaps() != coverage.gaps():
-            continue  # its range is not redundant: moving it opens a gap
-        try:
-            plan = plan_join(coverage, footprint,
-                             JoinRequest(ad.peer_id, ad.memory_budget_bytes, kv_budget_tokens),
-                             current=ad.span)
-        except NoFitError:
-            continue
-        gained = len(gap_layers.intersection(range(plan.span.start, plan.span.end)))
-        if gained and (best is None or (-gained, ad.peer_id) < (-best[0], best[1])):
-            best = (gained, ad.peer_id, plan)
-    return best[2].intents if best else ()
 
 
 def simulate_joins(footprint, nodes: int, memory: int, kv_tokens: int):

@@ -8,7 +8,9 @@ Graph (Dijkstra, the petals sequence-manager shape, without its state)::
            the hop runs q over [l, q.end) -- l is its *effective start*, so
            overlapping ranges are resolved per hop and a worker never repeats
            a layer the previous hop already ran.
-    cost   q.decode_ms_per_layer * (q.end - l)      measured compute
+    cost   q.decode_ms_per_layer * (q.end - f)      measured compute, f = l -- or q.start for a
+                                                    llama.cpp range, which runs its layers before l
+                                                    too when entered mid-way (native/llama_engine.py)
            + rtt(p, q)                              link (rtt map, else default)
            + relay_penalty_ms   if q is relayed     (relay circuits are slower)
            + no_kv_penalty_ms   if q.free_kv_tokens < needed_tokens
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 from meshd.plan.adverts import CoverageMap, ShardAd, Span, live_adverts
 from meshd.plan.errors import MissingLayersError, PlanInputError
+from proto import shard_runtime_pb2 as pb
 
 # An unmeasured link is priced like a typical same-region home broadband
 # round trip: not free (that would favour unknown peers) nor prohibitive.
@@ -162,7 +165,8 @@ def _search(ads: tuple[ShardAd, ...], *, num_layers: int, origin: tuple[int, str
                 path.append(hop)
             return path[::-1]
         for q in by_layer[layer]:
-            step = (q.decode_ms_per_layer * (q.end - layer)
+            first = q.start if q.backend == pb.BACKEND_LLAMA_CPP else layer
+            step = (q.decode_ms_per_layer * (q.end - first)
                     + link_rtt(rtt, peer, q.peer_id, costs.default_rtt_ms)
                     + (costs.relay_penalty_ms if q.relayed else 0.0)
                     + (costs.no_kv_penalty_ms if q.free_kv_tokens < needed_tokens else 0.0)

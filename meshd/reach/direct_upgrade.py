@@ -52,6 +52,7 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from dht.compat.gate import gate, installed_version
 from dht.compat.registry import Adjustment, record
+from relay.portal import Portal
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class DirectUpgrader:
         self._lock = threading.Lock()
         self._direct: dict[str, object] = {}
         self._send, self._receive = trio.open_memory_channel[str](MAX_PENDING_REQUESTS)
-        self._token: trio.lowlevel.TrioToken | None = None
+        self._portal: Portal | None = None   # the daemon's loop, for request() from driver threads
         self.attempts = 0      # started
         self.upgraded = 0      # found a direct connection
         self.in_flight = 0     # queued or running
@@ -258,7 +259,7 @@ class DirectUpgrader:
                                           write_timeout=DCUTR_WRITE_TIMEOUT_S, dial_timeout=DCUTR_DIAL_TIMEOUT_S)
         async with background_trio_service(self._dcutr):
             await self._dcutr.event_started.wait()
-            self._token = trio.lowlevel.current_trio_token()
+            self._portal = Portal.current()
             task_status.started()
             limiter = trio.CapacityLimiter(MAX_CONCURRENT_ATTEMPTS)
             async with trio.open_nursery() as nursery:
@@ -269,8 +270,8 @@ class DirectUpgrader:
         """From a driver thread: queue an attempt to ``peer_id`` if the policy allows.
 
         Never raises and never waits for the attempt (at most one quick hop into the loop)."""
-        token = self._token
-        if token is None:
+        portal = self._portal
+        if portal is None:
             return False
         with self._lock:
             held = self._direct.get(peer_id)
@@ -279,7 +280,7 @@ class DirectUpgrader:
             if not self.policy.admit(peer_id, self.clock()):
                 return False
         try:
-            trio.from_thread.run_sync(self._enqueue, peer_id, trio_token=token)
+            portal.run_sync(self._enqueue, peer_id)
         except Exception as exc:  # noqa: BLE001 - full queue or stopped loop: no attempt, no harm
             log.debug("direct upgrade to %s not queued: %r", peer_id[:16], exc)
             return False

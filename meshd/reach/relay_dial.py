@@ -1,9 +1,9 @@
 """Entry side of relayed hops: circuits to relayed peers through the daemon's own host.
 
 The route driver runs in a worker thread; the libp2p host lives in the
-daemon's trio loop. ``LoopPortal`` runs coroutines in that loop from the
-thread (``trio.from_thread`` with the daemon's trio token: no second host,
-no second loop). ``RelayDialer.channel(peer, relayed_addrs)``:
+daemon's trio loop. The dialer reaches that loop through the daemon's
+``relay.portal.Portal`` (the one thread-to-loop bridge: no second host, no
+second loop). ``RelayDialer.channel(peer, relayed_addrs)``:
 
     for each relayed addr of the peer, in the advertised order:
         skip relays that failed within FAILED_RELAY_MEMORY_S
@@ -44,10 +44,11 @@ from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicat
 from meshd.errors import HopFailure
 from relay.client import dial_relayed, parse_relayed_addr
 from relay.errors import RelayError, RelayRefused, RelayUnreachable
+from relay.portal import Portal
 from relay.syncchannel import RelayedGrpcChannel
 from relay.transport import OPEN_STREAM_TIMEOUT_S, SESSION_PROTOCOL, RelayedFrameChannel
 
-__all__ = ["LoopPortal", "RelayDialer", "circuit_channel", "FAILED_RELAY_MEMORY_S"]
+__all__ = ["RelayDialer", "circuit_channel", "FAILED_RELAY_MEMORY_S"]
 
 # A relay that failed is skipped for this long: long enough to finish the
 # generation on another relay, short enough that a restarted relay is used again.
@@ -60,23 +61,6 @@ RELAY_DEATH_GRACE_S = 1.0
 MAX_TRACKED_PEERS = 1024
 # Multistream negotiation of the session protocol on a live circuit (seconds, int for the library).
 NEGOTIATE_TIMEOUT_S = 10
-
-
-class LoopPortal:
-    """Run coroutines in an already running trio loop (the daemon's) from plain threads."""
-
-    def __init__(self, token: trio.lowlevel.TrioToken) -> None:
-        self._token = token
-
-    @classmethod
-    def current(cls) -> LoopPortal:
-        return cls(trio.lowlevel.current_trio_token())
-
-    def run(self, afn, *args):
-        try:
-            return trio.from_thread.run(afn, *args, trio_token=self._token)
-        except trio.RunFinishedError as exc:
-            raise RelayUnreachable("the daemon's libp2p loop has stopped") from exc
 
 
 async def open_session_on(host, conn) -> RelayedFrameChannel:
@@ -93,14 +77,14 @@ async def open_session_on(host, conn) -> RelayedFrameChannel:
     raise RelayUnreachable(f"no session stream on the circuit within {OPEN_STREAM_TIMEOUT_S:g} s")
 
 
-def circuit_channel(portal: LoopPortal, host, conn) -> RelayedGrpcChannel:
+def circuit_channel(portal: Portal, host, conn) -> RelayedGrpcChannel:
     """A grpc.Channel look-alike whose Session streams open on one libp2p connection (a circuit,
     or the direct connection a DCUtR upgrade found)."""
     return RelayedGrpcChannel(portal, functools.partial(open_session_on, host, conn), conn=conn)
 
 
 class RelayDialer:
-    def __init__(self, host, portal: LoopPortal, *, clock: Callable[[], float] = time.monotonic,
+    def __init__(self, host, portal: Portal, *, clock: Callable[[], float] = time.monotonic,
                  memory_s: float = FAILED_RELAY_MEMORY_S, upgrader=None) -> None:
         self.host, self.portal, self.clock, self.memory_s = host, portal, clock, memory_s
         self.upgrader = upgrader   # DirectUpgrader or None (no direct upgrades)

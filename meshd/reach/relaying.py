@@ -133,7 +133,7 @@ class Relaying:
     # ------------------------------------------------------------------ worker
     def serve_worker(self, endpoint: str) -> None:
         """Relayed sessions go to the worker at ``endpoint`` from now on: its frame socket
-        (``unix:/path``, forwarded inside trio) or its loopback plaintext gRPC port."""
+        (``unix:/path``, forwarded inside trio)."""
         old, self._server = self._server, RelayedSessionServer(endpoint)
         self._server.attach(self.host)
         if old is not None:

@@ -31,7 +31,7 @@ from shard.experts.pool import Placement
 from shard.experts.spec import ExpertSpec
 
 if TYPE_CHECKING:   # torch-heavy: imported when a peer starts
-    from shard.experts.server import ExpertServer
+    from shard.edges.expert_server import ExpertServer
     from shard.experts.store import ExpertStore
 
 READY_TIMEOUT_S = 180.0
@@ -79,7 +79,7 @@ class ExpertPeer:
 
     @classmethod
     def start(cls, path: Path, spec: ExpertSpec | str, tls: TlsFiles, peer_id: str = "peer") -> ExpertPeer:
-        from shard.experts.server import ExpertServer
+        from shard.edges.expert_server import ExpertServer
         from shard.experts.store import ExpertStore
 
         spec = ExpertSpec.parse(spec) if isinstance(spec, str) else spec

@@ -11,7 +11,7 @@ of their own, to the SAME sans-I/O core (shard.session.stream.SessionStream): on
 connection thread reads a frame, runs it, writes the answers; nothing else
 is between the socket and the core.
 
-    peer ── TLS/TCP ──▶ accept thread ──▶ one thread per connection:
+    peer ── TLS/TCP ──▶ SocketServer (socket_server.py): accept thread ──▶ one thread per connection:
         TLS handshake (bounded) ─▶ serve_frames: FrameReader ─ body ─▶ push.actions.receive ─▶ sendall
 
 gRPC stays the interoperable protocol and the fallback: the frames port is
@@ -34,7 +34,6 @@ on that connection only, which is then closed.
 """
 from __future__ import annotations
 
-import logging
 import select
 import socket
 import ssl
@@ -44,12 +43,11 @@ from proto.errors import ProtocolError
 from proto.frames import FrameReader, encode_frame
 from proto.limits import MAX_FRAME_BYTES
 from shard.edges.grpc_server import MAX_STREAMS
+from shard.edges.socket_server import SocketServer, tcp_listener
 from shard.experts.transport import server_tls_context
 from shard.push.actions import receive, sink_of, stream_ended
 from shard.session.service import ShardService
 from shard.session.stream import SessionStream, _status
-
-log = logging.getLogger(__name__)
 
 __all__ = ["TlsFrameServer", "serve_frames", "MAX_CONNECTIONS", "HANDSHAKE_TIMEOUT_S", "IDLE_TIMEOUT_S"]
 
@@ -61,7 +59,6 @@ HANDSHAKE_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 3600.0
 # Bytes asked of the socket per read: a 1 MiB prefill chunk arrives in a few reads.
 READ_BYTES = 256 * 1024
-_BACKLOG = 16
 
 
 def serve_frames(conn, service: ShardService, *, idle_timeout_s: float | None = None,
@@ -135,11 +132,8 @@ class TlsFrameServer:
         self.host = host.strip("[]") or "127.0.0.1"
         self.port = int(port or 0)
         self.tls = server_tls_context(cert_file, key_file)
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._sock: socket.socket | None = None
-        self._closing = threading.Event()
-        self._conns: set = set()
-        self._conns_lock = threading.Lock()
+        self.max_connections = max_connections
+        self.server: SocketServer | None = None
 
     @property
     def endpoint(self) -> str:
@@ -147,65 +141,21 @@ class TlsFrameServer:
         return f"{host}:{self.port}"
 
     def start(self) -> TlsFrameServer:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(_BACKLOG)
-        self.port = sock.getsockname()[1]
-        self._sock = sock
-        threading.Thread(target=self._accept, args=(sock,), name="shard-frames-accept", daemon=True).start()
+        listener = tcp_listener(self.host, self.port)
+        self.port = listener.getsockname()[1]
+        self.server = SocketServer(listener, self._serve, name="shard-frames", max_connections=self.max_connections,
+                                   tls=self.tls, handshake_timeout_s=HANDSHAKE_TIMEOUT_S).start()
         return self
 
-    def _accept(self, sock: socket.socket) -> None:
-        while not self._closing.is_set():
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return                      # closed
-            if not self._slots.acquire(blocking=False):
-                conn.close()                # over MAX_CONNECTIONS: the dialer falls back to gRPC
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="shard-frames", daemon=True).start()
+    def _serve(self, sock: socket.socket, address: str) -> None:
+        serve_frames(sock, self.service, idle_timeout_s=IDLE_TIMEOUT_S, peer=f"addr:{address}")
 
-    def _track(self, sock, add: bool) -> None:
-        with self._conns_lock:
-            (self._conns.add if add else self._conns.discard)(sock)
+    def close_listener(self) -> None:
+        """Refuse new connections (live ones are served until ``close``)."""
+        if self.server is not None:
+            self.server.close_listener()
 
-    def _serve(self, conn: socket.socket) -> None:
-        sock = conn
-        self._track(conn, True)
-        try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            sock = self.tls.wrap_socket(conn, server_side=True)   # takes over conn's descriptor
-            self._track(conn, False)
-            self._track(sock, True)
-            host = sock.getpeername()[0] if sock.family in (socket.AF_INET, socket.AF_INET6) else "?"
-            serve_frames(sock, self.service, idle_timeout_s=IDLE_TIMEOUT_S, peer=f"addr:{host}")
-        except (OSError, ssl.SSLError) as exc:
-            log.debug("frames connection failed: %s", exc)
-        finally:
-            try:
-                sock.close()
-            except OSError:
-                pass
-            self._track(conn, False)
-            self._track(sock, False)
-            self._slots.release()
-
-    def close(self) -> None:
-        self._closing.set()
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)   # wakes the accept() of the loop thread
-            except OSError:
-                pass
-            self._sock.close()
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                socket.socket.shutdown(conn, socket.SHUT_RDWR)
-            except OSError:
-                pass
+    def close(self, timeout_s: float | None = None) -> None:
+        """Close the listener and every connection; join every thread (ThreadsLeft past the bound)."""
+        if self.server is not None:
+            self.server.stop(timeout_s)

@@ -27,11 +27,13 @@ owner_token it must send; a call on the plaintext port (loopback only: the
 node's own daemon) is a private edge, "local", where the daemon may name a
 relayed circuit's Noise peer id in the SessionOpen.
 
-Threads: one per live stream (bounded by MAX_STREAMS); the service lock
-serializes model work.
+Threads: one per live call (bounded by MAX_STREAMS), in a ThreadGroup
+(``GroupExecutor``) that ``GrpcEdge.stop`` joins with a bound; the service
+lock serializes model work.
 """
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 
 import grpc
@@ -40,6 +42,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolError
 from proto.frames import parse_unary
 from proto.limits import MAX_FRAME_BYTES
+from proto.threads import GroupStopped, ThreadGroup
 from shard.errors import MAX_DETAIL_CHARS
 from shard.push.actions import receive, serve_control, sink_of
 from shard.session.service import ShardService
@@ -49,6 +52,9 @@ from shard.session.stream import SessionStream
 SERVICE_NAME = "meshd.shard.v1.ShardRuntime"
 # Concurrent RPCs one worker serves; each live Session stream holds a thread.
 MAX_STREAMS = 64
+# After the grace, grpc cancels the calls still live; their handlers return at their next read or
+# write. This bounds the wait for grpc to say every call is done.
+STOP_TIMEOUT_S = 10.0
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_FRAME_BYTES),
     ("grpc.max_receive_message_length", MAX_FRAME_BYTES),
@@ -109,10 +115,82 @@ def generic_handler(service: ShardService) -> grpc.GenericRpcHandler:
     })
 
 
+class GroupExecutor(futures.Executor):
+    """grpc's handler pool as a ThreadGroup: one thread per RPC (grpc bounds them with
+    ``maximum_concurrent_rpcs``), stopped and joined with a bound by ``shutdown``.
+
+    Why not a ThreadPoolExecutor: grpc's ``stop`` does not join its pool, and a
+    ThreadPoolExecutor's threads are joined at interpreter exit with no bound, so one handler
+    that never returns would hold the worker's exit. A Session stream lives for a generation,
+    so a thread per RPC costs nothing a pool would save."""
+
+    def __init__(self, name: str = "shard-rpc", *, join_timeout_s: float | None = None) -> None:
+        self.threads = ThreadGroup(name) if join_timeout_s is None else ThreadGroup(name, join_timeout_s=join_timeout_s)
+
+    def submit(self, fn, /, *args, **kwargs) -> futures.Future:
+        future: futures.Future = futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - the future carries it, as a pool's would
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+
+        try:
+            self.threads.start(run, name="rpc")
+        except GroupStopped as exc:     # as a ThreadPoolExecutor after shutdown
+            raise RuntimeError("cannot schedule new RPCs after shutdown") from exc
+        return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False, timeout_s: float | None = None) -> None:
+        """No new RPC thread; with ``wait``, join the running ones (ThreadsLeft past the bound)."""
+        self.threads.stop()
+        if wait:
+            self.threads.join(timeout_s)
+
+
+class GrpcEdge:
+    """The worker's gRPC server and the pool its handlers run in: both ours to stop and join."""
+
+    def __init__(self, service: ShardService, listen: str, *, tls_listen: str | None = None,
+                 tls_cert: bytes | None = None, tls_key: bytes | None = None) -> None:
+        self.pool = GroupExecutor()
+        self.server, self.port, self.tls_port = build_server(service, listen, tls_listen=tls_listen,
+                                                             tls_cert=tls_cert, tls_key=tls_key, pool=self.pool)
+        self._stopped: threading.Event | None = None
+
+    def start(self) -> GrpcEdge:
+        self.server.start()
+        return self
+
+    def begin_stop(self, grace_s: float) -> None:
+        """Refuse new RPCs now; the live ones get ``grace_s`` to end, then grpc cancels them."""
+        if self._stopped is None:
+            self._stopped = self.server.stop(grace=grace_s)
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until grpc has ended every call; whether it has."""
+        return self._stopped is not None and self._stopped.wait(timeout_s)
+
+    def stop(self, grace_s: float, timeout_s: float | None = None) -> None:
+        """``begin_stop``, wait (bounded) for grpc to end its calls, then join every handler thread
+        (ThreadsLeft past the bound): a handler whose call grpc cancelled returns at its next read
+        or write, or once the push hub has ended the control drain it waits in."""
+        self.begin_stop(grace_s)
+        self.wait_stopped(grace_s + (STOP_TIMEOUT_S if timeout_s is None else timeout_s))
+        self.pool.shutdown(wait=True, timeout_s=timeout_s)
+
+
 def build_server(service: ShardService, listen: str, *, tls_listen: str | None = None,
-                 tls_cert: bytes | None = None, tls_key: bytes | None = None) -> tuple[grpc.Server, int, int | None]:
-    """A started-ready (not yet started) server; returns (server, port, tls_port)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=MAX_STREAMS, thread_name_prefix="shard-rpc"),
+                 tls_cert: bytes | None = None, tls_key: bytes | None = None,
+                 pool: futures.Executor | None = None) -> tuple[grpc.Server, int, int | None]:
+    """A ready (not yet started) server; returns (server, port, tls_port). Its handlers run in
+    ``pool`` (default: a GroupExecutor of its own; pass one to join it at stop, as GrpcEdge does)."""
+    server = grpc.server(pool if pool is not None else GroupExecutor(),
                          options=GRPC_OPTIONS, maximum_concurrent_rpcs=MAX_STREAMS)
     server.add_generic_rpc_handlers((generic_handler(service),))
     port = server.add_insecure_port(listen)

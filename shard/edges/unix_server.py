@@ -8,8 +8,8 @@ step (docs/measurements/2026-11-29.md). This edge carries the SAME frames
 sans-I/O core (shard.session.stream.SessionStream over the worker's ShardService), so
 one core now has three edges: gRPC, TLS gRPC, and this socket.
 
-    daemon (trio) ── unix stream ──▶ accept thread ──▶ one thread per connection:
-        shard.edges.frame_server.serve_frames: FrameReader ─ body ─▶ push.actions.receive ─▶ sendall
+    daemon (trio) ── unix stream ──▶ SocketServer (socket_server.py): accept thread ──▶ one thread
+        per connection: frame_server.serve_frames: FrameReader ─ body ─▶ push.actions.receive ─▶ sendall
 
 Who may connect: the socket is created inside the daemon's private run
 directory with mode 0600 (owner only); it never listens on a network.
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from pathlib import Path
 
 from shard.edges.frame_server import serve_frames
 from shard.edges.grpc_server import MAX_STREAMS
+from shard.edges.socket_server import SocketServer, unix_listener
 from shard.session.service import ShardService
 
 __all__ = ["UnixFrameServer", "MAX_CONNECTIONS", "UNIX_SCHEME"]
@@ -35,7 +35,6 @@ __all__ = ["UnixFrameServer", "MAX_CONNECTIONS", "UNIX_SCHEME"]
 MAX_CONNECTIONS = MAX_STREAMS
 # Endpoint spelling for a worker's socket (``unix:/path``), as gRPC spells it.
 UNIX_SCHEME = "unix:"
-_BACKLOG = 16
 
 
 class UnixFrameServer:
@@ -44,53 +43,30 @@ class UnixFrameServer:
     def __init__(self, service: ShardService, path: str | os.PathLike) -> None:
         self.service = service
         self.path = Path(path)
-        self._sock: socket.socket | None = None
-        self._live = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._closed = threading.Event()
+        self.server: SocketServer | None = None
 
     @property
     def endpoint(self) -> str:
         return UNIX_SCHEME + str(self.path)
 
     def start(self) -> UnixFrameServer:
-        self.path.unlink(missing_ok=True)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)               # the socket file is born 0600
-        try:
-            sock.bind(str(self.path))
-        finally:
-            os.umask(old)
-        sock.listen(_BACKLOG)
-        self._sock = sock
-        threading.Thread(target=self._accept, args=(sock,), name="shard-unix-accept", daemon=True).start()
+        self.server = SocketServer(unix_listener(self.path), self._serve, name="shard-unix",
+                                   max_connections=MAX_CONNECTIONS).start()
         return self
 
-    def close(self) -> None:
-        self._closed.set()
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
+    def _serve(self, sock: socket.socket, _address: str) -> None:
+        serve_frames(sock, self.service)
+
+    def close_listener(self) -> None:
+        """Refuse new connections (live ones are served until ``close``)."""
+        if self.server is not None:
+            self.server.close_listener()
         self.path.unlink(missing_ok=True)
 
-    def _accept(self, sock: socket.socket) -> None:
-        while not self._closed.is_set():
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return                      # closed
-            if not self._live.acquire(blocking=False):
-                conn.close()                # over MAX_CONNECTIONS: refused at once
-                continue
-            thread = threading.Thread(target=self._serve, args=(conn,), name="shard-unix", daemon=True)
-            thread.start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Close the listener and every connection; join every thread (ThreadsLeft past the bound)."""
         try:
-            with conn:
-                serve_frames(conn, self.service)
+            if self.server is not None:
+                self.server.stop(timeout_s)
         finally:
-            self._live.release()
-
+            self.path.unlink(missing_ok=True)

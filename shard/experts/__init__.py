@@ -13,7 +13,8 @@ Files and roles (a holder runs router, attention and norms; an expert peer runs 
     transport.py   the one exchange function: framed request/reply over a (pinned TLS) socket;
                    the TLS contexts the worker's frame port shares
     store.py       an expert peer's weights (experts without their layers), compute, validation
-    server.py      the expert peer's TLS server (thread per connection, bounded)
+    server.py      an expert peer's side of one connection (serve_connection, counters); its
+                   listener is the edge shard/edges/expert_server.py
 
 Public surface: the light pieces below. The torch modules (adapters,
 dispatch, store) are imported by their own path, so that the daemon, which
@@ -21,9 +22,8 @@ plans and advertises experts, never loads torch; a process that loads a MoE
 model's range imports ``shard.experts.adapters`` first (the worker does).
 """
 from shard.experts.pool import ExpertRouter, Placement, placements_from_json, placements_to_json
-from shard.experts.server import ExpertServer
 from shard.experts.spec import SHARED, ExpertSpec, ExpertSpecError
 from shard.experts.transport import ExpertConnection, client_tls_context, server_tls_context
 
 __all__ = ["ExpertSpec", "ExpertSpecError", "SHARED", "ExpertRouter", "Placement", "placements_from_json",
-           "placements_to_json", "ExpertServer", "ExpertConnection", "client_tls_context", "server_tls_context"]
+           "placements_to_json", "ExpertConnection", "client_tls_context", "server_tls_context"]

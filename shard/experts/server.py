@@ -1,10 +1,10 @@
-"""An expert peer's server: expert exchange connections over TLS, answered from an ExpertStore.
+"""An expert peer's side of one connection: expert exchange requests answered from an ExpertStore.
 
-``ExpertServer(store, ...)`` listens on one TCP port (TLS with the node's
-certificate; its hash is the pin in the node's signed expert record) and
-runs one thread per connection, at most ``MAX_CONNECTIONS`` at once:
+The listener (TLS with the node's certificate, whose hash is the pin in the
+node's signed expert record; one bounded thread per connection) is the edge
+shard/edges/expert_server.py; each connection runs ``serve_connection``:
 
-    accept -> TLS handshake -> ServerLink (proto/moe/link.py):
+    TLS handshake (the edge) -> ServerLink (proto/moe/link.py):
       hello   -> WELCOME, or REFUSE (naming our versions and acts) and close
       request -> every item served here? compute each expert on its rows
                  (under one compute lock: CPU experts gain nothing from running
@@ -13,12 +13,10 @@ runs one thread per connection, at most ``MAX_CONNECTIONS`` at once:
 
 ``serve_connection(sock, ...)`` is that loop for one already connected
 socket (tests drive it over a socket pair). Counters (connections, requests,
-rows, bytes) are kept for the worker's health report.
+rows, bytes) are kept for the worker's health report (``ServerStats``).
 """
 from __future__ import annotations
 
-import logging
-import socket
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -29,18 +27,12 @@ import numpy as np
 from proto import moe as W
 from proto.errors import ProtocolError
 from proto.moe.link import PREFIX_BYTES, ServerLink
-from shard.experts.transport import recv_exactly, server_tls_context
+from shard.experts.transport import recv_exactly
 
-log = logging.getLogger(__name__)
+__all__ = ["ExpertCompute", "serve_connection", "ServerStats", "IDLE_TIMEOUT_S"]
 
-__all__ = ["ExpertServer", "ExpertCompute", "serve_connection", "ServerStats", "MAX_CONNECTIONS"]
-
-# Holders keep one connection per expert peer; 64 covers a large swarm's holders.
-MAX_CONNECTIONS = 64
 # A holder idles between generations; an idle connection is closed after this.
 IDLE_TIMEOUT_S = 600.0
-# The TLS handshake and the hello must complete quickly.
-HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class ExpertCompute(Protocol):
@@ -114,107 +106,3 @@ def serve_connection(sock, store: ExpertCompute, *, artifact: str, recipe: str,
         with stats.lock:
             stats.bytes_received += link.bytes_received
             stats.bytes_sent += link.bytes_sent
-
-
-class ExpertServer:
-    """TCP (+TLS) listener; one bounded thread per connection. ``start()`` then ``close()``."""
-
-    def __init__(self, store: ExpertCompute, *, artifact: str, recipe: str, listen: str,
-                 tls_cert: str | None, tls_key: str | None, max_connections: int = MAX_CONNECTIONS,
-                 threads: int | None = None) -> None:
-        host, _, port = listen.rpartition(":")
-        self.store = store
-        self.artifact, self.recipe = artifact, recipe
-        self.host = host.strip("[]") or "127.0.0.1"
-        self.port = int(port or 0)
-        self.tls = server_tls_context(tls_cert, tls_key) if tls_cert and tls_key else None
-        self.stats = ServerStats()
-        # Compute threads of each connection thread: an OpenMP thread count is per thread, and the
-        # experts' numerics depend on it (the holder must compute with the same count to stay exact).
-        self.threads = threads
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self._compute = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._closing = threading.Event()
-        self._conns: set = set()
-        self._conns_lock = threading.Lock()
-
-    @property
-    def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def start(self) -> ExpertServer:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(16)
-        self.port = sock.getsockname()[1]
-        self._sock = sock
-        self._thread = threading.Thread(target=self._accept_loop, name="expert-accept", daemon=True)
-        self._thread.start()
-        return self
-
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._closing.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):
-                conn.close()   # over the bound: the holder retries or fails over
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="expert-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with self._conns_lock:
-            self._conns.add(conn)
-        with self.stats.lock:
-            self.stats.connections += 1
-        sock = conn
-        try:
-            if self.threads is not None:
-                import torch
-
-                torch.set_num_threads(self.threads)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self.tls is not None:
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
-                sock = self.tls.wrap_socket(conn, server_side=True)   # takes over conn's descriptor
-                with self._conns_lock:
-                    self._conns.discard(conn)
-                    self._conns.add(sock)
-            why = serve_connection(sock, self.store, artifact=self.artifact, recipe=self.recipe,
-                                   compute_lock=self._compute, stats=self.stats)
-            log.debug("expert connection ended: %s", why)
-        except (OSError, ssl.SSLError) as exc:
-            log.debug("expert connection failed: %s", exc)
-        finally:
-            try:
-                sock.close()
-            except OSError:
-                pass
-            with self._conns_lock:
-                self._conns.discard(conn)
-                self._conns.discard(sock)
-            self._slots.release()
-
-    def close(self) -> None:
-        self._closing.set()
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)   # wakes the accept() of the loop thread (Linux)
-            except OSError:
-                pass
-            self._sock.close()
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-        with self._conns_lock:
-            conns = list(self._conns)
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass

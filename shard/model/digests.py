@@ -43,6 +43,8 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import TextIO
 
+from shard.model.memory import drop_page_cache
+
 __all__ = ["FileKey", "file_key", "cached_digest", "hash_files", "cache_dir", "CACHE_ENV", "hash_runs",
            "hashed_bytes", "MAX_ENTRIES"]
 
@@ -123,10 +125,14 @@ def hash_files(parts: Sequence[tuple[bytes, Path]], *, label: str, progress: Pro
         with open(path, "rb") as fh:
             # at most the size it had when we started: a file still being written cannot keep us
             # reading (its digest is then not cached: its key changed)
+            offset = 0
             while size > 0 and (chunk := fh.read(min(HASH_CHUNK_BYTES, size))):
                 size -= len(chunk)
                 h.update(chunk)
                 done += len(chunk)
+                # read once: hand the pages back (a 2 GB model hashed inside a 1 GB promise)
+                drop_page_cache(fh.fileno(), offset, len(chunk))
+                offset += len(chunk)
                 now = clock()
                 if report and now - last >= PROGRESS_INTERVAL_S:
                     last = now

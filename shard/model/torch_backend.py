@@ -200,6 +200,18 @@ class TorchRangeBackend:
                 total += t.untyped_storage().nbytes()
         return total
 
+    # A session's KV grows with its positions (transformers' DynamicCache): none is resident before.
+    kv_preallocated = False
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one position over the range's layers, in the compute dtype (shard/model/memory.py)."""
+        cfg = self.config
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        width = torch.empty((), dtype=self.torch_dtype).element_size()
+        return 2 * heads * head_dim * width * self.layer_range.count
+
     # -- execution -----------------------------------------------------------------
     def new_cache(self, max_tokens: int) -> TorchCache:
         if max_tokens <= 0:

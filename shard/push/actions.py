@@ -23,7 +23,6 @@ cannot be registered frees its KV first (``undo_open``).
 from __future__ import annotations
 
 import hmac
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -91,7 +90,8 @@ def stream_ended(stream: SessionStream) -> None:
 
 def serve_control(stream: SessionStream, request_iterator: Iterator[bytes]):
     """The rest of a pushed control stream over gRPC: the stream's own requests go through the
-    core in a pump thread; the handler yields whatever the sink holds, from any thread."""
+    core in a pump thread (the hub's ThreadGroup); the handler yields whatever the sink holds,
+    from any thread."""
     sink = sink_of(stream)
     assert sink is not None   # the edge serves control streams only here
 
@@ -107,8 +107,7 @@ def serve_control(stream: SessionStream, request_iterator: Iterator[bytes]):
         finally:
             sink.end()
 
-    thread = threading.Thread(target=pump, name="shard-push-control", daemon=True)
-    thread.start()
+    hub_of(stream.service).threads.start(pump, name="control-pump")
     try:
         yield from sink.drain()
     finally:

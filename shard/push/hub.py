@@ -48,6 +48,11 @@ stream core's push actions against it.
 Legs: a decode step carries ``legs`` (the entry sends 1); every hop's push adds
 one, the tail's answer one more, so the entry *counts* the legs a token took.
 
+Threads: every push thread (a successor stream's reader, a gRPC control
+stream's pump) runs in the hub's ThreadGroup. When the worker stops,
+``PushHub.close()`` ends every session's successor stream and control drain,
+and ``join`` waits for the threads with a bound.
+
 Bounds: PUSH_MAX_SESSIONS registered sessions per worker, a sink queue of
 SINK_DEPTH answers; the successor stream's own bounds are in
 shard/push/successor.py.
@@ -64,7 +69,8 @@ import numpy as np
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.limits import MAX_STOP_TOKENS
-from shard.errors import CacheMiss, to_shard_error
+from proto.threads import ThreadGroup
+from shard.errors import CacheMiss, InternalError, to_shard_error
 from shard.model.sampling import SamplingSpec
 from shard.push.successor import Dialer, PushError, SuccessorStream
 from shard.session.sessions import SessionKey
@@ -93,6 +99,7 @@ class ControlSink:
         self._queue: queue.Queue = queue.Queue(SINK_DEPTH)
         self._writer: Callable[[bytes], None] | None = None
         self._lock = threading.Lock()
+        self._aborted = False
 
     @property
     def attached(self) -> bool:
@@ -115,13 +122,30 @@ class ControlSink:
             if writer is not None:
                 writer(body)
                 return
-        self._queue.put(body, timeout=SINK_PUT_TIMEOUT_S)
+        if not self._aborted:
+            self._queue.put(body, timeout=SINK_PUT_TIMEOUT_S)
 
     def end(self) -> None:
         try:
             self._queue.put_nowait(_END)
         except queue.Full:
             pass
+
+    def abort(self) -> None:
+        """The worker is stopping: drop what is queued and end the drain; later answers are dropped.
+        A producer blocked on the full queue wakes (room is made) and its one answer goes nowhere."""
+        self._aborted = True
+        while True:
+            try:
+                while True:
+                    self._queue.get_nowait()
+            except queue.Empty:
+                pass
+            try:
+                self._queue.put_nowait(_END)
+                return
+            except queue.Full:              # producers that were blocked filled it again: once more
+                continue
 
     def drain(self):
         """The queued answers, blocking for each, until ``end()`` (the gRPC handler yields them)."""
@@ -221,6 +245,16 @@ class PushSession:
         self.release()
         self.sink.end()
 
+    def abort(self) -> None:
+        """The worker is stopping: the successor stream ends and the control stream's drain returns."""
+        if self.successor is not None:
+            self.successor.close()
+        self.sink.abort()
+
+    @property
+    def threads(self) -> ThreadGroup:
+        return self.hub.threads
+
 
 class PushHub:
     """The worker's pushed sessions, by (session id, epoch), and how it dials successors."""
@@ -234,6 +268,21 @@ class PushHub:
         self._sessions: dict[SessionKey, PushSession] = {}
         self._lock = threading.Lock()
         self.streams = {"frames": 0, "grpc": 0}   # successor streams opened, by transport (Health)
+        # Successor readers and gRPC control pumps: joined when the worker stops (close, join).
+        self.threads = ThreadGroup("shard-push")
+
+    def close(self) -> None:
+        """The worker is stopping: no new push thread; every session's successor stream ends and its
+        control stream's drain returns (answers still queued are dropped). ``join`` waits for the threads."""
+        self.threads.stop()
+        with self._lock:
+            sessions, self._sessions = list(self._sessions.values()), {}
+        for session in sessions:
+            session.abort()
+
+    def join(self, timeout_s: float | None = None) -> None:
+        """Every push thread has ended (ThreadsLeft past the bound; a thread's error is raised here)."""
+        self.threads.join(timeout_s)
 
     def note_stream(self, transport: str) -> None:
         with self._lock:
@@ -253,6 +302,8 @@ class PushHub:
                 raise ProtocolViolation("this worker cannot push (no dialer configured)")
         session = PushSession(self, key, open_msg, fingerprint, is_tail)
         with self._lock:
+            if self.threads.stopping.is_set():
+                raise InternalError("this worker is stopping; no new pushed session")
             if len(self._sessions) >= PUSH_MAX_SESSIONS and key not in self._sessions:
                 raise LimitExceeded(f"more than {PUSH_MAX_SESSIONS} pushed sessions")
             old = self._sessions.get(key)

@@ -12,6 +12,9 @@ kept with their batch shapes, bounded by the session's max tokens:
 ``repoint(target)`` dials the replacement and re-sends them all in the same
 batches (its prefill), then pushing continues there. A generation counter
 keeps an old stream's last words from being reported after a repoint.
+The reader thread runs in the session's ThreadGroup (the hub's: the worker
+joins it when it stops); ``close()`` ends the call and wakes a send or an
+open waiting on the successor at once.
 
 The session that drives a successor stream is seen through ``Upstream``, a
 small protocol (shard/push/hub.py PushSession implements it): its key and
@@ -34,6 +37,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
 from proto.limits import DECODE_STEP_BASE
+from proto.threads import GroupStopped, ThreadGroup
 from shard.session.request_queue import RequestQueue
 from shard.session.session_ids import SessionKey
 
@@ -69,6 +73,11 @@ class Upstream(Protocol):
         """How this worker dials a target (None: it cannot push)."""
         ...
 
+    @property
+    def threads(self) -> ThreadGroup:
+        """Where the stream's reader thread runs (the worker's push threads, joined when it stops)."""
+        ...
+
     def note_stream(self, transport: str) -> None:
         """A stream to a successor opened over ``transport`` ("frames" or "grpc")."""
         ...
@@ -94,6 +103,7 @@ class SuccessorStream:
         self._credits = 0
         self._cond = threading.Condition()
         self._failed: str | None = None
+        self._closed = False                    # close(): nothing is sent or dialed any more
         self._generation = 0
         self._step = 0
         self.sent_frames = 0
@@ -129,8 +139,11 @@ class SuccessorStream:
         dial = s.dialer
         if dial is None:
             raise PushError("this worker has no push dialer")
-        self._generation += 1
-        generation = self._generation
+        if self._closed:
+            raise PushError("the push session was closed")
+        with self._cond:
+            self._generation += 1
+            generation = self._generation
         self._channel = dial(t)
         self._queue = RequestQueue(SEND_DEPTH)
         call = self._channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
@@ -146,8 +159,15 @@ class SuccessorStream:
         opened = threading.Event()
         with self._cond:
             self._credits, self._failed = 0, None
-        threading.Thread(target=self._read, args=(self._call, generation, opened),
-                         name="shard-push-read", daemon=True).start()
+            closed = self._closed
+        if closed:                              # close() came while we dialed: it may not have seen the call
+            self._call.cancel()
+            raise PushError("the push session was closed")
+        try:
+            s.threads.start(self._read, self._call, generation, opened, name="successor-read")
+        except GroupStopped as exc:             # the worker is stopping
+            self._call.cancel()
+            raise PushError("the worker is stopping") from exc
         if not opened.wait(OPEN_TIMEOUT_S):
             raise PushError(f"no answer to the feeder open within {OPEN_TIMEOUT_S:.0f} s")
         if self._failed:
@@ -187,8 +207,11 @@ class SuccessorStream:
 
     def _send(self, body: bytes) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: self._credits > 0 or self._failed is not None, CREDIT_WAIT_S):
+            if not self._cond.wait_for(lambda: self._credits > 0 or self._failed is not None or self._closed,
+                                       CREDIT_WAIT_S):
                 raise PushError(f"no credit from the successor for {CREDIT_WAIT_S:.0f} s")
+            if self._closed:
+                raise PushError("the push session was closed")
             if self._failed is not None:
                 raise PushError(self._failed)
             self._credits -= 1
@@ -275,5 +298,14 @@ class SuccessorStream:
         self._call = self._channel = self._queue = None
 
     def close(self) -> None:
+        """End the stream for good. A send waiting for a credit, or an open waiting for its answer,
+        gives up at once (PushError): the flag and the cancel need no ``_lock``, which they hold."""
+        with self._cond:
+            self._closed = True
+            self._generation += 1               # what the cancelled stream says now is not a failure
+            self._cond.notify_all()
+            call = self._call
+        if call is not None:
+            call.cancel()                       # the reader ends; an open waiting for it wakes
         with self._lock:
             self._close_call()

@@ -35,9 +35,10 @@ from shard.model.backend import RangeBackend
 from shard.session.batching import BatchingBackend
 from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
 
-# Validation forward: enough positions to exercise prefill and the cache, few
-# enough to finish in well under a second on the smallest machine.
-VALIDATION_PREFILL_TOKENS = 8
+# Validation forward: one whole prefill chunk (the largest forward a session sends: the flow
+# control's max_prefill_chunk_tokens), so the peak it reaches is the backend's working memory
+# (shard/model/memory.py); fewer when the KV a session may hold is smaller. Then a few decode steps.
+VALIDATION_PREFILL_TOKENS = DEFAULT_PREFILL_CHUNK_TOKENS
 VALIDATION_DECODE_STEPS = 4
 VALIDATION_SEED = 1234
 ACCEPTED_COMPRESSION = (pb.COMPRESSION_NONE, pb.COMPRESSION_ZSTD)
@@ -101,6 +102,7 @@ class ShardService:
                                          max_chunk_bytes=MAX_FRAME_BYTES,
                                          max_prefill_chunk_tokens=DEFAULT_PREFILL_CHUNK_TOKENS)
         self._capability: pb.CapabilityReport | None = None
+        self.validation_tokens = 0   # the prefill positions validate() ran (its memory forward)
         # Push topology (shard/push/hub.py): how this worker dials a successor the entry named
         # (set by the worker CLI: TLS pinned to the target's certificate hash), and its pushed sessions.
         self.push_dialer = None
@@ -120,11 +122,12 @@ class ShardService:
         detail = "validated by a real forward over the range"
         ok = True
         cache = None
+        room = min(self.manager.policy.kv_budget_tokens, getattr(b, "max_session_tokens", None) or 1 << 30)
+        prefill = self.validation_tokens = max(1, min(VALIDATION_PREFILL_TOKENS, room - VALIDATION_DECODE_STEPS))
         try:
-            cache = b.new_cache(VALIDATION_PREFILL_TOKENS + VALIDATION_DECODE_STEPS)
+            cache = b.new_cache(prefill + VALIDATION_DECODE_STEPS)
             t0 = time.perf_counter()
-            out = b.forward(cache, self._validation_inputs(VALIDATION_PREFILL_TOKENS, rng),
-                            effective_start=lr.start)
+            out = b.forward(cache, self._validation_inputs(prefill, rng), effective_start=lr.start)
             prefill_s = time.perf_counter() - t0
             decode_s = 0.0
             for _ in range(VALIDATION_DECODE_STEPS):
@@ -160,7 +163,7 @@ class ShardService:
             num_layers=lr.num_layers, hidden_size=b.hidden_size,
             boundary_dtype=BOUNDARY_DTYPES.get(np.dtype(b.boundary_dtype).name, pb.DTYPE_UNSPECIFIED),
             decode_ms_per_layer=(decode_s / VALIDATION_DECODE_STEPS) * 1000 / lr.count if ok else 0.0,
-            prefill_tokens_per_s=VALIDATION_PREFILL_TOKENS / prefill_s if ok and prefill_s else 0.0,
+            prefill_tokens_per_s=prefill / prefill_s if ok and prefill_s else 0.0,
             kv_budget_tokens=stats.kv_budget_tokens,
             model_id=self.model_id,
         )
@@ -168,6 +171,11 @@ class ShardService:
         if delegated is not None:
             self._capability.delegated_experts.extend(delegated(lr).to_runs())
         return self._capability
+
+    def record_memory(self, figures: pb.MemoryFigures) -> None:
+        """Attach what the worker measured of its memory at validation (shard/model/memory.py)."""
+        if self._capability is not None:
+            self._capability.memory.CopyFrom(figures)
 
     def capability(self, request: pb.CapabilityRequest | None = None) -> pb.CapabilityReport:
         if self._capability is None:
@@ -219,6 +227,11 @@ class ShardService:
             log_failure(log, exc, "releasing a session")
             return pb.ReleaseResponse(released=False, error=to_shard_error(
                 InternalError(f"releasing the session failed ({type(exc).__name__}); see the worker's log")))
+
+    def release_all(self) -> int:
+        """The worker is stopping (every edge is closed and joined): free every session's KV."""
+        with self.lock:
+            return self.manager.release_all()
 
     def cancel(self, request: pb.CancelRequest, peer: str = LOCAL_OWNER.peer) -> pb.CancelResponse:
         try:

@@ -397,6 +397,13 @@ class SessionManager:
             self._check_owner(session, owner, "release")
         return self._drop(key)
 
+    def release_all(self) -> int:
+        """Free every session (the worker is stopping); how many there were."""
+        keys = list(self._sessions)
+        for key in keys:
+            self._drop(key)
+        return len(keys)
+
     def cancel(self, key: SessionKey, owner: Owner = LOCAL_OWNER) -> int:
         """Drop the session and refuse further work on this (id, epoch); its owner only.
 

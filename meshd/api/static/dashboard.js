@@ -61,12 +61,11 @@ function renderCoverage(status) {
   if (!n) gaps.append(el("li", { class: "ok" }, "no coverage information yet"));
   else if (!spans.length) gaps.append(el("li", { class: "ok", "data-covered": "true" }, `every layer 0:${n} is served`));
   for (const [a, b] of spans) gaps.append(el("li", { class: "gap", "data-gap": `${a}:${b}` }, `gap: layers ${a}:${b} are served by no live peer`));
-  const sf = status.shortfall;
-  if (sf && sf.needed_bytes != null) {
-    const text = sf.short_bytes > 0
-      ? `memory shortfall: layers ${sf.gaps.map((g) => g.join(":")).join(", ")} need ${size(sf.needed_bytes)} (weights + KV); the pool offers ${size(sf.spare_bytes)} beyond its ranges — ${size(sf.short_bytes)} short: add a node with --memory`
-      : `layers ${sf.gaps.map((g) => g.join(":")).join(", ")} need ${size(sf.needed_bytes)}; the pool offers ${size(sf.spare_bytes)} beyond its ranges: the tracker can move a node there`;
-    gaps.append(el("li", { class: "shortfall", id: "shortfall", "data-short": sf.short_bytes }, text));
+  const sf = status.shortfall;   // meshd/swarm/view.py pool_status: the tracker moves ranges, or the pool is short
+  if (sf && sf.message) {
+    gaps.append(el("li", { class: "shortfall", id: "shortfall", "data-short": sf.short ? "true" : "false",
+                           "data-need": sf.need_bytes ?? "", "data-node-memory": sf.node_memory_bytes ?? "" },
+      sf.short ? `memory shortfall: ${sf.message}` : sf.message));
   }
 }
 
