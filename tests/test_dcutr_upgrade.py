@@ -29,12 +29,11 @@ from meshd.reach.direct_upgrade import (
 )
 from meshd.reach.relay_dial import LoopPortal, RelayDialer
 from meshd.testing.models import build_random_llama
-from relay.bridge import SESSION_METHOD
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
 from relay.transport import SESSION_PROTOCOL, RelayedSessionServer
 from shard.model.reference import WholeModel
-from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
+from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_once, echo_worker, info, new_host
 from tests._swarm_helpers import start_shard
 
 TEST_TIMEOUT_S = 90
@@ -44,10 +43,6 @@ NEW_TOKENS = 8
 # Bound for the stalled-peer attempt: the attempt is cut here, the circuit stays.
 SHORT_UPGRADE_TIMEOUT_S = 1.0
 DCUTR = "/libp2p/dcutr"
-
-
-def echo_once(channel, body: bytes) -> list[bytes]:
-    return list(channel.stream_stream(SESSION_METHOD)(iter([body])))
 
 
 async def wait_until(condition, what: str, limit_s: float = 30.0) -> None:
@@ -203,7 +198,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 assert not is_relayed(conn) and "/p2p-circuit" not in str(conn.get_transport_addresses())
 
                 # new session streams to the home node now open on the direct connection
-                channel = await trio.to_thread.run_sync(dial.channel, home_id, addrs)
+                channel = await trio.to_thread.run_sync(dial.transport, home_id, addrs)
                 assert channel.conn is conn
                 relayed_bytes = hop.snapshot()["bytes_forwarded"]   # now includes the DCUtR exchange
                 second = await trio.to_thread.run_sync(generate)
@@ -221,7 +216,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 # peer, and new sessions take the circuit again (no new attempt within the window).
                 await conn.close()
                 assert await trio.to_thread.run_sync(dial.retry_same_peer, home_id)
-                channel = await trio.to_thread.run_sync(dial.channel, home_id, addrs)
+                channel = await trio.to_thread.run_sync(dial.transport, home_id, addrs)
                 assert is_relayed(channel.conn) and upgrader.attempts == 1
                 served_on.clear()
                 assert await trio.to_thread.run_sync(generate) == reference
@@ -260,7 +255,7 @@ def test_a_failing_upgrade_keeps_the_circuit_and_generations_succeed_silently(ho
                 dial = RelayDialer(dialer, LoopPortal.current(), upgrader=upgrader)
 
                 def through_circuit(body: bytes):
-                    channel = dial.channel(home_id, addrs)
+                    channel = dial.transport(home_id, addrs)
                     return is_relayed(channel.conn), echo_once(channel, body)
 
                 noisy.records.clear()

@@ -1,6 +1,6 @@
 """Edges: the thin servers that carry Session streams between a socket and the stream core.
 
-Files and roles (one core, three edges; each only moves bytes):
+Files and roles (one core, three socket edges and an in-memory twin; each only moves bytes):
 
     grpc_server.py    the grpcio edge: ShardRuntime with identity (de)serializers (Session stream,
                       unary RPCs), plaintext on loopback for the node's own daemon, TLS for peers
@@ -8,9 +8,12 @@ Files and roles (one core, three edges; each only moves bytes):
                       core, same certificate as the TLS gRPC port); ``serve_frames`` is the
                       frame loop every framed edge shares
     unix_server.py    the worker's private Unix frame socket, for its own daemon (same stream core)
+    memory.py         the in-memory twin: streams straight into a ShardService's core, with the
+                      faults a test causes (a worker killed, frozen, refusing, sending bad frames)
 
 Who owns what: each server owns its listening socket, its accept thread and
-one thread per live stream (bounded by MAX_STREAMS / MAX_CONNECTIONS); the
+one thread per live stream (bounded by MAX_STREAMS / MAX_CONNECTIONS; the
+in-memory edge has none: the core runs in the thread that receives); the
 streams' state belongs to the stream core (shard/session/stream.py), pushed
 sessions to shard/push/.
 """

@@ -22,7 +22,7 @@ reach it, uses gRPC.
 Authentication: the same certificate and key as the worker's TLS gRPC port,
 so the pin in the signed record (SHA-256 of the certificate's DER) covers
 both; the dialer checks it right after the handshake, before sending a byte
-(meshd/generate/unix_channel.py TlsFrameChannel). Like the gRPC port, the
+(meshd/generate/transports.py TlsFrameTransport). Like the gRPC port, the
 server does not authenticate the client: a session is bound to its stream.
 
 Bounds: at most MAX_CONNECTIONS live connections (more are closed at once),

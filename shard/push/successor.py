@@ -22,7 +22,6 @@ OPEN_TIMEOUT_S, a send queue of SEND_DEPTH bodies.
 """
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from typing import Protocol
@@ -33,23 +32,19 @@ from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
+from proto.hop_transport import HopStream, HopTransport, TransportError
 from proto.limits import DECODE_STEP_BASE
-from shard.session.request_queue import RequestQueue
 from shard.session.session_ids import SessionKey
 
 # A successor that grants no credit for this long is reported as failed.
 CREDIT_WAIT_S = 60.0
 # Dialing and opening the successor's feeder stream.
 OPEN_TIMEOUT_S = 30.0
-STREAM_TIMEOUT_S = 6 * 3600.0
-# Bodies queued towards the successor (credits bound them first).
-SEND_DEPTH = 32
-SESSION_METHOD = "/meshd.shard.v1.ShardRuntime/Session"
 HIDDEN = "h"
 TOKEN_IDS = "token_ids"
 
 
-Dialer = Callable[[pb.PushTarget], object]   # -> a grpc.Channel (or a framed channel) to the target
+Dialer = Callable[[pb.PushTarget], HopTransport]   # the transport to the target the entry named
 
 
 class PushError(Exception):
@@ -88,16 +83,15 @@ class SuccessorStream:
         self._rows: np.ndarray | None = None
         self._held = 0
         self._batches: list[tuple[int, int, int, int, bool, bool]] = []  # first, n, index, count, final, decode
-        self._channel = None
-        self._call = None
-        self._queue: RequestQueue | None = None
+        self._transport: HopTransport | None = None
+        self._stream: HopStream | None = None
         self._credits = 0
         self._cond = threading.Condition()
         self._failed: str | None = None
         self._generation = 0
         self._step = 0
         self.sent_frames = 0
-        self.transport = ""                     # "frames" or "grpc": what carries the stream now
+        self.transport = ""                     # "frames", "grpc", ...: what carries the stream now
 
     # -- rows kept for a replacement ---------------------------------------------------
     def _check_keep(self, first: int, rows: np.ndarray) -> None:
@@ -130,13 +124,11 @@ class SuccessorStream:
             raise PushError("this worker has no push dialer")
         self._generation += 1
         generation = self._generation
-        self._channel = dial(t)
-        self._queue = RequestQueue(SEND_DEPTH)
-        call = self._channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
-        self.transport = getattr(self._channel, "used", "") or "grpc"
+        self._transport = dial(t)
+        self._stream = stream = self._transport.open_session()
+        self.transport = self._transport.kind
         s.note_stream(self.transport)
-        self._queue.put(pb.SessionRequest(open=pb.SessionOpen(
+        stream.send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.key.session_id, route_epoch=t.route_epoch,
             fingerprint=s.fingerprint, shard_range=t.shard_range, push_feed=True, max_tokens=s.max_tokens,
             owner_token=t.owner_token,
@@ -145,16 +137,16 @@ class SuccessorStream:
         opened = threading.Event()
         with self._cond:
             self._credits, self._failed = 0, None
-        threading.Thread(target=self._read, args=(self._call, generation, opened),
+        threading.Thread(target=self._read, args=(stream, generation, opened),
                          name="shard-push-read", daemon=True).start()
         if not opened.wait(OPEN_TIMEOUT_S):
             raise PushError(f"no answer to the feeder open within {OPEN_TIMEOUT_S:.0f} s")
         if self._failed:
             raise PushError(self._failed)
 
-    def _read(self, call, generation: int, opened: threading.Event) -> None:
+    def _read(self, stream: HopStream, generation: int, opened: threading.Event) -> None:
         try:
-            for body in call:
+            while (body := stream.receive()) is not None:
                 resp = parse_response(body)
                 kind = resp.WhichOneof("kind")
                 if kind == "status":
@@ -170,9 +162,10 @@ class SuccessorStream:
                         self._credits += resp.flow_control.credits_granted
                     self._cond.notify_all()
             self._fail(generation, "the successor ended the stream")
-        except Exception as exc:  # noqa: BLE001 - transport failure of the successor
-            detail = exc.code().name if hasattr(exc, "code") else type(exc).__name__
-            self._fail(generation, f"transport: {detail}")
+        except TransportError as exc:
+            self._fail(generation, f"transport: {exc.status.value}")
+        except Exception as exc:  # noqa: BLE001 - a bad frame from the successor
+            self._fail(generation, f"transport: {type(exc).__name__}")
         finally:
             opened.set()
 
@@ -192,9 +185,9 @@ class SuccessorStream:
                 raise PushError(self._failed)
             self._credits -= 1
         try:   # credits bound what waits first: gRPC's queue, or a framed socket's buffer
-            self._queue.put(body, timeout=CREDIT_WAIT_S)
-        except queue.Full:
-            raise PushError(f"the stream to the successor took no frame for {CREDIT_WAIT_S:.0f} s") from None
+            self._stream.send(body, timeout_s=CREDIT_WAIT_S)
+        except TransportError as exc:
+            raise PushError(f"the stream to the successor took no frame: {exc}") from None
         self.sent_frames += 1
 
     def _body(self, first: int, rows: np.ndarray, index: int, count: int, final: bool, decode: bool,
@@ -228,7 +221,7 @@ class SuccessorStream:
         with self._lock:
             self._check_keep(first, rows)
             try:
-                if self._call is None:
+                if self._stream is None:
                     self._open()
                 self._send(self._body(first, rows, index, count, final, decode, legs, execution))
             finally:
@@ -242,7 +235,7 @@ class SuccessorStream:
         ids = np.array([token], dtype=np.int64)
         step = DECODE_STEP_BASE + position
         with self._lock:
-            if self._call is None:
+            if self._stream is None:
                 self._open()
             body = fastpath.decode_request_bytes(step, position, position, TOKEN_IDS, ids, legs=1)
             self._send(body or wire.request_decode(pb.DecodeStep(idempotency_step=step, position=position,
@@ -261,13 +254,12 @@ class SuccessorStream:
     def _close_call(self) -> None:
         with self._cond:
             self._generation += 1       # whatever the old stream says now is not a failure to report
-        if self._queue is not None:
-            self._queue.finish()
-        if self._call is not None:
-            self._call.cancel()
-        if self._channel is not None:
-            self._channel.close()
-        self._call = self._channel = self._queue = None
+        if self._stream is not None:
+            self._stream.close_send()
+            self._stream.cancel()
+        if self._transport is not None:
+            self._transport.close()
+        self._stream = self._transport = None
 
     def close(self) -> None:
         with self._lock:
