@@ -173,7 +173,7 @@ class WorkerProcess:
         log_path = spec.run_dir / "worker.log"
         state.log_path = str(log_path)
         ready_line = trio.Event()
-        proc = _ChildProcess.spawn(spec.command(ready_file), spec.env())
+        proc = ChildProcess.spawn(spec.command(ready_file), spec.env())
         state.pid = proc.pid
         try:
             async with trio.open_nursery() as nursery:
@@ -197,7 +197,7 @@ class WorkerProcess:
                 return code
         finally:
             with trio.CancelScope(shield=True):
-                await _stop(proc)
+                await stop_child(proc)
 
     @staticmethod
     def _read_ready(path: Path, pid: int) -> WorkerReady:
@@ -268,7 +268,7 @@ else:  # pragma: no cover - the parent-death signal is a Linux feature
     _prctl = None
 
 
-async def ready_or_exit(proc: _ChildProcess, ready_line: trio.Event, timeout_s: float, what: str) -> None:
+async def ready_or_exit(proc: ChildProcess, ready_line: trio.Event, timeout_s: float, what: str) -> None:
     """Wait until the child printed its ready line or exited; WorkerFailed after ``timeout_s``."""
     with trio.move_on_after(timeout_s) as scope:
         async with trio.open_nursery() as race:
@@ -292,7 +292,7 @@ def _die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class _ChildProcess:
+class ChildProcess:
     """A subprocess spawned from the trio thread itself, awaited through a pidfd.
 
     trio.lowlevel.open_process forks from a worker thread, and Linux delivers
@@ -313,7 +313,7 @@ class _ChildProcess:
         popen.stderr.close()
 
     @classmethod
-    def spawn(cls, cmd: list[str], env: dict[str, str]) -> _ChildProcess:
+    def spawn(cls, cmd: list[str], env: dict[str, str]) -> ChildProcess:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         return cls(popen)
@@ -345,7 +345,7 @@ class _ChildProcess:
         self.send_signal(signal.SIGKILL)
 
 
-async def _stop(proc: _ChildProcess) -> None:
+async def stop_child(proc: ChildProcess) -> None:
     """SIGTERM (the worker drains), SIGKILL after STOP_GRACE_S; always reaps and closes pipes."""
     try:
         if proc.returncode is None:

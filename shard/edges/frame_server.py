@@ -47,7 +47,7 @@ from shard.edges.grpc_server import MAX_STREAMS
 from shard.experts.transport import server_tls_context
 from shard.push.actions import receive, sink_of, stream_ended
 from shard.session.service import ShardService
-from shard.session.stream import SessionStream, _status
+from shard.session.stream import SessionStream, status_frame
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ def serve_frames(conn, service: ShardService, *, idle_timeout_s: float | None = 
                 try:
                     reader.feed(data)
                 except ProtocolError as exc:    # bad length prefix: answer, then close
-                    write(_status(exc, terminal=True))
+                    write(status_frame(exc, terminal=True))
                     return
             while not stream.closed and (body := one if one is not None else reader.next_frame()) is not None:
                 one = None
