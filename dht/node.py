@@ -381,9 +381,10 @@ class DhtNode:
 
         A connected peer that leaves RPCs unanswered gets a deadline doubled per consecutive
         miss (its own, not everyone's; only its first miss counts as a latency sample, so a
-        machine-wide overload raises every deadline while one stuck peer cannot); after STUCK_AFTER misses in a row its connection is
-        closed and it leaves the routing table: a connection whose far end stopped reading
-        (a host that exited without closing it) must not cost every later RPC a deadline."""
+        machine-wide overload raises every deadline while one stuck peer cannot); after STUCK_AFTER
+        misses in a row its connection is closed and it leaves the routing table: a connection
+        whose far end stopped reading (a host that exited without closing it) must not cost
+        every later RPC a deadline."""
         timer = self._timer_for(peer)
         connected = timer is self.rpc_timer
         misses = self.health.misses(peer) if connected else 0
@@ -521,7 +522,8 @@ class DhtNode:
         return await self.fetch(K.experts_key(digest))
 
     @staticmethod
-    def _decode(parsed: K.ParsedKey, value: bytes, now: int, cache: RecordCache | None = None) -> list[CapabilityRecord]:
+    def _decode(parsed: K.ParsedKey, value: bytes, now: int,
+                cache: RecordCache | None = None) -> list[CapabilityRecord]:
         if parsed.kind == "relays":
             return parse_relay_set_lenient(value, now)  # type: ignore[return-value]
         if parsed.kind == "experts":

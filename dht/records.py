@@ -73,7 +73,7 @@ MAX_DTYPES = 8
 # MoE holders name the experts they need as runs (dht/expert_records.py has the same bound).
 MAX_DELEGATED_RUNS = 128
 MAX_EXPERT_ID = 511
-DIGEST_RE = re.compile(r"^[A-Za-z0-9:._-]{1,%d}$" % MAX_DIGEST_CHARS)
+DIGEST_RE = re.compile(rf"^[A-Za-z0-9:._-]{{1,{MAX_DIGEST_CHARS}}}$")
 SET_MAGIC = b"MSR1"
 # Records one RecordCache remembers: a home swarm has a few records per peer;
 # 2048 x (<= 4 KiB raw + its parsed payload) bounds the memory a flood of

@@ -6,46 +6,10 @@ it, and builds ``DaemonConfig``, which validates everything at construction.
 Nothing else in the daemon reads files or flags; modules receive the config
 (or a field of it).
 
-TOML layout (every key optional; names match the dataclass fields)::
-
-    data_dir = "~/.local/share/meshd"
-    listen = ["/ip4/0.0.0.0/tcp/4001"]
-    bootstrap = ["/ip4/203.0.113.7/tcp/4001/p2p/12D3Koo..."]
-    model = "/models/llama"
-    layers = "0:16"                   # or "auto" (with memory_bytes), or "none": a client-only node
-                                      # (joins the DHT, holds no layers, generates through the swarm)
-    advertise_host = "203.0.113.9"    # host peers use for our TLS gRPC endpoint
-    record_ttl_s = 120
-    refill_wait_s = 180               # an entry whose route lost every server of some layers waits this
-                                      # long for the tracker to move a node there (default: TTL + 60 s)
-    reachability = "auto"             # auto | public | private (private: always use relays)
-    route_topology = "push"           # push: hops send rows to the next hop (hops + 1 legs per
-                                      # token); star: the entry carries every boundary (2 x hops)
-    experts = "0-3:E4-E7"             # MoE: with layers, hold only these experts of them (peers run
-                                      # the rest); without layers, serve them as an expert peer;
-                                      # "auto" (with memory_bytes): an expert peer sized to the memory
-    expert_act = "f32"                # rows to expert peers: f32 (exact) | q8 (~3.5x fewer bytes)
-    offload_experts = false           # a holder sends even the experts it holds to peers
-
-    [worker]
-    dtype = "float32"
-    backend = "torch"
-    kv_budget_tokens = 4096
-    restart_backoff_s = 1             # first restart delay after a worker died; doubles ...
-    restart_backoff_max_s = 300       # ... up to this
-    restart_backoff_reset_s = 120     # back to the first delay after a worker served this long
-    threads = 4                       # compute threads (torch_threads is the same key); default: all cores
-    batching = true                   # continuous batching: sessions ready together share a forward
-    llama_kv_streams = "auto"         # llama.cpp: one KV stream per session (exact): "auto" = budget / 512,
-                                      # at most 8; N = N streams; 0 = one shared pool (not exact)
-
-    [api]                             # the HTTP API, metrics and dashboard (meshd/api/)
-    listen = "127.0.0.1:8080"         # "off" disables it; beyond loopback it needs a key
-    key_file = "~/.config/meshd/api-key"   # the bearer key, read from this file (first line)
-    key = "..."                       # or the key itself (or MESHD_API_KEY in the environment)
-    allowed_hosts = ["meshd.lan"]     # Host names the API answers to besides IP literals and localhost
-    cors_origins = ["https://app.example"]  # web pages that may drive the API (CORS; off by default)
-    max_running = 4
+TOML layout: top-level keys are ``DaemonConfig``'s fields, ``[worker]`` holds
+``WorkerConfig``'s (``threads`` is ``torch_threads``), ``[api]`` ``ApiConfig``'s;
+every key is optional and an unknown one is refused. The whole layout, with
+the flag that sets each key, is in docs/configuration.md.
 """
 from __future__ import annotations
 
@@ -203,7 +167,7 @@ class WorkerConfig:
     batching: bool = True
     # llama.cpp KV layout. N: N streams of kv_budget_tokens / N cells, one per session: bit-exact
     # under concurrency, but at most N sessions of at most that many tokens each. "auto" (the
-    # default): N = kv_budget_tokens / 512, at most 8 (native/factory.py). 0: one pool shared by
+    # default): N = kv_budget_tokens / 2048, at most 8 (native/factory.py). 0: one pool shared by
     # every session (any session may use the whole budget; a released session's cells are refilled
     # out of order and the running sessions' greedy tokens can drift from the same request alone).
     llama_kv_streams: int | str = "auto"

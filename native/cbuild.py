@@ -4,8 +4,9 @@ Two sources in ``native/csrc/``:
 
 * ``capture.c`` -> ``libmeshd_capture.so``: the eval callback that captures a
   non-tail slice's residual (llama_engine.py). llama.cpp asks the callback
-  about every graph node (~470 per decode step of a 15-block SmolLM2 slice);
-  through ctypes into Python that is about a millisecond per step and hop.
+  about every graph node (hundreds per decode step); through ctypes into
+  Python that would cost a sizeable share of a hop's step
+  (docs/measurements/2026-12-02.md).
 * ``llama_floor.c`` -> ``llama_floor``: the bare split floor the llama.cpp
   swarm bench runs beside the daemons (llama_floor.py).
 

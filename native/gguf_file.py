@@ -22,9 +22,10 @@ Numeric arrays are numpy views into the map (zero copy); strings are decoded
 (strict UTF-8). Tensor ``data`` is a view built on first access, shaped as
 ``gguf.GGUFReader`` shapes it (typed for F32/F16/F64/I8..I64, raw bytes
 ``[..., row_bytes]`` for block types incl. BF16), so gguf's writer and
-dequantizer take it as they take the library reader's. Parsing SmolLM2's
-header takes ~0.1 s (gguf.GGUFReader: ~5 s; Gemma-3's 262k-token vocab
-~25 s) because arrays are read as arrays, not element by element.
+dequantizer take it as they take the library reader's. Arrays are read as
+arrays, not element by element as gguf.GGUFReader does, so a header with a
+large vocabulary parses in a fraction of a second instead of many seconds
+(docs/measurements/2026-12-01.md).
 
 State: the memory map, alive as long as the ``GGUFFile`` or a tensor view.
 """
@@ -315,7 +316,7 @@ class GGUFFile:
             spans.append((start, start + n_bytes, name))
             tensors.append(GGUFTensor(name, shape, qtype, start, n_bytes, buf))
         spans.sort()
-        for (a0, a1, an), (b0, b1, bn) in zip(spans, spans[1:]):
+        for (_, a1, an), (b0, _, bn) in zip(spans, spans[1:]):
             if b0 < a1:
                 raise cur.fail(f"tensors {an} and {bn} overlap")
         return cls(path, buf, size, version, fields, tuple(tensors), data_offset, alignment)

@@ -15,10 +15,11 @@ Every position is marked as an output so the last block keeps all rows
 (llama.cpp drops non-output rows inside the last block). The logits buffer
 llama.cpp then fills is garbage and is never read.
 
-The scheduler asks the callback about every node before the target (~470
-per decode step of a 15-block SmolLM2 slice), so the callback is C
-(native/csrc/capture.c, built by native/cbuild.py) writing into a buffer
-this engine owns; through ctypes into Python it cost ~1 ms per step and hop.
+The scheduler asks the callback about every node before the target
+(hundreds per decode step), so the callback is C (native/csrc/capture.c,
+built by native/cbuild.py) writing into a buffer this engine owns; through
+ctypes into Python it costs a sizeable share of a hop's step
+(docs/measurements/2026-12-02.md).
 Without a C compiler the Python callback below does the same (``capture``
 says which; ``MESHD_LLAMA_CAPTURE=python`` forces it, for measuring).
 

@@ -3,11 +3,10 @@
 Why: a decode step's frame is built and read on every hop of every token, and
 on this machine those moments come right after a llama.cpp/torch forward has
 streamed tens of MB of weights through the caches: every distinct piece of
-code and data the codec touches is a cache miss then. Measured after a 64 MB
-sweep (the cold state every step starts in): ``wire.request_decode`` of one
-576-float row 40-50 us, ``read_small_or_large`` 45-50 us; the same frames here
-~15 us each (hot, both are 2-7 us). Per token a pushed route builds and reads
-about six such frames.
+code and data the codec touches is a cache miss then, and the general codec
+touches far more of both than these few lines (cold, about three times the
+time; hot, the same: docs/measurements/2026-12-04.md). Per token a pushed
+route builds and reads about six such frames.
 
 What: exactly the bytes protobuf's canonical serialization gives (fields in
 number order, proto3 defaults left out -- tests compare byte for byte) for
@@ -29,7 +28,7 @@ anything that is not exactly such a frame -- another field order, a repeated
 or unknown field, a non-minimal or oversized varint, zstd, q8, several
 fragments, a bool tensor, a sample with logprobs, a bad checksum -- and the
 caller then takes the general path, which parses it (or refuses it with its
-typed error) as before. What the fast reader accepts it checks as the general
+typed error). What the fast reader accepts it checks as the general
 one does (the same ``Limits``), so it never accepts a frame the general path
 would refuse, and it yields the same values (tests, hypothesis). The views it
 returns answer the attribute reads the stream core and the hop links make

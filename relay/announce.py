@@ -9,7 +9,7 @@
 Publishing when a peer connects puts our record in that peer's store at
 once: a node that bootstraps through us, or through a peer that did, finds
 us in its first relay read instead of at our next republish (up to ttl/3,
-40 s by default: the wait a cold-starting home node used to see between
+40 s by default, which a cold-starting home node would otherwise wait between
 its "private" verdict and its first reservation).
 
 Sequence numbers are ``max(last + 1, wall ms)`` like capability records
@@ -67,7 +67,8 @@ async def announce_relay(identity: Identity, addrs: Callable[[], Sequence[str]],
                          wake: Callable[[], trio.Event] | None = None,
                          task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Publish our relay record now, every ``ttl_s / 3`` and whenever the event ``wake()``
-    returns (a fresh one, asked for before each publish) is set (not sooner than ANNOUNCE_MIN_GAP_S after the last), until cancelled;
+    returns (a fresh one, asked for before each publish) is set (not sooner than
+    ANNOUNCE_MIN_GAP_S after the last), until cancelled;
     ``on_published(record, acks)`` after each publish that completed."""
     interval = ttl_s / 3.0
     ttl_ms = int(ttl_s * 1000)

@@ -1,9 +1,10 @@
 """Bounded hand-offs between threads that wake the other side only when it waits.
 
-A frame crossing from one thread to another costs a wakeup (~0.1-0.5 ms on
-the reference VM). A bounded queue needs a second signal the other way (a
-credit back) -- but that one is only needed when the producer is actually
-blocked on a full queue. ``Credits`` is that rule, sans-I/O:
+A frame crossing from one thread to another costs a wakeup (a sizeable
+share of a relayed step on a small VM: docs/measurements/2026-11-29.md). A
+bounded queue needs a second signal the other way (a credit back) -- but
+that one is only needed when the producer is actually blocked on a full
+queue. ``Credits`` is that rule, sans-I/O:
 
     producer: waiter = credits.take(make_waiter)   None -> go; else wait on it and retry
     consumer: waiter = credits.give()              not None -> wake that waiter

@@ -22,10 +22,11 @@ notification) ends the wait at once: addresses withdrawn, a log line, a new
 reservation elsewhere. The schedule is a pure function (``renew_delay``)
 tested with trio's MockClock.
 
-DCUtR (hole punching): py-libp2p 0.8.1 ships a DCUtR protocol, but it needs
-both peers' observed public addresses and TCP simultaneous open, which a
-stateful NAT that drops inbound SYNs (our test topology, and most home
-routers) defeats; relayed hops stay on the relay. Not attempted.
+DCUtR (hole punching) is not this module's: it needs both peers' observed
+public addresses and TCP simultaneous open, which a stateful NAT that drops
+inbound SYNs (our test topology, and many home routers) defeats, so the
+reservation stays the way in. The entry tries a bounded, best-effort direct
+upgrade of a relayed peer in the background (meshd/reach/direct_upgrade.py).
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ stamps ``relayed_peer_id`` with the Noise-authenticated peer id of the
 circuit (whatever the peer put there) so the worker binds the session to that
 peer (shard/sessions.py: ownership and per-peer quota). A first frame that is
 not a parseable SessionOpen goes on unchanged: the worker, parsing with the
-same proto.frames.parse_request, refuses it and ends the stream. Every other frame is forwarded unparsed; the worker parses
+same proto.frames.parse_request, refuses it and ends the stream. Every other
+frame is forwarded unparsed; the worker parses
 them (proto.frames.parse_request), so the session state machine is the
 worker's one core for both transports.
 

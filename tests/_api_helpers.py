@@ -105,8 +105,11 @@ def tiny_swarm(tmp: Path):
             s.kill()
 
 
+DEFAULT_LIMITS = EntryLimits()
+
+
 @contextlib.contextmanager
-def running_api(core: InProcessCore, *, limits: EntryLimits = EntryLimits(), key: str | None = None,
+def running_api(core: InProcessCore, *, limits: EntryLimits = DEFAULT_LIMITS, key: str | None = None,
                 allowed_hosts: tuple[str, ...] = (), cors_origins: tuple[str, ...] = (), max_connections: int = 8,
                 table=None):
     """Serve the app on 127.0.0.1:<free port> in a trio loop on a thread; yields (base url, entry)."""

@@ -50,8 +50,9 @@ def response_seeds() -> list[bytes]:
            wire.response_decode(pb.DecodeResult(idempotency_step=4, past_len=5),
                                 {"token_ids": np.array([7], np.int64), "logits": h[0]},
                                 compression=pb.COMPRESSION_ZSTD),
-           wire.response_decode(pb.DecodeResult(idempotency_step=6, past_len=7, execution_nanos=99, sample=pb.TailSample(
-               token_id=300, logprob=-0.5, top=[pb.TokenLogprob(token_id=300, logprob=-0.5)])), {}),
+           wire.response_decode(pb.DecodeResult(
+               idempotency_step=6, past_len=7, execution_nanos=99, sample=pb.TailSample(
+                   token_id=300, logprob=-0.5, top=[pb.TokenLogprob(token_id=300, logprob=-0.5)])), {}),
            wire.response_chunk(ENV, {}, sample=pb.TailSample(token_id=2))]
     for msg in [pb.SessionResponse(accepted=pb.SessionAccepted(schema_version=1, past_len=3,
                                                                accepted_compression=[1])),

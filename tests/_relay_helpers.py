@@ -89,7 +89,8 @@ REPO_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 
 def subprocess_env() -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *inherited])
     return env
 
 
@@ -99,7 +100,8 @@ def relay_process(data_dir, listen="/ip4/127.0.0.1/tcp/0", extra=(), netns=None,
     import json
     import subprocess
     import sys
-    import time
+
+    from tests.conftest import wait_until_blocking
 
     ready = os.path.join(str(data_dir), "relay-ready.json")
     cmd = [sys.executable, "-m", "meshd", "relay", "--listen", listen, "--data-dir", str(data_dir),
@@ -108,13 +110,12 @@ def relay_process(data_dir, listen="/ip4/127.0.0.1/tcp/0", extra=(), netns=None,
         cmd = ["ip", "netns", "exec", netns, *cmd]
     proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not os.path.exists(ready):
+        def written() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"meshd relay exited: {proc.stderr.read().decode()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise RuntimeError("meshd relay did not become ready")
-            time.sleep(0.1)
+            return os.path.exists(ready)
+
+        wait_until_blocking(written, timeout_s, "meshd relay's ready file", poll_s=0.1)
         with open(ready) as f:
             yield json.load(f)
     finally:

@@ -30,6 +30,7 @@ import trio
 from meshd.api import hypercorn_compat
 from meshd.api.connections import ConnectionTable
 from tests._api_helpers import MODEL_ID, running_api, tiny_swarm
+from tests.conftest import wait_until
 
 H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"   # + empty SETTINGS
 SLOWLORIS_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
@@ -172,8 +173,7 @@ def test_hoarded_sockets_leave_a_chat_its_slot(core):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_hoard, url, "127.0.0.2", 200, H2_PREFACE, None, counter)
                 nursery.start_soon(_hoard, url, "127.0.0.3", 300, SLOWLORIS_HEAD, b"X-a: b\r\n", counter)
-                while counter["opened"] < 500:
-                    await trio.sleep(0.05)
+                await wait_until(lambda: counter["opened"] >= 500, REQUEST_TIMEOUT_S, "500 hoarded sockets open")
                 await trio.sleep(1.0)          # every slot the hoarders can take is taken
 
                 def chat() -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 
 import httpx
 import openai
@@ -24,6 +23,7 @@ from meshd.testing.models import build_random_llama
 from shard.model.reference import WholeModel
 from tests._api_helpers import MODEL_ID, InProcessCore, chat_tokenizer_dir, running_api
 from tests._swarm_helpers import start_shard
+from tests.conftest import wait_until_blocking
 
 PROMPT = "The quick brown fox"
 KEY = "k" * 24
@@ -76,13 +76,9 @@ def reference_text(whole, tokenizer, ids: list[int], n: int) -> tuple[str, int]:
     return tokenizer.decode(tokens), len(tokens)
 
 
-def idle(shards, timeout_s: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if all(s.active_sessions() == 0 for s in shards):
-            return True
-        time.sleep(0.02)
-    return False
+def wait_idle(shards) -> None:
+    """Every shard's sessions freed (the driver releases them as the request ends)."""
+    wait_until_blocking(lambda: all(s.active_sessions() == 0 for s in shards), 2.0, "every shard without sessions")
 
 
 def test_models_lists_the_swarm_model(api):
@@ -99,7 +95,7 @@ def test_completion_equals_the_whole_model_and_counts_usage(api, whole, tokenize
     assert out.usage.completion_tokens == n
     assert out.usage.prompt_tokens == len(tokenizer.encode_prompt(PROMPT, raw=True))
     assert out.choices[0].finish_reason == ("length" if n == 12 else "stop")
-    assert idle(shards)
+    wait_idle(shards)
 
 
 def test_chat_streaming_and_not_give_the_same_text_and_usage_equals_streamed_tokens(api, whole, tokenizer, shards):
@@ -117,7 +113,7 @@ def test_chat_streaming_and_not_give_the_same_text_and_usage_equals_streamed_tok
     assert token_chunks[0].choices[0].delta.role == "assistant"
     assert len(token_chunks) == chunks[-1].usage.completion_tokens == whole_answer.usage.completion_tokens == n
     assert chunks[-1].choices == [] and chunks[-2].choices[0].finish_reason in ("stop", "length")
-    assert idle(shards)
+    wait_idle(shards)
 
 
 def test_stop_strings_are_cut_even_across_tokens(api, whole, tokenizer):
@@ -195,11 +191,8 @@ def test_a_client_that_disconnects_mid_stream_frees_every_shard(api, shards):
             got = [next(lines) for _ in range(6)]
             assert any(line.startswith("data: {") for line in got)
             assert any(s.active_sessions() for s in shards)
-    assert idle(shards, 2.0), [s.active_sessions() for s in shards]
-    deadline = time.monotonic() + 2
-    while entry.running and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert entry.running == 0
+    wait_idle(shards)
+    wait_until_blocking(lambda: entry.running == 0, 2.0, "the entry's running count back to 0")
 
 
 def test_busy_entry_answers_429_with_retry_after(core, shards):
@@ -213,7 +206,7 @@ def test_busy_entry_answers_429_with_retry_after(core, shards):
                 with pytest.raises(openai.RateLimitError) as info:
                     client(url).completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=2)
                 assert info.value.response.headers["retry-after"] == "2"
-    assert idle(shards)
+    wait_idle(shards)
 
 
 def test_a_full_swarm_answers_429_with_the_workers_retry_hint(api, shards):
@@ -231,7 +224,7 @@ def test_a_full_swarm_answers_429_with_the_workers_retry_hint(api, shards):
     finally:
         with shards[1].service.lock:
             m.release(hog, Owner.of("noise:hog", b"h" * 32))
-    assert idle(shards)
+    wait_idle(shards)
 
 
 def test_generation_deadline_gives_504_and_frees_the_kv(core, shards):
@@ -239,7 +232,7 @@ def test_generation_deadline_gives_504_and_frees_the_kv(core, shards):
         with pytest.raises(openai.APIStatusError) as info:
             client(url).completions.create(model=MODEL_ID, prompt=PROMPT, max_tokens=4000)
         assert info.value.status_code == 504 and info.value.body["code"] == "generation_deadline"
-    assert idle(shards)
+    wait_idle(shards)
 
 
 def test_no_route_gives_503_with_retry_after(shards, tokenizer):

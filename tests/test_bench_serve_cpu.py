@@ -6,18 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 from meshd.benchmarks.serve import _Cpu, _cpu_seconds
+from tests.conftest import wait_until_blocking
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3:\n    pass\ninput()\n"
-
-
-def _until(predicate, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_cpu_books_the_processes_and_the_client_per_concurrency():
@@ -28,7 +21,7 @@ def test_cpu_books_the_processes_and_the_client_per_concurrency():
         start = _cpu_seconds(burner.pid)
 
         def wave():
-            _until(lambda: _cpu_seconds(burner.pid) >= 0.3)   # the burner spent its 0.3 s of CPU
+            wait_until_blocking(lambda: _cpu_seconds(burner.pid) >= 0.3, 60, "the burner's 0.3 s of CPU")
             gone.wait(60)                                      # and this one exited meanwhile
             return [(0, ["a", "b", "c"], [0.0, 0.1, 0.2]), (1, ["d"], [0.0])]
 

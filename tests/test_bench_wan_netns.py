@@ -43,6 +43,7 @@ def test_bench_swarm_rtt_compares_star_with_push_and_counts_legs():
     assert a["star"]["legs"] == 6 and a["push"]["legs"] == 3 and a["star"]["delay_ms"] == 60.0
     assert a["ratio_from_delay_and_compute"] > 1 and a["compute_ms"] > 0 and a["compute_ms_for_1_4"] == 45.0
     loop = result["loopback"]
-    assert loop["legs_per_token"] == 4 and loop["looped"] and loop["tokens_equal"] and loop["push_vs_star_decode_ratio"] > 0
+    assert loop["legs_per_token"] == 4 and loop["looped"] and loop["tokens_equal"]
+    assert loop["push_vs_star_decode_ratio"] > 0
     assert loop["entry_serves_layers"] is False and loop["star_legs_per_token"] == 6
     assert loop["compute_ms_per_token"] > 0 and loop["arithmetic"]["push"]["delay_ms"] == 0

@@ -1,4 +1,4 @@
-"""Churn in a larger real swarm (issue 17 item 6): 12 daemons, 4 SIGKILLed at once mid-generation.
+"""Churn in a larger real swarm: 12 daemons, 4 SIGKILLed at once mid-generation.
 
 Twelve real ``meshd join`` daemons on loopback (LocalSwarm) split the tiny
 seeded 6-layer Llama: three fixed ranges (the entry 0:2, then 2:4 and 4:6)
@@ -118,15 +118,15 @@ def choose_victims(ads: list[dict], entry_id: str, route_peers: list[str]) -> tu
             options.append((len(servers), layer, sorted(servers)))
     assert options, f"no layer span can be emptied by {KILLED} kills: {ads}"
     _, layer, victims = min(options)
-    gap = [l for l in range(num_layers) if serving[l] <= set(victims)]
+    gap = [layer for layer in range(num_layers) if serving[layer] <= set(victims)]
     others = sorted((a for a in ads if a["peer_id"] not in keep and a["peer_id"] not in victims),
                     key=lambda a: (a["peer_id"] not in route_peers,
-                                   -min(len(serving[l]) for l in range(a["start"], a["end"])), a["peer_id"]))
+                                   -min(len(serving[layer]) for layer in range(a["start"], a["end"])), a["peer_id"]))
     for ad in others:
         if len(victims) == KILLED:
             break
         dead = set(victims) | {ad["peer_id"]}
-        if all(len(serving[l] - dead) >= 2 for l in range(num_layers) if l not in gap):
+        if all(len(serving[layer] - dead) >= 2 for layer in range(num_layers) if layer not in gap):
             victims.append(ad["peer_id"])   # its layers keep two servers: one gap only, a redundant mover left
     assert len(victims) == KILLED, (victims, ads)
     return victims, (min(gap), max(gap) + 1)

@@ -193,7 +193,7 @@ def test_frame_reader_on_arbitrary_bytes_raises_only_protocol_errors(stream, rng
     for data in [stream, *(mutate(frames, rnd) for _ in range(BATCH))]:
         reader = FrameReader(64)
 
-        def run():
+        def run(data=data, reader=reader):
             pos = 0
             while pos < len(data):
                 step = rnd.randint(1, 40)
@@ -377,7 +377,7 @@ def test_element_count_amplification_is_refused_before_protobuf_allocates(reader
     many_fragments = _chunk_with_tensor_bytes(b"\x0a\x01h" + b"\x42\x00" * (4 << 20))
     long_shape = _chunk_with_tensor_bytes(b"\x0a\x01h\x12\x80\x80\x80\x04" + b"\x01" * (8 << 20))
     for data in (many_fragments, long_shape):
-        def parse():
+        def parse(data=data):
             with pytest.raises(LimitExceeded):
                 reader(data)
         assert _peak_during(parse) < 8 << 20

@@ -217,7 +217,8 @@ def test_varint_fast_paths_match_protobuf_and_header_cache_is_bounded():
     T._HEADER_CACHE.clear()
     for i in range(T.MAX_HEADER_CACHE + 5):   # distinct shapes: the cache never grows past its bound
         arr = np.zeros((1, i + 1), np.float32)
-        assert T.encode_tensor("h", arr).SerializeToString() == T.prepare_tensor("h", arr).to_message().SerializeToString()
+        prepared = T.prepare_tensor("h", arr).to_message()
+        assert T.encode_tensor("h", arr).SerializeToString() == prepared.SerializeToString()
         assert len(T._HEADER_CACHE) <= T.MAX_HEADER_CACHE
     a, b = np.ones((1, 4), np.float32), np.full((1, 4), 2.0, np.float32)   # same header prefix, other CRC
     assert T.prepare_tensor("h", a).header != T.prepare_tensor("h", b).header

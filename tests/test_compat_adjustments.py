@@ -119,7 +119,8 @@ def test_a_dht_node_records_its_own_adjustments():
 
 
 def test_importing_compat_or_relay_applies_nothing_and_building_a_host_applies_them():
-    imported, built = _children("import relay, relay.transport, dht.host, dht.host.build, dht.compat, dht.compat.registry, "
+    imported, built = _children("import relay, relay.transport, dht.host, dht.host.build, dht.compat, "
+                                "dht.compat.registry, "
                                 "dht.compat.lean_datapath, dht.compat.yamux_window, dht.node, "
                                 "meshd.reach.direct_upgrade, meshd.daemon.node; report(); " + BUILD_A_HOST)
     assert imported == {"registry": [], "yamux_patched": False, "tcp_read_patched": False,

@@ -14,6 +14,7 @@ import trio
 from dht.compat import inbound_limits as IL
 from dht.host.conn_watch import peer_text
 from tests._relay_helpers import LOOPBACK, info, new_host
+from tests.conftest import wait_until
 
 # More idle connections than py-libp2p 0.8.1's inbound cap (300 - 50 = 250).
 FLOOD = 300
@@ -95,8 +96,7 @@ def test_one_address_with_idle_connections_cannot_shut_the_door(monkeypatch, gat
             async with server.run(LOOPBACK), newcomer.run(LOOPBACK), trio.open_nursery() as nursery:
                 stop = trio.Event()
                 opened = await _flood(_tcp_addr(server), FLOOD, stop, nursery)
-                while len(opened) < FLOOD:
-                    await trio.sleep(0.05)
+                await wait_until(lambda: len(opened) >= FLOOD, TEST_TIMEOUT_S, "the flood's connections opened")
                 await trio.sleep(1.0)      # the flood's connections are accepted (or refused) by now
                 ok = await _can_connect(newcomer, server)
                 gate = IL.gate_of(server.get_network()).snapshot()
@@ -137,8 +137,7 @@ def test_idle_handshakes_are_cut_at_the_deadline(monkeypatch):
                         pass
                     closed += 1
                     await conn.aclose()
-                while gate.pending_total:
-                    await trio.sleep(0.05)
+                await wait_until(lambda: not gate.pending_total, TEST_TIMEOUT_S, "no connection pending at the gate")
                 return closed, gate.snapshot()
 
     closed, snap = trio.run(main)

@@ -35,7 +35,7 @@ def _free_port() -> int:
 
 def _one_error_line(result: subprocess.CompletedProcess, expected: str) -> None:
     assert result.returncode != 0
-    lines = [l for l in result.stderr.splitlines() if l.startswith("meshd: error:")]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("meshd: error:")]
     assert len(lines) == 1, result.stderr
     assert expected in lines[0]
     assert "Traceback" not in result.stderr

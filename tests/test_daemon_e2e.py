@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests._daemon_helpers import REPO_ROOT, subprocess_env
+from tests.conftest import wait_until_blocking
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ class Daemon:
         def find():
             m = re.search(r"listening on (\S+/p2p/\S+)", self.text())
             return m.group(1) if m else None
-        return wait_for(find, "the bootstrap daemon's address", 60, self)
+        return wait_until_blocking(self.alive(find), 60, "the bootstrap daemon's address", poll_s=POLL_S)
 
     def status(self, as_json: bool = True):
         r = subprocess.run([sys.executable, "-m", "meshd", "status", "--data-dir", str(self.data_dir)]
@@ -62,6 +63,15 @@ class Daemon:
             return None
         return json.loads(r.stdout) if as_json else r.stdout
 
+    def alive(self, fn):
+        """``fn`` for a wait: the test fails at once, with this daemon's log, if the daemon exits."""
+        def check():
+            got = fn()
+            if not got and self.proc.poll() is not None:
+                pytest.fail(f"daemon {self.data_dir.name} exited during the wait:\n{self.text()[-3000:]}")
+            return got
+        return check
+
     def stop(self, sig=signal.SIGTERM, timeout=60) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -69,18 +79,6 @@ class Daemon:
             return self.proc.wait(timeout)
         finally:
             self.log_file.close()
-
-
-def wait_for(fn, what: str, timeout_s: float, daemon: Daemon | None = None):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = fn()
-        if got:
-            return got
-        if daemon is not None and daemon.proc.poll() is not None:
-            pytest.fail(f"daemon exited while waiting for {what}:\n{daemon.text()[-3000:]}")
-        time.sleep(POLL_S)
-    pytest.fail(f"timed out waiting for {what}")
 
 
 def spans_seen(daemon: Daemon) -> list[tuple[int, int]] | None:
@@ -103,7 +101,8 @@ def test_four_daemon_swarm(tmp_path):
             daemons.append(Daemon(tmp_path, i, model, span, boot))
         everything = sorted(SPANS)
         for d in daemons:
-            wait_for(lambda: spans_seen(d) == everything, f"full coverage at {d.data_dir.name}", CONVERGE_TIMEOUT_S, d)
+            wait_until_blocking(d.alive(lambda d=d: spans_seen(d) == everything), CONVERGE_TIMEOUT_S,
+                                f"full coverage at {d.data_dir.name}", poll_s=POLL_S)
         text = daemons[2].status(as_json=False)
         print(text)
         assert "6 layers, 4 peers, complete" in text
@@ -127,18 +126,22 @@ def test_four_daemon_swarm(tmp_path):
         worker_pid = victim.status()["worker"]["pid"]
         os.kill(worker_pid, signal.SIGKILL)
         # withdrawn while the worker reloads (a restart imports torch and reloads: seconds)
-        wait_for(lambda: (seen := spans_seen(daemons[0])) is not None and SPANS[1] not in seen,
-                 "daemon 1's withdrawal while its worker restarts", 30)
-        wait_for(lambda: (victim.status() or {}).get("worker", {}).get("restarts") == 1, "a worker restart", 60, victim)
-        wait_for(lambda: (s := victim.status()) and s["worker"]["state"] == "ready"
-                 and s["worker"]["pid"] != worker_pid, "the restarted worker ready", CONVERGE_TIMEOUT_S, victim)
-        wait_for(lambda: spans_seen(daemons[0]) == everything, "coverage after the restart", 60)
+        wait_until_blocking(lambda: (seen := spans_seen(daemons[0])) is not None and SPANS[1] not in seen,
+                            30, "daemon 1's withdrawal while its worker restarts", poll_s=POLL_S)
+        wait_until_blocking(victim.alive(lambda: (victim.status() or {}).get("worker", {}).get("restarts") == 1),
+                            60, "a worker restart", poll_s=POLL_S)
+        wait_until_blocking(victim.alive(lambda: (s := victim.status()) and s["worker"]["state"] == "ready"
+                                         and s["worker"]["pid"] != worker_pid),
+                            CONVERGE_TIMEOUT_S, "the restarted worker ready", poll_s=POLL_S)
+        wait_until_blocking(lambda: spans_seen(daemons[0]) == everything, 60, "coverage after the restart",
+                            poll_s=POLL_S)
 
         # graceful stop of daemon 3: withdrawn at once, exit 0, worker gone
         d3_worker = daemons[3].status()["worker"]["pid"]
         t0 = time.monotonic()
         assert daemons[3].stop(signal.SIGTERM) == 0
-        wait_for(lambda: spans_seen(daemons[0]) == sorted(SPANS[:3]), "daemon 3's withdrawal", RECORD_TTL_S)
+        wait_until_blocking(lambda: spans_seen(daemons[0]) == sorted(SPANS[:3]), RECORD_TTL_S, "daemon 3's withdrawal",
+                            poll_s=POLL_S)
         assert time.monotonic() - t0 < 60
         assert not _alive(d3_worker)
         assert "leaving the swarm" in daemons[3].text()
@@ -147,10 +150,10 @@ def test_four_daemon_swarm(tmp_path):
         d2_worker = daemons[2].status()["worker"]["pid"]
         daemons[2].stop(signal.SIGKILL)
         t_kill = time.monotonic()
-        wait_for(lambda: spans_seen(daemons[0]) == sorted(SPANS[:2]), "daemon 2's record to expire",
-                 RECORD_TTL_S + 10)
+        wait_until_blocking(lambda: spans_seen(daemons[0]) == sorted(SPANS[:2]), RECORD_TTL_S + 10,
+                            "daemon 2's record to expire", poll_s=POLL_S)
         assert time.monotonic() - t_kill <= RECORD_TTL_S + 10
-        wait_for(lambda: not _alive(d2_worker), "the orphaned worker to exit", 30)
+        wait_until_blocking(lambda: not _alive(d2_worker), 30, "the orphaned worker to exit", poll_s=POLL_S)
         text = daemons[0].status(as_json=False)
         assert "gaps at 4:6" in text
     finally:

@@ -12,6 +12,7 @@ from meshd.daemon.node import run_daemon
 from meshd.daemon.supervisor import WorkerReady
 from proto import shard_runtime_pb2 as pb
 from tests._daemon_helpers import DIGEST
+from tests.conftest import wait_until
 
 TEST_TIMEOUT_S = 90
 SPANS = [(0, 3), (3, 6), (6, 8)]
@@ -25,21 +26,12 @@ def _report(start: int, end: int) -> pb.CapabilityReport:
         boundary_dtype=pb.DTYPE_FLOAT32, model_id="tiny-test", kv_budget_tokens=1024)
 
 
-async def _wait_until(predicate, what: str, timeout_s: float = 30.0, poll_s: float = 0.2):
-    with trio.fail_after(timeout_s):
-        while True:
-            result = await predicate()
-            if result:
-                return result
-            await trio.sleep(poll_s)
-
-
 def test_three_daemons_converge_show_coverage_and_leave(tmp_path):
     async def main():
         with trio.fail_after(TEST_TIMEOUT_S):
             async with trio.open_nursery() as nursery:
                 nodes, scopes = [], []
-                for i, span in enumerate(SPANS):
+                for i in range(len(SPANS)):
                     boot = (str(nodes[0].host.get_addrs()[0]),) if nodes else ()
                     cfg = DaemonConfig(data_dir=tmp_path / f"n{i}", listen=("/ip4/127.0.0.1/tcp/0",),
                                        bootstrap=boot, record_ttl_s=30)
@@ -62,7 +54,7 @@ def test_three_daemons_converge_show_coverage_and_leave(tmp_path):
                             return False
                     return True
 
-                await _wait_until(everyone_sees_all, "convergence")
+                await wait_until(everyone_sees_all, 30, "convergence")
                 reply = await trio.to_thread.run_sync(request, nodes[1].config.control_socket, "status")
                 text = render_status(reply)
                 assert f"coverage of {DIGEST} (tiny-test): 8 layers, 3 peers, complete" in text
@@ -83,7 +75,7 @@ def test_three_daemons_converge_show_coverage_and_leave(tmp_path):
                             return False
                     return True
 
-                await _wait_until(gone, "withdrawal")
+                await wait_until(gone, 30, "withdrawal")
                 reply = await trio.to_thread.run_sync(request, nodes[0].config.control_socket, "status")
                 assert "gaps at 6:8" in render_status(reply)
                 nursery.cancel_scope.cancel()
@@ -108,7 +100,7 @@ def test_a_rebuilt_claim_keeps_the_memory_offered_to_the_tracker(tmp_path):
                 node = await nursery.start(one)
                 node.memory_budget_bytes = memory          # what WorkerSlot sets before the worker is announced
                 await node.on_worker_ready(WorkerReady("127.0.0.1:1", "127.0.0.1:4443", 1, _report(0, 3)))
-                await _wait_until(lambda: _claimed(node), "the first claim")
+                await wait_until(lambda: _claimed(node), 30, "the first claim")
                 assert node.advertiser.claim.memory_budget_bytes == memory
                 assert node.free_kv.offer(500, 1024, trio.current_time() + 1000)   # the worker's free KV moved
                 node.refresh_claim()
@@ -119,7 +111,7 @@ def test_a_rebuilt_claim_keeps_the_memory_offered_to_the_tracker(tmp_path):
                     recs = await node.dht.fetch(K.model_key(DIGEST))
                     return [r for r in recs if not r.withdrawn and r.payload.free_kv_tokens == 500]
 
-                (record,) = await _wait_until(published, "the republished record")
+                (record,) = await wait_until(published, 30, "the republished record")
                 assert record.payload.memory_budget_bytes == memory
                 nursery.cancel_scope.cancel()
 

@@ -74,7 +74,7 @@ def test_republish_every_third_of_ttl_and_withdraw_at_once():
         seqs = [r.sequence for r in recs]
         assert seqs == sorted(set(seqs))              # strictly increasing
         # every live record still valid when the next one is due: no gap in coverage
-        for (t, rec), (t_next, _) in zip(published, published[1:]):
+        for (_, rec), (t_next, _) in zip(published, published[1:]):
             validate_capability(rec.raw, NOW_MS + int((t_next - t0) * 1000))
         # the withdrawal hides the last live record in any index it meets
         assert live(merge_records(recs[:3], recs[3:], NOW_MS + 31_000), NOW_MS + 31_000) == []

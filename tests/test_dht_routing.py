@@ -1,8 +1,9 @@
-"""Lookups route (issue 17 item 1): real py-libp2p hosts on loopback, DhtNode's iterative lookups.
+"""Lookups route: real py-libp2p hosts on loopback, DhtNode's iterative lookups.
 
 Eight hosts in a chain: each joins through the one before it (its bootstrap
 peer, then a lookup of its own id, as the daemon does); then the first host
-drops every connection and table entry but its neighbour's. A record held by the last host alone is still found by the first,
+drops every connection and table entry but its neighbour's. A record held by
+the last host alone is still found by the first,
 which was never connected to it: every answer names the answering peer's
 closest peers, and the lookup asks them in turn (dht/lookup.py). A publish
 then replicates to the k closest peers a lookup finds -- here every host.
@@ -20,6 +21,7 @@ from dht.host.build import running_host
 from dht.node import DhtNode
 from dht.records import validate_capability
 from tests._daemon_helpers import DIGEST, good, identity
+from tests.conftest import wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TEST_TIMEOUT_S = 90
@@ -69,8 +71,9 @@ def test_a_record_at_the_far_end_of_a_chain_is_found_and_a_publish_reaches_every
                 found = await first.fetch(K.peer_key(idents[-1].peer_id))
                 assert [r.peer_id for r in found] == [idents[-1].peer_id]
                 assert first.last_lookup.rounds >= 2                      # it took hops, not one ask
-                while not first.kad.routing_table.peer_in_table(last.host.get_id()):
-                    await trio.sleep(0.02)      # and it learned the way (inserted in the background)
+                # and it learned the way (inserted in the background)
+                await wait_until(lambda: first.kad.routing_table.peer_in_table(last.host.get_id()), TEST_TIMEOUT_S,
+                                 "the last host in the first one's routing table")
 
                 record = validate_capability(good(idents[0], now=wall_ms(), seq=12, start=4, end=8), wall_ms())
                 acked = await first.publish(record)

@@ -8,11 +8,13 @@ stalls before answering: its KadDHT handler waits on an event first.
 """
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import AsyncExitStack
 
 import pytest
 import trio
+from libp2p.exceptions import BaseLibp2pError
 from libp2p.kad_dht.common import PROTOCOL_ID
 
 from dht import keys as K
@@ -23,6 +25,7 @@ from dht.node import DhtNode, replace_maintenance
 from dht.records import parse_record_set_lenient
 from dht.rpc import RpcTimer
 from tests._daemon_helpers import DIGEST, as_record_set, good, identity
+from tests.conftest import wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TEST_TIMEOUT_S = 60
@@ -90,25 +93,28 @@ async def _nodes(stack: AsyncExitStack, count: int) -> list[DhtNode]:
         if nodes:
             prev = nodes[-1].host
             await connect_bootstrap(host, [f"{prev.get_addrs()[0]}/p2p/{prev.get_id()}"], 10)
-            with trio.fail_after(TEST_TIMEOUT_S):     # each in the other's table (an insertion may need a retry)
-                while not (node.kad.routing_table.peer_in_table(prev.get_id())
-                           and nodes[-1].kad.routing_table.peer_in_table(host.get_id())):
-                    await node.sync_peers()
-                    await nodes[-1].sync_peers()
-                    await trio.sleep(0.05)
+            await wait_until(functools.partial(_each_in_the_others_table, node, nodes[-1]), TEST_TIMEOUT_S,
+                             "each node in the other's routing table")
         nodes.append(node)
     return nodes
+
+
+async def _each_in_the_others_table(node: DhtNode, prev: DhtNode) -> bool:
+    """An insertion may need a retry: sync both tables, then look."""
+    await node.sync_peers()
+    await prev.sync_peers()
+    return (node.kad.routing_table.peer_in_table(prev.host.get_id())
+            and prev.kad.routing_table.peer_in_table(node.host.get_id()))
+
+
+async def _synced_knows(node: DhtNode, peer) -> bool:
+    await node.sync_peers()
+    return node.kad.routing_table.peer_in_table(peer)
 
 
 def _serving(node: DhtNode) -> int:
     """Inbound DHT streams ``node``'s KadDHT is serving now."""
     return int(node.kad._inbound_limiter.borrowed_tokens)
-
-
-async def _until(predicate) -> None:
-    with trio.fail_after(TEST_TIMEOUT_S):
-        while not predicate():
-            await trio.sleep(0.02)
 
 
 def test_get_and_put_speak_the_librarys_wire_and_leave_no_stream_open():
@@ -120,18 +126,18 @@ def test_get_and_put_speak_the_librarys_wire_and_leave_no_stream_open():
                 key = K.model_key(DIGEST).encode()
                 value = as_record_set(good(identity(70), now=wall_ms()))
                 assert await rpc.put_value(a.host, b_id, key, value) is True
-                await _until(lambda: _serving(b) == 0)
+                await wait_until(lambda: _serving(b) == 0, TEST_TIMEOUT_S, "b's inbound DHT streams closed")
                 record, closer = await rpc.get_value(a.host, b_id, key)
                 assert [r.peer_id for r in parse_record_set_lenient(record.value, wall_ms())] == [identity(70).peer_id]
                 assert c_id in closer and a.host.get_id() not in closer
                 assert a.host.get_peerstore().addrs(c_id)          # the answer's addresses: c is dialable
                 record, _ = await rpc.get_value(a.host, b_id, K.model_key("sha256:" + "cd" * 32).encode())
                 assert record is None
-                await _until(lambda: _serving(b) == 0)
+                await wait_until(lambda: _serving(b) == 0, TEST_TIMEOUT_S, "b's inbound DHT streams closed")
                 # b's validator refuses a value under the wrong key: b resets, the caller sees an error
-                with pytest.raises(Exception):
+                with pytest.raises(BaseLibp2pError):
                     await rpc.put_value(a.host, b_id, K.peer_key(identity(71).peer_id).encode(), value)
-                await _until(lambda: _serving(b) == 0)
+                await wait_until(lambda: _serving(b) == 0, TEST_TIMEOUT_S, "b's inbound DHT streams closed")
 
     trio.run(main)
 
@@ -156,10 +162,11 @@ def test_a_get_cut_by_the_callers_deadline_resets_the_stream_and_frees_the_peers
                     await rpc.get_value(a.host, b_id, K.model_key(DIGEST).encode())
                 assert cut.cancelled_caught and len(entered) == 1 and _serving(b) == 1
                 release.set()                       # b now reads the request, and then the reset
-                await _until(lambda: _serving(b) == 0)
+                await wait_until(lambda: _serving(b) == 0, TEST_TIMEOUT_S, "b's inbound DHT streams closed")
                 conn = a.host.get_network().connections[b_id]
                 conns = conn if isinstance(conn, list) else [conn]
-                await _until(lambda: all(not c.muxed_conn.streams for c in conns))   # and a kept no stream
+                await wait_until(lambda: all(not c.muxed_conn.streams for c in conns), TEST_TIMEOUT_S,
+                                 "a's connections without streams")   # and a kept no stream
 
     trio.run(main)
 
@@ -180,11 +187,12 @@ def test_a_session_reuses_one_stream_per_peer_and_closes_it_at_the_end():
                     assert (session.opened, session.reused) == (1, 2)
                     assert _serving(b) == 1                         # one stream, held open between the RPCs
                     # a refused PUT resets that stream; the next RPC opens a fresh one
-                    with pytest.raises(Exception):
+                    with pytest.raises(BaseLibp2pError):
                         await rpc.put_value(a.host, b_id, K.peer_key(identity(71).peer_id).encode(), value, session)
                     assert (await rpc.get_value(a.host, b_id, key, session))[0] is not None
                     assert session.opened == 2
-                await _until(lambda: _serving(b) == 0)              # closed with the session
+                await wait_until(lambda: _serving(b) == 0, TEST_TIMEOUT_S,
+                                 "b's inbound stream closed")   # closed with the session
 
     trio.run(main)
 
@@ -216,7 +224,7 @@ def test_a_table_peer_whose_address_entry_expired_does_not_break_the_answers_nam
                 book.peer_data_map[c_id].last_identified -= 100_000
                 peer_record_gc.restore()
                 try:
-                    with pytest.raises(Exception):
+                    with pytest.raises(BaseLibp2pError):
                         await rpc.get_value(a.host, b_id, key)
                 finally:
                     assert peer_record_gc.apply()
@@ -402,7 +410,8 @@ def test_a_read_asks_late_holders_once_more_when_several_are_late_and_gives_up_a
                 assert a.rpc_counts == {"answered": 2, "timed_out": 2, "failed": 0, "stuck_closed": 0,
                                         "stuck_kept": 0}
                 assert a.last_lookup.rounds == 2 and a.last_lookup.failed == 0
-                await _until(lambda: _serving(b) == 0 and _serving(c) == 0)
+                await wait_until(lambda: _serving(b) == 0 and _serving(c) == 0, TEST_TIMEOUT_S,
+                                 "b's and c's inbound streams closed")
 
                 entered.update(b=0, c=0)               # b stalls for good, c answers at once
                 late_for.update(b=1_000, c=0)
@@ -434,14 +443,14 @@ def test_a_dead_peer_other_peers_still_name_is_dialed_once_then_left_out_of_look
                     c_host = await c_stack.enter_async_context(running_host(identity(79), LOOPBACK))
                     await c_stack.enter_async_context(DhtNode(c_host, wall_ms).running())
                     await connect_bootstrap(c_host, [f"{b.host.get_addrs()[0]}/p2p/{b.host.get_id()}"], 10)
-                    while not b.kad.routing_table.peer_in_table(c_host.get_id()):
-                        await b.sync_peers()
-                        await trio.sleep(0.05)
+                    await wait_until(lambda: _synced_knows(b, c_host.get_id()), TEST_TIMEOUT_S,
+                                     "c in b's routing table")
                     c_id = c_host.get_id()
                     key = K.model_key(DIGEST).encode()
                     await a.lookup(key)                  # a learns c's address from b's answer, and asks it
                     assert a.rpc_counts["answered"] == 2
-                await _until(lambda: c_id not in b.host.get_network().connections)
+                await wait_until(lambda: c_id not in b.host.get_network().connections, TEST_TIMEOUT_S,
+                                 "b's connection to c closed")
                 assert b.kad.routing_table.peer_in_table(c_id)      # b has not tried c since: still names it
                 await a.lookup(key)
                 assert a.rpc_counts["failed"] == 1 and c_id in a.health.unreachable
@@ -478,7 +487,8 @@ def test_the_librarys_maintenance_loop_gives_way_to_a_jittered_refresh_through_m
                 a, b = await _nodes(stack, 2)
                 assert a.maintenance_off is None and a.kad._run_main_loop == a._maintain
                 answered = a.rpc_counts["answered"]
-                await _until(lambda: a.refreshes >= 2 and b.refreshes >= 2)
+                await wait_until(lambda: a.refreshes >= 2 and b.refreshes >= 2, TEST_TIMEOUT_S,
+                                 "two refreshes on each node")
                 assert a.rpc_counts["answered"] >= answered + 2        # its lookups asked b
                 assert library_refreshes == []
 
@@ -494,7 +504,8 @@ def test_the_maintenance_loop_is_left_alone_on_another_library_version():
     loop = object()
     assert replace_maintenance(kad, "0.9.0", loop).startswith("off: libp2p 0.9.0 is installed")
     assert "_run_main_loop" not in vars(kad)
-    assert replace_maintenance(object(), "0.8.1", loop) == "off: the library's KadDHT has no maintenance loop to replace"
+    assert (replace_maintenance(object(), "0.8.1", loop)
+            == "off: the library's KadDHT has no maintenance loop to replace")
     assert replace_maintenance(kad, "0.8.1", loop) is None and kad._run_main_loop is loop
 
 
@@ -507,6 +518,7 @@ def test_a_stopping_host_closes_its_connections_so_its_peers_see_it_leave():
                 async with running_host(identity(81), LOOPBACK) as b:
                     await connect_bootstrap(b, [f"{a.get_addrs()[0]}/p2p/{a.get_id()}"], 10)
                     assert b.get_id() in a.get_network().connections
-                await _until(lambda: b.get_id() not in a.get_network().connections)
+                await wait_until(lambda: b.get_id() not in a.get_network().connections, TEST_TIMEOUT_S,
+                                 "a's connection to b closed")
 
     trio.run(main)

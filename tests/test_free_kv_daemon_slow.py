@@ -11,7 +11,8 @@ import pytest
 
 from proto import shard_runtime_pb2 as pb
 from tests._shard_helpers import RawStream
-from tests.test_daemon_e2e import Daemon, wait_for
+from tests.conftest import wait_until_blocking
+from tests.test_daemon_e2e import POLL_S, Daemon
 from tests.test_shard_e2e import unary
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,8 @@ def test_the_record_follows_the_workers_free_kv(tmp_path):
     model = build_random_llama(seed=0)
     d = Daemon(tmp_path, 0, model, (0, 6), None, extra=["--kv-budget-tokens", str(BUDGET)])
     try:
-        wait_for(lambda: own_free_kv(d) == BUDGET, "the first record with the whole budget free", READY_TIMEOUT_S, d)
+        wait_until_blocking(d.alive(lambda: own_free_kv(d) == BUDGET), READY_TIMEOUT_S,
+                            "the first record with the whole budget free", poll_s=POLL_S)
         endpoint = d.status()["worker"]["endpoint"]
         fp = unary(endpoint, "GetCapability", pb.CapabilityRequest(schema_version=1), pb.CapabilityReport).fingerprint
         hog = RawStream(endpoint)
@@ -45,11 +47,13 @@ def test_the_record_follows_the_workers_free_kv(tmp_path):
                 schema_version=1, route_session_id="hog", fingerprint=fp, max_tokens=BUDGET,
                 shard_range=pb.ShardRange(start_layer=0, end_layer=6))).SerializeToString())
             assert hog.recv()[0].WhichOneof("kind") == "accepted"
-            wait_for(lambda: own_free_kv(d) == 0, "the record showing the worker full", RECORD_TIMEOUT_S, d)
+            wait_until_blocking(d.alive(lambda: own_free_kv(d) == 0), RECORD_TIMEOUT_S,
+                                "the record showing the worker full", poll_s=POLL_S)
             hog.send(pb.SessionRequest(release=pb.ReleaseSignal(route_session_id="hog")).SerializeToString())
             assert hog.recv()[0].WhichOneof("kind") == "ack"
         finally:
             hog.close()
-        wait_for(lambda: own_free_kv(d) == BUDGET, "the record showing room again", RECORD_TIMEOUT_S, d)
+        wait_until_blocking(d.alive(lambda: own_free_kv(d) == BUDGET), RECORD_TIMEOUT_S,
+                            "the record showing room again", poll_s=POLL_S)
     finally:
         assert d.stop() == 0

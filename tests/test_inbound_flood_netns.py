@@ -1,4 +1,4 @@
-"""Connection limits that keep the door open (issue 17 item 5), with REAL daemons in namespaces.
+"""Connection limits that keep the door open, with REAL daemons in namespaces.
 
 Topology (tests/_netns.py): the public namespace runs the bootstrap daemon (layers [0, 3)) on
 10.213.1.1; home1 (10.213.1.2, one address) holds 500 idle TCP connections open to its libp2p

@@ -1,5 +1,5 @@
 """Dependencies point down: every module's imports (ast, including imports inside
-functions) are checked against the layer rules of ARCHITECTURE.md / README.
+functions) are checked against the layer rules of docs/architecture.md.
 
 Top-level folders: ``proto`` <- ``shard`` <- ``native``; ``proto`` <- ``dht`` <-
 ``relay``; ``meshd`` on top of all. Inside ``meshd/`` the rooms form layers, top

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dht.expert_records import ExpertClaim, validate_experts
 from meshd.config import load_config
@@ -127,10 +129,6 @@ def test_expert_worker_refuses_incomplete_arguments(capsys, kw, match):
 
     assert worker.run(_worker_args(**kw)) == 2
     assert match in capsys.readouterr().err
-
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
 
 
 @settings(max_examples=200, deadline=None)

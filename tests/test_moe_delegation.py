@@ -125,7 +125,7 @@ def _drift(path, tls, served, act):
         stats = router.stats()
     finally:
         peer.stop()
-    return [t for argmax, _ in runs for t in argmax], [l for _, logits in runs for l in logits], stats
+    return [t for argmax, _ in runs for t in argmax], [row for _, logits in runs for row in logits], stats
 
 
 def test_q8_drift_gate(qwen3_wide, tls):

@@ -13,9 +13,12 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proto import moe as W
 from proto.errors import LocalError, ProtocolViolation
+from proto.errors import ProtocolError as ProtocolError_
 from proto.frames import encode_frame
 from proto.moe.link import ClientLink, LinkFailed, PeerRefused, ServerLink
 from shard.experts.server import serve_connection
@@ -291,9 +294,6 @@ def test_hello_to_a_peer_that_closes_on_it_names_the_version():
 
 # --------------------------------------------------------------------------- fuzz of both ends
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
-
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300), st.booleans())
@@ -320,9 +320,6 @@ def test_fuzz_client_link_fails_cleanly_on_any_reply(body):
         assert client.failed
         return
     assert isinstance(reply, W.Reply) and client.state == "ready"
-
-
-from proto.errors import ProtocolError as ProtocolError_  # noqa: E402
 
 
 def test_the_router_probes_peers_before_any_token_and_sets_refusers_aside():

@@ -158,8 +158,8 @@ def test_join_with_a_garbage_gguf_is_one_line(small, tmp_path):
     """The issue's report: valid magic then garbage made `meshd join` exit with an IndexError traceback."""
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(_corrupt(small, "garbage"))
-    proc = subprocess.run([sys.executable, "-m", "meshd", "join", "--model", str(bad), "--layers", "auto", "--memory", "1GiB",
-                           "--data-dir", str(tmp_path / "d")], env=child_env(1), capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "meshd", "join", "--model", str(bad), "--layers", "auto",
+                           "--memory", "1GiB", "--data-dir", str(tmp_path / "d")], env=child_env(1),
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr and "malformed GGUF" in proc.stderr, proc.stderr[-2000:]

@@ -119,8 +119,7 @@ def test_a_worker_that_stops_reading_stops_the_sender_at_the_bound():
 
     def session(request_iterator, context):
         release.wait(20)                          # reads nothing until released
-        for body in request_iterator:
-            yield body
+        yield from request_iterator
 
     async def main(target):
         link = WorkerLink(target)

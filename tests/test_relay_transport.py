@@ -11,6 +11,7 @@ from relay.client import dial_relayed
 from relay.errors import RelayRefused
 from relay.transport import RelayedSessionServer, open_session_channel
 from tests._relay_helpers import ECHO_PREFIX, echo_worker, info, triangle
+from tests.conftest import wait_until
 
 
 def run(fn, *args):
@@ -42,9 +43,7 @@ def test_frames_travel_through_the_relay_to_the_worker_and_back():
                             assert echoed == ECHO_PREFIX + body
                     await channel.close()
                     assert await channel.receive() is None
-                    with trio.fail_after(5):
-                        while server.active:
-                            await trio.sleep(0.01)
+                    await wait_until(lambda: not server.active, 5, "the relayed session server idle")
                     assert server.served == 1 and server.budget.in_use == 0
                     snap = t.hop.snapshot()
                     assert snap["circuits_active"] == 1 and snap["reservations_active"] == 1

@@ -1,4 +1,4 @@
-"""Relays that heal (issue 17 item 4), with REAL daemons under real NAT in network namespaces.
+"""Relays that heal, with REAL daemons under real NAT in network namespaces.
 
 Topology (tests/_netns.py): "public" runs two `meshd relay`s and a public daemon (tail layers
 [4, 6), bootstrapping through both relays); home1 runs the middle layers [2, 4), home2 the entry

@@ -18,6 +18,7 @@ from meshd.daemon.relay_mode import run_relay
 from meshd.reach.relaying import MAX_RELAY_SLOTS, Relaying, relay_candidates
 from relay.client import parse_relayed_addr
 from relay.reachability import Verdict, serve_dialback
+from tests.conftest import wait_until
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 TEST_TIMEOUT_S = 90
@@ -25,12 +26,6 @@ TEST_TIMEOUT_S = 90
 
 def wall_ms() -> int:
     return int(time.time() * 1000)
-
-
-async def wait_for(cond, timeout_s: float = 30.0, step_s: float = 0.05) -> None:
-    with trio.fail_after(timeout_s):
-        while not cond():
-            await trio.sleep(step_s)
 
 
 def test_relay_candidates_prefer_dht_records_then_bootstrap_never_self():
@@ -62,14 +57,15 @@ def test_a_private_node_finds_relays_in_the_dht_and_holds_two_reservations(tmp_p
                 part = Relaying(host, dht, mode="private", bootstrap=(), on_change=lambda: changes.append(1))
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 await nursery.start(part.run)
-                await wait_for(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS)
+                await wait_until(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS, 30, "every relay slot reserved")
                 assert part.private and changes
                 held = {parse_relayed_addr(a)[0].peer_id.to_base58() for a in part.relayed_addrs}
                 assert held == {r.peer_id for r in relays}
                 assert all(a.endswith(f"/p2p-circuit/p2p/{home_id.peer_id}") for a in part.relayed_addrs)
                 status = part.status()
                 assert status["verdict"] == "private" and len(status["relayed_addrs"]) == 2
-                await wait_for(lambda: all(r.hop.snapshot()["reservations_active"] == 1 for r in relays))
+                await wait_until(lambda: all(r.hop.snapshot()["reservations_active"] == 1 for r in relays), 30,
+                                 "one reservation at every relay")
                 status = await relays[0].handle({"op": "status"})
                 assert status["announced"]["addrs"] == [relays[0].addrs()[0]]
                 nursery.cancel_scope.cancel()
@@ -93,7 +89,7 @@ def test_auto_mode_probes_public_on_loopback_and_unknown_alone():
                 part = Relaying(b, None, mode="auto", bootstrap=(), on_change=lambda: None)
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 await nursery.start(part.run)
-                await wait_for(lambda: part.decided)
+                await wait_until(lambda: part.decided, 30, "a reachability verdict")
                 assert part.verdict is Verdict.PUBLIC and part.relayed_addrs == ()
                 nursery.cancel_scope.cancel()
 
@@ -121,17 +117,17 @@ def test_auto_mode_checks_again_and_follows_a_changed_network(monkeypatch):
                                 on_change=lambda: changes.append(part.verdict))
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 await nursery.start(part.run)
-                await wait_for(lambda: part.decided)
+                await wait_until(lambda: part.decided, 30, "a reachability verdict")
                 assert part.verdict is Verdict.PUBLIC
                 for listener in list(b.get_network().listeners.values()):
                     await listener.close()
                 b.get_network().listeners.clear()       # so that listen() below opens a new one
-                await wait_for(lambda: part.private)
+                await wait_until(lambda: part.private, 30, "the private verdict")
                 assert changes[-1] is Verdict.PRIVATE and part.status()["verdict"] == "private"
                 await b.get_network().listen(multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0"))
                 # the verdict flips first; the relay slots are let go (and on_change called)
                 # once the relaying tasks have wound down, which takes a moment under load
-                await wait_for(lambda: changes[-1] is Verdict.PUBLIC)
+                await wait_until(lambda: changes[-1] is Verdict.PUBLIC, 30, "the public verdict")
                 assert part.verdict is Verdict.PUBLIC and part.relayed_addrs == ()
                 nursery.cancel_scope.cancel()
 
@@ -242,16 +238,16 @@ def test_a_lost_relay_is_noticed_at_its_connection_close_and_replaced(tmp_path):
                                 on_change=lambda: changes.append(part.relayed_addrs))
                 nursery = await stack.enter_async_context(trio.open_nursery())
                 await nursery.start(part.run)
-                await wait_for(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS)
+                await wait_until(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS, 30, "every relay slot reserved")
                 held = {parse_relayed_addr(a)[0].peer_id.to_base58() for a in part.relayed_addrs}
                 assert len(held) == 2
                 victim = next(i for i, r in enumerate(relays) if r.peer_id in held)
                 spare = next(r.peer_id for r in relays if r.peer_id not in held)
                 before = len(changes)
                 scopes[victim].cancel()
-                await wait_for(lambda: any(relays[victim].peer_id not in "".join(c) and len(c) == 1
-                                           for c in changes[before:]))
-                await wait_for(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS)
+                await wait_until(lambda: any(relays[victim].peer_id not in "".join(c) and len(c) == 1
+                                             for c in changes[before:]), 30, "the lost relay's slot given up")
+                await wait_until(lambda: len(part.relayed_addrs) == MAX_RELAY_SLOTS, 30, "every relay slot reserved")
                 now_held = {parse_relayed_addr(a)[0].peer_id.to_base58() for a in part.relayed_addrs}
                 assert now_held == (held - {relays[victim].peer_id}) | {spare}, \
                     (sorted(now_held), sorted(held), relays[victim].peer_id, spare, changes)
@@ -274,13 +270,13 @@ def test_a_relay_hands_its_record_to_a_peer_that_connects(tmp_path):
             async with trio.open_nursery() as outer, AsyncExitStack() as stack:
                 config = DaemonConfig(data_dir=tmp_path / "relay", listen=tuple(LOOPBACK), record_ttl_s=600.0)
                 relay = await outer.start(functools.partial(run_relay, config, lambda line: None, control=False))
-                await wait_for(lambda: relay.announced is not None)
+                await wait_until(lambda: relay.announced is not None, 30, "the relay's announcement")
                 host = await stack.enter_async_context(running_host(Identity.from_seed(b"\x0b" * 32), LOOPBACK))
                 dht = await stack.enter_async_context(DhtNode(host, wall_ms).running())
                 kb = K.relays_key().encode()
                 assert dht.store.get(kb) is None
                 await connect_bootstrap(host, [relay.addrs()[0]], 10)
-                await wait_for(lambda: dht.store.get(kb) is not None)
+                await wait_until(lambda: dht.store.get(kb) is not None, 30, "the relay record in the DHT")
                 got = parse_relay_set_lenient(dht.store.get(kb).value, wall_ms())
                 assert [r.peer_id for r in got] == [relay.peer_id]
                 outer.cancel_scope.cancel()

@@ -93,7 +93,8 @@ def test_tls_port_serves_a_generation(tmp_path):
     cert_pem = _self_signed(tmp_path)
     path = testmodels.build_random_llama()
     workers = spawn_workers(path, ["0:6"], threads=1, extra=[
-        "--tls-listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem")])
+        "--tls-listen", "127.0.0.1:0", "--tls-cert", str(tmp_path / "cert.pem"),
+        "--tls-key", str(tmp_path / "key.pem")])
     try:
         assert workers[0].tls_endpoint and workers[0].tls_endpoint != workers[0].endpoint
 

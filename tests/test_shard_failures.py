@@ -149,7 +149,8 @@ def test_the_mapping_rules():
     assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
     mine = ResourceExhausted("KV budget full")
     assert map_failure(mine, "x") is mine
-    assert map_failure(KeyError("k"), "doing y").detail == "doing y failed (KeyError); the traceback is in the worker's log"
+    assert (map_failure(KeyError("k"), "doing y").detail
+            == "doing y failed (KeyError); the traceback is in the worker's log")
 
 
 # ------------------------------------------------------------------ the stream's own catch-all

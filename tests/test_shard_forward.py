@@ -61,7 +61,7 @@ def test_a_feeder_attaches_only_to_a_session_the_entry_opened(tail):
     (resp,) = _kinds(actions.receive(feeder, release))
     assert resp.status.error.code == pb.ERROR_CODE_PROTOCOL_VIOLATION          # only the entry releases
     actions.receive(control, release)
-    with pytest.raises(Exception):
+    with pytest.raises(CacheMiss):
         hub.hub_of(tail).get(control.key)                                     # forgotten on release
 
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshd.testing import models as testmodels
 from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolViolation
+from relay.transport import stamp_relayed_peer
 from shard.errors import CacheMiss, EpochStale, PermissionDenied, ResourceExhausted, to_shard_error
 from shard.model.torch_backend import TorchRangeBackend
 from shard.session.sessions import LOCAL_OWNER, Owner, SessionKey, SessionManager, SessionPolicy
@@ -133,10 +136,6 @@ def test_per_peer_session_quota(head, clock):
 
 
 # -- the home node's stamp on a relayed session's first frame (relay/transport.py) ---------------
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st
-
-from relay.transport import stamp_relayed_peer  # noqa: E402
 
 PEER = "12D3KooWcircuitpeer"
 

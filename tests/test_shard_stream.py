@@ -102,7 +102,8 @@ def test_wrong_fingerprint_range_and_schema(service):
         (open_req(service, shard_range=pb.ShardRange(start_layer=0, end_layer=3)), pb.ERROR_CODE_SHARD_RANGE_MISMATCH),
         (open_req(service, shard_range=pb.ShardRange(start_layer=0, end_layer=6, effective_start_layer=6)),
          pb.ERROR_CODE_SHARD_RANGE_MISMATCH),
-        (pb.SessionRequest(open=pb.SessionOpen(schema_version=9)).SerializeToString(), pb.ERROR_CODE_SCHEMA_UNSUPPORTED),
+        (pb.SessionRequest(open=pb.SessionOpen(schema_version=9)).SerializeToString(),
+         pb.ERROR_CODE_SCHEMA_UNSUPPORTED),
     ]
     for body, code in cases:
         st_ = error_of(SessionStream(service).receive(body))
@@ -158,7 +159,8 @@ def test_release_and_cancel(service):
     assert out.WhichOneof("kind") == "ack" and s.closed
     s2, acc = opened(service, session="rel")
     assert acc.past_len == 0  # released: a fresh session
-    st_ = error_of(s2.receive(pb.SessionRequest(cancel=pb.CancelSignal(route_session_id="rel", reason="user")).SerializeToString()))
+    cancel = pb.SessionRequest(cancel=pb.CancelSignal(route_session_id="rel", reason="user"))
+    st_ = error_of(s2.receive(cancel.SerializeToString()))
     assert st_.error.code == pb.ERROR_CODE_CANCELLED and st_.terminal
     st_ = error_of(SessionStream(service).receive(open_req(service, session="rel")))
     assert st_.error.code == pb.ERROR_CODE_CANCELLED

@@ -44,7 +44,8 @@ BARE_SERVER = textwrap.dedent("""
     from concurrent import futures
     from proto import shard_runtime_pb2 as pb
     from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
-    types = {"GetCapability": (pb.CapabilityRequest, pb.CapabilityReport), "Health": (pb.HealthRequest, pb.HealthReport),
+    types = {"GetCapability": (pb.CapabilityRequest, pb.CapabilityReport),
+             "Health": (pb.HealthRequest, pb.HealthReport),
              "Release": (pb.ReleaseRequest, pb.ReleaseResponse), "Cancel": (pb.CancelRequest, pb.CancelResponse)}
     handlers = {name: grpc.unary_unary_rpc_method_handler(lambda request, context, resp=resp: resp(),
                 request_deserializer=req.FromString, response_serializer=resp.SerializeToString)

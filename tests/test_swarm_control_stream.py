@@ -9,6 +9,7 @@ import trio
 
 from meshd.daemon.control import serve_control, stream_events
 from meshd.errors import ControlUnavailable
+from tests.conftest import wait_until
 
 
 async def _status(request: dict) -> dict:
@@ -62,9 +63,7 @@ def test_a_client_that_leaves_cancels_the_work(tmp_path):
             await nursery.start(lambda task_status: serve_control(path, _status, stream_handler=streamer,
                                                                    task_status=task_status))
             await trio.to_thread.run_sync(client)
-            with trio.fail_after(10):
-                while "cancelled" not in seen:
-                    await trio.sleep(0.01)
+            await wait_until(lambda: "cancelled" in seen, 10, "the stream handler's cancellation")
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -54,7 +54,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def swarm(model, tmp_path_factory):
-    # These daemons push (issue 18): each hop sends its rows to the next, the tail the token.
+    # These daemons push: each hop sends its rows to the next, the tail the token.
     s = LocalSwarm(tmp_path_factory.mktemp("swarm"), model, kv_budget_tokens=KV_TOKENS, record_ttl_s=RECORD_TTL_S,
                    extra=("--topology", "push"))
     try:

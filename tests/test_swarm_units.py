@@ -67,7 +67,8 @@ def test_the_accepting_node_takes_a_tracker_directive_and_refuses_a_replay():
     reply = duty(tracker).answer_join(joiner.peer_id, ask(4 * LAYER), snap, NOW)
     directive, signer = open_directive(reply.directive.SerializeToString())
     view = NodeView(joiner.peer_id, DIGEST, 8, snap.ads)
-    accepted, ledger = accept_directive(directive, signer_peer_id=signer, view=view, ledger=DirectiveLedger(), now_ms=NOW)
+    accepted, ledger = accept_directive(directive, signer_peer_id=signer, view=view, ledger=DirectiveLedger(),
+                                        now_ms=NOW)
     assert accepted.intent.span == Span(4, 8)
     with pytest.raises(DirectiveRefused) as err:
         accept_directive(directive, signer_peer_id=signer, view=view, ledger=ledger, now_ms=NOW)

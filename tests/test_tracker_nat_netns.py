@@ -1,4 +1,4 @@
-"""Tracker duty that cannot stall (issue 17 item 3), with REAL daemons under real NAT.
+"""Tracker duty that cannot stall, with REAL daemons under real NAT.
 
 Topology (tests/_netns.py): the public namespace runs `meshd relay` and a public daemon P
 (layers [3, 6)); home1 runs H, the only server of layer 0 ([0, 3)), behind NAT: reachable only

@@ -8,8 +8,8 @@ selected address (at most MAX_ADDRS_PER_PEER = 2) and, after each start,
 waits ``_HAPPY_EYEBALLS_DELAY`` (0.25 s) unless that dial *failed*. A dial
 that succeeds does not end the wait, and it also follows the last address,
 so every new connection takes at least 250 ms however fast the peer
-answers (measured here: bootstrap 0.252 s on loopback; an iterative DHT
-lookup that dials a new peer per round pays it every round).
+answers: a bootstrap on loopback, and every round of an iterative DHT
+lookup that dials a new peer (docs/measurements/2026-12-02.md).
 
 This adjustment sets the module's head start to 0: the (at most two)
 selected addresses are dialed at once and the dial returns when they are

@@ -1,9 +1,8 @@
 """A leaner data path through py-libp2p 0.8.1's TCP, Noise and yamux layers (same bytes on the wire).
 
-The adjustment is named ``libp2p_fastpath`` in ``meshd status``, with the
-off switch ``MESHD_LIBP2P_FASTPATH=0``: both are what users and tests know,
-so they stay (the module's name says what it is: not proto/fastpath.py's
-decode message, not the worker's framed port).
+Status name ``libp2p_fastpath``, off switch ``MESHD_LIBP2P_FASTPATH=0`` (the
+names users and tests know; not proto/fastpath.py's decode frames, not the
+worker's framed port).
 
 Upstream: no upstream issue found. Replaces, in the library:
 ``TrioTCPStream.read`` and the locks of ``TrioTCPStream``, ``NetStream``,
@@ -17,22 +16,11 @@ libp2p/network/stream/net_stream.py, libp2p/stream_muxer/yamux/yamux.py);
 Why: a relayed hop crosses the TCP/Noise/yamux stack six times per direction
 (entry: its session stream and its circuit stream; relay: in and out; home:
 circuit and session), and in py-libp2p 0.8.1 each crossing is mostly Python
-overhead, not work. Measured with ``meshd bench relay``'s echo (8 KiB frame,
-entry -> relay -> home -> back, three processes on one 2-vCPU VM): 1.7 ms of
-user CPU per round trip *in each process*, for 2 x 8 KiB of ChaCha20 and four
-TCP sends. py-spy / cProfile show where it goes:
-
-* every ``trio.Lock`` acquire is a checkpoint that yields to the scheduler even
-  when nobody holds the lock, and one frame passes 6-8 such locks per layer
-  (NetStream state lock, yamux rw-lock + window lock, the connection's write
-  lock, TrioTCPStream's read/write locks) -- ~30 scheduler passes per round trip;
-* the TCP edge reads exactly what is asked: a Noise message costs one
-  ``recv`` for its 2-byte length and another for its body;
-* ``Yamux._write_frame`` unpacks each header it just packed to build a
-  debug f-string (evaluated even with logging off) and adds a checkpoint;
-  ``read_stream`` and Noise's ``read_msg`` build f-strings per call;
-* ``_read_data_body`` opens a ``fail_after`` scope per DATA frame even when
-  the body is already decrypted in the session's buffer.
+overhead, not work: every uncontended ``trio.Lock`` acquire yields to the
+scheduler (6-8 locks per frame per layer), a Noise message costs two
+``recv`` calls, yamux and Noise build debug f-strings per frame with logging
+off, and a DATA frame opens a timeout scope even when its body is already
+decrypted (profiles and figures: docs/measurements/2026-11-29.md).
 
 What ``apply()`` changes (each a replacement of one library method or lock
 object, written against 0.8.1's code, keeping its semantics):
@@ -57,9 +45,7 @@ object, written against 0.8.1's code, keeping its semantics):
    plaintext buffer without a timeout scope; else the library's (timed) read.
 7. Noise ``read_msg`` without its per-message debug f-strings.
 
-Measured (same echo, on/off alternating): about 1.7 -> 0.7-0.9 ms of user CPU
-per round trip per process, bare relayed round trip 4.7-5.1 -> 2.1-2.3 ms.
-``MESHD_LIBP2P_FASTPATH=0`` leaves the library untouched.
+Together they more than halve the CPU of a relayed round trip.
 
 Cancellation: ``QuickLock`` raises a pending cancel before taking the lock,
 as ``trio.Lock`` does. Without that, a writer whose scope was cancelled got

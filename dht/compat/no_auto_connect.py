@@ -11,11 +11,10 @@ while a host has fewer than ``low_watermark`` (100) connections it dials up to
 (50), every 30 s otherwise, and again after every disconnect -- aiming at 200
 connections (the midpoint of the 100/300 watermarks). Every peer a DHT answer
 names lands in the peerstore, so in a DHT of a few hundred nodes each host
-dials nearly every other: measured in ``meshd bench dht`` at 200 nodes on
-2 cores, ~163 connections per node (16.5k connections, a Noise handshake and
-an identify exchange each, ~5.7 ms CPU per connection for both ends, plus
-yamux's keep-alive pings on every one), and after 20% of the nodes died
-the survivors' reconnect storm starved every DHT RPC (lookups failed 3 to 1).
+dials nearly every other: a near-full mesh, each connection a Noise handshake,
+an identify exchange and yamux keep-alive pings, and after churn the
+survivors' reconnect storm starved every DHT RPC (``meshd bench dht`` at 200
+nodes: docs/measurements/2026-12-04.md).
 
 meshd dials the peers it needs itself -- bootstrap (``connect_bootstrap``,
 re-bootstrapped by the daemon's peer sync), the peers a DHT lookup asks,

@@ -16,10 +16,9 @@ and FIND_NODE answer by calling ``get_peer_record`` for each of the k closest
 peers of its routing table, outside any ``try``: one table peer not heard of
 for ten minutes makes the handler reset every request whose closest peers
 include it ("Failed to parse protobuf message: 'peer ID is expired'").
-Measured in ``meshd bench dht`` at 200 nodes: a quarter of an hour after the
-joins, lookups fail at the peers that should answer them; a daemon that runs
-longer than ten minutes without hearing from one of its table's peers would
-do the same.
+So lookups fail at the peers that should answer them once the table's peers
+go unheard for ten minutes -- in ``meshd bench dht`` at 200 nodes, and in any
+long-running daemon (docs/measurements/2026-12-04.md).
 
 This adjustment replaces ``maybe_delete_peer_record`` by the same garbage
 collection without the exception: the signed record goes when the peer has

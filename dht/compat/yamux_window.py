@@ -13,7 +13,7 @@ zero and below the batching threshold, sends a WINDOW_UPDATE at once (its
 a relayed hop every frame is read at three yamux layers (the receiving end's
 session stream, its circuit stream, and the relay's hop stream), so each
 frame drew ~5 extra Noise messages, TCP sends and process wakeups per
-direction; an in-process relayed round trip of a 300 B frame cost ~8.8 ms.
+direction (docs/measurements/2026-11-29.md).
 
 What this does: ``apply()`` replaces that one method with go-yamux's
 ``sendWindowUpdate``: credit the sender back only when the bytes consumed

@@ -92,8 +92,8 @@ class ApiMetrics:
                               registry=r)
         self.step = Histogram("meshd_hop_step_seconds", "Decode step round trip per hop, seen from the entry",
                               ["peer", "transport"], buckets=STEP_BUCKETS, registry=r)
-        self.bytes_per_hop = Counter("meshd_hop_bytes", "Session frame bytes per hop", ["peer", "transport", "direction"],
-                                 registry=r)
+        self.bytes_per_hop = Counter("meshd_hop_bytes", "Session frame bytes per hop",
+                                     ["peer", "transport", "direction"], registry=r)
         self.hop_sessions = Counter("meshd_hop_sessions", "Hop sessions opened", ["transport"], registry=r)
         self.relayed_ratio = Gauge("meshd_relayed_hops_ratio", "Share of hop sessions through a relay", registry=r)
         self.failovers = Counter("meshd_failovers", "Hop failures the driver routed around", registry=r)

@@ -101,13 +101,15 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
         _via_api(http, url, model_id, 4)
         api, control, equal = [], [], True
         for i in range(rounds):
-            order = (("api", lambda: _via_api(http, url, model_id, new_tokens)), ("control", lambda: _via_control(entry, new_tokens)))
+            order = (("api", lambda: _via_api(http, url, model_id, new_tokens)),
+                     ("control", lambda: _via_control(entry, new_tokens)))
             texts = {}
             for name, fn in (order if i % 2 == 0 else order[::-1]):
                 text, ttft, rate, count = fn()
                 texts[name] = text
                 (api if name == "api" else control).append((ttft, rate, count))
-                _say(progress, f"round {i + 1} {name}: ttft {ttft * 1000:.0f} ms, {rate or 0:.2f} tok/s, {count} tokens")
+                _say(progress,
+                     f"round {i + 1} {name}: ttft {ttft * 1000:.0f} ms, {rate or 0:.2f} tok/s, {count} tokens")
             equal = equal and texts["api"] == texts["control"]
         recent = httpx.get(f"{url}/meshd/status", timeout=60).json()["generations"]["recent"]
         http.close()

@@ -124,4 +124,5 @@ def engine_cpu(model: Path, specs: Sequence[str], steps: int = 64, prompt_tokens
     return {"whole_cpu_ms": round(ms["whole"], 3), "slices_cpu_ms": round(slices, 3),
             "slices_vs_whole_cpu": round(slices / ms["whole"], 3),
             "per_slice_cpu_ms": {f"{p.start}:{p.end}": round(ms[f"{p.start}:{p.end}"], 3) for p in ranges},
-            "python_capture_extra_cpu_ms": round(ms["head_python_capture"] - ms[f"{ranges[0].start}:{ranges[0].end}"], 3)}
+            "python_capture_extra_cpu_ms": round(
+                ms["head_python_capture"] - ms[f"{ranges[0].start}:{ranges[0].end}"], 3)}

@@ -11,7 +11,7 @@
    ``f32_max_abs_logit_diff``: delegated f32 against local (both layouts);
    ``q8_mismatch_positions``: argmax of the q8 run differing from local f32.
    This process and the worker both compute with one thread (the numerics
-   of a product depend on the thread count; meshd workers default to one).
+   of a product depend on the thread count; the benchmarks give every worker one).
 2. Decode through the daemon path, alternating rounds: swarm "local" (one
    ``meshd join --layers 0:6``) and swarm "delegated" (``--layers 0:6
    --experts 0-5:E0-E3`` plus an expert peer ``--experts 0-5:E4-E7``);

@@ -24,26 +24,13 @@ tail sends back only the token. One more pass per split drives the same
 daemons' workers from this process with the route driver, asking the tail for
 its logits, for ``max_abs_logit_diff``; its tokens must match as well.
 
-Reported: ``tokens_equal`` / ``max_abs_logit_diff`` (every split against the
-whole model), ``decode_ratio_N`` and ``prefill_ratio_N`` (split / whole; the
-split's prefill is its time to the first token, route planning and session
-opens included), ``tail_bytes_per_decode_step_N``, ``per_hop_overhead_ms``
-(decode: wall time per step minus the hops' own execution time, per hop, as
-the entry's driver measured them; ``_median_`` variants take the median step
-instead of the mean, robust to a stray scheduling stall on a shared machine),
-``per_hop_overhead_vs_whole_ms`` (split step minus whole step, per hop);
-the bare floor's ``floor_decode_ratio_N`` (floor / whole), ``product_vs_floor_N``
-(daemons / floor), ``floor_step_ms_N`` and ``floor_tokens_equal``; the
-machine's round-trip floors measured in the same run
-(``meshd.benchmarks.hopfloor``: a bare gRPC stream and a raw socket whose
-peer holds for the hops' execution time) and
-``per_hop_overhead_above_grpc_floor_ms``; ``hop_transport_overhead_ms`` (one
-hop's decode step over pinned TLS gRPC, the framed TLS fast path and the Unix
-socket, alternating step by step: meshd/benchmarks/hoptransport.py) and
-``frames_vs_grpc_overhead_ratio``; and ``half_range_rss_ratio``:
-resident memory above a bare python+torch+transformers process of a worker
-holding the middle half of the layers, divided by the same for a whole-model
-worker.
+Reported: the splits' tokens and logits against the whole model, decode and
+prefill ratios, the hop overhead (decode step wall time minus the hops' own
+execution, per hop, as the entry's driver measured it) beside the bare floor
+and the machine's round-trip floors measured in the same run
+(meshd/benchmarks/hopfloor.py), one hop's decode step over each transport
+(meshd/benchmarks/hoptransport.py), and a half-range worker's resident memory
+against a whole-model worker's. Every key is in docs/benchmarks.md (pipeline).
 """
 from __future__ import annotations
 
@@ -76,12 +63,12 @@ def _baseline_rss() -> int:
     """RSS of a bare process with torch and transformers imported (no weights)."""
     from meshd.testing.procs import child_env
 
-    code = ("import torch, transformers, sys; torch.set_num_threads(%d); "
+    code = (f"import torch, transformers, sys; torch.set_num_threads({THREADS}); "
             "from transformers import AutoModelForCausalLM, LlamaConfig; "
-            "print(open('/proc/self/status').read())" % THREADS)
+            "print(open('/proc/self/status').read())")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(THREADS), capture_output=True,
                          text=True, check=True, timeout=300).stdout
-    line = next(l for l in out.splitlines() if l.startswith("VmRSS:"))
+    line = next(row for row in out.splitlines() if row.startswith("VmRSS:"))
     return int(line.split()[1]) * 1024
 
 

@@ -57,7 +57,7 @@ class Thresholds:
     min_quality_exact_match_rate: float = 0.90
     min_quality_mean_similarity: float = 0.97
     max_failure_rate: float = 0.0
-    # Issue 7: the 2-shard llama.cpp route must keep this share of whole-model decode speed.
+    # The 2-shard llama.cpp route must keep this share of whole-model decode speed.
     min_gguf_split_decode_ratio: float = 0.85
 
 

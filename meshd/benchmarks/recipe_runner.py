@@ -98,7 +98,7 @@ def measure(generate: Generate, prompts: dict[str, list[int]], plan: Plan,
             for repeat in range(plan.repeats):
                 for prompt_id in prompts:
                     t0 = time.perf_counter()
-                    outcomes += list(pool.map(lambda _: one(prompt_id, level, repeat), range(level)))
+                    outcomes += list(pool.map(lambda _, p=prompt_id, c=level, r=repeat: one(p, c, r), range(level)))
                     wall += time.perf_counter() - t0
         walls[str(level)] = wall
         log(f"concurrency {level}: {sum(o.ok for o in outcomes if o.concurrency == level)} requests ok")

@@ -122,8 +122,8 @@ def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, work
                     prefix: Sequence[str] = (), bench_echo: bool = False) -> Child:
     d = workdir / name
     d.mkdir(parents=True, exist_ok=True)
-    return spawn_ready(name, ["meshd.benchmarks.relay_home", "--listen", listen, "--relay", relay_addr, "--worker", worker,
-                              "--data-dir", str(d), "--ready-file", str(d / "ready.json"),
+    return spawn_ready(name, ["meshd.benchmarks.relay_home", "--listen", listen, "--relay", relay_addr,
+                              "--worker", worker, "--data-dir", str(d), "--ready-file", str(d / "ready.json"),
                               *(["--bench-echo"] if bench_echo else [])], d / "ready.json",
                        prefix=prefix, check=lambda r: bool(r.get("relayed_addrs")))
 
@@ -231,7 +231,7 @@ def drive(spec: dict, on_sent=None) -> dict:
         tokens = [t.id for t in driver.generate(request)]
     stats = driver.stats
     times = stats.token_times
-    return {"tokens": tokens, "logits": [l.tolist() for l in stats.logits],
+    return {"tokens": tokens, "logits": [row.tolist() for row in stats.logits],
             "prefill_s": stats.prefill_s, "decode_s": times[-1] - times[0] if len(times) > 1 else 0.0,
             "hop_execution_ns": list(stats.hop_execution_ns),
             "step_wall_ns": list(stats.step_wall_ns),

@@ -17,24 +17,11 @@ token budget) are sent one at a time (c=1: every request alone -- these are
 also the reference outputs), then 4 and 8 at once (streaming
 ``/v1/chat/completions`` read with httpx, one client per request thread).
 Repeated ``rounds`` times in alternating order (1,4,8 then 8,4,1).
-Per concurrency, from each token chunk's arrival time at the client:
-
-    aggregate_tokens_per_s_cN   decode tokens (after each request's first) / the
-                                span from the first first-token to the last token
-    p50_itl_s_cN, p95_itl_s_cN  inter-token gaps of every request, pooled
-    aggregate_ratio_c8          aggregate c8 / aggregate c1
-    p95_itl_ratio_c8            p95 ITL c8 / p95 ITL c1
-    outputs_equal               every request's token chunks at c=4 and c=8 equal the same
-                                request alone (c=1); requests_equal counts those that do. Must hold
-                                on ``llama.cpp`` and ``torch``. ``llama.cpp-shared`` reports it: in
-                                a shared pool llama.cpp refills a released session's cells from the
-                                start, out of the running sessions' position order, and their
-                                logits drift by up to ~1 (tests/test_batching_native.py), so a near
-                                tie can flip a token
-    floor_batch8_throughput_ratio  in process, on one thread like the workers: the lane's
-                                backend (whole model, the lane's KV layout) decoding 8 sessions' rows in one batched
-                                forward vs one session's row, tokens/s ratio (alternating
-                                rounds) -- what batching can give on this machine at most
+Per concurrency, from each token chunk's arrival time at the client: the
+aggregate decode rate, the inter-token gaps (p50, p95) and their ratios to
+c=1, and whether every concurrent request's answer equals the same request
+alone (it must on ``llama.cpp`` and ``torch``; ``llama.cpp-shared``'s shared
+pool can drift). Every key is listed in docs/benchmarks.md (serve).
 
 What the machine allows (per lane, no timing of its own): with P = min(cores, hops) hops
 computing at once and each forward of 8 sessions' rows F times the throughput of one row
@@ -44,22 +31,14 @@ one token alone costs hops x t: ``bound_aggregate_ratio_c8`` = F P and ``bound_p
 this machine's reach for that backend.
 
 ``itl_gap_causes_c8`` (per lane): what the slowest 5% of the c=8 gaps overlapped in the
-workers' own batch traces (``MESHD_BATCH_TRACE``, shard/session/batching.py): ``with_prefill`` (a
-forward on some hop held a prefill chunk) or ``decode_only``; the hops' busy share of those
-gaps and the forwards' queue wait; decode-only forwards' mean ms and rows at c=1 and c=8.
+workers' own batch traces (``MESHD_BATCH_TRACE``, shard/session/batching.py).
 
-Where the CPU goes (per lane, c=1 and c=8 rounds, from ``/proc``): ``cpu_cores_busy_cN`` is the
-CPU time of every swarm process (the daemons and their workers) and of this client over the
-rounds' wall time, i.e. how many of the machine's ``machine_cores`` were busy on average;
-``cpu_ms_per_token_cN`` is that CPU time per generated token (prefill included, the same prompts
-at every concurrency). At c=8 the first says whether the lane is CPU-bound (busy cores near
-``machine_cores``: then only less CPU per token makes it faster), the ratio of the second
-(``cpu_per_token_ratio_c8`` = c1 / c8) is the batching gain the product achieved, to set against
-``floor_batch8_throughput_ratio``. Together they bound c=8 a second way:
-``cpu_bound_aggregate_ratio_c8`` = ``machine_cores`` / ``cpu_cores_busy_c1`` x the floor -- c=8 can at
-most keep every core busy where c=1 keeps ``cpu_cores_busy_c1`` of them, and at most cut the CPU
-per token by what the backend's own 8-row forward gains (optimistic: the entry's and the wire's
-share of it does not batch).
+Where the CPU goes (per lane, from ``/proc``): the CPU time of every swarm process and of this
+client over the rounds' wall time says whether the lane is CPU-bound at c=8 (busy cores near
+``machine_cores``: then only less CPU per token makes it faster), and the CPU per token at c=1
+over c=8 is the batching gain the product achieved, to set against the floor. Together they bound
+c=8 a second way: ``cpu_bound_aggregate_ratio_c8`` = ``machine_cores`` / ``cpu_cores_busy_c1`` x
+the floor (optimistic: the entry's and the wire's share does not batch).
 
 ``load_average`` is the 1-minute load at the end (other work on the machine
 makes absolute numbers noisy; every ratio is side by side in this run).
@@ -242,7 +221,8 @@ def _gap_causes(stats: dict[int, _Stats], hops: list[list[dict]]) -> dict:
     out: dict = {"hops_traced": len(hops)}
     for c in (1, 8):
         decode = [b for hop in hops for b in hop if b["max_item"] == 1 and inside(b, stats[c].windows)]
-        out[f"decode_forward_ms_c{c}"] = round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3) if decode else None
+        out[f"decode_forward_ms_c{c}"] = (round(1e3 * statistics.fmean(b["t1"] - b["t0"] for b in decode), 3)
+                                          if decode else None)
         out[f"decode_forward_rows_c{c}"] = round(statistics.fmean(b["rows"] for b in decode), 2) if decode else None
     s8 = stats[8]
     if not s8.gaps or not hops:
@@ -301,7 +281,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
                         alone.setdefault(index, pieces)
                 else:
                     waves = [everyone[k:k + c] for k in range(0, len(everyone), c)]
-                    runs = cpu.measure(c, lambda: [run for wave in waves for run in _wave(url, model_id, wave, new_tokens)])
+                    runs = cpu.measure(c, lambda waves=waves: [run for wave in waves
+                                                               for run in _wave(url, model_id, wave, new_tokens)])
                 stats[c].add(runs, concurrent=c > 1)
                 _say(progress, f"{name} round {r + 1} c={c}: {len(runs)} requests done")
                 if c > 1:
@@ -314,7 +295,8 @@ def _lane(name: str, model: Path, backend: str, quick: bool, progress, worker_to
         agg = {c: statistics.median(stats[c].rates) for c in stats}
         p50 = {c: stats[c].quantile(0.50) for c in stats}
         p95 = {c: stats[c].quantile(0.95) for c in stats}
-        out = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal, "new_tokens": new_tokens, "rounds": rounds,
+        out = {"requests_compared": compared, "requests_equal": same, "outputs_equal": equal,
+               "new_tokens": new_tokens, "rounds": rounds,
                "peak_streaming_c8": stats[8].peak, "api_max_running": MAX_RUNNING,
                "aggregate_ratio_c8": round(agg[8] / agg[1], 3), "aggregate_ratio_c4": round(agg[4] / agg[1], 3),
                "p95_itl_ratio_c8": round(p95[8] / p95[1], 3), "p95_itl_ratio_c4": round(p95[4] / p95[1], 3)}

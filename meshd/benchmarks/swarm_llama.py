@@ -16,35 +16,22 @@ each split, rounds alternate between:
   llama.cpp processes chained by pipes, raw float rows, no meshd, no gRPC --
   what any split of this model costs on this machine;
 * (not ``--quick``) a second swarm of the same split whose workers capture the
-  residual with the Python eval callback (``MESHD_LLAMA_CAPTURE=python``), the
-  product as it was before native/csrc/capture.c: the before/after of that cut.
+  residual with the Python eval callback (``MESHD_LLAMA_CAPTURE=python``, what
+  a worker falls back to without a C compiler): what native/csrc/capture.c saves.
 
 Threads: every daemon's worker, every floor process and the whole model
 compute on ``threads`` threads. A single generation runs its hops one after
 another, so at any moment the swarm computes on one hop's threads: the same
 number the whole model gets (``threads_per_daemon`` == ``reference_threads``).
 
-Keys: ``decode_ratio_2`` / ``decode_ratio_3`` (best swarm decode tok/s / best
-whole), their medians, ``prefill_ratio_2`` / ``_3`` (whole prefill time / the
-swarm's time to its first token), ``tokens_equal`` (every run of both splits
-equals the whole model's greedy tokens), ``route_2`` / ``route_3``, ``looped_2`` /
-``looped_3`` (every run's tail sent its tokens straight to the head),
-``tail_bytes_per_decode_step_2`` / ``_3``, and with the 3-daemon split (not
-``--quick``) the failover figures of a SIGKILLed middle hop
-(``tokens_equal_with_failure``, ``recovery_s``). The floor:
-``floor_decode_ratio_N`` (best floor / best whole), ``product_vs_floor_N``
-(best swarm / best floor), ``floor_tokens_equal``. Where a step goes (medians,
-ms): ``whole_step_ms``, ``floor_step_ms_N``, ``step_ms_N`` (the swarm's decode
-step at the entry), ``execution_ms_N`` (the hops' own forward + sampling,
-summed), ``transport_ms_N`` (the rest: hop links, gRPC, session layers);
-in CPU time, which a busy machine disturbs less (meshd/benchmarks/llama_cpu.py):
-``cpu_ms_per_token_N`` (entry daemon, entry worker, other daemons, other
-workers, per decode token), ``whole_cpu_ms_N`` / ``slices_cpu_ms_N`` /
-``slices_vs_whole_cpu_N`` / ``per_slice_cpu_ms_N`` (the engines alone, one
-decode step) and ``python_capture_extra_cpu_ms_N`` (what capture.c saves per
-non-tail hop and step). The
-capture cut (not ``--quick``): ``python_capture_decode_ratio_N`` and
-``capture_speedup_N`` (median swarm tok/s, C capture / Python capture).
+Reported per split (``_2``, ``_3``): the decode and prefill ratios against the
+whole model and against the floor, whether every run's tokens equal the
+whole model's, where a decode step goes (wall, the hops' own forward,
+transport), the CPU per decode token of each process group and of the
+engines alone (meshd/benchmarks/llama_cpu.py: CPU time, which a busy machine
+disturbs less), and, not ``--quick``, the capture before/after and the
+failover of a SIGKILLed middle hop of the 3-daemon split. Every key is in
+docs/benchmarks.md (swarm --backend llama.cpp).
 """
 from __future__ import annotations
 
@@ -144,7 +131,8 @@ def _measure(swarms: dict, reference: LlamaReference, prompt: str, new_tokens: i
                        + f"whole {wholes[-1][1]:.2f}, floor {floors[-1][1]:.2f} tok/s")
     whole_tokens = wholes[-1][0]
     swarm = runs["swarm"]
-    swarm_rates, whole_rates, floor_rates = [x.decode_tok_s for x in swarm], [w[1] for w in wholes], [f[1] for f in floors]
+    swarm_rates = [x.decode_tok_s for x in swarm]
+    whole_rates, floor_rates = [w[1] for w in wholes], [f[1] for f in floors]
     tail = [x.tail_bytes for x in swarm if x.tail_bytes is not None]
     steps = [w for x in swarm for w in x.step_wall_ms]
     executed = [e for x in swarm for e in x.step_execution_ms]

@@ -28,18 +28,11 @@ control socket (the generate op a user runs). Then the same daemons' figures
 on loopback (a LocalSwarm of the same ranges plus a client-only entry, same
 rounds).
 
-Keys: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
-``legs_per_token`` (push: the median of the legs the hops counted in each
-decode step's frames, not computed from the route), ``looped``,
-``critical_legs_per_token`` (the legs a token waits for), ``star_legs_per_token``
-(the star driver's count: one send and one answer per hop), ``hops``,
-``rtt_ms``, ``tokens_equal`` (star == push, every round),
-``entry_serves_layers`` (false: the entry is on no hop), ``compute_ms_per_token``
-(the whole model's best decode step, same rounds), ``legs_ceiling_ratio`` (star
-legs / push legs: the ratio if legs were all that cost), ``star_step_ms`` /
-``push_step_ms`` (medians of the decode steps: wall, the hops' own compute,
-the rest), ``arithmetic`` (the measured decomposition below), ``loopback``
-(the same keys on loopback).
+Reported: ``push_vs_star_decode_ratio`` (best push decode tok/s / best star),
+the legs per token each topology took, each topology's median decode step
+split into wall, the hops' compute and the rest, ``arithmetic`` (the measured
+decomposition below) and ``loopback`` (the same on loopback); every key is
+in docs/benchmarks.md (swarm --rtt-ms N).
 Every namespace and daemon is removed at the end.
 
 Arithmetic. Per decode token the star crosses the network 2 x hops times. A
@@ -58,8 +51,7 @@ At 20 ms a looped route reaches 1.4 up to c = 45 ms (entry-fed: c <= 10 ms);
 ``arithmetic`` splits the median decode step of each topology into its delay
 (critical legs x RTT/2), the hops' own compute c in those steps and the software per
 leg (what is left), and gives the ratio delay and compute alone predict,
-with c and with the whole model's compute. (With the entry serving the head, as this
-bench ran before the client-only entry, its first leg is local.)
+with c and with the whole model's compute.
 """
 from __future__ import annotations
 
@@ -166,7 +158,8 @@ def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str
     d = LocalDaemon.__new__(LocalDaemon)
     d.name, d.data_dir, d.log = name, root / name, root / f"{name}.log"
     args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
-            "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir), "--record-ttl", str(record_ttl_s),
+            "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir),
+            "--record-ttl", str(record_ttl_s),
             "--reachability", "public", "--api-listen", "off", "--threads", str(threads),
             "--kv-budget-tokens", str(kv_budget_tokens)]
     if bootstrap:
@@ -270,7 +263,8 @@ def arithmetic(figures: dict, rtt_ms: float) -> dict:
     out["ratio_from_delay_and_compute"] = round((star["delay_ms"] + c) / (push["delay_ms"] + c), 3)
     whole = figures.get("compute_ms_per_token")
     if whole:
-        out["ratio_from_delay_and_whole_model_compute"] = round((star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
+        out["ratio_from_delay_and_whole_model_compute"] = round(
+            (star["delay_ms"] + whole) / (push["delay_ms"] + whole), 3)
     out["compute_ms_for_1_4"] = round((star["delay_ms"] - 1.4 * push["delay_ms"]) / 0.4, 3)  # software 0
     gap = star["legs"] - 1.4 * push["legs"]   # (ls R/2 + c) / (lp R/2 + c) = 1.4  <=>  R = 0.8 c / (ls - 1.4 lp)
     out["rtt_ms_for_1_4"] = round(0.8 * c / gap, 3) if gap > 0 else None

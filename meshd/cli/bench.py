@@ -32,7 +32,8 @@ MODEL_OPTIONS = ("swarm", "pipeline")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", choices=sorted(BENCHMARKS), help="which benchmark")
     parser.add_argument("--quick", action="store_true", help="fewer repeats (CI smoke run)")
-    parser.add_argument("--json", action="store_true", help="print the result as one JSON line (progress stays on stderr)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the result as one JSON line (progress stays on stderr)")
     parser.add_argument("--model", help="swarm, pipeline: a model artifact directory (default: SmolLM2-135M)")
     parser.add_argument("--layers", help="swarm, pipeline: a fixed split A:B,C:D,... (one daemon per range; "
                                          "default: swarm --layers auto, pipeline 2 and 3 even ranges)")

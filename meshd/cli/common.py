@@ -11,7 +11,8 @@ from proto.errors import MeshdError
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="TOML config file (flags override it)")
-    parser.add_argument("--data-dir", type=Path, help="identity, TLS key, control socket (default ~/.local/share/meshd)")
+    parser.add_argument("--data-dir", type=Path,
+                        help="identity, TLS key, control socket (default ~/.local/share/meshd)")
 
 
 def setup_logging(verbose: bool) -> None:

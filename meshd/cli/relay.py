@@ -11,7 +11,8 @@ from meshd.cli.common import add_config_arguments, fail, first_meshd_error, setu
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
-    parser.add_argument("--advertise-host", help="public IP announced in our DHT relay record when listening on 0.0.0.0")
+    parser.add_argument("--advertise-host",
+                        help="public IP announced in our DHT relay record when listening on 0.0.0.0")
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our relay record, seconds")
     parser.add_argument("--no-dht", action="store_true", help="relay only; do not serve the DHT")
     parser.add_argument("--ready-file", help="write {peer_id, addrs} as JSON here once serving")
@@ -45,8 +46,8 @@ def run(args: argparse.Namespace) -> int:
                 node = await nursery.start(functools.partial(run_relay, config, _progress, with_dht=not args.no_dht))
                 if args.ready_file:
                     tmp = args.ready_file + ".tmp"
-                    with open(tmp, "w") as f:
-                        json.dump({"peer_id": node.peer_id, "addrs": node.addrs(), "pid": os.getpid()}, f)
+                    ready = {"peer_id": node.peer_id, "addrs": node.addrs(), "pid": os.getpid()}
+                    await trio.Path(tmp).write_text(json.dumps(ready))
                     os.replace(tmp, args.ready_file)
                 print("ready", flush=True)
                 with trio.open_signal_receiver(2, 15) as signals:  # SIGINT, SIGTERM

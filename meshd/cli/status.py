@@ -26,5 +26,8 @@ def run(args: argparse.Namespace) -> int:
     reply.pop("ok", None)
     if reply.get("mode") == "relay" and not args.json:   # relay-mode hook (meshd/daemon/relay_mode.py)
         from meshd.daemon.relay_mode import render_relay_status as render_status
-    print(json.dumps(reply, indent=2, sort_keys=True) if args.json else render_status(reply), end="" if not args.json else "\n")
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    else:
+        print(render_status(reply), end="")
     return 0

@@ -112,7 +112,8 @@ def render_status(s: dict) -> str:
         for addr in reach["relayed_addrs"]:
             lines.append(f"  relayed  {addr}")
         if reach.get("relay_losses"):
-            lines.append(f"  relay connections lost: {reach['relay_losses']} (re-reserved elsewhere when one was known)")
+            lines.append(f"  relay connections lost: {reach['relay_losses']}"
+                         " (re-reserved elsewhere when one was known)")
     if own["layers"]:
         state = "advertising" if own["advertising"] else "not advertising"
         extra = (f", seq {own['sequence']}, expires in {own['expires_in_s']} s, {own['acks']} remote stores acked"
@@ -144,7 +145,8 @@ def render_status(s: dict) -> str:
             lines += failure_lines(failure, worker.get("log", ""))
         pushed = health.get("push_streams")
         if pushed:
-            lines.append(f"push       streams to successors: {pushed['frames']} over frames, {pushed['grpc']} over gRPC")
+            lines.append(f"push       streams to successors: {pushed['frames']} over frames,"
+                         f" {pushed['grpc']} over gRPC")
         moe = health.get("experts")
         if moe:
             lines.append(f"experts    exchange {moe['bytes_sent_per_position']:.0f} B/position sent, "

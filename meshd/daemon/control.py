@@ -56,13 +56,19 @@ def _socket_is_live(path: Path) -> bool:
             return False
 
 
-async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamHandler | None = None,
-                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+def _clear_stale_socket(path: Path) -> None:
+    """Remove a socket file no daemon answers on (a killed one's); refuse a live one."""
     if path.exists():
         if _socket_is_live(path):
             raise DaemonError(f"another meshd is already running with this data dir ({path}); "
                               "stop it or use --data-dir")
         path.unlink()
+
+
+async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamHandler | None = None,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
+    # The probe may block up to its 1 s connect timeout: off the loop.
+    await trio.to_thread.run_sync(_clear_stale_socket, path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     old_umask = os.umask(0o177)
     try:
@@ -80,7 +86,8 @@ async def serve_control(path: Path, handler: Handler, *, stream_handler: StreamH
         task_status.started(path)
         await trio.serve_listeners(lambda stream: _serve_one(stream, handler, stream_handler), [listener])
     finally:
-        path.unlink(missing_ok=True)
+        # Synchronous on purpose: it must run when cancelled, and unlinking takes microseconds.
+        path.unlink(missing_ok=True)  # noqa: ASYNC240
 
 
 async def _serve_one(stream: trio.SocketStream, handler: Handler, stream_handler: StreamHandler | None) -> None:

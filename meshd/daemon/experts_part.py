@@ -229,7 +229,8 @@ class ExpertPart:
     async def _plan_auto(self) -> str:
         assert self.footprint is not None and self.digest is not None
         with trio.move_on_after(AUTO_PLAN_WAIT_S):
-            while not self.node.host.get_connected_peers():
+            # py-libp2p has no connection event to wait on: poll its peer list.
+            while not self.node.host.get_connected_peers():  # noqa: ASYNC110
                 await trio.sleep(0.5)
         await trio.sleep(min(2.0, AUTO_PLAN_WAIT_S))   # let the records reach us
         from dht import keys as K

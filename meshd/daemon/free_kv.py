@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 __all__ = ["FreeKvGate", "MOVE_FRACTION", "MIN_INTERVAL_S", "POLL_S"]
 
-# "Moves by more than 10%" (issue 15): of the worker's KV budget.
+# "Moves by more than 10%": of the worker's KV budget.
 MOVE_FRACTION = 0.10
 # At most one republish for free KV per 2 s: bursts of opens coalesce.
 MIN_INTERVAL_S = 2.0

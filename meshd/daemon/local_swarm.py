@@ -5,7 +5,8 @@ Each ``LocalDaemon`` is a subprocess ``python -m meshd join --layers auto``
 127.0.0.1 with an OS-chosen port; the first one is every other's bootstrap
 peer. Every worker gets ``--threads 1`` unless told otherwise (``THREADS``):
 several daemons share this machine's cores fairly, and each decode step
-computes on one core like the single-threaded reference beside them. Its workers are its children (they die with it). ``LocalSwarm.close``
+computes on one core like the single-threaded reference beside them. Its
+workers are its children (they die with it). ``LocalSwarm.close``
 stops every daemon it started -- SIGTERM, then SIGKILL after a grace period
 -- so nothing outlives the caller.
 

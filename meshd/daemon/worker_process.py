@@ -210,7 +210,9 @@ class WorkerProcess:
 
     async def _pump(self, stream, log_path: Path, state: WorkerState, ready_line: trio.Event | None) -> None:
         buf = b""
-        with open(log_path, "ab") as log_file:
+        # Synchronous writes on purpose: a line is a few bytes, and an awaited write would be one
+        # more checkpoint where a cancellation loses the last lines of a dying worker.
+        with open(log_path, "ab") as log_file:  # noqa: ASYNC230
             async for chunk in stream:
                 buf += chunk
                 while b"\n" in buf:

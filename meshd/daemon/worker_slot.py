@@ -62,7 +62,8 @@ class WorkerSlot:
         node, w = self.node, self.node.config.worker
         worker = WorkerProcess(self.spec(layers), progress=lambda line: node.progress(f"worker: {line}"))
         supervisor = Supervisor(worker.life, on_ready=self._on_ready, on_down=self._on_down,
-                                backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s, w.restart_backoff_reset_s),
+                                backoff=Backoff(w.restart_backoff_s, w.restart_backoff_max_s,
+                                                w.restart_backoff_reset_s),
                                 give_up_before_ready=True)   # a range it cannot load: ask the tracker again
         node.supervisor = supervisor
         node.progress(f"starting the worker for layers {layers[0]}:{layers[1]} of {node.config.model}")

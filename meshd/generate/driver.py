@@ -529,9 +529,9 @@ class SwarmDriver:
 
         A fresh hop after a failover is fed its history in the very batches the failed hop saw,
         because some kernels are not batch-invariant (llama.cpp's tinyBLAS / repacked K-quant
-        GEMMs accumulate differently than its single-row GEMV: measured on Gemma-3 Q4_K_M, a
-        position computed inside a 16-row batch differs from the same position decoded alone by
-        up to 1.1 in the logits). Without a failure this is exactly one batch per call, as before.
+        GEMMs accumulate differently than its single-row GEMV: a position computed inside a batch
+        can differ from the same position decoded alone by far more than rounding,
+        docs/measurements/2026-12-01.md). Without a failure this is exactly one batch per call.
         """
         prompt = getattr(self, "_prompt_len", 0)
         batches = [(past, min(prompt, target))] if past < prompt else []
@@ -588,7 +588,7 @@ class SwarmDriver:
             except CoverageGap as exc:
                 raise CoverageGap(f"{exc}; the hop failed with: {failure}", exc.spans, exc.waited_s) from failure
             fresh = set(hops_to_reprefill(old, new))
-        by_hop = {(l.spec.peer_id, l.spec.start, l.spec.end, l.spec.effective_start): l for l in self._links}
+        by_hop = {(k.spec.peer_id, k.spec.start, k.spec.end, k.spec.effective_start): k for k in self._links}
         keep: dict[int, HopLink] = {}
         for i, hop in enumerate(new.hops):
             if i not in fresh:
@@ -611,7 +611,7 @@ class SwarmDriver:
         while not self._done.wait(WATCHDOG_TICK_S):
             now = time.monotonic()
             with self._lock:
-                late = [l for l in self._links if l.deadline and now > l.deadline]
+                late = [link for link in self._links if link.deadline and now > link.deadline]
             for link in late:
                 link.cut()
 

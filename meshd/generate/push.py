@@ -217,7 +217,8 @@ class PushLink(HopLink):
             env = pb.Envelope(
                 schema_version=SCHEMA_VERSION, work_id=f"{s.session_id}:{s.epoch}:{idem}",
                 route_session_id=s.session_id, route_epoch=s.epoch, fingerprint=s.fingerprint,
-                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+                shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end,
+                                          effective_start_layer=s.effective_start),
                 phase=pb.PHASE_PREFILL, position=pb.PositionSpan(first_position=first + offset, token_count=count),
                 idempotency_step=idem,
                 cache_expectation=pb.CacheExpectation(mode=pb.CACHE_MODE_PREFILL, expected_past_len=first + offset),

@@ -38,7 +38,7 @@ its own worker.
 
 Routes are planned here, at the entry, from its own DHT view, with the same
 pure planner (routing.py) and the same signed records the tracker would use
-(ARCHITECTURE has the entry ask the tracker): one round trip less, and a
+rather than asking the tracker: one round trip less, and a
 generation never depends on the tracker being reachable mid-way, e.g. while
 duty moves after the tracker died.
 

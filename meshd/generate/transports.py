@@ -28,10 +28,10 @@ port: the certificate must hash to the pin in the peer's signed record
 (checked right after the handshake, before a byte is sent:
 CertificateMismatch, never fallen back from); if the port cannot be reached,
 the session goes to the pinned gRPC fallback, which also carries the unary
-calls. ``kind`` says which one carried the last session. Measured on this
-machine, interleaved step by step against pinned TLS gRPC to the same worker
-(``meshd bench pipeline``'s hop_transport_overhead_ms): the frames port about
-half gRPC's overhead above the hop's compute, the Unix socket a third.
+calls. ``kind`` says which one carried the last session. Both framed
+transports cost at most about half of pinned gRPC's overhead above the hop's
+compute (``meshd bench pipeline``'s ``hop_transport_overhead_ms``; figures:
+docs/measurements/2026-12-01.md and 2026-12-04.md).
 
 A framed stream's ``cancel()`` (the watchdog, a cancellation) shuts the socket
 down from any thread, which wakes a blocked ``recv``.

@@ -27,7 +27,8 @@ library adjustment like the data-path patches (dht/compat/): ``run`` checks
 the exact version and the methods first (``dcutr_policy_check``, through
 ``dht.compat.gate``) and records the decision as ``dcutr_policy`` in the
 registry ``meshd status`` shows. Upstream: no upstream issue found; the
-overridden members are ``DCUtRProtocol``'s (libp2p/relay/circuit_v2/dcutr.py). On any other version the DCUtR service is not started at all (the
+overridden members are ``DCUtRProtocol``'s (libp2p/relay/circuit_v2/dcutr.py).
+On any other version the DCUtR service is not started at all (the
 library's own policy would punch every relayed peer and close circuits under
 live sessions): relayed hops simply stay relayed, and status says why.
 

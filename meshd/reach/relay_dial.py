@@ -215,7 +215,8 @@ async def _still_connected(host, relay_id: str) -> bool:
 
     relay = ID.from_base58(relay_id)
     with trio.move_on_after(RELAY_DEATH_GRACE_S):
-        while any(not c.is_closed for c in host.get_network().get_connections(relay)):
+        # py-libp2p has no connection-closed event to wait on: poll the connections.
+        while any(not c.is_closed for c in host.get_network().get_connections(relay)):  # noqa: ASYNC110
             await trio.sleep(0.05)
         return False
     return True

@@ -30,7 +30,8 @@ def child_env(threads: int | None = None) -> dict[str, str]:
     """The environment of a child of this checkout: PYTHONPATH from its root, unbuffered output,
     no model hub, and (when given) ``threads`` torch/BLAS threads."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)])
+    inherited = (p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *inherited])
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("HF_HUB_OFFLINE", "1")
     if threads is not None:

@@ -15,8 +15,8 @@ as bytes and we do the bounded parse:
 
 Why not grpcio's request_deserializer: a deserializer that raises sends the
 call down grpcio's failed-deserialization path, which keeps about 16-20 KB
-per call alive for good (measured: 51,000 malformed calls grew a worker from
-617 MB to 970 MB; a bare grpcio 1.85.1 server does the same);
+per call alive for good (a bare grpcio 1.85.1 server does the same; figures:
+docs/measurements/2026-12-01.md and 2026-12-02.md);
 tests/test_shard_unary_memory.py measures both paths. Messages above
 proto.limits.MAX_FRAME_BYTES are refused by gRPC itself (RESOURCE_EXHAUSTED
 on that call only).
@@ -71,8 +71,7 @@ def _session(service: ShardService):
         peer, private = caller(context)
         stream = SessionStream(service, peer=peer, private=private)
         for body in request_iterator:
-            for response in receive(stream, body):
-                yield response
+            yield from receive(stream, body)
             if stream.closed:
                 return
             if sink_of(stream) is not None:   # pushed: answers also come from other streams

@@ -1,10 +1,10 @@
 """The worker's local frame edge: the Session stream over a Unix socket, for its own daemon.
 
 Why: a relayed session reaches the home daemon as length-prefixed frames on a
-libp2p stream; forwarding them to the worker over loopback gRPC cost a full
-gRPC round trip (~1.7 ms on a small VM, most of it grpcio's thread hand-offs)
-on every decode step. This edge carries the SAME frames (proto.frames: 4-byte
-big-endian length || SessionRequest / SessionResponse body) to the SAME
+libp2p stream; forwarding them to the worker over loopback gRPC would cost a
+full gRPC round trip, most of it grpcio's thread hand-offs, on every decode
+step (docs/measurements/2026-11-29.md). This edge carries the SAME frames
+(proto.frames: 4-byte big-endian length || SessionRequest / SessionResponse body) to the SAME
 sans-I/O core (shard.session.stream.SessionStream over the worker's ShardService), so
 one core now has three edges: gRPC, TLS gRPC, and this socket.
 

@@ -29,7 +29,7 @@ transformers' block unchanged; any other sparse layer gets ``MoeDispatch``
 missing experts on expert peers. Experts run transformers' "eager"
 implementation (the per-expert loop): it is the one an expert peer can
 reproduce row for row, so delegating is bit-exact; "grouped_mm" differs in
-the last bits (measured 1.5e-7 on the logits of the test model).
+the last bits (docs/measurements/2026-12-01.md).
 
 Both families register themselves with the model room's registry
 (shard/model/adapters.py ``register_family``) when this module is imported:

@@ -91,7 +91,7 @@ class ExpertSpec:
 
     def experts_of(self, layer: int) -> tuple[int, ...]:
         """Routed expert ids held for ``layer``, ascending (the shared expert excluded)."""
-        return tuple(sorted(e for l, e in self.pairs if l == layer and e != SHARED))
+        return tuple(sorted(e for at, e in self.pairs if at == layer and e != SHARED))
 
     def has_shared(self, layer: int) -> bool:
         return (layer, SHARED) in self.pairs

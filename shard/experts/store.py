@@ -14,8 +14,8 @@ dtype, and returns the unweighted output as float32 [n, hidden].
 
 Bit-exactness needs the weights laid out in memory as the holder lays them
 out, not only equal: a one-row product (decode) takes a different kernel
-path for a weight 64-byte aligned than for one at another offset (measured:
-6e-8 apart on this CPU). So the held experts of a layer are stacked into one
+path for a weight 64-byte aligned than for one at another offset (a last-bit
+difference: docs/measurements/2026-12-01.md). So the held experts of a layer are stacked into one
 fresh tensor, like the holder's (and transformers') fused experts -- expert
 i at offset i x its size, aligned whenever a projection is a multiple of 16
 floats, as in every real model --, and the shared expert is kept exactly as

@@ -11,9 +11,10 @@ sends after a failed exchange stays unread on the socket until it closes.
 
 Why length-prefixed frames over a socket rather than a gRPC stream: the
 exchange sits inside a layer's forward, once per sparse layer per step per
-peer. On this machine a bare gRPC stream round trip costs 0.47 ms and a raw
-socket 0.023 ms (``meshd bench pipeline``); at 48 sparse layers that is
-~22 ms per token for gRPC alone. The frames are the project's (proto/frames.py).
+peer, and a bare gRPC stream round trip costs some twenty times a raw
+socket's (``meshd bench pipeline``'s floors): at dozens of sparse layers, tens
+of milliseconds per token for gRPC alone (docs/measurements/2026-12-01.md).
+The frames are the project's (proto/frames.py).
 
 Authentication: direct connections speak TLS and the peer's certificate must
 hash (SHA-256 of its DER) to the pin in its signed expert record (the same

@@ -48,14 +48,11 @@ class InputMajorLinear(nn.Module):
     """A dense projection with its weight stored input-major: ``weight_t`` [in, out], contiguous, and
     ``forward(x) = x @ weight_t (+ bias)`` (the product of ``nn.Linear`` with weight ``weight_t.T``).
 
-    Why: with one thread, torch 2.13's CPU ``linear`` goes row by row below 4 rows. Over SmolLM2's
-    49152 x 576 LM head it took 10.8 ms for one row and 22 / 33 ms for 2 / 3 rows (16.5 ms from 4);
-    ``x @ weight_t`` takes 5.0 ms for one row and 10.6 / 16 ms for 2 / 3 (20 ms from 4). Over one
-    10-layer hop's projections (q/k/v/o, gate/up/down; 140 MB, cold in cache, interleaved A/B in one
-    process): 12.3 / 15.7 / 18.5 ms for 1 / 2 / 3 rows instead of 14.3 / 20.8 / 24.1, and 20.4 /
-    21.9 instead of 18.2 / 19.8 for 4 / 8 rows. A decode forward holds one row per session and a
-    worker batches 1-3 sessions' rows most of the time, so both the lone step and the usual batch
-    get cheaper. Every range (whole model and split alike, and the transformers reference) runs
+    Why: with one thread, torch 2.13's CPU ``linear`` goes row by row below 4 rows, so ``x @
+    weight_t`` is faster for 1-3 rows (about twice over SmolLM2's LM head) and a little slower from
+    4 (docs/measurements/2026-12-06.md, 2026-12-07.md). A decode forward holds one row per session
+    and a worker batches 1-3 sessions' rows most of the time, so both the lone step and the usual
+    batch get cheaper. Every range (whole model and split alike, and the transformers reference) runs
     the same layout, so a split model's logits stay the whole model's bit for bit."""
 
     def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -101,9 +98,9 @@ def input_major_layers(layers) -> None:
 
 class ColumnEmbedding(nn.Module):
     """Tied token embeddings read from an ``InputMajorLinear`` head's weight: token i is column i (the
-    same values as the row-major table, one copy of the tensor for both). The strided gather costs
-    6 us for one token, 0.2 ms for 64, 4 ms for 512 on SmolLM2's table (row-major: 0.06 ms for 512):
-    nothing beside a prefill's forward."""
+    same values as the row-major table, one copy of the tensor for both). The strided gather is
+    slower than a row-major one, but nothing beside a prefill's forward
+    (docs/measurements/2026-12-06.md)."""
 
     def __init__(self, weight_t: nn.Parameter) -> None:
         super().__init__()

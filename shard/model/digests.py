@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass
 from pathlib import Path
-from typing import TextIO, Union
+from typing import TextIO
 
 __all__ = ["FileKey", "file_key", "cached_digest", "hash_files", "cache_dir", "CACHE_ENV", "hash_runs",
            "hashed_bytes", "MAX_ENTRIES"]
@@ -67,7 +67,7 @@ ENTRY_FORMAT = 1
 _DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 _MEMO_MAX = 64
 
-Progress = Union[TextIO, Callable[[str], None], None]
+Progress = TextIO | Callable[[str], None] | None
 
 # Counters of real hashing in this process (never reset by the module).
 hash_runs = 0

@@ -216,12 +216,14 @@ class TorchRangeBackend:
                 raise BackendInputError(f"token id outside 0..{self.vocab_size - 1}")
         elif inputs.dtype != self.boundary_dtype or inputs.ndim != 2 or inputs.shape[1] != self.hidden_size:
             raise BackendInputError(
-                f"hidden input must be {self.boundary_dtype} [T, {self.hidden_size}], got {inputs.dtype} {inputs.shape}")
+                f"hidden input must be {self.boundary_dtype} [T, {self.hidden_size}],"
+                f" got {inputs.dtype} {inputs.shape}")
         count = inputs.shape[0]
         if count == 0:
             raise BackendInputError("empty input")
         if cache.past_len + count > cache.max_tokens:
-            raise BackendInputError(f"cache holds {cache.past_len} of {cache.max_tokens} tokens; {count} more do not fit")
+            raise BackendInputError(
+                f"cache holds {cache.past_len} of {cache.max_tokens} tokens; {count} more do not fit")
         return count
 
     def forward(self, cache: TorchCache, inputs: np.ndarray, *, effective_start: int) -> np.ndarray:

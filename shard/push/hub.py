@@ -148,7 +148,8 @@ class PushSession:
         self.loop_from = int(open_msg.push_loop_from)
         self.stop_ids = frozenset(open_msg.tail.stop_token_ids)
         self.owner_digest = b""   # the control stream's owner: what a feeder must prove (actions.py)
-        self.successor = SuccessorStream(self, open_msg.push_next, loop=self.loop) if (not is_tail or self.loop) else None
+        self.successor = (SuccessorStream(self, open_msg.push_next, loop=self.loop)
+                          if (not is_tail or self.loop) else None)
 
     # -- what the successor stream needs of its session (successor.Upstream) ------------
     @property

@@ -2,9 +2,9 @@
 
 Where it sits: ``ShardService`` hands the ``SessionManager`` a ``BatchingBackend``
 (this module) instead of the raw backend. The manager is unchanged: it calls
-``forward(cache, inputs, effective_start=...)`` with the service lock held, as
-before. That call queues the work and waits on a condition bound to the same
-lock, so the lock is free while it waits and other streams' steps can enter the
+``forward(cache, inputs, effective_start=...)`` with the service lock held.
+That call queues the work and waits on a condition bound to the same lock, so
+the lock is free while it waits and other streams' steps can enter the
 manager and queue theirs.
 
 Who computes (no extra thread): a waiting caller finding no batch running
@@ -15,32 +15,20 @@ start a forward alone first waits, the lock free, while more rows keep
 arriving -- until a quiet period passes with none, three at most -- so the
 rows an upstream hop sent back to back from one batched forward stay one
 forward here instead of the first running alone and the rest waiting through
-it (seen in the traces: a 1-row forward followed at once by rows that had
-queued through it, the cohorts splitting at every hop). The quiet period is
-15% of a one-row decode forward's wall time (moving average), 0.5-3 ms: what
-pays depends on the backend. Measured through the ``/v1`` API, 3 daemons, 8
-users, tok/s over the round: torch 34 with no gather, 34-35 with 1 ms quiet /
-3 ms cap, 38.5-39 with 3 ms / 8 ms (its 8-row forward is ~4x one row's
-throughput, a one-row forward ~20-35 ms); llama.cpp 89 with 1 ms / 3 ms
-(more rows per forward, the same tok/s as none: its 8-row forward is only
-~1.5x one row's) but 72-76 with 3 ms / 8 ms (a one-row forward is ~5 ms). A
-long window does not pay: on an in-process 3-hop llama.cpp pipeline of 8 sessions,
-a leader that waited up to 30 ms for the other recently seen sessions' rows
-merged ~3.9 rows per forward instead of ~1.6 but decoded 30 tok/s instead of
-63 (every hop waiting; the sessions settle into two cohorts half a round
-apart, so the wait always runs out): on a CPU a forward of n rows of this
-small model costs a large part of n single rows, and the overlap of pipeline
-stages is worth more.
-Under the lock the leader takes the queue in order: every one-position decode row, and prefill chunks while their
-positions fit the step's prefill budget (``PREFILL_TOKENS_PER_FORWARD``, within
-``max_batch_tokens``), so a burst of new prompts delays running decodes by
-about one short chunk per step instead of all of them at once, and the next
-hop starts on the first prompts while this one runs the rest: measured through
-the ``/v1`` API on a 3-daemon llama.cpp swarm with 8 prompts of ~38 tokens
-arriving at once, one forward of all 7 waiting prompts (259 positions, 516 ms)
-left the next hops idle and gave the last first token at 1.6-1.9 s; a budget of
-64 positions gave 1.3-1.4 s and 87 instead of 69-81 tok/s over the round (torch:
-no loss). The first item always goes, so nothing starves, and a
+it (the cohorts would split at every hop). The quiet period is 15% of a
+one-row decode forward's wall time (moving average), 0.5-3 ms: what pays
+depends on the backend, and a long window does not pay at all -- every hop
+waits, the sessions settle into cohorts half a round apart, and on a CPU a
+forward of n rows of a small model costs a large part of n single rows, so
+the overlap of pipeline stages is worth more (docs/measurements/2026-12-02.md,
+2026-12-06.md).
+
+Under the lock the leader takes the queue in order: every one-position decode
+row, and prefill chunks while their positions fit the step's prefill budget
+(``PREFILL_TOKENS_PER_FORWARD``, within ``max_batch_tokens``), so a burst of
+new prompts delays running decodes by about one short chunk per step instead
+of all of them at once, and the next hop starts on the first prompts while
+this one runs the rest. The first item always goes, so nothing starves, and a
 chunk is never cut (its rows stay one kernel call, the same as alone). It
 marks them running, *releases* the lock, runs one ``forward_batch`` per
 effective start, takes the lock back, posts each item's output or exception
@@ -63,7 +51,7 @@ Exception]`` (one result per item, in order; a per-item refusal is that item's
 exception, the others run) when they implement it (torch Llama-family ranges,
 llama.cpp); otherwise the batch runs as sequential ``forward`` calls, still
 outside the lock. ``enabled=False`` (``meshd worker --no-batching``) makes
-``forward`` call the backend directly under the lock, the old behaviour.
+``forward`` call the backend directly under the lock: one forward at a time.
 
 Trace (measurement only): with ``MESHD_BATCH_TRACE=PREFIX`` in the environment
 each batcher appends one JSON line per forward to ``PREFIX.<pid>.jsonl``
@@ -144,7 +132,8 @@ class _Trace:
     """One JSON line per forward to ``PREFIX.<pid>.jsonl`` (see the module docstring)."""
 
     def __init__(self, prefix: str) -> None:
-        self._file = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1)   # line-buffered: a killed worker loses nothing
+        # line-buffered: a killed worker loses nothing
+        self._file = open(f"{prefix}.{os.getpid()}.jsonl", "a", buffering=1)
         self._left = MAX_TRACE_LINES
 
     def batch(self, batch: list[_Item], t0: float, t1: float) -> None:

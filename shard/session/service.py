@@ -4,7 +4,8 @@ Owns the backend (weights), the SessionManager (per-session KV), one lock that
 serializes every manager call (the manager is sans-I/O and single-threaded),
 the continuous-batching scheduler every manager forward goes through
 (``shard/session/batching.py``: it waits on that lock's condition, so streams whose
-steps are ready together share one forward), and the capability report. Unary RPCs (GetCapability, Health, Release, Cancel) are plain methods
+steps are ready together share one forward), and the capability report. Unary
+RPCs (GetCapability, Health, Release, Cancel) are plain methods
 here taking and returning protobuf messages; ``shard/session/stream.py`` runs the
 Session stream on top; ``shard/edges/grpc_server.py`` is the gRPC edge.
 

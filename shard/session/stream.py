@@ -74,7 +74,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -258,8 +257,8 @@ class ReleasePushed:
     """The entry released the pushed session (its KV is freed already)."""
 
 
-PushAction = Union[OpenPushed, AttachFeeder, PushChunk, PushDecode, Repoint, ReleasePushed]
-Output = Union[bytes, PushAction]
+PushAction = OpenPushed | AttachFeeder | PushChunk | PushDecode | Repoint | ReleasePushed
+Output = bytes | PushAction
 
 
 class SessionStream:
