@@ -35,11 +35,13 @@ error: it arrives as a body like any other.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Protocol
 
+from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError
 
-__all__ = ["HopStream", "HopTransport", "TransportError", "TransportStatus", "Unary"]
+__all__ = ["HopStream", "HopTransport", "PushDialer", "TransportError", "TransportStatus", "Unary"]
 
 
 class Unary(enum.Enum):
@@ -110,3 +112,7 @@ class HopTransport(Protocol):
 
     def close(self) -> None:
         ...
+
+
+# How a worker reaches the successor an entry named in a push target (shard/push/successor.py).
+PushDialer = Callable[[pb.PushTarget], HopTransport]

@@ -28,7 +28,7 @@ import trio
 from libp2p.peer.id import ID
 
 from proto.errors import ProtocolError
-from proto.hop_transport import TransportError, TransportStatus, Unary
+from proto.hop_transport import HopTransport, TransportError, TransportStatus, Unary
 from relay import trace
 from relay.errors import RelayError, RelayUnreachable
 from relay.handoff import Inbox
@@ -223,7 +223,7 @@ class RelayedStream:
         if self._done:
             raise TransportError("the relayed stream is over", TransportStatus.CANCELLED)
         item, waiter = self._inbox.get()
-        if waiter is not None:
+        if isinstance(waiter, trio.Event):    # the reader task waits for this credit
             self._wake(waiter)
         if isinstance(item, TransportError):
             self._finish()
@@ -301,10 +301,14 @@ class RelayedTransport:
         pass
 
 
-def relayed_transport_factory(portal: TrioPortal, host, direct_factory: Callable[[str], object] | None):
-    """A ``transport_factory(endpoint)``: ``p2p:<peer id>`` endpoints go through the portal."""
-    def factory(endpoint: str):
+def relayed_transport_factory(portal: TrioPortal, host, direct_factory: Callable[[str], HopTransport] | None
+                              ) -> Callable[[str], HopTransport]:
+    """A ``transport_factory(endpoint)``: ``p2p:<peer id>`` endpoints go through the portal, the rest to
+    ``direct_factory`` (None: there is none, a direct endpoint is a TransportError)."""
+    def factory(endpoint: str) -> HopTransport:
         if endpoint.startswith(RELAYED_SCHEME):
             return RelayedTransport.to_peer(portal, host, ID.from_base58(endpoint[len(RELAYED_SCHEME):]))
+        if direct_factory is None:
+            raise TransportError(f"{endpoint} is not a relayed endpoint and there is no direct transport")
         return direct_factory(endpoint)
     return factory

@@ -37,7 +37,7 @@ from meshd.generate.deadlines import StepDeadlines
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
-from proto.errors import MeshdError
+from proto.errors import LocalError, MeshdError
 from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION, parse_response
@@ -107,10 +107,17 @@ class HopLink:
         """A HopFailure naming this hop."""
         return HopFailure(self.index, self.spec.peer_id, detail, code, retry_after_ms)
 
+    @property
+    def stream(self) -> HopStream:
+        """The open Session stream (a LocalError before ``open``: a bug of the caller)."""
+        if self._stream is None:
+            raise LocalError(f"hop {self.index}: no stream is open")
+        return self._stream
+
     def _send(self, body: bytes, *, work: bool = True) -> None:
         if work and self.window is not None:
             self.window.consume(len(body))
-        self._stream.send(body)
+        self.stream.send(body)
 
     def _recv(self, timeout_s: float) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
         self.step_timeout = timeout_s
@@ -118,7 +125,7 @@ class HopLink:
         try:
             while True:
                 try:
-                    body = self._stream.receive()
+                    body = self.stream.receive()
                 except TransportError as exc:
                     if self._cut:
                         raise self.fail(f"silent past its step deadline ({self.step_timeout:.1f} s)",

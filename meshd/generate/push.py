@@ -115,7 +115,8 @@ class PushLink(HopLink):
         self.loop_from = 0                 # ... drawn for positions from this one on
         self.fed_at_ns = 0                 # perf_counter_ns of the last decode step sent to this hop
         self.continued = 0                 # ``fed`` right after the continuation's last send
-        self.continuation = None           # the tail's: called with each decode answer before the driver hears it
+        # the tail's: called with each decode answer before the driver hears it
+        self.continuation: Callable[[pb.SessionResponse], None] | None = None
         self.target: pb.PushTarget | None = None
         self.successor: tuple[str, int] | None = None
 
@@ -136,7 +137,7 @@ class PushLink(HopLink):
     def _read_loop(self) -> None:
         events = self._events
         try:
-            while (body := self._stream.receive()) is not None:
+            while (body := self.stream.receive()) is not None:
                 self.received_bytes += len(body)
                 try:
                     resp, tensors = read_answer(body)

@@ -70,6 +70,7 @@ from meshd.generate.transports import GrpcTransport, TlsFrameTransport, UnixFram
 from meshd.plan.adverts import ShardAd, Span
 from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, RouteCosts, plan_route, replacement_route
+from meshd.reach.relay_dial import RelayDialer
 from meshd.reach.tls import loopback_channel, pinned_channel
 from proto import shard_runtime_pb2 as pb
 from proto.frames import SCHEMA_VERSION
@@ -212,7 +213,7 @@ class PeerConnector:
     own_unix: str = ""                           # our worker's frame socket (unix:/path), preferred
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
-    relay_dialer: object | None = None           # meshd.reach.relay_dial.RelayDialer
+    relay_dialer: RelayDialer | None = None      # circuits to relayed peers (the daemon's)
     relayed_addrs: Callable[[str], Sequence[str]] = lambda peer_id: ()  # the peer's p2p-circuit addrs
     frames: Mapping[str, str] = field(default_factory=dict)  # peer id -> its framed TLS fast path (same pin)
     own_dialable: bool = False                   # peers can dial our worker's TLS port (a loop's head, push.py)

@@ -23,7 +23,6 @@ OPEN_TIMEOUT_S, a send queue of SEND_DEPTH bodies.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -32,7 +31,7 @@ from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
-from proto.hop_transport import HopStream, HopTransport, TransportError
+from proto.hop_transport import HopStream, HopTransport, PushDialer, TransportError
 from proto.limits import DECODE_STEP_BASE
 from shard.session.session_ids import SessionKey
 
@@ -44,7 +43,7 @@ HIDDEN = "h"
 TOKEN_IDS = "token_ids"
 
 
-Dialer = Callable[[pb.PushTarget], HopTransport]   # the transport to the target the entry named
+Dialer = PushDialer   # the transport to the target the entry named
 
 
 class PushError(Exception):
@@ -68,7 +67,7 @@ class Upstream(Protocol):
         """A stream to a successor opened over ``transport`` ("frames" or "grpc")."""
         ...
 
-    def report(self, detail: str, failed_peer: str, code: int = ...) -> None:
+    def report(self, detail: str, failed_peer: str, code: pb.ErrorCode = ...) -> None:
         """Tell the entry (once) that the successor failed."""
         ...
 
@@ -106,14 +105,15 @@ class SuccessorStream:
         """Hold rows [first, first + n) (checked by ``_check_keep``) for a replacement."""
         end = first + rows.shape[0]
         cap = self.session.max_tokens
-        size = 0 if self._rows is None else self._rows.shape[0]
-        if end > size:
+        kept = self._rows
+        size = 0 if kept is None else kept.shape[0]
+        if kept is None or end > size:
             want = max(end, 2 * size, 16)
             grown = np.empty((min(want, cap) if cap else want, *rows.shape[1:]), dtype=rows.dtype)
-            if self._rows is not None:
-                grown[:self._held] = self._rows[:self._held]
-            self._rows = grown
-        self._rows[first:end] = rows
+            if kept is not None:
+                grown[:self._held] = kept[:self._held]
+            kept = self._rows = grown
+        kept[first:end] = rows
         self._held = end
 
     # -- the successor's stream --------------------------------------------------------
@@ -169,7 +169,7 @@ class SuccessorStream:
         finally:
             opened.set()
 
-    def _fail(self, generation: int, detail: str, code: int = pb.ERROR_CODE_INTERNAL) -> None:
+    def _fail(self, generation: int, detail: str, code: pb.ErrorCode = pb.ERROR_CODE_INTERNAL) -> None:
         with self._cond:
             if generation != self._generation or self._failed is not None:
                 return                                   # an old stream after a repoint, or said already
@@ -184,6 +184,8 @@ class SuccessorStream:
             if self._failed is not None:
                 raise PushError(self._failed)
             self._credits -= 1
+        if self._stream is None:
+            raise PushError("the stream to the successor is closed")
         try:   # credits bound what waits first: gRPC's queue, or a framed socket's buffer
             self._stream.send(body, timeout_s=CREDIT_WAIT_S)
         except TransportError as exc:
@@ -248,8 +250,10 @@ class SuccessorStream:
             self.target = target
             self._step = 0
             self._open()
+            kept = self._rows
             for first, n, index, count, final, decode in self._batches:
-                self._send(self._body(first, self._rows[first:first + n], index, count, final, decode))
+                assert kept is not None   # _keep held every batch's rows
+                self._send(self._body(first, kept[first:first + n], index, count, final, decode))
 
     def _close_call(self) -> None:
         with self._cond:
