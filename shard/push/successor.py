@@ -2,7 +2,8 @@
 
 Part of the push topology (shard/push/hub.py has the whole picture). The
 successor stream dials lazily, on the first output, only the PushTarget the entry
-named, through the worker's ``push_dialer``; it opens a feeder stream
+named, through the worker's ``push_dialer`` (a proto.hop_transport.HopTransport:
+pinned frames or gRPC from meshd/cli/worker.py, in memory in tests); it opens a feeder stream
 (``SessionOpen.push_feed``) and then mirrors the batch shapes it was fed: a
 decode step stays a decode step (one more leg counted in ``legs``), a prefill
 chunk keeps its ChunkInfo. A reader thread takes the successor's credits and
@@ -17,8 +18,8 @@ The session that drives a successor stream is seen through ``Upstream``, a
 small protocol (shard/push/hub.py PushSession implements it): its key and
 bounds, how to dial, where to count the stream, and where to report.
 
-Bounds: credit waits of CREDIT_WAIT_S, the open's answer within
-OPEN_TIMEOUT_S, a send queue of SEND_DEPTH bodies.
+Bounds: credit waits of CREDIT_WAIT_S (the successor's credits bound what
+waits in the transport), the open's answer within OPEN_TIMEOUT_S.
 """
 from __future__ import annotations
 
