@@ -48,7 +48,9 @@ def _reference_tokens(path, prompt_ids, new_tokens):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("topology", ["push", "star"])
+# push only: the default topology, which the star shares its expert exchange with (the star route
+# itself is covered by tests/test_swarm_e2e.py and the client-only tests); two minutes a topology.
+@pytest.mark.parametrize("topology", ["push"])
 def test_moe_swarm_with_delegated_experts_survives_an_expert_peer_death(tmp_path, topology):
     path = build_random_qwen3_moe()
     # push is the default topology: its run passes no flag, so it also checks the default

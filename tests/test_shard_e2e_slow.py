@@ -36,7 +36,8 @@ def test_random_llama_two_workers_bf16():
     assert _run(testmodels.build_random_llama(), ["0:3", "3:6"], 6, dtype="bfloat16", label="random llama") == 0.0
 
 
-@pytest.mark.parametrize("specs", [["0:3", "3:6"], ["0:2", "2:5", "5:6"]])
+# Three ranges: a head, a middle hop and a tail (a two-way split is the same code minus the middle).
+@pytest.mark.parametrize("specs", [["0:2", "2:5", "5:6"]])
 def test_gemma3_split(specs):
     assert _run(testmodels.build_random_gemma3(), specs, 6, label="random gemma3") == 0.0
 
@@ -48,7 +49,7 @@ def _smollm2_prompt(path):
     return tok("The capital of France is Paris. The capital of Germany is")["input_ids"]
 
 
-@pytest.mark.parametrize("specs", [["0:15", "15:30"], ["0:10", "10:20", "20:30"]])
+@pytest.mark.parametrize("specs", [["0:10", "10:20", "20:30"]])
 def test_smollm2_fp32_split(specs):
     path = testmodels.smollm2_artifact("float32")
     diff = _run(path, specs, 30, label="SmolLM2-135M fp32", prompt=_smollm2_prompt(path), chunk=128)
