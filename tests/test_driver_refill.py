@@ -95,7 +95,12 @@ def test_a_gap_refilled_later_is_waited_for_and_the_tokens_stay_exact(shards, re
     assert tokens == reference
     assert swarm.reads_after_kill >= REFILL_AFTER_READS        # it waited, re-reading the view
     (event,) = driver.stats.failovers
-    assert event.failed_peer == "peer-b" and event.position == len(PROMPT) + KILL_AT
+    # Pushed, the entry may notice B's death before or after it takes the token B's step carried
+    # (two threads of the in-memory transport): the failover is at that step or the one before,
+    # and either way the tokens are exact (above).
+    assert event.failed_peer == "peer-b"
+    assert event.position in ((len(PROMPT) + KILL_AT,) if topology == "star" else
+                              (len(PROMPT) + KILL_AT - 1, len(PROMPT) + KILL_AT))
     assert driver.stats.routes[-1].peers == ("peer-a", "peer-r", "peer-c")
     assert 1 in event.reprefilled                              # the refill was re-prefilled from the history
     assert shards.idle("peer-a", "peer-c", "peer-r")
