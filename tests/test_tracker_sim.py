@@ -203,3 +203,71 @@ def test_after_a_node_dies_the_tracker_shifts_a_chain_of_ranges_to_take_in_a_sma
     assert sum(n.loads for n in nodes[2:]) > 2                     # someone shifted
     assert not sim.lost                                            # never a layer's last server
     assert sim.coverage().fully_covered
+
+
+@pytest.mark.parametrize("nodes,killed", [(12, 4), (8, 3)])
+def test_several_nodes_die_at_once_emptying_a_span_and_a_surviving_auto_node_moves_into_it(nodes, killed):
+    """``meshd bench churn`` on the fake clock: three fixed ranges (0:2, 2:4, 4:6) and auto nodes of two
+    layers each cover a 6-layer model several times over; ``killed`` machines vanish at once, every
+    server of one span among them (meshd/benchmarks/churn.py's ``choose_victims``). Nothing moves
+    before the dead records expire; then the tracker confirms the gap and moves a surviving auto node
+    into it, never dropping the last server of another layer, and the fixed ranges never reload."""
+    from meshd.benchmarks.churn import choose_victims, healed, movers
+
+    fp = ModelFootprint.uniform(DIGEST, 6, 100 << 20, head_extra_bytes=20 << 20, tail_extra_bytes=20 << 20,
+                                kv_bytes_per_token_layer=1 << 10)
+    kv = 1024
+    two = max(fp.range_bytes(s, s + 2, kv) for s in (0, 2, 4))   # two layers, wherever they are
+
+    def ads(viewer) -> list[dict]:
+        return [{"peer_id": a.peer_id, "start": a.start, "end": a.end} for a in sim_of[0].snapshot(viewer).ads]
+
+    sim_of: list[SimSwarm] = []
+
+    async def scenario(sim: SimSwarm):
+        sim_of.append(sim)
+        fixed = [sim.start(f"f{i}", layers=Span(2 * i, 2 * i + 2)) for i in range(3)]
+        autos = [sim.start(f"a{i}", memory=two) for i in range(nodes - 3)]
+        for node in (*fixed, *autos):
+            await sim.until(lambda node=node: node.serving, 120, f"{node.name} serving")
+        await sim.until(lambda: len(ads(fixed[0].peer_id)) == nodes and covered(sim), 60, "everyone seen")
+        await trio.sleep((GAP_CONFIRMATIONS + 2) * DUTY_REFRESH_S)   # settled: nothing pending
+        before = ads(fixed[0].peer_id)
+        loads = {n.name: n.loads for n in sim.nodes}
+        victims, gap = choose_victims(before, fixed[0].peer_id, [], killed)
+        doomed = [sim.by_peer[p] for p in victims]
+        killed_ms = sim.now_ms()
+        for node in doomed:
+            node.kill()
+        observer = next(n for n in sim.nodes if n.alive and n is not fixed[0])
+
+        def view():
+            v = ads(observer.peer_id)
+            counts = [sum(1 for a in v if a["start"] <= layer < a["end"]) for layer in range(6)]
+            return {"ads": v, "coverage": {"fully_covered": min(counts) > 0}}
+
+        await sim.until(lambda: not view()["coverage"]["fully_covered"], 60, "the gap seen")
+        gap_seen_s = (sim.now_ms() - killed_ms) / 1000
+        moved_early = {n.name for n in sim.nodes if n.alive and n.loads != loads[n.name]}
+        await sim.until(lambda: healed(view(), victims), 300, "coverage without the dead")
+        return (before, view()["ads"], gap, doomed, fixed, loads, gap_seen_s, moved_early,
+                (sim.now_ms() - killed_ms) / 1000, sim)
+
+    before, after, gap, doomed, fixed, loads, gap_seen_s, moved_early, healed_s, sim = run_sim(
+        scenario, fp, SimConfig(kv_budget_tokens=kv))
+    dead = {d.peer_id for d in doomed}
+    assert len(dead) == killed and all(a["start"] != 0 for a in before if a["peer_id"] in dead)   # entry stays
+    assert gap[1] - gap[0] == 2 and gap != (0, 2)
+    record_ttl_s = sim.config.record_ttl_ms / 1000
+    assert gap_seen_s <= record_ttl_s + 1                        # the dead records expired, no sooner
+    assert not moved_early                                       # nobody moved before the gap showed
+    moved = movers(before, after, gap)
+    assert moved, after
+    movers_nodes = [sim.by_peer[m["peer_id"]] for m in moved]
+    assert all(n.alive and n.role == "auto" and n.loads == loads[n.name] + 1 for n in movers_nodes)
+    assert all(m["to"] == list(gap) for m in moved)              # sized to the gap: two layers
+    assert all(n.loads == 1 for n in fixed if n.alive)           # fixed ranges never reload
+    assert not sim.lost                                          # never the last server of another layer
+    assert sim.coverage().fully_covered
+    # records expire, the gap is confirmed in GAP_CONFIRMATIONS refreshes, the mover loads: bounded
+    assert healed_s <= record_ttl_s + (GAP_CONFIRMATIONS + 2) * DUTY_REFRESH_S + sim.config.load_s + 2, healed_s

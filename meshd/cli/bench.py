@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "meshd.benchmarks.serve",
     "dht": "meshd.benchmarks.dht_sim",
     "pool": "meshd.benchmarks.pool",
+    "churn": "meshd.benchmarks.churn",
 }
 # Benchmarks that honour --model / --layers / --backend.
 MODEL_OPTIONS = ("swarm", "pipeline")
