@@ -15,9 +15,20 @@ subclasses it and owns three decisions:
   cap even when idle (the library only checks the deadline between reads).
   Unlike the library's loop it closes only its own two streams (the
   library's cleanup is keyed by peer id and can close a sibling circuit).
-* Counting: circuits opened/active/refused and bytes forwarded, read by
-  ``snapshot()`` for ``meshd status``. An optional ``tap`` sees every
-  forwarded chunk (tests use it to prove the relay carries only ciphertext).
+* Ending (``_Circuit``, ``_watch``): a circuit is one object owned by its
+  CONNECT handler; both copy directions run in cancel scopes it holds, and
+  whatever ends the circuit -- a reset or error in either direction, either
+  end's connection to the relay closing, or no byte in either direction for
+  ``circuit_idle_timeout_s`` -- cancels both at once. Waiting for the other
+  direction's read to notice is not enough: py-libp2p 0.8.1's yamux drops a
+  stream's wake-up event when the stream is reset locally, so a reader
+  blocked on it sleeps forever (a SIGKILLed client left its circuit, and its
+  per-source slot, pinned for good). The slot is freed as the handler
+  returns; every limit counts live circuits only.
+* Counting: circuits opened/active/closed (by reason)/refused and bytes
+  forwarded, read by ``snapshot()`` for ``meshd status``. An optional ``tap``
+  sees every forwarded chunk (tests use it to prove the relay carries only
+  ciphertext).
 
 What the relay sees is the Noise ciphertext of the two end peers: it never
 parses a frame.
@@ -53,6 +64,11 @@ CIRCUIT_MAX_BYTES = 16 * GIB
 # Four hours outlasts any generation; a dialer simply opens a new circuit
 # after it. It bounds how long a forgotten circuit pins a slot.
 CIRCUIT_MAX_DURATION_S = 4 * 3600
+# A live circuit is never silent for long: its two ends run yamux over it, and yamux pings
+# every 30 s each way (py-libp2p 0.8.1's RTT_MEASURE_INTERVAL; go-yamux's keep-alive is 30 s
+# too). No byte in either direction for four ping intervals means an end is gone without its
+# TCP connection closing (a machine asleep or unplugged): the slot is freed then.
+CIRCUIT_IDLE_TIMEOUT_S = 120.0
 # --- per peer ----------------------------------------------------------------
 # Circuits INTO one reserved peer: one per entry node routing through it; 16
 # concurrent routes through one home node is more than its compute can serve.
@@ -79,6 +95,7 @@ class HopLimits:
 
     circuit_max_bytes: int = CIRCUIT_MAX_BYTES
     circuit_max_duration_s: int = CIRCUIT_MAX_DURATION_S
+    circuit_idle_timeout_s: float = CIRCUIT_IDLE_TIMEOUT_S
     circuits_per_destination: int = CIRCUITS_PER_DESTINATION
     circuits_per_source: int = CIRCUITS_PER_SOURCE
     circuits_total: int = CIRCUITS_TOTAL
@@ -106,8 +123,32 @@ class RelayCounters:
 
     circuits_opened: int = 0
     circuits_active: int = 0
+    circuits_closed: int = 0
     bytes_forwarded: int = 0
     refused: Counter = field(default_factory=Counter)  # status name -> count
+    closed_by: Counter = field(default_factory=Counter)  # end reason -> count
+
+
+@dataclass(slots=True)
+class _Circuit:
+    """One admitted circuit, owned by its CONNECT handler.
+
+    ``streams`` is (source side, destination side) once the library's STOP handshake has
+    succeeded and forwarding starts; ``end`` records the first reason and cancels both
+    directions' scopes (registered in ``scopes``)."""
+
+    source_stream: object
+    last_active: float
+    streams: tuple = ()
+    started: trio.Event = field(default_factory=trio.Event)
+    scopes: list = field(default_factory=list)
+    reason: str = ""
+
+    def end(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+        for scope in self.scopes:
+            scope.cancel()
 
 
 def admit(limits: HopLimits, *, dest_reserved: bool, dest_circuits: int, source_circuits: int,
@@ -131,6 +172,7 @@ class HopService(CircuitV2Protocol):
         self.counters = RelayCounters()
         self._by_source: Counter = Counter()   # admitted circuits per source peer
         self._by_dest: Counter = Counter()     # admitted circuits per destination peer
+        self._circuits: dict[int, _Circuit] = {}   # id(source stream) -> its live circuit
         self._tap = tap
 
     # ---------------------------------------------------------------- admission
@@ -155,27 +197,69 @@ class HopService(CircuitV2Protocol):
         self._by_dest[dest] += 1
         self.counters.circuits_active += 1
         self.counters.circuits_opened += 1
+        circuit = _Circuit(source_stream=stream, last_active=trio.current_time())
+        self._circuits[id(stream)] = circuit
         try:
-            await super()._handle_connect(stream, msg)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch, circuit)
+                try:
+                    await super()._handle_connect(stream, msg)
+                finally:
+                    nursery.cancel_scope.cancel()
         finally:
+            del self._circuits[id(stream)]
             self.counters.circuits_active -= 1
+            self.counters.circuits_closed += 1
+            self.counters.closed_by[circuit.reason or "not established"] += 1
             for counter, key in ((self._by_source, source), (self._by_dest, dest)):
                 counter[key] -= 1
                 if counter[key] <= 0:
                     del counter[key]
 
+    async def _watch(self, circuit: _Circuit) -> None:
+        """End ``circuit`` when either end's connection to the relay closes or it goes idle."""
+        await circuit.started.wait()
+        async with trio.open_nursery() as nursery:
+            async def on_close(event, side: str) -> None:
+                await event.wait()
+                circuit.end(f"{side} connection closed")
+                nursery.cancel_scope.cancel()
+
+            for side, stream in zip(("source", "destination"), circuit.streams):
+                event = _closing_event(stream)
+                if event is not None:
+                    nursery.start_soon(on_close, event, side)
+            idle_s = self.hop_limits.circuit_idle_timeout_s
+            while True:   # each wake re-reads last_active: traffic moved the deadline on
+                idle_deadline = circuit.last_active + idle_s
+                if trio.current_time() >= idle_deadline:
+                    break
+                await trio.sleep_until(idle_deadline)
+            circuit.end("idle")
+            nursery.cancel_scope.cancel()
+
     # --------------------------------------------------------------- forwarding
 
     async def _relay_data(self, src_stream, dst_stream, peer_id, deadline=None,
                           circuit_data_limit=None) -> None:
-        """Copy one direction until EOF, a limit, or the circuit deadline."""
+        """Copy one direction until EOF, a limit, the circuit deadline, or the circuit's end."""
+        circuit = self._circuits.get(id(src_stream)) or self._circuits.get(id(dst_stream))
+        if circuit is None:   # not admitted through _handle_connect (no such caller in the library)
+            circuit = _Circuit(source_stream=src_stream, last_active=trio.current_time())
+        if not circuit.streams:
+            circuit.streams = (src_stream, dst_stream)
+            circuit.started.set()
         reason = "eof"
         with trio.move_on_at(_trio_deadline(deadline)) as scope:
+            circuit.scopes.append(scope)
+            if circuit.reason:
+                scope.cancel()
             try:
                 while True:
                     data = await src_stream.read(MAX_READ_LEN)
                     if not data:
                         break
+                    circuit.last_active = trio.current_time()
                     if circuit_data_limit is not None:
                         if len(data) > circuit_data_limit[0]:
                             reason = "byte cap"
@@ -189,7 +273,9 @@ class HopService(CircuitV2Protocol):
             except Exception as exc:  # noqa: BLE001 - reset, closed or slow peer: this circuit ends
                 reason = type(exc).__name__
         if scope.cancelled_caught:
-            reason = "duration cap"
+            reason = circuit.reason or "duration cap"
+        if reason != "eof":
+            circuit.end(reason)   # the other direction's read may never wake by itself (docstring)
         log.debug("circuit direction from %s ends: %s", peer_id, reason)
         try:
             if reason == "eof":
@@ -210,10 +296,24 @@ class HopService(CircuitV2Protocol):
             "reservations_active": len(self.resource_manager._reservations),
             "circuits_active": self.counters.circuits_active,
             "circuits_opened": self.counters.circuits_opened,
+            "circuits_closed": self.counters.circuits_closed,
+            "circuits_closed_by": dict(self.counters.closed_by),
             "circuits_refused": dict(self.counters.refused),
             "bytes_forwarded": self.counters.bytes_forwarded,
             "limits": {name: getattr(self.hop_limits, name) for name in HopLimits.__slots__},
         }
+
+
+def _closing_event(stream) -> trio.Event | None:
+    """The event py-libp2p's yamux sets when the stream's connection starts closing (a GO_AWAY,
+    a local close, or a read error such as the TCP close of a crashed peer); None for a muxer
+    without one (the idle deadline still ends such a circuit)."""
+    conn = getattr(stream, "muxed_conn", None)
+    for name in ("event_shutting_down", "event_closed"):
+        event = getattr(conn, name, None)
+        if isinstance(event, trio.Event):
+            return event
+    return None
 
 
 def _trio_deadline(monotonic_deadline: float | None) -> float:

@@ -129,3 +129,17 @@ def relay_process(data_dir, listen="/ip4/127.0.0.1/tcp/0", extra=(), netns=None,
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def crash_connections(host) -> None:
+    """Close every TCP socket under ``host``'s connections at once, as the kernel does for a
+    SIGKILLed process: the peers see the TCP close with no yamux GO_AWAY and no stream reset.
+    (A relayed connection has no socket of its own: it dies with the TCP one to its relay.)"""
+    for conns in list(host.get_network().connections.values()):
+        for conn in conns if isinstance(conns, (list, tuple)) else [conns]:
+            layer = conn.muxed_conn.secured_conn
+            # Noise session -> Noise transport -> packet reader -> raw connection -> TCP stream -> trio socket
+            for attr in ("conn", "read_writer", "read_write_closer", "stream", "stream"):
+                layer = getattr(layer, attr, None)
+            if layer is not None and hasattr(layer, "socket"):
+                layer.socket.close()

@@ -12,6 +12,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from relay.client import dial_relayed, relayed_addrs, reserve, stop_service
 from relay.transport import RelayedSessionServer, open_session_channel
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, new_host, relay_process, subprocess_env
+from tests.conftest import wait_until
 
 
 def status(data_dir) -> dict:
@@ -51,6 +52,18 @@ def test_meshd_relay_relays_and_counts(tmp_path):
                                   "dht_inbound_handlers": True, "dht_maintenance": True}, s["libp2p"]
                 finally:
                     server.close()
+                for host in (dialer, home):     # host.run leaves connections open (dht/host/build.py)
+                    await host.get_network().close()
+            # both ends stopped: the relay's circuit ends with them and status says so
+            def released() -> bool:
+                r = status(tmp_path / "relay")["relay"]
+                return r["circuits_active"] == 0 and r["circuits_closed"] == 1
+
+            await wait_until(lambda: trio.to_thread.run_sync(released), 30, "the relay releasing the circuit")
+            text = await trio.to_thread.run_sync(lambda: subprocess.run(
+                [sys.executable, "-m", "meshd", "status", "--data-dir", str(tmp_path / "relay")],
+                env=subprocess_env(), capture_output=True, text=True, timeout=60).stdout)
+            assert "0 active" in text and "1 opened, 1 closed (" in text, text
 
         trio.run(main)
     human = subprocess.run([sys.executable, "-m", "meshd", "status", "--data-dir", str(tmp_path / "relay")],

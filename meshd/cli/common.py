@@ -16,16 +16,28 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
                         help="identity, TLS key, control socket (default ~/.local/share/meshd)")
 
 
-def setup_logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # py-libp2p logs every refused dial and reset stream at WARNING/ERROR; those
-    # are expected events for a daemon, not news for its user. Importing libp2p
-    # resets its logger (level WARNING, no propagation), so call this again
-    # after the import.
+def setup_logging(verbosity: int) -> None:
+    """Log to stderr: WARNING by default; ``-v`` adds our INFO and py-libp2p's warnings;
+    ``-vv`` adds DEBUG, py-libp2p's INFO and DEBUG included. Repeats are rate-limited and empty
+    reasons filled in by one filter on the one handler (meshd/cli/logfilter.py). Idempotent."""
+    from meshd.cli.logfilter import RepeatFilter
+
+    verbosity = int(verbosity)
+    level = logging.WARNING if verbosity <= 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    root.setLevel(level)
+    for handler in root.handlers:
+        if not any(isinstance(f, RepeatFilter) for f in handler.filters):
+            handler.addFilter(RepeatFilter())
+    # py-libp2p logs every refused dial and reset stream at WARNING/ERROR; those are expected
+    # events for a daemon, not news for its user, and its INFO/DEBUG is a firehose. Importing
+    # libp2p resets its logger (level WARNING, no propagation), so call this again after the import.
     libp2p_logger = logging.getLogger("libp2p")
-    libp2p_logger.setLevel(logging.INFO if verbose else logging.CRITICAL)
-    libp2p_logger.propagate = verbose
+    libp2p_logger.setLevel(logging.CRITICAL if verbosity <= 0 else logging.WARNING if verbosity == 1
+                           else logging.DEBUG)
+    libp2p_logger.propagate = verbosity > 0
 
 
 def first_meshd_error(exc: BaseException) -> MeshdError | None:

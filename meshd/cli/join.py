@@ -65,7 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the fallback)")
     parser.add_argument("--threads", type=int,
                         help="the worker's compute threads (default: every core of this machine)")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log the libp2p and DHT details")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="-v: our INFO and the libraries' warnings (repeats rate-limited); "
+                             "-vv: DEBUG, py-libp2p's included")
     add_config_arguments(parser)
 
 

@@ -17,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our relay record, seconds")
     parser.add_argument("--no-dht", action="store_true", help="relay only; do not serve the DHT")
     parser.add_argument("--ready-file", help="write {peer_id, addrs} as JSON here once serving")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log the libp2p and relay details")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="-v: our INFO and the libraries' warnings (repeats rate-limited); "
+                             "-vv: DEBUG, py-libp2p's included")
     add_config_arguments(parser)
 
 
@@ -37,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
 
         from meshd.config import load_config
         from meshd.daemon.relay_mode import run_relay
+
+        setup_logging(args.verbose)  # again: importing libp2p reset its logger
 
         config = load_config(args.config, {
             "data_dir": args.data_dir, "listen": tuple(args.listen) if args.listen else None,

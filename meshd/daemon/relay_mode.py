@@ -61,12 +61,13 @@ def render_relay_status(s: dict) -> str:
     """Human view of a relay's status reply (``meshd status`` against a relay)."""
     r = s["relay"]
     refused = ", ".join(f"{k} {v}" for k, v in sorted(r["circuits_refused"].items())) or "none"
+    closed = ", ".join(f"{k} {v}" for k, v in sorted(r.get("circuits_closed_by", {}).items())) or "none"
     lines = [f"relay {s['peer_id']}", "  addrs: " + " ".join(s["addrs"]),
              f"  peers connected: {r['peers_connected']}   DHT routing table: {s['dht_routing_table']}"
              + (f"   swarm: {s['swarm']['name']}" if s.get("swarm") else ""),
              f"  reservations: {r['reservations_active']} / {r['limits']['reservations_total']}",
              f"  circuits: {r['circuits_active']} active / {r['limits']['circuits_total']}, "
-             f"{r['circuits_opened']} opened, refused: {refused}",
+             f"{r['circuits_opened']} opened, {r.get('circuits_closed', 0)} closed ({closed}), refused: {refused}",
              f"  bytes forwarded: {r['bytes_forwarded']}"]
     announced = s.get("announced")
     lines.append(f"  DHT relay record: seq {announced['sequence']}, {announced['acks']} remote stores acked"
