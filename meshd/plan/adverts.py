@@ -121,6 +121,11 @@ class ShardAd:
     # Others can dial it directly: its signed record lists direct addresses (a node
     # behind NAT lists none, only relayed ones). Tracker duty needs it (tracker.py).
     dialable: bool = True
+    # The layers whose weights it serves to fetching peers (held_end 0: only its range, if it
+    # has a fetch port at all -- ``fetchable``). The tracker prefers ranges many peers hold.
+    held_start: int = 0
+    held_end: int = 0
+    fetchable: bool = False
 
     def __post_init__(self) -> None:
         _check_id(self.peer_id, "peer_id", MAX_PEER_ID_LEN)
@@ -144,6 +149,11 @@ class ShardAd:
                                  f"{MAX_ENDPOINT_LEN} characters")
         if self.recipe_digest:
             _check_id(self.recipe_digest, "recipe_digest", MAX_DIGEST_LEN)
+        if self.held_end:
+            _check_int(self.held_start, "held_start", 0, self.held_end - 1)
+            _check_int(self.held_end, "held_end", 1, self.num_layers)
+        if not isinstance(self.fetchable, bool):
+            raise PlanInputError(f"fetchable must be a bool, got {self.fetchable!r}")
 
     @property
     def span(self) -> Span:
@@ -152,6 +162,13 @@ class ShardAd:
     @property
     def layers(self) -> int:
         return self.end - self.start
+
+    @property
+    def held(self) -> Span | None:
+        """The layers peers can fetch from it (None: it has no fetch port)."""
+        if not self.fetchable:
+            return None
+        return Span(self.held_start, self.held_end) if self.held_end else self.span
 
     def serves(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -198,6 +215,9 @@ class ShardAd:
                 grpc_endpoint=reach.grpc_endpoint,
                 recipe_digest=payload.runtime_recipe_digest,
                 dialable=bool(reach.direct_addrs),
+                held_start=payload.held_start,
+                held_end=payload.held_end,
+                fetchable=bool(reach.fetch_endpoint),
             )
         except PlanInputError as exc:
             raise AdvertRejected(f"capability advert from {payload.peer_id!r}: {exc}") from exc
