@@ -48,7 +48,7 @@ import trio
 
 from meshd.daemon.worker_slot import WorkerSlot
 from meshd.generate.routes import LoadBook
-from meshd.plan.adverts import CoverageMap, Span
+from meshd.plan.adverts import CoverageMap, Span, holder_counts
 from meshd.plan.assignment import JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
@@ -246,14 +246,17 @@ class Swarm:
     async def _join(self, snap: SwarmSnapshot, now: int) -> None:
         tracker = self.duty.tracker(snap, now)
         me = self.node.identity.peer_id
-        request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget, self.held)
+        prefer = self.node.fetch.prefer() if self.by_root else None
+        request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget, self.held,
+                              Span(*prefer) if prefer else None)
         if tracker is None and self.config.bootstrap and time.monotonic() - self.started < NO_TRACKER_GRACE_S:
             self._note_join("waiting for the swarm's records to name a tracker before planning our own range")
             return
         if tracker is None or tracker == me:
             empty = CoverageMap.build(snap.ads, model_digest=self.digest, num_layers=self.num_layers)
             try:
-                plan = plan_join(empty, self.duty.footprint, request)
+                plan = plan_join(empty, self.duty.footprint, request,
+                                 holders=holder_counts(snap.ads, self.num_layers))
             except PlanningError as exc:
                 self._note_join(f"cannot plan a range: {exc}")
                 return
@@ -261,7 +264,6 @@ class Swarm:
                                f"({format_size(plan.needed_bytes)} of {format_size(request.memory_bytes)})")
             await self.slot.load((plan.span.start, plan.span.end))
             return
-        prefer = self.node.fetch.prefer() if self.by_root else None
         ask = pb.JoinAsk(schema_version=pb.SCHEMA_VERSION_1, model_artifact_digest=self.digest,
                          memory_budget_bytes=request.memory_bytes, kv_budget_tokens=self.kv_budget,
                          held_start=self.held.start if self.held else 0, held_end=self.held.end if self.held else 0,

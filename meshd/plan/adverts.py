@@ -316,3 +316,16 @@ class CoverageMap:
         """The map as it would be if ``peer_id`` stopped serving."""
         return CoverageMap(self.model_digest, self.num_layers,
                            tuple(tuple(p for p in s if p != peer_id) for s in self.servers))
+
+
+def holder_counts(ads: Iterable[ShardAd], num_layers: int) -> tuple[int, ...]:
+    """Per layer, how many peers serve its weights on a fetch port (``ShardAd.held``): where a
+    node that must fetch its range gets its bytes fastest."""
+    counts = [0] * num_layers
+    for ad in ads:
+        held = ad.held
+        if held is None or ad.num_layers != num_layers:
+            continue
+        for layer in range(held.start, min(held.end, num_layers)):
+            counts[layer] += 1
+    return tuple(counts)

@@ -9,6 +9,8 @@ among the layer-0 servers). Only the node that finds itself on duty acts:
 * answers ``/meshd/join/1`` asks: ``plan_join`` over the coverage map plus
   the assignments it issued that are still loading (``pending``), inside the
   layers the asker holds (``JoinAsk.held_start/held_end``: a GGUF slice),
+  preferring what it holds unbound (``prefer_*``: fetched before) and then
+  the layers most peers serve on a fetch port,
   signs a LOAD_SHARD directive for the asker and returns it (meshd/swarm/wire.py);
 * while the model has a gap confirmed by ``GAP_CONFIRMATIONS`` refreshes in
   a row and nothing is still loading, ``plan_rebalance`` moves at most one
@@ -29,7 +31,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-from meshd.plan.adverts import CoverageMap, ShardAd, Span
+from meshd.plan.adverts import CoverageMap, ShardAd, Span, holder_counts
 from meshd.plan.assignment import DirectiveIntent, JoinRequest, ModelFootprint, plan_join, plan_rebalance
 from meshd.plan.directives import build_directive
 from meshd.plan.errors import NoFitError, PlanInputError
@@ -113,8 +115,10 @@ class TrackerDuty:
         current = next((a.span for a in live if a.peer_id == peer_id), None)
         try:
             held = Span(int(ask.held_start), int(ask.held_end)) if ask.held_end else None
+            prefer = Span(int(ask.prefer_start), int(ask.prefer_end)) if ask.prefer_end else None
             plan = plan_join(coverage, self.footprint, JoinRequest(
-                peer_id, int(ask.memory_budget_bytes), int(ask.kv_budget_tokens or self.kv_budget_tokens), held))
+                peer_id, int(ask.memory_budget_bytes), int(ask.kv_budget_tokens or self.kv_budget_tokens), held,
+                prefer), holders=holder_counts(live, self.footprint.num_layers))
         except (NoFitError, PlanInputError) as exc:
             return pb.JoinReply(refusal=str(exc))
         load = next(i for i in plan.intents if i.action == pb.DIRECTIVE_ACTION_LOAD_SHARD) if plan.intents else None
