@@ -277,11 +277,12 @@ class FetchPart:
                 continue
             p = fetch.progress()
             active = [k[:8] for k, v in p["peers"].items() if v["state"] == "fetching"]
+            known = len(p["peers"])
             eta = f", ETA {p['eta_s']:.0f} s" if p["eta_s"] is not None else ""
             waiting = " (waiting for a provider)" if p["stuck"] or not p["peers"] else ""
             self.node.progress(f"fetch {p['label']}: {p['bytes_done'] / 1e6:.1f} of {p['bytes_total'] / 1e6:.1f} MB "
                                f"({p['bytes_done'] * 100 // max(1, p['bytes_total'])}%), {p['rate_mb_s']} MB/s{eta}, "
-                               f"peers {len(active)}: {' '.join(active)}{waiting}")
+                               f"peers {len(active)} of {known}: {' '.join(active)}{waiting}")
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict:

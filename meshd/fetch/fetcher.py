@@ -82,7 +82,7 @@ class MemorySink:
 class _Peer:
     provider: Provider
     thread: threading.Thread | None = None
-    received: int = 0
+    link: object = None
     state: str = "starting"
     detail: str = ""
 
@@ -168,7 +168,7 @@ class Fetch:
 
     def _loop(self, peer: _Peer) -> None:
         p = peer.provider
-        link = p.connect()
+        link = peer.link = p.connect()
         pending: deque[Run] = deque()
         sent = 0
         try:
@@ -235,7 +235,6 @@ class Fetch:
         for chunk, data in link.receive(run, m):
             if self.stop.is_set():
                 raise LinkError("stopped")
-            peer.received += len(data)
             if not m.chunk_ok(run.entry, chunk, data):
                 with self.cond:
                     self.sched.chunk_bad(p.peer, run.entry, chunk)
@@ -274,6 +273,6 @@ class Fetch:
             }
 
     def received_bytes(self) -> int:
-        """Bytes of chunk data read from peers (remote links; what crossed the network)."""
+        """Bytes read from peers' links (reply heads and chunks: what crossed the network)."""
         with self.cond:
-            return sum(p.received for p in self.peers.values() if not p.provider.local)
+            return sum(getattr(p.link, "received", 0) for p in self.peers.values() if not p.provider.local)

@@ -121,7 +121,11 @@ def source_of_path(path: Path, progress=None) -> Source:
             locations[manifest.index(f.path)] = (k, 0)
     del index
     held = held_layers(path)
-    return Source(manifest, maps, locations, held=(held[0], held[1]) if held else None, label=path.name)
+    if held is None:    # a whole directory holds every layer
+        from meshd.plan.modelinfo import model_num_layers
+
+        held = (0, model_num_layers(path), 0)
+    return Source(manifest, maps, locations, held=(held[0], held[1]), label=path.name)
 
 
 def part_source(target, meta: dict[int, bytes]) -> Source:

@@ -9,20 +9,22 @@ Layout under ``<data dir>/models/<first 32 hex of the root>/``::
     layers-A-B/                  a finished partial safetensors directory (shard/model/st_manifest.py)
     layers-A-B.gguf.part         ... while it is fetched: the final layout, header written,
     layers-A-B.part/             tensor bytes filled in chunk by chunk at their final offsets
-    layers-A-B.bitmap            which chunks of the part are verified (survives a restart)
+    layers-A-B.bitmap            which chunks of the part are verified: a log (survives a restart)
 
 A ``Target`` is one slice being written. Its layout is fixed before the first
 chunk arrives (``native.slice.plan_slice`` / ``st_manifest.plan_partial``), so
 each verified chunk is written once, straight to where it stays (the part is
-sparse: only written chunks take disk). The bitmap is rewritten (a temporary
-file, then ``os.replace``: a kill leaves the old or the new one, never half)
-at most once per ``PERSIST_INTERVAL_S``, after the chunks it marks were
-written. It is not fsynced, nor is the part while chunks arrive (a flush per
-second would halve the fetch on a slow disk): after a power cut a bit may be
-ahead of its bytes, so on a restart every marked chunk is read back and
-checked again before it counts -- a torn write costs a re-fetch, never a bad
-byte. Finishing fsyncs, renames the part into place and writes the markers;
-the slice is then checked once more as the worker will check it.
+sparse: only written chunks take disk). The bitmap is a log: a header line
+naming the part (root, range, layout), then one u32 chunk index appended per
+chunk once its bytes were written -- one small ``write`` per MiB, so a kill
+at any moment loses no verified chunk (both writes are in the page cache
+before the chunk counts). Neither file is fsynced while chunks arrive (a
+flush per chunk would halve the fetch on a slow disk): after a power cut an
+index may be ahead of its bytes, so on a restart every logged chunk is read
+back and checked again before it counts -- a torn write costs a re-fetch,
+never a bad byte. The log is rewritten compactly on every open. Finishing
+fsyncs, renames the part into place and writes the markers; the slice is then
+checked once more as the worker will check it.
 
 State: the files above. Owned by the daemon's fetch part; one target is
 written by one fetch at a time.
@@ -32,8 +34,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +47,7 @@ from shard.model.manifest import BLOB, KIND_GGUF, Manifest, parse_root
 
 __all__ = ["ModelStore", "Target", "Dest", "store_root"]
 
-# A bitmap is written at most this often while chunks arrive (and at the end): a kill loses
-# at most this much work, and the flushes cost nothing next to the transfer.
-PERSIST_INTERVAL_S = 1.0
+_INDEX = struct.Struct("<I")
 # The blamed list: one line per peer; a few hundred peers at most matter.
 MAX_BLAMED = 1024
 MAX_BLAMED_BYTES = 1 << 20
@@ -183,15 +183,15 @@ class ModelStore:
 
 
 class Target:
-    """One slice being written: its files (in the store), the chunk destinations, the bitmap.
+    """One slice being written: its files (in the store), the chunk destinations, the bitmap log.
 
     ``files``: (relative path, header bytes, final size) of every file of the part; GGUF has one,
     a safetensors part one per source safetensors file. ``dests``: entry index -> Dest.
-    ``wanted``: every (entry, chunk) the slice holds, in file order (the bitmap's bit order)."""
+    ``wanted``: every (entry, chunk) the slice holds, in file order (the log's indices)."""
 
     def __init__(self, store: ModelStore, manifest: Manifest, layer_range: LayerRange,
                  files: Sequence[tuple[str, bytes, int]], dests: dict[int, Dest], wanted: list[tuple[int, int]],
-                 *, finish_extra=None, clock=time.monotonic) -> None:
+                 *, finish_extra=None) -> None:
         self.store, self.manifest, self.range = store, manifest, layer_range
         self.name = store.name(manifest, layer_range)
         self.final = store.dir / self.name
@@ -200,35 +200,41 @@ class Target:
         self.bitmap_path = store.dir / f"layers-{layer_range.start}-{layer_range.end}.bitmap"
         self.files, self.dests, self.wanted = list(files), dests, wanted
         self.finish_extra = finish_extra   # safetensors: writes the blobs and markers into the part dir
-        self.clock = clock
         self.fds: list[int] = []
+        self.log_fd: int | None = None
         self.bits = bytearray((len(wanted) + 7) // 8)
         self.index = {key: i for i, key in enumerate(wanted)}
-        self._dirty, self._last_persist = False, 0.0
         self.rechecked_bad = 0
 
     def path_of(self, i: int) -> Path:
         return self.part if self.single else self.part / self.files[i][0]
 
     # ------------------------------------------------------------------ open / resume
-    def _bitmap_header(self) -> bytes:
+    def _log_header(self) -> bytes:
         return json.dumps({"root": self.manifest.root, "start": self.range.start, "end": self.range.end,
                            "chunks": len(self.wanted), "files": [[f, len(h), s] for f, h, s in self.files]}
                           ).encode() + b"\n"
+
+    def _read_log(self, header: bytes) -> bool:
+        """Set the bits the log names; False when there is no log for exactly this part."""
+        try:
+            raw = self.bitmap_path.read_bytes()
+        except OSError:
+            return False
+        if not raw.startswith(header):
+            return False
+        body = raw[len(header):]
+        for (i,) in _INDEX.iter_unpack(body[:len(body) - len(body) % _INDEX.size]):   # a torn last index: ignored
+            if i < len(self.wanted):
+                self.bits[i // 8] |= 1 << (i % 8)
+        return True
 
     def open(self) -> list[tuple[int, int]]:
         """Create the part (or reopen it) and return the chunks already verified on disk."""
         if not self.single:
             self.part.mkdir(parents=True, exist_ok=True)
-        header = self._bitmap_header()
-        resumed = False
-        try:
-            raw = self.bitmap_path.read_bytes()
-            if raw.startswith(header) and len(raw) == len(header) + len(self.bits):
-                self.bits[:] = raw[len(header):]
-                resumed = True
-        except OSError:
-            pass
+        header = self._log_header()
+        resumed = self._read_log(header)
         for i, (_, head, size) in enumerate(self.files):
             path = self.path_of(i)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,12 +246,14 @@ class Target:
                 self.bits[:] = bytes(len(self.bits))
                 resumed = False
             os.pwrite(fd, head, 0)
-        if not resumed:
-            self._persist(force=True)
-        return self._recheck()
+        good = self._recheck()
+        # a compact log of what counts now, then appends
+        _replace(self.bitmap_path, header + b"".join(_INDEX.pack(self.index[k]) for k in good))
+        self.log_fd = os.open(self.bitmap_path, os.O_WRONLY | os.O_APPEND)
+        return good
 
     def _recheck(self) -> list[tuple[int, int]]:
-        """The chunks marked verified whose bytes on disk still match (a bit never vouches alone)."""
+        """The chunks the log names whose bytes on disk still match (an index never vouches alone)."""
         good = []
         for i, key in enumerate(self.wanted):
             if not self.bits[i // 8] >> (i % 8) & 1:
@@ -255,8 +263,6 @@ class Target:
             else:
                 self.bits[i // 8] &= ~(1 << (i % 8)) & 0xFF
                 self.rechecked_bad += 1
-        if self.rechecked_bad:
-            self._persist(force=True)
         return good
 
     # ------------------------------------------------------------------ chunks
@@ -278,40 +284,30 @@ class Target:
         os.pwrite(fd, data, at)
 
     def mark(self, entry: int, chunk: int) -> None:
-        """Count a chunk that was ``put`` (one caller at a time: the fetch's lock)."""
+        """Count a chunk that was ``put``: its bit, and its index appended to the log (one caller at
+        a time: the fetch's lock)."""
         i = self.index[(entry, chunk)]
         self.bits[i // 8] |= 1 << (i % 8)
-        self._dirty = True
-        self._persist(force=False)
+        if self.log_fd is not None:
+            os.write(self.log_fd, _INDEX.pack(i))
 
     def verified(self, entry: int, chunk: int) -> bool:
         i = self.index.get((entry, chunk))
         return i is not None and bool(self.bits[i // 8] >> (i % 8) & 1)
 
-    def _persist(self, *, force: bool) -> None:
-        now = self.clock()
-        if not force and (not self._dirty or now - self._last_persist < PERSIST_INTERVAL_S):
-            return
-        _replace(self.bitmap_path, self._bitmap_header() + bytes(self.bits))
-        self._dirty, self._last_persist = False, now
-
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        try:
-            if self.fds and self._dirty:
-                self._persist(force=True)
-        finally:
-            for fd in self.fds:
-                os.close(fd)
-            self.fds.clear()
-
-    def finish(self) -> Path:
-        """Flush, move the part into place, drop the bitmap; returns the finished slice's path."""
-        for fd in self.fds:
-            os.fsync(fd)
-        for fd in self.fds:
+        """Close the part's files, keeping the part and its log for the next run."""
+        for fd in self.fds + ([self.log_fd] if self.log_fd is not None else []):
             os.close(fd)
         self.fds.clear()
+        self.log_fd = None
+
+    def finish(self) -> Path:
+        """Flush, move the part into place, drop the log; returns the finished slice's path."""
+        for fd in self.fds:
+            os.fsync(fd)
+        self.close()
         if self.finish_extra is not None:
             self.finish_extra(self.part)
         if self.final.exists():   # a leftover of an older run: replaced
