@@ -24,6 +24,7 @@ BENCHMARKS: dict[str, str] = {
     "api": "meshd.benchmarks.api",
     "serve": "meshd.benchmarks.serve",
     "dht": "meshd.benchmarks.dht_sim",
+    "fetch": "meshd.benchmarks.fetch",
 }
 # Benchmarks that honour --model / --layers / --backend.
 MODEL_OPTIONS = ("swarm", "pipeline")
