@@ -5,7 +5,9 @@ In one run, on loopback, with every party a process of its own:
 * ``floor``: a raw TLS socket stream of exactly the range's tensor bytes, from
   a sender process (the same file's bytes, memory-mapped) to this process,
   which only reads them -- no protocol, no hashing, no disk. Run before and
-  after the fetches; the faster of the two is the floor.
+  after the fetches; the faster of the two is the floor. Its sending thread
+  runs at the fetch port's priority (nice 19, as every upload thread of a
+  provider does), so the machine's other load slows both senders alike.
 * ``fetch_1`` / ``fetch_2``: the product's fetch (meshd/fetch/flow.py:
   RangeFetch into a fresh store) of the same range from one, then two
   provider processes (meshd/fetch/server.py over the whole file, unlimited
@@ -104,7 +106,7 @@ def serve(model: str, cert: str, key: str, port_file: str) -> None:
 
 def stream(model: str, start: str, end: str, cert: str, key: str, port_file: str) -> None:
     """The floor's sender: the range's tensor bytes, back to back, over one TLS connection."""
-    from meshd.fetch.server import server_context
+    from meshd.fetch.server import lower_priority, server_context
     from native.gguf_manifest import range_names
     from native.gguf_range import model_info, open_reader
     from shard.model.backend import LayerRange
@@ -120,6 +122,7 @@ def stream(model: str, start: str, end: str, cert: str, key: str, port_file: str
     Path(port_file).write_text(str(ls.getsockname()[1]))
     with open(model, "rb") as fh:
         view = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
+    lower_priority()
     while True:
         conn, _ = ls.accept()
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)

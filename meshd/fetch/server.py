@@ -44,7 +44,7 @@ from proto.errors import ProtocolError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChunkServer", "RateLimit", "MAX_CONNECTIONS", "UPLOAD_NICE"]
+__all__ = ["ChunkServer", "RateLimit", "MAX_CONNECTIONS", "UPLOAD_NICE", "lower_priority", "server_context"]
 
 # Peers fetching from us at once: a home swarm has a handful of joiners at a time, and each
 # connection holds a thread.
@@ -90,7 +90,7 @@ class RateLimit:
             self.sleep(min(wait, 0.5))
 
 
-def _lower_priority() -> None:
+def lower_priority() -> None:
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UPLOAD_NICE)
     except (OSError, AttributeError):   # not Linux, or not allowed: the rate limit still holds
@@ -172,7 +172,7 @@ class ChunkServer:
 
     # ------------------------------------------------------------------ one connection
     def _serve(self, raw: socket.socket, addr) -> None:
-        _lower_priority()
+        lower_priority()
         me = id(threading.current_thread())
         sock = None
         try:
