@@ -20,8 +20,17 @@ Data flow:
   the one ``/meshd/relays/v1`` index (dht/relay_records.py).
 * ``publish_experts`` / ``fetch_experts``: the same for expert placement
   records under ``/meshd/experts/<digest>`` (dht/expert_records.py).
-* ``sync_peers()``: add every connected peer to the routing table; ``join()``:
-  that, then a lookup of our own id (after bootstrap).
+* ``sync_peers()``: add every connected peer that speaks our swarm's DHT
+  protocol to the routing table (``speaks_dht``: identify's list, else a
+  probe stream); ``join()``: that, then a lookup of our own id (after bootstrap).
+
+Swarm scope (dht/host/swarm_scope.py): the KadDHT serves, and our RPCs ask,
+on the swarm's protocol id ``/meshd/kad/<tag>/1.0.0`` -- the library's
+``/ipfs/kad/1.0.0`` handler is removed (host's public stream-handler API;
+``KadDHT.handle_stream`` does not look at the protocol id). A connected peer
+of another swarm (or another libp2p program) cannot answer our lookups nor
+store with us, and is kept out of our routing table and lookup seeds for
+FOREIGN_RECHECK_S after a check found it does not speak our protocol.
 * ``refresh()``: every REFRESH_INTERVAL_S at a random phase (``_maintain``, in
   place of the library's maintenance loop: see REFRESH_INTERVAL_S), lookups of
   our own id and of one random key, then the store's expiry sweep.
@@ -69,11 +78,14 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import trio
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.common import PROTOCOL_ID as LIBRARY_DHT_PROTOCOL
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.kad_dht.pb.kademlia_pb2 import Record
 from libp2p.tools.anyio_service import background_trio_service
@@ -84,6 +96,7 @@ from dht.compat.gate import gate, installed_version
 from dht.compat.registry import decide
 from dht.errors import RecordRejected
 from dht.expert_records import parse_expert_set_lenient
+from dht.host.swarm_scope import DEFAULT_SCOPE, SwarmScope
 from dht.lookup import K_CLOSEST, SEED_PEERS, Lookup
 from dht.peer_health import CLOSE, KEEP, PeerHealth
 from dht.records import (
@@ -159,6 +172,11 @@ PUT_RETRY_PAUSE_S = (0.05, 0.4)
 # no upstream issue found).
 REFRESH_INTERVAL_S = 600.0
 REFRESH_JITTER = (0.5, 1.5)
+# A connected peer found not to speak our swarm's DHT protocol (another swarm, another libp2p
+# program) stays out of the routing table and lookups this long before it is checked again
+# (a peer that restarted into our swarm is in again within that); at most MAX_FOREIGN remembered.
+FOREIGN_RECHECK_S = 60.0
+MAX_FOREIGN = 1024
 
 
 def widen_inbound_handlers(kad, version: str) -> str | None:
@@ -194,12 +212,20 @@ class LookupResult:
 
 
 class DhtNode:
-    def __init__(self, host, clock: Callable[[], int]) -> None:
+    def __init__(self, host, clock: Callable[[], int], scope: SwarmScope = DEFAULT_SCOPE) -> None:
         self.host = host
         self.clock = clock
+        self.scope = scope
+        self.protocol = TProtocol(scope.dht_protocol)
         self.records = RecordCache()     # records whose signatures this node checked (dht/records.py)
         self.kad = KadDHT(host, DHTMode.SERVER, validator=namespaced_validator(clock, self.records),
                           validator_changed=True, strict_validation=True)
+        # serve on our swarm's protocol, not the library's (see the module docstring)
+        host.remove_stream_handler(LIBRARY_DHT_PROTOCOL)
+        host.set_stream_handler(self.protocol, self.kad.handle_stream)
+        # connected peers found not to speak our DHT protocol -> when to check again (trio time)
+        self._foreign: OrderedDict = OrderedDict()
+        self.foreign_seen = 0
         self.kad.value_store = MergingValueStore(host, host.get_id(), clock, self.records)
         self.store: MergingValueStore = self.kad.value_store
         self.last_lookup: LookupResult | None = None
@@ -272,9 +298,54 @@ class DhtNode:
 
         self._upkeep.start_soon(insert)
 
+    def _is_foreign(self, peer) -> bool:
+        until = self._foreign.get(peer)
+        return until is not None and until > trio.current_time()
+
+    def foreign_peers(self) -> list[str]:
+        """Connected peers known not to speak our DHT protocol (``meshd status``)."""
+        return sorted(p.to_base58() for p in self.host.get_connected_peers() if self._is_foreign(p))
+
+    async def speaks_dht(self, peer) -> bool:
+        """Does the connected ``peer`` serve our swarm's DHT protocol? Yes when identify listed it;
+        else a probe stream decides (negotiated: yes, then reset; refused or silent: no, remembered
+        for FOREIGN_RECHECK_S)."""
+        if self._is_foreign(peer):
+            return False
+        try:
+            protocols = self.host.get_peerstore().get_protocols(peer)
+        except Exception:  # noqa: BLE001 - the library raises PeerStoreError for a peer it has no data on
+            protocols = []
+        if protocols and self.protocol in protocols:
+            return True
+        ok = False
+        with trio.move_on_after(DIAL_TIMEOUT_S):
+            try:
+                stream = await self.host.new_stream(peer, [self.protocol])
+            except Exception as exc:  # noqa: BLE001 - protocol refused (negotiation), connection gone
+                log.debug("%s does not speak %s: %s", peer, self.protocol, exc)
+            else:
+                ok = True
+                await rpc.reset_stream(stream, peer)
+        if ok:
+            self._foreign.pop(peer, None)
+            return True
+        if peer not in self._foreign:
+            self.foreign_seen += 1
+            log.info("peer %s does not speak our swarm's DHT protocol %s (another swarm, or not meshd): "
+                     "kept out of the routing table", peer, self.protocol)
+        self._foreign.pop(peer, None)
+        self._foreign[peer] = trio.current_time() + FOREIGN_RECHECK_S
+        while len(self._foreign) > MAX_FOREIGN:
+            self._foreign.popitem(last=False)
+        return False
+
     async def sync_peers(self) -> int:
+        """Add every connected peer that speaks our DHT protocol to the routing table."""
         added = 0
         for peer in self.host.get_connected_peers():
+            if not self.kad.routing_table.peer_in_table(peer) and not await self.speaks_dht(peer):
+                continue
             try:
                 if await self.kad.add_peer(peer, skip_server_mode_check=True):
                     added += 1
@@ -326,7 +397,7 @@ class DhtNode:
             stored = await self.put_remote(key, value, session)   # not ``acked += await``: that reads acked first
             acked += stored
 
-        async with rpc.Session(self.host) as session:   # the keys' lookups and PUTs share streams
+        async with rpc.Session(self.host, self.protocol) as session:   # the keys' lookups and PUTs share streams
             async with trio.open_nursery() as nursery:
                 for key, value in puts:
                     nursery.start_soon(one_key, key, value, session)
@@ -338,7 +409,7 @@ class DhtNode:
         The PUTs go over the streams the lookup's GET_VALUEs opened (``session``,
         one of its own when not given): the k closest were just asked."""
         if session is None:
-            async with rpc.Session(self.host) as own:
+            async with rpc.Session(self.host, self.protocol) as own:
                 return await self.put_remote(key, value, own)
         kb = key.encode()
         targets = (await self.lookup(kb, session=session)).closest
@@ -391,7 +462,7 @@ class DhtNode:
         start = trio.current_time()
         try:
             with trio.move_on_after(timer.timeout(misses)):
-                result = await call(self.host, peer, *args, session=session)
+                result = await call(self.host, peer, *args, session=session, protocol=self.protocol)
                 timer.observe(trio.current_time() - start)
                 self.rpc_counts["answered"] += 1
                 self.health.answered(peer)
@@ -428,10 +499,11 @@ class DhtNode:
                 log.debug("closing the connection to %s: %s", peer, exc)
 
     def _seeds(self, kb: bytes) -> list:
-        """A lookup's first candidates: the routing table's closest, then every connected peer."""
+        """A lookup's first candidates: the routing table's closest, then every connected peer
+        not known to be of another swarm."""
         found = list(self.kad.routing_table.find_local_closest_peers(kb, SEED_PEERS))
         for peer in self.host.get_connected_peers():
-            if peer not in found:
+            if peer not in found and not self._is_foreign(peer):
                 found.append(peer)
         return found
 

@@ -1,4 +1,4 @@
-"""meshd's two Kademlia RPCs (GET_VALUE, PUT_VALUE) over py-libp2p's /ipfs/kad/1.0.0, cancel-safe.
+"""meshd's two Kademlia RPCs (GET_VALUE, PUT_VALUE) over py-libp2p's Kademlia wire, cancel-safe.
 
 Why not the library's ``ValueStore._get_from_peer`` / ``_store_at_peer``:
 both end with ``finally: await stream.close()``. A caller's deadline
@@ -14,7 +14,9 @@ and the reset (or the close of a good one) runs shielded from the caller's
 cancellation, bounded by CLEANUP_S.
 
 Wire (the library's, unchanged): one varint-length-prefixed ``Message``
-each way; a request carries our signed peer record (``senderRecord``) as
+each way, on the swarm's protocol id (``/meshd/kad/<tag>/1.0.0``,
+dht/host/swarm_scope.py; ``protocol``, the default swarm's when not given) in
+place of the library's ``/ipfs/kad/1.0.0``; a request carries our signed peer record (``senderRecord``) as
 the library's client does; a GET_VALUE answer's ``closerPeers`` addresses
 go into the peerstore (ADDR_TTL_S) so that a lookup can dial them.
 
@@ -40,12 +42,15 @@ import logging
 
 import trio
 import varint
-from libp2p.kad_dht.common import MAX_DHT_MESSAGE_SIZE, PROTOCOL_ID
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.common import MAX_DHT_MESSAGE_SIZE
 from libp2p.kad_dht.pb.kademlia_pb2 import Message, Record
 from libp2p.peer.id import ID
 from libp2p.peer.peerstore import env_to_send_in_RPC
 from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
+
+from dht.host.swarm_scope import DEFAULT_SCOPE
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,8 @@ log = logging.getLogger(__name__)
 CLEANUP_S = 1.0
 # How long the addresses a GET_VALUE answer names stay in the peerstore (the library's value).
 ADDR_TTL_S = 600
+# The DHT protocol of the default swarm (a DhtNode passes its own swarm's).
+DEFAULT_PROTOCOL = TProtocol(DEFAULT_SCOPE.dht_protocol)
 
 
 class RpcTimer:
@@ -105,6 +112,11 @@ async def _end(stream, peer, *, good: bool) -> None:
             log.debug("cleaning up a DHT stream to %s: %s", peer, exc)
 
 
+async def reset_stream(stream, peer) -> None:
+    """Reset ``stream`` (shielded, bounded): a probe that only wanted to know the peer speaks it."""
+    await _end(stream, peer, good=False)
+
+
 async def _ask(stream, request: Message) -> Message:
     data = request.SerializeToString()
     await stream.write(varint.encode(len(data)) + data)
@@ -123,8 +135,9 @@ class Session:
     ``aclose`` closes every idle stream. State: peer -> idle stream; counts
     of streams ``opened`` and RPCs that ``reused`` one."""
 
-    def __init__(self, host) -> None:
+    def __init__(self, host, protocol: str = DEFAULT_PROTOCOL) -> None:
         self.host = host
+        self.protocol = TProtocol(protocol)
         self._idle: dict = {}
         self._envelope: bytes | None = None
         self.opened = 0
@@ -136,7 +149,7 @@ class Session:
         request.senderRecord = self._envelope
         stream = self._idle.pop(peer, None)
         if stream is None:
-            stream = await self.host.new_stream(peer, [PROTOCOL_ID])  # the library resets it if negotiation fails
+            stream = await self.host.new_stream(peer, [self.protocol])  # the library resets it if negotiation fails
             self.opened += 1
         else:
             self.reused += 1
@@ -165,22 +178,24 @@ class Session:
         await self.aclose()
 
 
-async def _exchange(host, peer: ID, request: Message, session: Session | None = None) -> Message:
+async def _exchange(host, peer: ID, request: Message, session: Session | None = None,
+                    protocol: str = DEFAULT_PROTOCOL) -> Message:
     """Send ``request`` to ``peer`` and return the answer: over ``session``'s streams when
     given, else over a stream of its own, closed after a complete answer and reset otherwise
     (a failure, or the caller's cancellation), shielded and bounded (CLEANUP_S)."""
     if session is not None:
         return await session.exchange(peer, request)
-    async with Session(host) as one:
+    async with Session(host, protocol) as one:
         return await one.exchange(peer, request)
 
 
-async def get_value(host, peer: ID, key: bytes, session: Session | None = None) -> tuple[Record | None, list[ID]]:
+async def get_value(host, peer: ID, key: bytes, session: Session | None = None,
+                    protocol: str = DEFAULT_PROTOCOL) -> tuple[Record | None, list[ID]]:
     """GET_VALUE ``key`` at ``peer``: (the record it holds or None, the peers it knows closest to ``key``).
 
     Raises on a failed dial or stream (the caller tells a dead peer from a slow one)."""
     request = Message(type=Message.MessageType.GET_VALUE, key=key)
-    answer = await _exchange(host, peer, request, session)
+    answer = await _exchange(host, peer, request, session, protocol)
     if answer.type != Message.MessageType.GET_VALUE:
         raise ValueError(f"answer of type {answer.type} to GET_VALUE")
     me = host.get_id()
@@ -203,11 +218,12 @@ async def get_value(host, peer: ID, key: bytes, session: Session | None = None) 
     return record, closer
 
 
-async def put_value(host, peer: ID, key: bytes, value: bytes, session: Session | None = None) -> bool:
+async def put_value(host, peer: ID, key: bytes, value: bytes, session: Session | None = None,
+                    protocol: str = DEFAULT_PROTOCOL) -> bool:
     """PUT_VALUE ``key`` = ``value`` at ``peer``; True when it acknowledged (stored it).
 
     A peer refuses (resets) a value its validator rejects or that is not newer
     than what it holds; that raises like any failed stream."""
     request = Message(type=Message.MessageType.PUT_VALUE, key=key, record=Record(key=key, value=value))
-    answer = await _exchange(host, peer, request, session)
+    answer = await _exchange(host, peer, request, session, protocol)
     return answer.type == Message.MessageType.PUT_VALUE and answer.key == key

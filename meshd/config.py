@@ -22,6 +22,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dht.host.errors import SwarmNameInvalid
+from dht.host.swarm_scope import DEFAULT_SWARM_NAME, SwarmScope
 from meshd.errors import ConfigError
 
 DEFAULT_DATA_DIR = Path("~/.local/share/meshd")
@@ -242,8 +244,18 @@ class DaemonConfig:
     model_name: str | None = None
     upload_bytes_per_s: int = DEFAULT_UPLOAD_BYTES_PER_S
     upload_busy_bytes_per_s: int = DEFAULT_UPLOAD_BUSY_BYTES_PER_S
+    # The swarm (dht/host/swarm_scope.py): it scopes mDNS and the DHT protocol; "default" when not given.
+    swarm: str = DEFAULT_SWARM_NAME
+    # LAN discovery by mDNS (dht/host/mdns.py) on the interfaces we listen on; false: --no-mdns.
+    mdns: bool = True
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "swarm", SwarmScope(self.swarm).name)
+        except SwarmNameInvalid as exc:
+            raise ConfigError(str(exc)) from exc
+        if not isinstance(self.mdns, bool):
+            raise ConfigError(f"mdns must be true or false, not {self.mdns!r}")
         if self.reachability not in REACHABILITY_MODES:
             raise ConfigError(f"reachability must be one of {', '.join(REACHABILITY_MODES)}, "
                               f"not {self.reachability!r}")
@@ -358,6 +370,11 @@ class DaemonConfig:
         if self.layers is not None:
             return "shard"
         return "expert-peer" if self.expert_peer else "dht"
+
+    @property
+    def scope(self) -> SwarmScope:
+        """The swarm this node belongs to (what its name scopes: dht/host/swarm_scope.py)."""
+        return SwarmScope(self.swarm)
 
     @property
     def control_socket(self) -> Path:

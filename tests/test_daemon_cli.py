@@ -81,6 +81,12 @@ def test_unreachable_bootstrap(tmp_path, model_dir):
     _one_error_line(r, "no bootstrap peer answered")
 
 
+def test_a_swarm_name_we_cannot_use(tmp_path, model_dir):
+    r = meshd("join", "--model", str(model_dir), "--layers", "0:2", "--data-dir", str(tmp_path / "d"),
+              "--swarm", "the smiths")
+    _one_error_line(r, "swarm name 'the smiths': use 1 to 64 letters, digits")
+
+
 def test_status_without_daemon(tmp_path):
     _one_error_line(meshd("status", "--data-dir", str(tmp_path)), "no meshd daemon is running")
 

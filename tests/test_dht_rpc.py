@@ -15,7 +15,6 @@ from contextlib import AsyncExitStack
 import pytest
 import trio
 from libp2p.exceptions import BaseLibp2pError
-from libp2p.kad_dht.common import PROTOCOL_ID
 
 from dht import keys as K
 from dht import rpc
@@ -157,7 +156,7 @@ def test_a_get_cut_by_the_callers_deadline_resets_the_stream_and_frees_the_peers
                         await release.wait()
                         await b.kad._do_handle_stream(stream)
 
-                b.host.set_stream_handler(PROTOCOL_ID, stalled)
+                b.host.set_stream_handler(b.protocol, stalled)
                 with trio.move_on_after(CUT_S) as cut:
                     await rpc.get_value(a.host, b_id, K.model_key(DIGEST).encode())
                 assert cut.cancelled_caught and len(entered) == 1 and _serving(b) == 1
@@ -250,7 +249,7 @@ def test_a_stuck_peer_doubles_only_its_own_deadline_and_is_closed_after_stuck_af
                 async def silent(stream):
                     await hold.wait()
 
-                b.host.set_stream_handler(PROTOCOL_ID, silent)
+                b.host.set_stream_handler(b.protocol, silent)
                 a.rpc_timer = RpcTimer(CUT_S, CUT_S, 20 * CUT_S)
                 a.rpc_timer.observe(0.01)                           # a fast network so far
                 key = K.model_key(DIGEST).encode()
@@ -295,7 +294,7 @@ def test_peers_late_together_stay_connected_past_stuck_after():
                         await hold.wait()
 
                 for busy in (b, c):
-                    busy.host.set_stream_handler(PROTOCOL_ID, silent)
+                    busy.host.set_stream_handler(busy.protocol, silent)
                 a.rpc_timer = RpcTimer(CUT_S, CUT_S, 20 * CUT_S)
                 a.rpc_timer.observe(0.01)
                 key = K.model_key(DIGEST).encode()
@@ -311,7 +310,7 @@ def test_peers_late_together_stay_connected_past_stuck_after():
                 for busy in (b, c):
                     assert busy.host.get_id() in a.host.get_network().connections
                 assert a.kad.routing_table.peer_in_table(b.host.get_id())      # (c was never put in it)
-                b.host.set_stream_handler(PROTOCOL_ID, b.kad.handle_stream)
+                b.host.set_stream_handler(b.protocol, b.kad.handle_stream)
                 record, _ = await a._rpc(b.host.get_id(), rpc.get_value, key)
                 assert record is None and b.host.get_id() not in a.health.unanswered
                 hold.set()
@@ -358,7 +357,7 @@ def test_a_put_cut_by_the_deadline_is_not_sent_again():
                     async with b.kad._inbound_limiter:
                         await b.kad._do_handle_stream(_StallPutAcks(stream, release, stalled))
 
-                b.host.set_stream_handler(PROTOCOL_ID, handler)
+                b.host.set_stream_handler(b.protocol, handler)
                 a.rpc_timer = RpcTimer(CUT_S, CUT_S, 20 * CUT_S)
                 a.rpc_timer.observe(0.01)
                 key = K.model_key(DIGEST)
@@ -399,8 +398,8 @@ def test_a_read_asks_late_holders_once_more_when_several_are_late_and_gives_up_a
                             await node.kad._do_handle_stream(stream)
                     return handler
 
-                b.host.set_stream_handler(PROTOCOL_ID, busy("b", b))
-                c.host.set_stream_handler(PROTOCOL_ID, busy("c", c))
+                b.host.set_stream_handler(b.protocol, busy("b", b))
+                c.host.set_stream_handler(c.protocol, busy("c", c))
                 a.rpc_timer = RpcTimer(LATE_CUT_S, LATE_CUT_S, 20 * LATE_CUT_S)
                 a.rpc_timer.observe(0.01)
                 recs = await a.fetch(key.decode())

@@ -54,7 +54,8 @@ class NsDaemon(LocalDaemon):
         self.log = root / f"{name}.log"
         args = [*prefix, sys.executable, "-m", "meshd", "join", "--model", str(model), "--layers", layers,
                 "--listen", listen, "--data-dir", str(self.data_dir), "--record-ttl", str(RECORD_TTL_S),
-                "--reachability", "auto", *(["--bootstrap", *bootstrap] if bootstrap else []), *extra]
+                "--reachability", "auto", *(["--bootstrap", *bootstrap] if bootstrap else []),
+                "--no-mdns", *extra]   # the homes sit behind NAT, on no LAN with the public side
         self._log_file = open(self.log, "w")
         self.proc = subprocess.Popen(args, cwd=REPO_ROOT, env=child_env(), stdout=self._log_file,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

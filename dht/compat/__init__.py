@@ -38,6 +38,10 @@ Adjustments recorded by their owners (``registry.decide``):
                            replaced by DhtNode's jittered refresh; no upstream issue found
     dcutr_policy           meshd/reach/direct_upgrade.py: the DCUtR service narrowed (no auto-drive,
                            no relay close, bounded inbound punches); no upstream issue found
+    mdns_broadcaster       mdns_broadcaster.py, used by dht/host/mdns.py: libp2p's PeerBroadcaster
+                           announces the interfaces mDNS runs on, not the route to 8.8.8.8
+                           (MESHD_MDNS_BROADCASTER=0); the module says what else of the library's
+                           mDNS meshd does not use and why; https://github.com/libp2p/py-libp2p/issues/1419
 
 Each module's docstring says why, what it replaces in the library, and its
 upstream link.

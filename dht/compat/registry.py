@@ -9,8 +9,10 @@ Data flow:
   decision is recorded under the module's ``NAME``.
 * Code that adjusts a library object it owns records its own decision with
   ``decide``: ``DhtNode`` (dht/node.py: ``dht_inbound_handlers``,
-  ``dht_maintenance``) and the DCUtR service (meshd/reach/direct_upgrade.py:
-  ``dcutr_policy``). So compat never imports the code above it.
+  ``dht_maintenance``), the DCUtR service (meshd/reach/direct_upgrade.py:
+  ``dcutr_policy``) and mDNS (dht/host/mdns.py: ``mdns_broadcaster``, its
+  class from dht/compat/mdns_broadcaster.py). So compat never imports the
+  code above it.
 * ``snapshot()`` / ``library_status()`` are what ``meshd status`` shows;
   ``render_library`` turns them into its text lines.
 

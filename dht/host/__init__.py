@@ -9,5 +9,10 @@ proto's error root -- never the records or Kademlia code beside it.
                     running_host (listen exactly where told; connections closed on exit)
     bootstrap.py    connect_bootstrap: dial the bootstrap peers in rounds, each under a timeout
     conn_watch.py   ConnectionWatch: the swarm's connect/disconnect notifications as trio events
-    errors.py       HostError tree: ListenAddressInvalid, PortInUse, BootstrapUnreachable
+    swarm_scope.py  SwarmScope: a swarm name and what it scopes (mDNS instance names, the DHT protocol id)
+    interfaces.py   this machine's IPv4 interfaces: where mDNS may run, which address a wildcard
+                    listener offers peers
+    mdns_core.py    mDNS discovery without I/O: which announcements are ours, whom to dial when
+    mdns.py         MdnsDiscovery: announce us, find our swarm's LAN peers, dial them (zeroconf)
+    errors.py       HostError tree: ListenAddressInvalid, PortInUse, BootstrapUnreachable, SwarmNameInvalid
 """

@@ -4,7 +4,8 @@
     └── HostError                     the libp2p host cannot start or reach anyone
         ├── ListenAddressInvalid      a --listen address we cannot bind (fix the flag)
         ├── PortInUse                 another process holds the port (pick another)
-        └── BootstrapUnreachable      no bootstrap peer answered (check the addresses)
+        ├── BootstrapUnreachable      no bootstrap peer answered (check the addresses)
+        └── SwarmNameInvalid          a --swarm name we cannot use (fix the flag)
 
 libp2p's bind and dial failures are mapped to these at the host's edge
 (dht/host/build.py, dht/host/bootstrap.py).
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from proto.errors import MeshdError
 
-__all__ = ["HostError", "ListenAddressInvalid", "PortInUse", "BootstrapUnreachable"]
+__all__ = ["HostError", "ListenAddressInvalid", "PortInUse", "BootstrapUnreachable", "SwarmNameInvalid"]
 
 
 class HostError(MeshdError):
@@ -30,3 +31,7 @@ class PortInUse(HostError):
 
 class BootstrapUnreachable(HostError):
     """None of the bootstrap peers answered."""
+
+
+class SwarmNameInvalid(HostError):
+    """A swarm name that is empty, too long or has characters we do not take."""

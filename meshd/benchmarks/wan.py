@@ -161,7 +161,8 @@ def _ns_daemon(root: Path, name: str, model: Path, *, prefix: list[str], ip: str
             "--listen", f"/ip4/{ip}/tcp/0", "--advertise-host", advertise, "--data-dir", str(d.data_dir),
             "--record-ttl", str(record_ttl_s),
             "--reachability", "public", "--api-listen", "off", "--threads", str(threads),
-            "--kv-budget-tokens", str(kv_budget_tokens)]
+            "--kv-budget-tokens", str(kv_budget_tokens),
+            "--no-mdns"]   # the WAN under test is the bootstrapped one, not a LAN found by mDNS
     if bootstrap:
         args += ["--bootstrap", bootstrap]
     d._log_file = open(d.log, "w")

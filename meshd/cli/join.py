@@ -23,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", help="memory this node offers with --layers auto (weights + KV), e.g. 4GiB")
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
+    parser.add_argument("--swarm", help="the swarm to join (default: 'default'): LAN discovery finds only its "
+                             "nodes and the DHT talks only to them, so two households on one LAN stay apart")
+    parser.add_argument("--no-mdns", action="store_false", dest="mdns", default=None,
+                        help="do not announce this node or look for peers by mDNS on the LAN")
     parser.add_argument("--advertise-host", help="host or IP peers use to reach our TLS gRPC endpoint")
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our DHT records, seconds")
     parser.add_argument("--refill-wait", type=float, dest="refill_wait_s",
@@ -95,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
             "memory_bytes": parse_size(args.memory) if args.memory else None,
             "listen": tuple(args.listen) if args.listen else None,
             "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
+            "swarm": args.swarm, "mdns": args.mdns,
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "refill_wait_s": args.refill_wait_s,
             "route_topology": args.route_topology,

@@ -11,6 +11,7 @@ from meshd.cli.common import add_config_arguments, fail, first_meshd_error, setu
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", action="append", help="libp2p multiaddr to listen on (repeatable)")
     parser.add_argument("--bootstrap", nargs="+", action="extend", help="multiaddrs of peers to join through")
+    parser.add_argument("--swarm", help="the swarm whose DHT this relay serves (default: 'default')")
     parser.add_argument("--advertise-host",
                         help="public IP announced in our DHT relay record when listening on 0.0.0.0")
     parser.add_argument("--record-ttl", type=float, dest="record_ttl_s", help="lifetime of our relay record, seconds")
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
         config = load_config(args.config, {
             "data_dir": args.data_dir, "listen": tuple(args.listen) if args.listen else None,
-            "bootstrap": tuple(args.bootstrap) if args.bootstrap else None,
+            "bootstrap": tuple(args.bootstrap) if args.bootstrap else None, "swarm": args.swarm,
             "advertise_host": args.advertise_host, "record_ttl_s": args.record_ttl_s})
 
         async def main() -> None:

@@ -121,6 +121,32 @@ def render_fetch(f: dict | None) -> list[str]:
     return lines
 
 
+def render_discovery(d: dict | None) -> list[str]:
+    """The swarm this node is in, its mDNS (interfaces, peers found, what it ignored), foreign peers."""
+    if not d:
+        return []
+    swarm, mdns = d.get("swarm") or {}, d.get("mdns") or {}
+    lines = [f"swarm      {swarm.get('name', '?')} (tag {swarm.get('tag', '?')}, DHT {swarm.get('dht_protocol', '?')})"]
+    if mdns.get("state") != "on":
+        lines.append(f"mdns       {mdns.get('reason') or mdns.get('state', 'off')}")
+    else:
+        peers = mdns.get("peers") or []
+        connected = sum(1 for p in peers if p["state"] == "connected")
+        lines.append(f"mdns       on {', '.join(mdns.get('interfaces') or [])} as {mdns.get('instance', '')}: "
+                     f"{len(peers)} peers of this swarm found ({connected} connected)")
+        for p in peers[:MAX_PEERS_LISTED]:
+            err = f" ({p['last_error']})" if p.get("last_error") else ""
+            lines.append(f"           {_short(p['peer_id'])} {p['state']} {' '.join(p['addrs'])}{err}")
+        ignored = mdns.get("ignored") or {}
+        if ignored:
+            lines.append("  ignored  " + ", ".join(f"{n} {why.replace('_', ' ')}" for why, n in ignored.items()))
+    foreign = d.get("foreign_peers") or []
+    if foreign:
+        lines.append(f"  {len(foreign)} connected peers of other swarms (no DHT with them): "
+                     + ", ".join(_short(p) for p in foreign[:MAX_PEERS_LISTED]))
+    return lines
+
+
 def render_status(s: dict) -> str:
     own, worker = s["own"], s["worker"]
     lines = [f"peer id    {s['peer_id']}"]
@@ -133,6 +159,7 @@ def render_status(s: dict) -> str:
         lines.append(f"           {peer}")
     if len(s["peers"]) > MAX_PEERS_LISTED:
         lines.append(f"           ... and {len(s['peers']) - MAX_PEERS_LISTED} more (meshd status --json)")
+    lines += render_discovery(s.get("discovery"))
     reach = s.get("reachability")
     if reach:
         lines.append(f"reachable  {reach['verdict']} (mode {reach['mode']})")

@@ -2,9 +2,11 @@
 
     run_daemon(config)
     └── host (libp2p, Noise + yamux)              dht/host/build.py
-        └── DHT service (KadDHT, our validator)   dht/node.py
+        └── DHT service (KadDHT, our validator, the swarm's protocol id)   dht/node.py
             └── nursery
                 ├── peer sync   (routing table <- connected peers, re-bootstrap)
+                ├── mdns        (announce us, find and dial our swarm's LAN peers;
+                │               --no-mdns turns it off)            dht/host/mdns.py
                 ├── relaying    (dial-back probe; when private: STOP service,
                 │               relay reservations, relayed addrs)  meshd/reach/relaying.py
                 ├── upgrader    (DCUtR handler; bounded background direct upgrades
@@ -47,6 +49,8 @@ from dht import keys as K
 from dht.compat.registry import library_status
 from dht.host.bootstrap import connect_bootstrap
 from dht.host.build import running_host
+from dht.host.interfaces import pick_advertise_host, read_default_route_iface, read_ipv4_interfaces
+from dht.host.mdns import MdnsDiscovery
 from dht.identity import Identity, load_or_create_identity
 from dht.node import DhtNode
 from dht.records import live
@@ -133,23 +137,42 @@ class Node:
         self.fetch = FetchPart(self)  # our fetch port and, with --model ROOT, fetching our range
         self.model_digest: str | None = None
         self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
-                                 on_change=self.refresh_claim, progress=progress)
+                                 on_change=self.refresh_claim, progress=progress, own_addrs=self.direct_addrs)
         self._ready: WorkerReady | None = None
         # circuits to relayed peers, shared by every generation (remembers relays that failed)
         self.upgrader = DirectUpgrader(host)   # answers peers' hole punches, tries ours
         self.relay_dialer = RelayDialer(host, LoopPortal.current(), upgrader=self.upgrader)
+        self.mdns: MdnsDiscovery | None = None   # dht/host/mdns.py (started by run_daemon unless --no-mdns)
         listen_ip = _ip_of(config.listen[0]) or "127.0.0.1"
         self.tls_bind_host = listen_ip
         unspecified = listen_ip in ("0.0.0.0", "::")
-        self.advertise_host = config.advertise_host or ("127.0.0.1" if unspecified else listen_ip)
-        if unspecified and not config.advertise_host:
+        # A wildcard listener with no --advertise-host offers peers its LAN address: the default
+        # route's interface, else a private one (dht/host/interfaces.py); a LAN swarm needs no flags.
+        self.picked_host = (pick_advertise_host(read_ipv4_interfaces(), read_default_route_iface())
+                            if listen_ip == "0.0.0.0" and not config.advertise_host else None)
+        self.advertise_host = config.advertise_host or self.picked_host or ("127.0.0.1" if unspecified else listen_ip)
+        if self.picked_host:
+            progress(f"listening on all interfaces: peers are told {self.picked_host} (this machine's LAN "
+                     "address; set --advertise-host to choose another)")
+        elif unspecified and not config.advertise_host:
             progress("note: listening on all interfaces but no --advertise-host given; peers are told "
                      "127.0.0.1 for our TLS gRPC endpoint (set advertise_host to a reachable address)")
 
     # ------------------------------------------------------------------ addresses
 
     def direct_addrs(self) -> tuple[str, ...]:
-        return direct_addrs_of([str(a) for a in self.host.get_addrs()], self.config.advertise_host)
+        return direct_addrs_of([str(a) for a in self.host.get_addrs()], self.config.advertise_host or self.picked_host)
+
+    @property
+    def expects_peers(self) -> bool:
+        """Peers may still show up by themselves: bootstrap peers given, or mDNS running."""
+        return bool(self.config.bootstrap) or (self.mdns is not None and self.mdns.state == "on")
+
+    def discovery_status(self) -> dict:
+        """The swarm this node belongs to, its mDNS, and connected peers of other swarms."""
+        mdns = (self.mdns.status() if self.mdns is not None
+                else {"state": "off", "reason": "off: --no-mdns (or mdns = false)"})
+        return {"swarm": self.config.scope.status(), "mdns": mdns, "foreign_peers": self.dht.foreign_peers()}
 
     # ------------------------------------------------------------------ worker hooks
 
@@ -294,11 +317,22 @@ class Node:
             "fetch": self.fetch.status(),
             "reachability": self.relaying.status(),
             "direct_upgrades": self.upgrader.snapshot(),
+            "discovery": self.discovery_status(),
             "libp2p": library_status(),
             "http": self.api.http_status(),
             "coverage": {d: sorted(v, key=lambda e: (e["start"], e["end"], e["peer_id"]))
                          for d, v in coverage.items()},
         }
+
+
+async def _warn_foreign_bootstrap(dht: DhtNode, reached: list[str], swarm: str, progress: Progress) -> None:
+    """Say so when a bootstrap peer we reached is not in our swarm: connected, yet no DHT between us."""
+    from libp2p.peer.id import ID
+
+    for text in reached:
+        if not await dht.speaks_dht(ID.from_base58(text)):
+            progress(f"warning: bootstrap peer {text} is not in swarm {swarm!r} (it does not speak "
+                     f"{dht.protocol}): no records are exchanged with it; give both nodes the same --swarm")
 
 
 async def _wait_for_signal(cancel_scope: trio.CancelScope, node: Node, progress: Progress) -> None:
@@ -319,16 +353,23 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
     progress(f"peer id {identity.peer_id}")
     async with running_host(identity, config.listen) as host:
         serve_dialback(host)   # every node answers other peers' reachability probes
-        dht = DhtNode(host, wall_ms)   # records its library adjustments, shown by meshd status
+        scope = config.scope
+        dht = DhtNode(host, wall_ms, scope)   # records its library adjustments, shown by meshd status
         async with dht.running():
             progress("listening on " + " ".join(str(a) for a in host.get_addrs()))
+            progress(f"swarm {scope.name} (DHT protocol {scope.dht_protocol})")
             reached = await connect_bootstrap(host, config.bootstrap, config.bootstrap_timeout_s)
             if config.bootstrap:
                 progress(f"bootstrap: connected to {len(reached)} of {len(config.bootstrap)} peers")
+                await _warn_foreign_bootstrap(dht, reached, scope.name, progress)
             await dht.join()
             node = Node(config, identity, tls, host, dht, progress)
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.peer_sync)
+                if config.mdns:
+                    node.mdns = MdnsDiscovery(host, scope, listen_addrs=[str(a) for a in host.get_addrs()],
+                                              progress=progress)
+                    await nursery.start(node.mdns.run)
                 await nursery.start(node.upgrader.run)
                 await nursery.start(node.relaying.run)
                 await nursery.start(node.advertiser.run)

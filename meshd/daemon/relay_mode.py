@@ -10,7 +10,7 @@
                     │   republished every ttl/3 and when a peer connects, so
                     │   it is in that peer's store at once; relay/announce.py)
                     └── control API (meshd/daemon/control.py): `meshd status` gets
-                        {"mode": "relay", "peer_id", "addrs", "peers", "relay": {...},
+                        {"mode": "relay", "peer_id", "addrs", "peers", "swarm" (whose DHT), "relay": {...},
                          "libp2p": {version, adjustments}}
 
 The relay keeps no state beyond the library's reservations and its own
@@ -60,7 +60,8 @@ def render_relay_status(s: dict) -> str:
     r = s["relay"]
     refused = ", ".join(f"{k} {v}" for k, v in sorted(r["circuits_refused"].items())) or "none"
     lines = [f"relay {s['peer_id']}", "  addrs: " + " ".join(s["addrs"]),
-             f"  peers connected: {r['peers_connected']}   DHT routing table: {s['dht_routing_table']}",
+             f"  peers connected: {r['peers_connected']}   DHT routing table: {s['dht_routing_table']}"
+             + (f"   swarm: {s['swarm']['name']}" if s.get("swarm") else ""),
              f"  reservations: {r['reservations_active']} / {r['limits']['reservations_total']}",
              f"  circuits: {r['circuits_active']} active / {r['limits']['circuits_total']}, "
              f"{r['circuits_opened']} opened, refused: {refused}",
@@ -104,6 +105,7 @@ class RelayNode:
             return {"peer_id": self.peer_id}
         return {"mode": "relay", "peer_id": self.peer_id, "addrs": self.addrs(),
                 "dht_routing_table": self.dht.routing_table_size() if self.dht else None,
+                "swarm": self.dht.scope.status() if self.dht else None,
                 "relay": relay_status(self.hop, self.host), "announced": self.announced,
                 "libp2p": library_status()}
 
@@ -132,7 +134,7 @@ async def run_relay(config: DaemonConfig, progress: Progress, *, limits: HopLimi
         serve_dialback(host)   # home nodes ask us whether they can be dialed
         async with background_trio_service(hop):
             await hop.event_started.wait()
-            dht = DhtNode(host, _wall_ms) if with_dht else None   # records its library adjustments
+            dht = DhtNode(host, _wall_ms, config.scope) if with_dht else None   # records its library adjustments
             async with (dht.running() if dht is not None else nullcontext()):
                 node = RelayNode(identity.peer_id, host, hop, dht)
                 progress("relay listening on " + " ".join(node.addrs()))

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 # death of the node everyone bootstrapped through.
 MAX_MESH_DIALS = 8
 MESH_DIAL_TIMEOUT_S = 5.0
-# An auto node with bootstrap peers that sees no tracker plans its own range
+# An auto node with bootstrap peers (or mDNS) that sees no tracker plans its own range
 # only after this long: right after start its DHT view may not hold the
 # swarm's records yet, and nine joiners that plan against an empty view all
 # take the same first window (the tracker, once seen, tracks what it assigned).
@@ -249,7 +249,7 @@ class Swarm:
         prefer = self.node.fetch.prefer() if self.by_root else None
         request = JoinRequest(me, int(self.config.memory_bytes), self.kv_budget, self.held,
                               Span(*prefer) if prefer else None)
-        if tracker is None and self.config.bootstrap and time.monotonic() - self.started < NO_TRACKER_GRACE_S:
+        if tracker is None and self.node.expects_peers and time.monotonic() - self.started < NO_TRACKER_GRACE_S:
             self._note_join("waiting for the swarm's records to name a tracker before planning our own range")
             return
         if tracker is None or tracker == me:

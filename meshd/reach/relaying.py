@@ -90,8 +90,12 @@ def relay_candidates(records: Sequence, bootstrap: Sequence[str], own_peer_id: s
 
 class Relaying:
     def __init__(self, host, dht, *, mode: str, bootstrap: Sequence[str], on_change: Callable[[], None],
-                 progress: Callable[[str], None] = lambda line: None) -> None:
+                 progress: Callable[[str], None] = lambda line: None,
+                 own_addrs: Callable[[], Sequence[str]] | None = None) -> None:
         self.host, self.dht, self.mode = host, dht, mode
+        # the addresses helpers are asked to dial back: the daemon's dialable ones (a wildcard
+        # listener's /ip4/0.0.0.0 rewritten to the address it offers peers); default: the host's
+        self.own_addrs = own_addrs or (lambda: [str(a) for a in host.get_addrs()])
         self.bootstrap = tuple(bootstrap)
         self.on_change = on_change
         self.progress = progress
@@ -183,7 +187,7 @@ class Relaying:
             self.verdict = Verdict.PRIVATE
         else:
             helpers = list(self.host.get_connected_peers())[:MAX_PROBE_HELPERS]
-            own = [str(a).split("/p2p/")[0] for a in self.host.get_addrs()]
+            own = [str(a).split("/p2p/")[0] for a in self.own_addrs()]
             self.verdict = await probe(self.host, helpers, own) if helpers else Verdict.UNKNOWN
         self.progress(f"reachability: {self.verdict.value}"
                       + (" (mode auto: dial-back probe)" if self.mode == "auto" else f" (mode {self.mode})"))
