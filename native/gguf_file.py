@@ -43,7 +43,7 @@ import numpy as np
 
 from native.errors import ArtifactError
 
-__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "GGUFFormatError", "VType"]
+__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "GGUFFormatError", "VType", "parse_fields"]
 
 VType = gguf.GGUFValueType
 
@@ -207,6 +207,31 @@ class _Cursor:
         return arr, sub
 
 
+def _pairs(cur: _Cursor, n_kv: int) -> dict[str, GGUFField]:
+    fields: dict[str, GGUFField] = {}
+    for index in range(n_kv):
+        key = cur.string(f"key {index}", MAX_KEY_BYTES)
+        if key in fields:
+            raise cur.fail(f"metadata key {key!r} appears twice")
+        vtype = cur.vtype(f"type of {key!r}")
+        value, sub = cur.value(vtype, repr(key))
+        fields[key] = GGUFField(key, vtype, value, sub)
+    return fields
+
+
+def parse_fields(data: bytes) -> dict[str, GGUFField]:
+    """Metadata pairs on their own (a u64 count, then the pairs, nothing after): a manifest's
+    canonical metadata blob (native/gguf_write.py), with the same checks as a file's header."""
+    cur = _Cursor(data, len(data))
+    n_kv = cur.u64("metadata count")
+    if n_kv > MAX_KV:
+        raise cur.fail(f"{n_kv} metadata pairs exceed the limit of {MAX_KV}")
+    fields = _pairs(cur, n_kv)
+    if cur.pos != len(data):
+        raise cur.fail(f"{len(data) - cur.pos} bytes after the metadata pairs")
+    return fields
+
+
 def _row_bytes(cur: _Cursor, name: str, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> int:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     if shape[0] % block:
@@ -222,6 +247,12 @@ class GGUFFile:
         self.path, self._buf, self.size, self.version = path, buf, size, version
         self.fields, self.tensors = fields, tensors
         self.data_offset, self.alignment = data_offset, alignment
+
+    def bytes_of(self, offset: int, n_bytes: int) -> memoryview:
+        """``n_bytes`` of the file from ``offset`` (a view of the map, no copy)."""
+        if self._buf is None or not 0 <= offset <= offset + n_bytes <= self.size:
+            raise ArtifactError(f"{self.path.name}: bytes [{offset}, {offset + n_bytes}) are not in the file")
+        return memoryview(self._buf)[offset:offset + n_bytes]
 
     def get_field(self, key: str) -> GGUFField | None:
         return self.fields.get(key)
@@ -262,14 +293,7 @@ class GGUFFile:
         if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
             raise cur.fail(f"{n_tensors} tensors / {n_kv} metadata pairs exceed the limits "
                            f"({MAX_TENSORS} / {MAX_KV})")
-        fields: dict[str, GGUFField] = {}
-        for index in range(n_kv):
-            key = cur.string(f"key {index}", MAX_KEY_BYTES)
-            if key in fields:
-                raise cur.fail(f"metadata key {key!r} appears twice")
-            vtype = cur.vtype(f"type of {key!r}")
-            value, sub = cur.value(vtype, repr(key))
-            fields[key] = GGUFField(key, vtype, value, sub)
+        fields = _pairs(cur, n_kv)
         alignment = DEFAULT_ALIGNMENT
         if "general.alignment" in fields:
             a = fields["general.alignment"]

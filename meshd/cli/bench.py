@@ -25,6 +25,7 @@ BENCHMARKS: dict[str, str] = {
     "serve": "meshd.benchmarks.serve",
     "dht": "meshd.benchmarks.dht_sim",
     "pool": "meshd.benchmarks.pool",
+    "fetch": "meshd.benchmarks.fetch",
 }
 # Benchmarks that honour --model / --layers / --backend.
 MODEL_OPTIONS = ("swarm", "pipeline")
