@@ -46,12 +46,14 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # The range fetched: >= 1 GiB of F16 tensors (12 layers of a hidden-2048 Llama, ~94 MB each).
-FULL = {"hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 5632, "layers": 14}
+FULL: dict[str, Any] = {"hidden": 2048, "heads": 16, "kv_heads": 8, "head_dim": 128, "ffn": 5632, "layers": 14}
 FULL_RANGE = (1, 13)
-QUICK = {"hidden": 1024, "heads": 8, "kv_heads": 4, "head_dim": 128, "ffn": 2816, "layers": 6}
+QUICK: dict[str, Any] = {"hidden": 1024, "heads": 8, "kv_heads": 4, "head_dim": 128, "ffn": 2816, "layers": 6}
 QUICK_RANGE = (1, 5)
 # Bitswap sample: its throughput is flat after a few MB; more only costs time.
 BITSWAP_BYTES = 64 << 20
@@ -149,6 +151,13 @@ def _floor(port: int, total: int) -> float:
         return total / (time.perf_counter() - t0)
 
 
+def _tls_link(peer: str, endpoint: str, pin: bytes, root: bytes) -> Callable[[], Any]:
+    """A provider's link factory (meshd/fetch/fetcher.py Provider.connect)."""
+    from meshd.fetch.links import TlsLink
+
+    return lambda: TlsLink(peer, endpoint, pin, root)
+
+
 def _fetch(data_dir: Path, root: str, layer_range, providers, stop: threading.Event | None = None) -> dict:
     from meshd.fetch.flow import RangeFetch, check_slice_root, get_manifest, get_meta
     from meshd.fetch.store import ModelStore
@@ -195,7 +204,7 @@ def _bitswap(total: int) -> float:
             for c in (provider, client):
                 c.set_nursery(nursery)
                 await c.start()
-            cids = []
+            cids: list[Any] = []
             for i in range(total // BITSWAP_BLOCK):
                 data = i.to_bytes(8, "little") * (BITSWAP_BLOCK // 8)
                 cid = compute_cid_v1(data, codec=CODEC_RAW)
@@ -268,7 +277,6 @@ def _inference(model: Path, tmp: Path, say) -> dict:
 
 def run(quick: bool, progress, options=None) -> dict:
     from meshd.fetch.fetcher import Provider
-    from meshd.fetch.links import TlsLink
     from meshd.reach.tls import load_or_create_tls
     from meshd.testing.gguf_models import build_random_gguf
     from native.gguf_range import model_digest, model_info, open_reader
@@ -293,8 +301,8 @@ def run(quick: bool, progress, options=None) -> dict:
         for i in range(2):
             proc, port = _child(["serve", str(model), cert, key], tmp, f"provider{i}")
             procs.append(proc)
-            servers.append(Provider(f"provider{i}", lambda port=port, i=i: TlsLink(
-                f"provider{i}", f"127.0.0.1:{port}", tls.sha256, parse_root(root))))
+            servers.append(Provider(f"provider{i}", _tls_link(f"provider{i}", f"127.0.0.1:{port}", tls.sha256,
+                                                              parse_root(root))))
         sender, sport = _child(["stream", str(model), str(start), str(end), cert, key], tmp, "floor")
         procs.append(sender)
         first = _fetch(tmp / "warm", root, layer_range, servers[:1])   # warms the page cache and the code

@@ -115,24 +115,27 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, overrides)
         if not config.has_model:
             return fail("meshd join needs --model PATH and --layers A:B (or model/layers in --config)", 2)
-        if config.model_root is not None:
-            what = "auto (asking the tracker)" if config.auto_layers else f"{config.layers[0]}:{config.layers[1]}"
+        model = config.model
+        if config.model_root is not None or model is None:
+            layers = config.layers
+            what = f"{layers[0]}:{layers[1]}" if layers is not None and not config.auto_layers \
+                else "auto (asking the tracker)"
             _progress(f"model {config.model_name or ''}{'@' if config.model_name else ''}{config.model_root}: "
                       f"no local file; range {what}, fetched from the peers that hold it")
         elif config.client_only:
-            num_layers = model_num_layers(config.model)
+            num_layers = model_num_layers(model)
             _progress(f"model {config.model}: {num_layers} layers; client-only: holds none, "
                       "generates through the swarm")
         elif config.expert_peer:
-            num_layers = model_num_layers(config.model)
+            num_layers = model_num_layers(model)
             _progress(f"model {config.model}: {num_layers} layers; serving experts {config.experts} (expert peer)")
         elif config.auto_layers:
-            num_layers = model_num_layers(config.model)
+            num_layers = model_num_layers(model)
             _progress(f"model {config.model}: {num_layers} layers; range: auto (asking the tracker)")
         else:
             layers = config.layers
             assert layers is not None   # neither client-only, experts nor auto: the config requires --layers
-            num_layers = check_layers(config.model, layers)
+            num_layers = check_layers(model, layers)
             _progress(f"model {config.model}: {num_layers} layers; serving {layers[0]}:{layers[1]}")
         import trio  # the daemon's imports (libp2p, grpc) take seconds: only after the checks
 

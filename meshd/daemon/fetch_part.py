@@ -158,6 +158,8 @@ class FetchPart:
 
     # ------------------------------------------------------------------ providers
     async def _refresh_providers(self) -> None:
+        if self.root is None:
+            return
         try:
             snap = await fetch_snapshot(self.node.dht, self.root, wall_ms())
         except Exception as exc:  # noqa: BLE001 - the DHT may be briefly unreachable; try again next time
@@ -204,20 +206,21 @@ class FetchPart:
     # ------------------------------------------------------------------ --model ROOT
     async def describe(self) -> ModelFacts:
         """The model's manifest, metadata and facts (from our store, else from peers); serves what we hold."""
-        assert self.store is not None, "describe() is for --model ROOT"
+        store, root = self.store, self.root
+        assert store is not None and root is not None, "describe() is for --model ROOT"
         self._fetching += 1
         self._wake.set()
         try:
-            self.node.progress(f"model {self.root[:23]}...: its manifest and metadata (from our store, or peers "
+            self.node.progress(f"model {root[:23]}...: its manifest and metadata (from our store, or peers "
                                "found in the DHT)")
-            self.manifest = await _blocking(lambda stop: get_manifest(self.store, self.providers, stop,
-                                                                      self.node.progress))
-            self.meta = await _blocking(lambda stop: get_meta(self.store, self.manifest, self.providers, stop,
+            manifest = self.manifest = await _blocking(lambda stop: get_manifest(store, self.providers, stop,
+                                                                                 self.node.progress))
+            self.meta = await _blocking(lambda stop: get_meta(store, manifest, self.providers, stop,
                                                               self._on_blame))
         finally:
             self._fetching -= 1
-        self.facts = model_facts(self.manifest, self.meta)
-        for _, path in self.store.finished(self.manifest):
+        self.facts = model_facts(manifest, self.meta)
+        for _, path in store.finished(manifest):
             await self.serve_path(path)
         return self.facts
 

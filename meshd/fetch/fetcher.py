@@ -19,8 +19,10 @@ When no provider can supply what is missing (all blamed, dropped, or none
 holds it), ``run`` waits for ``add_provider`` (the daemon keeps looking in
 the DHT) rather than failing; ``stop`` ends it (the daemon's cancellation).
 
-Threads: started by ``add_provider`` while ``run`` is active, joined by
-``run`` before it returns (every one of them, also on stop or error).
+Threads: one ThreadGroup per ``run`` (proto/threads.py), a thread per
+provider started by ``add_provider`` while ``run`` is active; ``run`` closes
+the group before it returns (every thread joined, also on stop or error;
+a thread blocked on its socket ends within the link's timeouts).
 """
 from __future__ import annotations
 
@@ -28,13 +30,14 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshd.fetch import wire
-from meshd.fetch.links import LinkError, NotHeld
+from meshd.fetch.links import CONNECT_TIMEOUT_S, IO_TIMEOUT_S, Link, LinkError, NotHeld
 from meshd.fetch.scheduler import Run, Scheduler
 from proto.errors import MeshdError, ProtocolError
+from proto.threads import ThreadGroup
 from shard.model.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -44,6 +47,9 @@ __all__ = ["Fetch", "Provider", "MemorySink", "WAIT_S"]
 # A provider thread with nothing to do looks again after this (work comes back when
 # another provider fails; the condition wakes it sooner).
 WAIT_S = 0.5
+# A provider thread told to stop ends between chunks, or when its blocking connect / read / send
+# times out: the group's join waits that long (and a margin) before it names a thread left.
+JOIN_TIMEOUT_S = CONNECT_TIMEOUT_S + IO_TIMEOUT_S + 5.0
 # Rate and ETA: bytes over the last window of this many seconds.
 RATE_WINDOW_S = 5.0
 
@@ -51,7 +57,7 @@ RATE_WINDOW_S = 5.0
 @dataclass(frozen=True, slots=True)
 class Provider:
     peer: str
-    connect: Callable[[], object]            # -> a link (links.TlsLink / LocalLink), not yet connected
+    connect: Callable[[], Link]              # -> a link (links.TlsLink / LocalLink), not yet connected
     entries: frozenset[int] | None = None    # what it holds (None: all)
     local: bool = False
 
@@ -81,8 +87,8 @@ class MemorySink:
 @dataclass(slots=True)
 class _Peer:
     provider: Provider
-    thread: threading.Thread | None = None
-    link: object = None
+    started: bool = False
+    link: Link | None = None
     state: str = "starting"
     detail: str = ""
 
@@ -105,7 +111,7 @@ class _Window:
 
 class Fetch:
     def __init__(self, manifest: Manifest, sink, wanted: list[tuple[int, int]],
-                 verified: list[tuple[int, int]] = (), *, label: str = "",
+                 verified: Sequence[tuple[int, int]] = (), *, label: str = "",
                  on_blame: Callable[[str, str, int], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, run_bytes: int = wire.RUN_BYTES) -> None:
         self.manifest, self.sink, self.label = manifest, sink, label
@@ -116,6 +122,7 @@ class Fetch:
         self.peers: dict[str, _Peer] = {}
         self.stop = threading.Event()
         self.running = False
+        self.threads: ThreadGroup | None = None   # the providers' threads while ``run`` is active
         self.started = clock()
         self.window = _Window()
         self.errors: list[str] = []
@@ -133,9 +140,9 @@ class Fetch:
             self.cond.notify_all()
 
     def _start(self, peer: _Peer) -> None:
-        peer.thread = threading.Thread(target=self._loop, args=(peer,), name=f"fetch-{peer.provider.peer[:12]}",
-                                       daemon=True)
-        peer.thread.start()
+        if self.threads is not None and not peer.started:
+            self.threads.start(self._loop, peer, name=peer.provider.peer[:12])
+            peer.started = True
 
     @property
     def blamed(self) -> list[str]:
@@ -146,8 +153,9 @@ class Fetch:
     def run(self, stop: threading.Event | None = None) -> bool:
         """Fetch until done (True) or ``stop`` / ``self.stop`` is set (False). Joins every thread."""
         stop = stop or self.stop
+        threads = ThreadGroup(f"fetch-{self.label or 'run'}"[:40], join_timeout_s=JOIN_TIMEOUT_S)
         with self.cond:
-            self.running = True
+            self.running, self.threads = True, threads
             self.started = self.clock()
             for peer in self.peers.values():
                 self._start(peer)
@@ -160,11 +168,15 @@ class Fetch:
             self.stop.set()
             with self.cond:
                 self.cond.notify_all()
-                threads = [p.thread for p in self.peers.values() if p.thread is not None]
-            for t in threads:
-                t.join()
+            try:
+                threads.close()
+            except Exception as exc:  # noqa: BLE001 - a provider thread's bug: logged, the fetch's verdict stands
+                log.error("fetch %s: a provider thread failed: %r", self.label, exc)
+                self.errors.append(f"provider thread: {exc!r}"[:300])
             with self.cond:
-                self.running = False
+                self.running, self.threads = False, None
+                for peer in self.peers.values():
+                    peer.started = False
 
     def _loop(self, peer: _Peer) -> None:
         p = peer.provider

@@ -24,6 +24,7 @@ from meshd.fetch.fetcher import Fetch, MemorySink, Provider
 from meshd.fetch.links import LinkError, NotHeld
 from meshd.fetch.store import ModelStore, Target, make_target
 from proto.errors import MeshdError, ProtocolError
+from proto.threads import ThreadGroup
 from shard.model.backend import LayerRange
 from shard.model.manifest import Manifest
 
@@ -106,13 +107,13 @@ def _drive(fetch: Fetch, providers: Providers, stop: threading.Event) -> bool:
 
     for p in providers():
         fetch.add_provider(p)
-    feeder = threading.Thread(target=feed, name="fetch-feed", daemon=True)
-    feeder.start()
-    try:
-        return fetch.run()
-    finally:
-        fetch.stop.set()
-        feeder.join()
+    with ThreadGroup("fetch-feed") as feeder:   # closed on exit: the feeder ends within STOP_POLL_S
+        feeder.on_stop(fetch.stop.set)
+        feeder.start(feed)
+        try:
+            return fetch.run()
+        finally:
+            fetch.stop.set()
 
 
 def check_slice_root(path: Path, root: str) -> None:

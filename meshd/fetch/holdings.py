@@ -120,12 +120,12 @@ def source_of_path(path: Path, progress=None) -> Source:
         elif manifest.has(f.path) and manifest.entries[manifest.index(f.path)].kind == BLOB:
             locations[manifest.index(f.path)] = (k, 0)
     del index
-    held = held_layers(path)
-    if held is None:    # a whole directory holds every layer
+    partial = held_layers(path)
+    if partial is None:    # a whole directory holds every layer
         from meshd.plan.modelinfo import model_num_layers
 
-        held = (0, model_num_layers(path), 0)
-    return Source(manifest, maps, locations, held=(held[0], held[1]), label=path.name)
+        partial = (0, model_num_layers(path), 0)
+    return Source(manifest, maps, locations, held=(partial[0], partial[1]), label=path.name)
 
 
 def part_source(target, meta: dict[int, bytes]) -> Source:

@@ -20,6 +20,7 @@ import hashlib
 import socket
 import ssl
 from collections.abc import Iterator
+from typing import Protocol
 
 from meshd.errors import CertificateMismatch
 from meshd.fetch import wire
@@ -29,7 +30,7 @@ from meshd.reach.tls import PEER_TLS_NAME, split_endpoint
 from proto.errors import MeshdError
 from shard.model.manifest import Manifest
 
-__all__ = ["LinkError", "NotHeld", "TlsLink", "LocalLink", "CONNECT_TIMEOUT_S", "IO_TIMEOUT_S"]
+__all__ = ["Link", "LinkError", "NotHeld", "TlsLink", "LocalLink", "CONNECT_TIMEOUT_S", "IO_TIMEOUT_S"]
 
 # A LAN peer connects in milliseconds, an internet one in a few round trips.
 CONNECT_TIMEOUT_S = 10.0
@@ -45,6 +46,16 @@ class LinkError(MeshdError):
 
 class NotHeld(MeshdError):
     """The provider answered that it lacks the asked chunks (or the model)."""
+
+
+class Link(Protocol):
+    """What a fetch asks of a provider's link (TlsLink, LocalLink)."""
+
+    def connect(self) -> None: ...
+    def close(self) -> None: ...
+    def manifest(self) -> bytes: ...
+    def send(self, run: Run) -> None: ...
+    def receive(self, run: Run, manifest: Manifest) -> Iterator[tuple[int, memoryview]]: ...
 
 
 def client_context() -> ssl.SSLContext:
@@ -93,10 +104,15 @@ class TlsLink:
                 pass
             self.sock = None
 
+    def _connected(self) -> ssl.SSLSocket:
+        if self.sock is None:
+            raise LinkError(f"the link to {self.endpoint} is closed")
+        return self.sock
+
     def _send(self, req: wire.Request) -> None:
         self.connect()
         try:
-            self.sock.sendall(wire.encode_request(req))
+            self._connected().sendall(wire.encode_request(req))
         except OSError as exc:
             self.close()
             raise LinkError(f"sending to {self.endpoint} failed: {exc}") from exc
@@ -104,9 +120,10 @@ class TlsLink:
     def _exact(self, n: int, into: memoryview | None = None) -> memoryview:
         view = into if into is not None else memoryview(bytearray(n))
         got = 0
+        sock = self._connected()
         try:
             while got < n:
-                k = self.sock.recv_into(view[got:n])
+                k = sock.recv_into(view[got:n])
                 if not k:
                     raise LinkError(f"{self.endpoint} closed the connection")
                 got += k

@@ -26,7 +26,9 @@ Bounds: MAX_CONNECTIONS connections (more are closed at once), the handshake
 within HANDSHAKE_TIMEOUT_S, an idle connection closed after IDLE_TIMEOUT_S, a
 reply never above wire.MAX_RUN_BYTES. A malformed request gets BAD_REQUEST
 and the connection is closed. Threads: the accept thread and every
-connection thread are joined by ``stop``.
+connection thread belong to one ThreadGroup (proto/threads.py); ``stop``
+shuts every connection's socket down (a blocked read or send returns) and
+closes the group (every thread joined).
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from collections.abc import Callable
 from meshd.fetch import wire
 from meshd.fetch.holdings import Holdings
 from proto.errors import ProtocolError
+from proto.threads import GroupStopped, ThreadGroup
 
 log = logging.getLogger(__name__)
 
@@ -111,10 +114,10 @@ class ChunkServer:
         self.ctx = server_context(cert_file, key_file)
         self.host, self.port = host, port
         self.limit = RateLimit(rate)
-        self._stop = threading.Event()
+        self._threads = ThreadGroup("fetch-port")
+        self._stop = self._threads.stopping
         self._listener: socket.socket | None = None
-        self._accept: threading.Thread | None = None
-        self._conns: dict[int, tuple[threading.Thread, socket.socket]] = {}
+        self._conns: dict[int, socket.socket] = {}   # connection thread's id -> its socket
         self._lock = threading.Lock()
         self._manifests: dict[bytes, bytes] = {}
         self.bytes_sent = 0
@@ -131,30 +134,32 @@ class ChunkServer:
         ls.settimeout(_ACCEPT_POLL_S)
         self._listener = ls
         self.port = ls.getsockname()[1]
-        self._accept = threading.Thread(target=self._accept_loop, name="fetch-accept", daemon=True)
-        self._accept.start()
+        self._threads.on_stop(self._shutdown_all)
+        self._threads.start(self._accept_loop, ls, name="accept")
         return self.port
 
-    def stop(self) -> None:
-        self._stop.set()
-        if self._accept is not None:
-            self._accept.join()
-        if self._listener is not None:
-            self._listener.close()
+    def _shutdown_all(self) -> None:
+        """The group's stop wake-up: every connection's blocked read or send returns now."""
         with self._lock:
             conns = list(self._conns.values())
-        for _, sock in conns:
+        for sock in conns:
             try:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        for thread, _ in conns:
-            thread.join()
 
-    def _accept_loop(self) -> None:
+    def stop(self) -> None:
+        self._threads.stop()       # no new connection starts; the open ones are shut down
+        try:
+            self._threads.join()
+        finally:
+            if self._listener is not None:
+                self._listener.close()
+
+    def _accept_loop(self, listener: socket.socket) -> None:
         while not self._stop.is_set():
             try:
-                conn, addr = self._listener.accept()
+                conn, addr = listener.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -162,23 +167,36 @@ class ChunkServer:
                     return
                 continue
             with self._lock:
-                if len(self._conns) >= MAX_CONNECTIONS:
+                if len(self._threads) - 1 >= MAX_CONNECTIONS:   # the accept thread is one of them
                     self.refused += 1
                     conn.close()
                     continue
-                thread = threading.Thread(target=self._serve, args=(conn, addr), name="fetch-upload", daemon=True)
-                self._conns[id(thread)] = (thread, conn)
-            thread.start()
+            try:
+                self._threads.start(self._serve, conn, addr, name="upload")
+            except GroupStopped:
+                conn.close()
+                return
 
     # ------------------------------------------------------------------ one connection
     def _serve(self, raw: socket.socket, addr) -> None:
         lower_priority()
-        me = id(threading.current_thread())
+        me = threading.get_ident()
+        with self._lock:
+            self._conns[me] = raw
+        if self._stop.is_set():   # stopped between the accept and here: _shutdown_all missed us
+            raw.close()
+            with self._lock:
+                self._conns.pop(me, None)
+            return
         sock = None
         try:
             raw.settimeout(HANDSHAKE_TIMEOUT_S)
             raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-            sock = self.ctx.wrap_socket(raw, server_side=True)
+            sock = self.ctx.wrap_socket(raw, server_side=True)   # takes raw's descriptor over
+            with self._lock:
+                self._conns[me] = sock
+            if self._stop.is_set():
+                return
             while not self._stop.is_set():
                 sock.settimeout(IDLE_TIMEOUT_S)
                 data = self._exact(sock, wire.REQUEST_BYTES)

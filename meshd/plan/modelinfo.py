@@ -84,10 +84,10 @@ def held_layers(path: Path) -> tuple[int, int] | None:
         from shard.model.st_manifest import held_layers as partial_layers
 
         try:
-            held = partial_layers(path)
+            partial = partial_layers(path)
         except ArtifactError as exc:
             raise ConfigError(str(exc)) from exc
-        return None if held is None or (held[0], held[1]) == (0, held[2]) else (held[0], held[1])
+        return None if partial is None or (partial[0], partial[1]) == (0, partial[2]) else (partial[0], partial[1])
     if not (path.is_file() and path.suffix == ".gguf"):
         return None
     from native.errors import ArtifactError

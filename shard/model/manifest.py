@@ -289,7 +289,7 @@ class Manifest:
         if n_files > MAX_FILES:
             raise LimitExceeded(f"{n_files} files exceed {MAX_FILES}")
         try:
-            files = tuple(FileInfo(cur.string(MAX_NAME_BYTES, "path"), *cur.unpack("<Q", "size"),
+            files = tuple(FileInfo(cur.string(MAX_NAME_BYTES, "path"), cur.unpack("<Q", "size")[0],
                                    cur.take(HASH_BYTES, "sha256")) for _ in range(n_files))
             (n_entries,) = cur.unpack("<I", "entry count")
             if n_entries > MAX_ENTRIES:
