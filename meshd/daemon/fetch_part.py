@@ -114,8 +114,12 @@ class FetchPart:
                 self._wake = trio.Event()
         finally:
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.server.stop)
-                self.holdings.close()
+                try:
+                    await trio.to_thread.run_sync(self.server.stop)
+                except Exception as exc:  # noqa: BLE001 - a thread left or failed: a bug, logged; the daemon leaves
+                    log.error("fetch port: stopping: %r", exc)
+                finally:
+                    self.holdings.close()
 
     @property
     def endpoint(self) -> str:

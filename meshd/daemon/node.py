@@ -40,9 +40,10 @@ Threads: trio owns the process. Blocking work leaves the loop only through
 nursery does (``[thread]`` above); a thread comes back into the loop only
 through relay/portal.py (the daemon's ``Portal``: DHT snapshots, relay dials,
 DCUtR requests, a generation's tokens in a bounded Outbox). The only threads
-that are not a waiting task's are the route driver's helpers, and those are
-in the driver's ThreadGroup, joined when its generation ends
-(tests/test_thread_ownership.py checks that none outlives the daemon).
+that are not a waiting task's are the route driver's helpers, in the
+driver's ThreadGroup, joined when its generation ends
+(tests/test_thread_ownership.py checks that none outlives the daemon), and
+the fetch port's, in its ThreadGroup, joined when the fetch part stops.
 
 Graceful leave: stop advertising and publish the withdrawal (bounded), then
 cancel the tree: a generation's driver is cancelled (it releases its hops and
