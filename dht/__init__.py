@@ -6,9 +6,12 @@
                   /meshd/span/<digest>/<A>-<B>
     validator.py  py-libp2p glue: strict NamespacedValidator for "meshd", and a
                   ValueStore that merges index values instead of replacing them
-    node.py       DhtNode: KadDHT with the above; publish / fetch / sync_peers / refresh
+    kademlia/     the sans-I/O Kademlia core (lookup, publish, fetch, join and refresh as
+                  steps; deadlines and peer health; the value rules; a k-bucket table that
+                  follows py-libp2p's) and its simulation on a virtual clock
+    node.py       DhtNode: runs the core over py-libp2p (KadDHT's table and server)
     lookup.py     pure iterative Kademlia lookup (alpha asks per round, final round, bounded)
-    rpc.py        cancel-safe GET_VALUE / PUT_VALUE, stream sessions, the deadline estimator
+    rpc.py        cancel-safe GET_VALUE / PUT_VALUE, stream sessions
     peer_health.py  pure per-peer bookkeeping: runs of misses, congestion, unreachable peers
     relay_records.py  signed relay records (a public relay announces itself)
     expert_records.py signed expert placement records (experts a peer serves without their layers)

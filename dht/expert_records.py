@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from dht.errors import RecordRejected
 from dht.records import (
-    _DIGEST_RE,
+    DIGEST_RE,
     MAX_ENDPOINT_CHARS,
     MAX_LAYERS,
     check_lifetime,
@@ -119,9 +119,9 @@ class ExpertRecord:
 
 
 def _bounds_problem(p: pb.ExpertPlacementPayload, *, withdrawn: bool) -> str | None:
-    if not _DIGEST_RE.match(p.model_artifact_digest):
+    if not DIGEST_RE.match(p.model_artifact_digest):
         return "model_artifact_digest has a bad form"
-    if p.runtime_recipe_digest and not _DIGEST_RE.match(p.runtime_recipe_digest):
+    if p.runtime_recipe_digest and not DIGEST_RE.match(p.runtime_recipe_digest):
         return "runtime_recipe_digest has a bad form"
     if withdrawn:
         return "a withdrawal carries no runs" if p.runs else None
@@ -159,7 +159,7 @@ def sign_experts(claim: ExpertClaim, key, *, peer_id: str, sequence: int, now_ms
 def sign_experts_withdrawal(model_artifact_digest: str, key, *, peer_id: str, sequence: int, now_ms: int,
                             ttl_ms: int) -> bytes:
     """A tombstone: no runs, ``withdrawn`` set; it outranks the live record by sequence."""
-    if not _DIGEST_RE.match(model_artifact_digest):
+    if not DIGEST_RE.match(model_artifact_digest):
         raise ValueError("model_artifact_digest has a bad form")
     payload = pb.ExpertPlacementPayload(schema_version=pb.SCHEMA_VERSION_1, peer_id=peer_id,
                                         model_artifact_digest=model_artifact_digest, issued_at_unix_ms=now_ms,

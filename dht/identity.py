@@ -53,6 +53,11 @@ class Identity:
     def public_key(self) -> bytes:
         return _public_bytes(self.seed)
 
+    @property
+    def peer_id_bytes(self) -> bytes:
+        """The peer id as libp2p's ``ID.to_bytes()`` (what the DHT's keyspace hashes)."""
+        return peer_id_bytes(self.public_key)
+
     def libp2p_key_pair(self):  # -> libp2p.crypto.keys.KeyPair
         from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -82,15 +87,20 @@ def _b58encode(data: bytes) -> str:
     return "1" * pad + "".join(reversed(out))
 
 
+def peer_id_bytes(public_key: bytes) -> bytes:
+    """The libp2p peer id bytes (identity multihash) of a raw Ed25519 public key."""
+    if len(public_key) != 32:
+        raise IdentityError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
+    return _IDENTITY_MULTIHASH_PREFIX + _ED25519_PUBKEY_PROTO_PREFIX + public_key
+
+
 def peer_id_from_public_key(public_key: bytes) -> str:
     """The libp2p peer id (identity multihash, base58) of a raw Ed25519 public key.
 
     Computed here rather than through libp2p.peer.id (same bytes, checked by a
     test) so that record validation and ``meshd id`` do not import libp2p.
     """
-    if len(public_key) != 32:
-        raise IdentityError(f"an Ed25519 public key has 32 bytes, got {len(public_key)}")
-    return _b58encode(_IDENTITY_MULTIHASH_PREFIX + _ED25519_PUBKEY_PROTO_PREFIX + public_key)
+    return _b58encode(peer_id_bytes(public_key))
 
 
 def load_or_create_identity(data_dir: Path) -> Identity:

@@ -30,10 +30,11 @@ lately) are never candidates: after churn every answer still names the dead
 (a peer drops one from its table only when it tries it itself), and each
 would cost a dial and, in the final rounds, a round of its own.
 
-``Lookup`` is the state only (sans-I/O): the caller (dht/node.py) sends each
-batch and reports answers. State: per peer its distance and whether it is
-new, asked, answered or failed; the peers late once, and those given their
-second ask; the round count; the best distance seen.
+``Lookup`` is the state only (sans-I/O): the caller (dht/kademlia/ops.py, run
+by dht/node.py and by the simulation) sends each batch and reports answers.
+State: per peer its distance and whether it is new, asked, answered or
+failed, and every candidate in distance order; the peers late once, and
+those given their second ask; the round count; the best distance seen.
 
 Why a second ask, and why only past a quorum: one late peer among answering
 ones has most likely vanished (a host gone without closing its connection:
@@ -49,7 +50,7 @@ its lookup gave up on many late holders at once -- past the quorum.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Container, Hashable, Iterable
+from collections.abc import Callable, Container, Hashable, Iterable
 
 # Kademlia's k (replication and the lookup's result size) and alpha (parallel asks per round).
 K_CLOSEST = 20
@@ -84,16 +85,20 @@ class Lookup:
 
     def __init__(self, key: bytes, seeds: Iterable[Hashable], *, to_bytes, exclude: Hashable | None = None,
                  skip: Container[Hashable] = frozenset(),
-                 k: int = K_CLOSEST, alpha: int = ALPHA, max_rounds: int = MAX_ROUNDS) -> None:
+                 k: int = K_CLOSEST, alpha: int = ALPHA, max_rounds: int = MAX_ROUNDS,
+                 position: Callable[..., int] | None = None) -> None:
         if k < 1 or alpha < 1 or max_rounds < 1:
             raise ValueError("k, alpha and max_rounds must be positive")
         self.target = key_hash(key)
         self.k, self.alpha, self.max_rounds = k, alpha, max_rounds
-        self._to_bytes = to_bytes
+        # a peer's keyspace position: peer_hash of its id bytes, or the caller's (precomputed) one
+        self._position = position or (lambda peer: peer_hash(to_bytes(peer)))
         self._exclude = exclude
         self._skip = skip        # peers known unreachable: never candidates, whoever names them
         self.distance: dict[Hashable, int] = {}
         self.state: dict[Hashable, str] = {}
+        self._order: list[tuple[int, Hashable]] = []    # (distance, peer) of every candidate, nearest first
+        self._sorted = True                               # _order is sorted (``add`` appends: sorted when read)
         self.rounds = 0
         self.final = False
         self._late_once: set[Hashable] = set()   # late, given up on while below the quorum
@@ -102,28 +107,44 @@ class Lookup:
         self.add(seeds)
 
     def add(self, peers: Iterable[Hashable]) -> None:
+        state = self.state
         for peer in peers:
-            if (peer == self._exclude or peer in self.state or peer in self._skip
-                    or len(self.state) >= MAX_CANDIDATES):
+            if peer in state or peer == self._exclude or peer in self._skip or len(state) >= MAX_CANDIDATES:
                 continue
-            self.distance[peer] = peer_hash(self._to_bytes(peer)) ^ self.target
-            self.state[peer] = NEW
+            distance = self._position(peer) ^ self.target
+            self.distance[peer] = distance
+            state[peer] = NEW
+            self._order.append((distance, peer))
+            self._sorted = False
+
+    def _ordered(self) -> list[tuple[int, Hashable]]:
+        if not self._sorted:
+            self._order.sort()
+            self._sorted = True
+        return self._order
 
     def closest(self) -> list[Hashable]:
         """The k closest candidates that have not failed, nearest first."""
-        live = [p for p, s in self.state.items() if s != FAILED]
-        live.sort(key=self.distance.__getitem__)
-        return live[:self.k]
+        out, state, k = [], self.state, self.k
+        for _, peer in self._ordered():
+            if state[peer] != FAILED:
+                out.append(peer)
+                if len(out) == k:
+                    break
+        return out
 
     def answered_closest(self) -> list[Hashable]:
         """The k closest peers that answered: where a key's records live (PUT targets)."""
-        ok = [p for p, s in self.state.items() if s == ANSWERED]
-        ok.sort(key=self.distance.__getitem__)
-        return ok[:self.k]
+        out, state, k = [], self.state, self.k
+        for _, peer in self._ordered():
+            if state[peer] == ANSWERED:
+                out.append(peer)
+                if len(out) == k:
+                    break
+        return out
 
     def _best(self) -> int | None:
-        live = [self.distance[p] for p, s in self.state.items() if s != FAILED]
-        return min(live) if live else None
+        return next((d for d, peer in self._ordered() if self.state[peer] != FAILED), None)
 
     @property
     def done(self) -> bool:

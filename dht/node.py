@@ -1,5 +1,14 @@
 """DhtNode: our Kademlia node (py-libp2p KadDHT) with meshd's validator and store.
 
+The decisions live in the sans-I/O core (dht/kademlia/): every operation
+below is a step generator of dht/kademlia/ops.py that this node carries out
+over py-libp2p streams (``_drive``: GET/PUT under the deadline of
+dht/kademlia/book.py's ``RpcBook``, pauses, concurrent sub-steps in a
+nursery); the simulation (dht/kademlia/sim.py) runs the same steps on an
+in-memory network. What stays here is I/O: the library's KadDHT (its routing
+table and its GET_VALUE/PUT_VALUE server, around dht/validator.py), streams,
+connections, background table insertions.
+
 Data flow:
 * ``lookup(key)``: an iterative Kademlia lookup (dht/lookup.py: alpha
   parallel GET_VALUE asks per round, a final round over the k closest,
@@ -14,7 +23,7 @@ Data flow:
   churn.
 * ``fetch(key)``: a lookup that keeps every answering peer's value; the
   records that validate (dropping expired ones) are merged with the local
-  copy. py-libp2p's ``get_value`` returns the local copy as soon as there
+  copy (dht/kademlia/values.py). py-libp2p's ``get_value`` returns the local copy as soon as there
   is one, which would freeze an index, hence our own read.
 * ``publish_relay`` / ``fetch_relays``: the same for relay records under
   the one ``/meshd/relays/v1`` index (dht/relay_records.py).
@@ -22,7 +31,11 @@ Data flow:
   records under ``/meshd/experts/<digest>`` (dht/expert_records.py).
 * ``sync_peers()``: add every connected peer that speaks our swarm's DHT
   protocol to the routing table (``speaks_dht``: identify's list, else a
-  probe stream); ``join()``: that, then a lookup of our own id (after bootstrap).
+  probe stream); ``join()``: that, then a lookup of our own id and one per
+  bucket beyond our neighbourhood (after bootstrap).
+* ``refresh()``: every REFRESH_INTERVAL_S at a random phase (``_maintain``, in
+  place of the library's maintenance loop: see LIBRARY_MAINTENANCE below), lookups
+  of our own id and of one random key, then the store's expiry sweep.
 
 Swarm scope (dht/host/swarm_scope.py): the KadDHT serves, and our RPCs ask,
 on the swarm's protocol id ``/meshd/kad/<tag>/1.0.0`` -- the library's
@@ -30,39 +43,23 @@ on the swarm's protocol id ``/meshd/kad/<tag>/1.0.0`` -- the library's
 ``KadDHT.handle_stream`` does not look at the protocol id). A connected peer
 of another swarm (or another libp2p program) cannot answer our lookups nor
 store with us, and is kept out of our routing table and lookup seeds for
-FOREIGN_RECHECK_S after a check found it does not speak our protocol.
-* ``refresh()``: every REFRESH_INTERVAL_S at a random phase (``_maintain``, in
-  place of the library's maintenance loop: see REFRESH_INTERVAL_S), lookups of
-  our own id and of one random key, then the store's expiry sweep.
+FOREIGN_RECHECK_S after a check found it does not speak our protocol (the
+check is I/O, here; what is remembered, and for how long, is the RpcBook's
+``ForeignPeers``, dht/kademlia/book.py).
 
 In a home swarm (fewer than k peers) the k closest peers of every key are
-every node, so a read sees everything; beyond, lookups route. Measured by
-``meshd bench dht`` (200 nodes in 5 processes on 2 shared cores): every
-record found by every sampled node in at most ceil(log2 N) + 2 rounds; after
-20% of the nodes die at once, the survivors' lookups keep meeting the dead
-(named by other peers' answers) and RPC deadlines, and the view takes longer
-than one republish interval to be complete again (figures: README, "Run a node").
+every node, so a read sees everything; beyond, lookups route: the simulation
+(``meshd bench dht --sim``, tests/test_dht_sim.py) checks 1,000 nodes with
+NAT'd and slow peers and 20% churn; ``meshd bench dht`` runs real hosts.
 
 RPCs: GET_VALUE and PUT_VALUE go through dht/rpc.py (the library's wire,
 but a stream cut by our deadline is reset, not left open at the peer). Each
 is bounded by a deadline derived from the latencies this node measured
-(``RpcTimer``: one for peers we are connected to, between ``RPC_TIMEOUT_S``
-and ``RPC_TIMEOUT_CEILING_S``, one for peers we must dial first, between
-``DIAL_TIMEOUT_S`` and the same ceiling): a busy machine's slow answers
-raise the deadline instead of turning into failures that widen every
-lookup; fast answers never lower it below the first one (see the constants).
-A connected peer that leaves an RPC unanswered gets its own deadline doubled
-per consecutive miss (its first miss also counts as a latency sample of the
-deadline, so an overloaded machine raises every deadline); after STUCK_AFTER misses its connection is closed and it
-leaves the routing table (a peer whose host exited without closing its
-connections must not cost every later lookup a deadline) -- unless other
-connected peers missed deadlines too within CONGESTION_WINDOW_S: then this
-machine or the network is congested and the peer is kept (``stuck_kept``),
-since closing a busy peer's connection fails its RPCs in flight both ways and
-makes the next one pay a handshake, load added where there is too much (in
-a CI run of ``meshd bench dht``, congested by the library's maintenance burst
--- see REFRESH_INTERVAL_S -- 7,911 connections to live peers were closed as
-stuck after the kill). For
+(dht/kademlia/book.py: one estimator for peers we are connected to, one for
+peers we must dial first; a connected peer that misses deadlines doubles
+only its own, and after STUCK_AFTER misses in a row its connection is closed
+and it leaves the routing table -- unless other connected peers are late
+too: congestion, and the peer is kept, ``stuck_kept``). For
 the same reason a PUT is sent again only when the peer refused it (reset the
 stream), never when our deadline cut it. Within one lookup,
 connected peers cut by the deadline are asked once more when several were
@@ -70,18 +67,18 @@ connected peers cut by the deadline are asked once more when several were
 whose dial failed (no connection) is left out of every lookup for
 UNREACHABLE_S unless it connects again (``Lookup``'s ``skip``).
 
-State: the KadDHT (routing table, value store), the record cache and the two
-RPC timers are owned here; records are owned by their signers. Concurrency
+State: the KadDHT (routing table, value store), the record cache and the
+RpcBook (two RPC timers, peer health, foreign peers, counts) are owned here; records are
+owned by their signers. Concurrency
 of network calls is bounded by ``MAX_PARALLEL_RPCS`` and the lookup's alpha.
 """
 from __future__ import annotations
 
 import logging
 import random
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import asynccontextmanager, nullcontext
+from typing import Any
 
 import trio
 from libp2p.custom_types import TProtocol
@@ -95,19 +92,14 @@ from dht import rpc
 from dht.compat.gate import gate, installed_version
 from dht.compat.registry import decide
 from dht.errors import RecordRejected
-from dht.expert_records import parse_expert_set_lenient
 from dht.host.swarm_scope import DEFAULT_SCOPE, SwarmScope
-from dht.lookup import K_CLOSEST, SEED_PEERS, Lookup
-from dht.peer_health import CLOSE, KEEP, PeerHealth
-from dht.records import (
-    CapabilityRecord,
-    RecordCache,
-    encode_record_set,
-    merge_records,
-    parse_record_set_lenient,
-    validate_capability,
-)
-from dht.relay_records import RelayRecord, parse_relay_set_lenient
+from dht.kademlia import ops
+from dht.kademlia.book import DIAL_TIMEOUT_S, STUCK_AFTER, RpcBook
+from dht.kademlia.ops import REFRESH_INTERVAL_S, LookupResult
+from dht.lookup import K_CLOSEST, SEED_PEERS, peer_hash
+from dht.peer_health import CLOSE, PeerHealth
+from dht.records import CapabilityRecord, RecordCache, encode_record_set
+from dht.relay_records import RelayRecord
 from dht.rpc import RpcTimer
 from dht.validator import MergingValueStore, check_value, namespaced_validator
 
@@ -115,37 +107,8 @@ log = logging.getLogger(__name__)
 
 # Kademlia's k: how many closest peers hold each key.
 REPLICATION = K_CLOSEST
-# One slow peer must not stall a publish or a read for long; a live peer answers
-# a DHT RPC in milliseconds on a LAN, well under a second across the internet.
-# These are the first deadlines; measured latencies move them (RpcTimer).
-RPC_TIMEOUT_S = 3.0
 # Routing-table insertions of answering peers running at once in the background (``_learn``).
 MAX_PENDING_INSERTS = 4
-# Consecutive unanswered RPCs after which a connected peer's connection is closed (_rpc) --
-# unless another connected peer also left an RPC unanswered within CONGESTION_WINDOW_S:
-# then the machine or the network is congested, late means busy, and closing would turn
-# the peer's in-flight RPCs (both ways) into failures and its next RPC into a new handshake.
-STUCK_AFTER = 3
-CONGESTION_WINDOW_S = 30.0
-RECENT_MISSES = 64
-# A peer we could not reach (dial refused, no connection) is left out of our lookups for
-# UNREACHABLE_S, unless it is connected again (it came back and dialed us); at most
-# MAX_UNREACHABLE remembered (the oldest forgotten first).
-UNREACHABLE_S = 300.0
-MAX_UNREACHABLE = 1024
-# Dialing a peer we are not connected to: on loopback or a LAN a live peer
-# answers in milliseconds; a gone one would otherwise hold a publish for long.
-DIAL_TIMEOUT_S = 2.0
-# A measured deadline never goes below the first one (RPC_TIMEOUT_S, DIAL_TIMEOUT_S)
-# and never above RPC_TIMEOUT_CEILING_S (one dead peer would stall a lookup round).
-# Not lower: a deadline cut loses the answer, and quiet-time latencies (tens of
-# ms) say nothing about a burst -- measured in ``meshd bench dht`` at 200 nodes
-# with a 1 s floor: a burst of lookups on a starved machine cut 12% of all RPCs
-# and found a quarter of the records. A dead peer's connection is gone (a
-# failed dial costs no deadline); a connected peer that is late is busy.
-RPC_TIMEOUT_CEILING_S = 10.0
-# Concurrent DHT RPCs per operation (Kademlia's alpha is 3; ours is a small swarm).
-MAX_PARALLEL_RPCS = 8
 # py-libp2p 0.8.1's KadDHT serves at most 12 inbound DHT streams at once and
 # resets any stream beyond (``KadDHT._inbound_limiter``, "the remote will
 # retry"). The k closest peers of a busy index key take PUTs from every
@@ -156,9 +119,7 @@ MAX_PARALLEL_RPCS = 8
 # ``meshd status`` as ``dht_inbound_handlers`` (dht/compat/; no upstream issue found).
 DHT_INBOUND_HANDLERS = 64
 LIBRARY_INBOUND_HANDLERS = 12
-PUT_ATTEMPTS = 3
-PUT_RETRY_PAUSE_S = (0.05, 0.4)
-# py-libp2p 0.8.1's KadDHT runs a maintenance loop (``KadDHT._run_main_loop``): at its start and
+# LIBRARY_MAINTENANCE: py-libp2p 0.8.1's KadDHT runs a maintenance loop (``KadDHT._run_main_loop``): at its start and
 # every 600 s a routing-table refresh -- a lookup of its own id, then one per non-empty bucket,
 # one after another, through the library's own RPCs (not cancel-safe, see dht/rpc.py) -- and
 # republishes of values stored with ``put`` (meshd stores with ``put_record``: there are none).
@@ -167,16 +128,9 @@ PUT_RETRY_PAUSE_S = (0.05, 0.4)
 # (a CI run: 52,598 RPCs cut after the kill, the survivors' views never complete again).
 # meshd replaces that loop with ``DhtNode._maintain``: a lookup of our own id and of one random
 # key (a far bucket) through meshd's lookup, and the store's expiry sweep, every
-# REFRESH_INTERVAL_S at a random phase (x uniform REFRESH_JITTER). Version-gated
-# (``replace_maintenance``), shown in ``meshd status`` as ``dht_maintenance`` (dht/compat/;
-# no upstream issue found).
-REFRESH_INTERVAL_S = 600.0
-REFRESH_JITTER = (0.5, 1.5)
-# A connected peer found not to speak our swarm's DHT protocol (another swarm, another libp2p
-# program) stays out of the routing table and lookups this long before it is checked again
-# (a peer that restarted into our swarm is in again within that); at most MAX_FOREIGN remembered.
-FOREIGN_RECHECK_S = 60.0
-MAX_FOREIGN = 1024
+# REFRESH_INTERVAL_S at a random phase (x uniform REFRESH_JITTER; dht/kademlia/ops.py).
+# Version-gated (``replace_maintenance``), shown in ``meshd status`` as ``dht_maintenance``
+# (dht/compat/; no upstream issue found).
 
 
 def widen_inbound_handlers(kad, version: str) -> str | None:
@@ -203,14 +157,6 @@ def replace_maintenance(kad, version: str, loop) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class LookupResult:
-    closest: tuple        # the k closest peers that answered, nearest first (PUT targets)
-    rounds: int           # rounds of parallel asks the lookup took
-    asked: int            # peers asked in all
-    failed: int = 0       # of them, how many did not answer (unreachable, cut by the deadline)
-
-
 class DhtNode:
     def __init__(self, host, clock: Callable[[], int], scope: SwarmScope = DEFAULT_SCOPE) -> None:
         self.host = host
@@ -224,20 +170,14 @@ class DhtNode:
         # serve on our swarm's protocol, not the library's (see the module docstring)
         host.remove_stream_handler(LIBRARY_DHT_PROTOCOL)
         host.set_stream_handler(self.protocol, self.kad.handle_stream)
-        # connected peers found not to speak our DHT protocol -> when to check again (trio time)
-        self._foreign: OrderedDict = OrderedDict()
-        self.foreign_seen = 0
         self.kad.value_store = MergingValueStore(host, host.get_id(), clock, self.records)
         self.store: MergingValueStore = self.kad.value_store
         self.last_lookup: LookupResult | None = None
-        # deadlines of RPCs to connected peers, and to peers dialed first (measured, see the docstring)
-        self.rpc_timer = RpcTimer(RPC_TIMEOUT_S, RPC_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
-        self.dial_timer = RpcTimer(DIAL_TIMEOUT_S, DIAL_TIMEOUT_S, RPC_TIMEOUT_CEILING_S)
-        # outcomes of this node's RPCs (``rpc_stats``): answered, cut by our deadline, failed
-        self.rpc_counts = {"answered": 0, "timed_out": 0, "failed": 0, "stuck_closed": 0, "stuck_kept": 0}
-        # per peer: consecutive misses (its deadline doubles per miss), congestion, unreachable peers
-        self.health = PeerHealth(stuck_after=STUCK_AFTER, congestion_window_s=CONGESTION_WINDOW_S,
-                                 recent=RECENT_MISSES, unreachable_s=UNREACHABLE_S, max_unreachable=MAX_UNREACHABLE)
+        # deadlines of RPCs to connected peers and to peers dialed first (measured), per-peer
+        # health (misses, congestion, unreachable peers), peers of another swarm, outcome
+        # counts: dht/kademlia/book.py
+        self.book = RpcBook()
+        self._view = _CoreView(self)
         # routing-table insertions running in the background (``_learn``), and their nursery
         self._inserting: set = set()
         self._upkeep: trio.Nursery | None = None
@@ -250,13 +190,39 @@ class DhtNode:
                f" (meshd's refresh, every {REFRESH_INTERVAL_S:g} s at a random phase)")
         self.refreshes = 0
 
+    # the book's parts under their earlier names (tests and ``rpc_stats`` read and set them)
+    @property
+    def rpc_timer(self) -> RpcTimer:
+        return self.book.connected
+
+    @rpc_timer.setter
+    def rpc_timer(self, timer: RpcTimer) -> None:
+        self.book.connected = timer
+
+    @property
+    def dial_timer(self) -> RpcTimer:
+        return self.book.dialed
+
+    @property
+    def health(self) -> PeerHealth:
+        return self.book.health
+
+    @property
+    def rpc_counts(self) -> dict:
+        return self.book.counts
+
+    @property
+    def foreign_seen(self) -> int:
+        """How many peers were found not to speak our DHT protocol (each once while remembered)."""
+        return self.book.foreign.seen
+
     async def _maintain(self) -> None:
-        """The routing-table refresh (in place of the library's; see REFRESH_INTERVAL_S): our
+        """The routing-table refresh (in place of the library's; see LIBRARY_MAINTENANCE): our
         own id's neighbourhood and one random far bucket, then the expiry sweep; at a random
         phase so that nodes started together do not refresh together."""
         rng = random.Random()
         while True:
-            await trio.sleep(REFRESH_INTERVAL_S * rng.uniform(*REFRESH_JITTER))
+            await trio.sleep(ops.refresh_delay(rng, REFRESH_INTERVAL_S))
             try:
                 await self.refresh(rng.randbytes(32))
             except Exception as exc:  # noqa: BLE001 - the next refresh tries again
@@ -264,8 +230,7 @@ class DhtNode:
 
     async def refresh(self, far_key: bytes) -> None:
         """One refresh: lookups of our own id and of ``far_key``, then drop expired values."""
-        await self.lookup(self.host.get_id().to_bytes())
-        await self.lookup(far_key)
+        await self._drive(ops.refresh(self._view, far_key))
         self.store.cleanup_expired()
         self.refreshes += 1
 
@@ -300,8 +265,7 @@ class DhtNode:
         self._upkeep.start_soon(insert)
 
     def _is_foreign(self, peer) -> bool:
-        until = self._foreign.get(peer)
-        return until is not None and until > trio.current_time()
+        return self.book.foreign.excluded(peer, trio.current_time())
 
     def foreign_peers(self) -> list[str]:
         """Connected peers known not to speak our DHT protocol (``meshd status``)."""
@@ -310,7 +274,7 @@ class DhtNode:
     async def speaks_dht(self, peer) -> bool:
         """Does the connected ``peer`` serve our swarm's DHT protocol? Yes when identify listed it;
         else a probe stream decides (negotiated: yes, then reset; refused or silent: no, remembered
-        for FOREIGN_RECHECK_S)."""
+        for FOREIGN_RECHECK_S in the RpcBook's ``foreign``)."""
         if self._is_foreign(peer):
             return False
         try:
@@ -329,16 +293,11 @@ class DhtNode:
                 ok = True
                 await rpc.reset_stream(stream, peer)
         if ok:
-            self._foreign.pop(peer, None)
+            self.book.foreign.speaks(peer)
             return True
-        if peer not in self._foreign:
-            self.foreign_seen += 1
+        if self.book.foreign.found(peer, trio.current_time()):
             log.info("peer %s does not speak our swarm's DHT protocol %s (another swarm, or not meshd): "
                      "kept out of the routing table", peer, self.protocol)
-        self._foreign.pop(peer, None)
-        self._foreign[peer] = trio.current_time() + FOREIGN_RECHECK_S
-        while len(self._foreign) > MAX_FOREIGN:
-            self._foreign.popitem(last=False)
         return False
 
     async def sync_peers(self) -> int:
@@ -356,11 +315,11 @@ class DhtNode:
 
     async def join(self) -> int:
         """Kademlia's join: the connected peers (bootstrap) into the table, then a lookup of our own
-        id, which fills our neighbourhood and makes the peers it asks add us to theirs.
-        Returns the routing table's size."""
+        id, which fills our neighbourhood and makes the peers it asks add us to theirs, and one
+        lookup per bucket beyond it (dht/kademlia/ops.py ``join``). Returns the routing table's size."""
         await self.sync_peers()
         if self.host.get_connected_peers():
-            await self.lookup(self.host.get_id().to_bytes())
+            await self._drive(ops.join(self._view))
         return self.routing_table_size()
 
     def routing_table_size(self) -> int:
@@ -382,27 +341,11 @@ class DhtNode:
 
         All local stores happen first (one validation instant), then every
         remote PUT of every key runs concurrently, so a publish takes at most
-        about one RPC timeout however many peers are dead. Returns how many
-        remote stores were acknowledged (0 in a swarm of one).
+        about one RPC timeout however many peers are dead (dht/kademlia/ops.py).
+        Returns how many remote stores were acknowledged (0 in a swarm of one).
         """
-        span = None if record.withdrawn else record.span
-        puts = []
-        for key in K.keys_for(record.peer_id, record.model_artifact_digest, span):
-            value = record.raw if key == K.peer_key(record.peer_id) else encode_record_set([record])
-            self.store_locally(key, value)
-            puts.append((key, value))
-        acked = 0
-
-        async def one_key(key: str, value: bytes, session: rpc.Session) -> None:
-            nonlocal acked
-            stored = await self.put_remote(key, value, session)   # not ``acked += await``: that reads acked first
-            acked += stored
-
         async with rpc.Session(self.host, self.protocol) as session:   # the keys' lookups and PUTs share streams
-            async with trio.open_nursery() as nursery:
-                for key, value in puts:
-                    nursery.start_soon(one_key, key, value, session)
-        return acked
+            return await self._drive(ops.publish(self._view, record), session)
 
     async def put_remote(self, key: str, value: bytes, session: rpc.Session | None = None) -> int:
         """PUT ``value`` at the k closest peers of ``key`` that a network lookup finds.
@@ -412,82 +355,97 @@ class DhtNode:
         if session is None:
             async with rpc.Session(self.host, self.protocol) as own:
                 return await self.put_remote(key, value, own)
-        kb = key.encode()
-        targets = (await self.lookup(kb, session=session)).closest
-        acked = 0
-        limiter = trio.CapacityLimiter(MAX_PARALLEL_RPCS)
-
-        network = self.host.get_network()
-
-        async def one(peer) -> None:
-            nonlocal acked
-            for attempt in range(PUT_ATTEMPTS):
-                if attempt:   # refused (a busy peer resets) but still connected: it is alive
-                    await trio.sleep(random.uniform(*PUT_RETRY_PAUSE_S))
-                async with limiter:
-                    answer = await self._rpc(peer, rpc.put_value, kb, value, session=session)
-                if answer is True:
-                    acked += 1
-                    return
-                if answer is self._TIMED_OUT or peer not in network.connections:
-                    return      # late: busy (asking again adds load where there is too much); gone
-
-        async with trio.open_nursery() as nursery:
-            for peer in targets:
-                nursery.start_soon(one, peer)
-        return acked
+        return await self._drive(ops.put_remote(self._view, key, value), session)
 
     def rpc_stats(self) -> dict:
         """Counts of this node's RPC outcomes and its two deadline estimators (JSON-able)."""
         return {**self.rpc_counts, "connected": self.rpc_timer.snapshot(), "dialed": self.dial_timer.snapshot()}
 
-    def _timer_for(self, peer) -> RpcTimer:
-        """The deadline estimator for an RPC to ``peer``: connected, or to be dialed first."""
-        return self.rpc_timer if peer in self.host.get_network().connections else self.dial_timer
+    # ------------------------------------------------------------------ the core's effects
+
+    async def _drive(self, step: ops.Step, session: rpc.Session | None = None,
+                     limiter: trio.CapacityLimiter | None = None):
+        """Carry out a core step's effects (dht/kademlia/ops.py) until it returns; its result.
+
+        GET and PUT run under ``_rpc``'s deadline over ``session``'s streams, at most
+        ``limiter``'s count at once; ``Together`` runs its sub-steps in a nursery."""
+        result: Any = None
+        while True:
+            try:
+                effect = step.send(result)
+            except StopIteration as done:
+                return done.value
+            if isinstance(effect, (ops.Get, ops.Put)):
+                async with limiter if limiter is not None else nullcontext():
+                    result = await self._perform(effect, session)
+            elif isinstance(effect, ops.Pause):
+                await trio.sleep(effect.seconds)
+                result = None
+            elif isinstance(effect, ops.Together):
+                result = await self._together(effect, session, limiter)
+            else:
+                raise TypeError(f"unknown DHT effect {effect!r}")
+
+    async def _together(self, effect: ops.Together, session: rpc.Session | None,
+                        limiter: trio.CapacityLimiter | None) -> list:
+        """``effect``'s sub-steps at once in a nursery, at most its ``limit`` of their RPCs in flight
+        (else the caller's limiter's); their results in order."""
+        inner = trio.CapacityLimiter(effect.limit) if effect.limit else limiter
+        results: list = [None] * len(effect.steps)
+
+        async def one(i: int, sub: ops.Step) -> None:
+            results[i] = await self._drive(sub, session, inner)
+
+        async with trio.open_nursery() as nursery:
+            for i, sub in enumerate(effect.steps):
+                nursery.start_soon(one, i, sub)
+        return results
+
+    async def _perform(self, effect, session: rpc.Session | None) -> ops.Outcome:
+        """One GET or PUT as the core's Outcome; whether the peer is still connected is read after it."""
+        peer = effect.peer
+        if isinstance(effect, ops.Get):
+            answer = await self._rpc(peer, rpc.get_value, effect.key, session=session)
+        else:
+            answer = await self._rpc(peer, rpc.put_value, effect.key, effect.value, session=session)
+        connected = peer in self.host.get_network().connections
+        if answer is self._TIMED_OUT:
+            return ops.Outcome(ops.TIMED_OUT, connected)
+        if answer is None:
+            return ops.Outcome(ops.FAILED, connected)
+        if isinstance(effect, ops.Put):
+            return ops.Outcome(ops.ANSWERED, connected, stored=answer is True)
+        got, closer = answer
+        value = got.value if isinstance(got, Record) and got.value else None
+        return ops.Outcome(ops.ANSWERED, connected, value=value, closer=tuple(closer))
 
     _TIMED_OUT = object()
 
     async def _rpc(self, peer, call, *args, session: rpc.Session | None = None):
         """``call(host, peer, *args, session)`` under the measured deadline; its result, ``_TIMED_OUT``,
-        or None when it failed (dial refused, stream reset). Feeds the latency into the timer.
-
-        A connected peer that leaves RPCs unanswered gets a deadline doubled per consecutive
-        miss (its own, not everyone's; only its first miss counts as a latency sample, so a
-        machine-wide overload raises every deadline while one stuck peer cannot); after STUCK_AFTER
-        misses in a row its connection is closed and it leaves the routing table: a connection
-        whose far end stopped reading (a host that exited without closing it) must not cost
-        every later RPC a deadline."""
-        timer = self._timer_for(peer)
-        connected = timer is self.rpc_timer
-        misses = self.health.misses(peer) if connected else 0
+        or None when it failed (dial refused, stream reset). The outcome goes to the RpcBook
+        (dht/kademlia/book.py), which says when a connected peer that keeps missing deadlines
+        is to be closed (``_close_stuck``)."""
+        connected = peer in self.host.get_network().connections
+        misses = self.book.misses(peer, connected)
         start = trio.current_time()
         try:
-            with trio.move_on_after(timer.timeout(misses)):
+            with trio.move_on_after(self.book.timer(connected).timeout(misses)):
                 result = await call(self.host, peer, *args, session=session, protocol=self.protocol)
-                timer.observe(trio.current_time() - start)
-                self.rpc_counts["answered"] += 1
-                self.health.answered(peer)
+                self.book.answered(peer, connected, trio.current_time() - start)
                 return result
         except Exception as exc:  # noqa: BLE001 - dial and stream errors of every kind (groups too)
             log.debug("DHT RPC to %s failed: %s", peer, exc)
-            self.rpc_counts["failed"] += 1
-            self.health.failed(peer)
+            self.book.failed(peer)
             return None
-        self.rpc_counts["timed_out"] += 1
-        if connected:    # a connected peer that did not answer in time: busy, or stuck
-            if misses == 0:   # a peer's first miss is a latency sample of at least the deadline
-                timer.observe(trio.current_time() - start)     # (its later misses are its own: backoff)
-            verdict = self.health.missed(peer, trio.current_time())
-            if verdict == KEEP:
-                self.rpc_counts["stuck_kept"] += 1     # busy among busy peers: kept, at its backoff
-            elif verdict == CLOSE:
-                await self._close_stuck(peer)
+        now = trio.current_time()
+        if self.book.timed_out(peer, connected, now - start, now, misses) == CLOSE:
+            await self._close_stuck(peer)
         return self._TIMED_OUT
 
     async def _close_stuck(self, peer) -> None:
         """Drop a connected peer that left STUCK_AFTER RPCs in a row unanswered: out of the
         routing table, its connection closed (shielded, bounded); a live peer reconnects."""
-        self.rpc_counts["stuck_closed"] += 1
         log.info("DHT peer %s left %d RPCs in a row unanswered: closing its connection", peer, STUCK_AFTER)
         try:
             self.kad.routing_table.remove_peer(peer)
@@ -508,71 +466,28 @@ class DhtNode:
                 found.append(peer)
         return found
 
+    def _forget(self, peer) -> None:
+        """A peer we could not reach: out of the routing table, left out of lookups for a while."""
+        self.kad.routing_table.remove_peer(peer)
+        self.health.mark_unreachable(peer, trio.current_time())
+
     async def lookup(self, kb: bytes, *, values: list[bytes] | None = None,
                      session: rpc.Session | None = None) -> LookupResult:
-        """Iterative Kademlia lookup of ``kb`` (dht/lookup.py) over GET_VALUE.
+        """Iterative Kademlia lookup of ``kb`` (dht/lookup.py, run by dht/kademlia/ops.py) over GET_VALUE.
 
         Every answering peer's value is appended to ``values`` when given.
         A peer that fails leaves our routing table; one that answers joins it (in the
         background: ``_learn``, so a full bucket's ping of its oldest peer never holds a round).
         With ``session`` the streams stay open for the caller's next RPCs.
         """
-        me = self.host.get_id()
-        network = self.host.get_network()
-        lk = Lookup(kb, self._seeds(kb), to_bytes=lambda p: p.to_bytes(), exclude=me,
-                    skip=self.health.skip(trio.current_time(), network.connections))
-
-        async def ask(peer) -> None:
-            answer = await self._rpc(peer, rpc.get_value, kb, session=session)
-            if answer is self._TIMED_OUT and peer in network.connections:
-                lk.late(peer)        # past the quorum, asked once more, under its doubled deadline
-                return
-            if answer is None or answer is self._TIMED_OUT:
-                lk.failed(peer)
-                # a peer we cannot reach leaves the table; one cut by our deadline
-                # or refused on a live connection (a busy peer) stays
-                if answer is None and peer not in network.connections:
-                    self.kad.routing_table.remove_peer(peer)
-                    self.health.mark_unreachable(peer, trio.current_time())
-                return
-            got, closer = answer
-            lk.answered(peer, closer)
-            if isinstance(got, Record) and got.value and values is not None:
-                values.append(got.value)
-            self._learn(peer)
-
-        while batch := lk.next_batch():
-            async with trio.open_nursery() as nursery:
-                for peer in batch:
-                    nursery.start_soon(ask, peer)
-            lk.round_done()
-        result = LookupResult(closest=tuple(lk.answered_closest()), rounds=lk.rounds,
-                              asked=sum(s != "new" for s in lk.state.values()),
-                              failed=sum(s == "failed" for s in lk.state.values()))
-        self.last_lookup = result
-        return result
+        return await self._drive(ops.lookup(self._view, kb, values), session)
 
     # ------------------------------------------------------------------ reads
 
     async def fetch(self, key: str) -> list[CapabilityRecord]:
         """Every valid, unexpired record under ``key`` that we and the peers a lookup asks hold."""
-        parsed = K.parse_key(key)
-        kb = key.encode()
-        values: list[bytes] = []
-        local = self.store.get(kb)
-        if local is not None:
-            values.append(local.value)
-        await self.lookup(kb, values=values)
-        now = self.clock()
-        merged: list[CapabilityRecord] = []
-        for value in values:
-            try:
-                recs = self._decode(parsed, value, now, self.records)
-            except RecordRejected as exc:
-                log.info("refused a value for %s from the DHT: %s", key, exc)
-                continue
-            merged = merge_records(merged, recs, now)
-        return merged
+        fetched = await self._drive(ops.fetch(self._view, key))
+        return fetched.records
 
     async def publish_relay(self, record: RelayRecord) -> int:
         """Store a relay's record under /meshd/relays/v1, locally and at the closest peers."""
@@ -582,7 +497,7 @@ class DhtNode:
 
     async def fetch_relays(self) -> list[RelayRecord]:
         """Every live relay record the closest peers and we hold."""
-        return await self.fetch(K.relays_key())  # type: ignore[return-value]  # _decode: relay records here
+        return await self.fetch(K.relays_key())  # type: ignore[return-value]  # values.decode: relay records here
 
     async def publish_experts(self, record) -> int:
         """Store an expert peer's placement record under /meshd/experts/<digest>, here and at the closest peers."""
@@ -594,30 +509,47 @@ class DhtNode:
         """Every valid, unexpired expert placement record of one model the closest peers and we hold."""
         return await self.fetch(K.experts_key(digest))
 
-    @staticmethod
-    def _decode(parsed: K.ParsedKey, value: bytes, now: int,
-                cache: RecordCache | None = None) -> list[CapabilityRecord]:
-        if parsed.kind == "relays":
-            # fetch() reads every key kind; fetch_relays/fetch_experts name what theirs return.
-            return parse_relay_set_lenient(value, now)  # type: ignore[return-value]  # see above
-        if parsed.kind == "experts":
-            experts = parse_expert_set_lenient(value, now)
-            if any(r.model_artifact_digest != parsed.subject for r in experts):
-                raise RecordRejected("key_mismatch", "expert record of another model")
-            return experts  # type: ignore[return-value]  # see above
-        if parsed.kind == "peer":
-            rec = validate_capability(value, now, cache)
-            if rec.peer_id != parsed.subject:
-                raise RecordRejected("key_mismatch", "record of another peer")
-            return [rec]
-        recs = parse_record_set_lenient(value, now, cache)
-        for rec in recs:
-            if rec.model_artifact_digest != parsed.subject:
-                raise RecordRejected("key_mismatch", "record of another model")
-            if parsed.kind == "span" and not rec.withdrawn and rec.span != parsed.span:
-                raise RecordRejected("key_mismatch", "record of another span")
-        return recs
-
     def local_models(self) -> list[str]:
         """Artifact digests of the model indexes this node holds."""
         return sorted(K.parse_key(k).subject for k in self.store.index_keys())
+
+
+class _CoreView:
+    """The node as the core's operations see it (dht/kademlia/ops.py ``Node``)."""
+
+    def __init__(self, node: DhtNode) -> None:
+        self._node = node
+        self.me = node.host.get_id()
+        self.cache = node.records
+        self.rng = random.Random()
+
+    def to_bytes(self, peer) -> bytes:
+        return peer.to_bytes()
+
+    def position(self, peer) -> int:
+        return peer_hash(peer.to_bytes())
+
+    def seeds(self, key: bytes) -> list:
+        return self._node._seeds(key)
+
+    def skip(self):
+        return self._node.health.skip(trio.current_time(), self._node.host.get_network().connections)
+
+    def learn(self, peer) -> None:
+        self._node._learn(peer)
+
+    def forget(self, peer) -> None:
+        self._node._forget(peer)
+
+    def looked_up(self, result: LookupResult) -> None:
+        self._node.last_lookup = result
+
+    def store_locally(self, key: str, value: bytes) -> None:
+        self._node.store_locally(key, value)
+
+    def local_value(self, key: bytes) -> bytes | None:
+        stored = self._node.store.get(key)
+        return stored.value if stored is not None else None
+
+    def wall_ms(self) -> int:
+        return self._node.clock()

@@ -74,7 +74,7 @@ MAX_DTYPES = 8
 # MoE holders name the experts they need as runs (dht/expert_records.py has the same bound).
 MAX_DELEGATED_RUNS = 128
 MAX_EXPERT_ID = 511
-_DIGEST_RE = re.compile(rf"^[A-Za-z0-9:._-]{{1,{MAX_DIGEST_CHARS}}}$")
+DIGEST_RE = re.compile(rf"^[A-Za-z0-9:._-]{{1,{MAX_DIGEST_CHARS}}}$")
 SET_MAGIC = b"MSR1"
 # Records one RecordCache remembers: a home swarm has a few records per peer;
 # 2048 x (<= 4 KiB raw + its parsed payload) bounds the memory a flood of
@@ -161,8 +161,8 @@ class CapabilityRecord:
 
 
 def _check_digest(value: str, name: str) -> None:
-    if not _DIGEST_RE.match(value):
-        raise ValueError(f"{name} must match {_DIGEST_RE.pattern}")
+    if not DIGEST_RE.match(value):
+        raise ValueError(f"{name} must match {DIGEST_RE.pattern}")
 
 
 def sign_capability(claim: CapabilityClaim, key, *, peer_id: str, sequence: int,
@@ -334,9 +334,9 @@ def _check_bounds(p: pb.CapabilityPayload) -> None:
     if problem:
         raise bad(problem)
 
-    if not _DIGEST_RE.match(p.model_artifact_digest):
+    if not DIGEST_RE.match(p.model_artifact_digest):
         raise bad("model_artifact_digest has a bad form")
-    if p.runtime_recipe_digest and not _DIGEST_RE.match(p.runtime_recipe_digest):
+    if p.runtime_recipe_digest and not DIGEST_RE.match(p.runtime_recipe_digest):
         raise bad("runtime_recipe_digest has a bad form")
     r = p.shard_range
     if p.withdrawn:

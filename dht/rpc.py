@@ -30,11 +30,10 @@ counted). A session holds at most one idle stream per peer and closes them
 all when the operation ends, so a peer's inbound DHT slots are held only
 while an operation that talks to it runs.
 
-``RpcTimer`` (sans-I/O) derives the deadline of the next RPC from the
-latencies measured so far, as TCP derives its retransmission timeout
-(RFC 6298: SRTT + 4 RTTVAR), clamped to [floor, ceiling]; a timed-out RPC to a
-peer we were connected to doubles the estimate (a loaded peer or a loaded
-us, not a dead peer: that one's connection is gone), answers pull it back.
+``RpcTimer`` (sans-I/O, in dht/kademlia/book.py with the rest of a node's
+RPC bookkeeping; re-exported here) derives the deadline of the next RPC from
+the latencies measured so far, as TCP derives its retransmission timeout
+(RFC 6298: SRTT + 4 RTTVAR), clamped to [floor, ceiling].
 """
 from __future__ import annotations
 
@@ -51,6 +50,10 @@ from libp2p.utils.varint import read_varint_prefixed_bytes_limited
 from multiaddr import Multiaddr
 
 from dht.host.swarm_scope import DEFAULT_SCOPE
+from dht.kademlia.book import RpcTimer
+
+__all__ = ["ADDR_TTL_S", "CLEANUP_S", "DEFAULT_PROTOCOL", "RpcTimer", "Session", "get_value", "put_value",
+           "reset_stream"]
 
 log = logging.getLogger(__name__)
 
@@ -60,43 +63,6 @@ CLEANUP_S = 1.0
 ADDR_TTL_S = 600
 # The DHT protocol of the default swarm (a DhtNode passes its own swarm's).
 DEFAULT_PROTOCOL = TProtocol(DEFAULT_SCOPE.dht_protocol)
-
-
-class RpcTimer:
-    """Deadline for the next RPC from measured latencies (RFC 6298's estimator; pure).
-
-    State: ``srtt`` and ``rttvar`` (seconds; None before the first sample)."""
-
-    ALPHA = 1 / 8
-    BETA = 1 / 4
-
-    def __init__(self, initial_s: float, floor_s: float, ceiling_s: float) -> None:
-        if not 0 < floor_s <= initial_s <= ceiling_s:
-            raise ValueError("need 0 < floor <= initial <= ceiling")
-        self.initial_s, self.floor_s, self.ceiling_s = initial_s, floor_s, ceiling_s
-        self.srtt: float | None = None
-        self.rttvar = 0.0
-        self.samples = 0
-
-    def timeout(self, backoff: int = 0) -> float:
-        """Deadline for the next RPC; ``backoff`` = that peer's consecutive unanswered RPCs
-        doubles it per miss (RFC 6298 5.5) for that peer only, within the ceiling."""
-        base = self.initial_s if self.srtt is None else max(self.floor_s, self.srtt + 4 * self.rttvar)
-        return min(self.ceiling_s, base * 2 ** min(max(backoff, 0), 16))
-
-    def observe(self, seconds: float) -> None:
-        """One RPC answered after ``seconds``."""
-        seconds = max(0.0, seconds)
-        self.samples += 1
-        if self.srtt is None:
-            self.srtt, self.rttvar = seconds, seconds / 2
-            return
-        self.rttvar = (1 - self.BETA) * self.rttvar + self.BETA * abs(self.srtt - seconds)
-        self.srtt = (1 - self.ALPHA) * self.srtt + self.ALPHA * seconds
-
-    def snapshot(self) -> dict:
-        return {"timeout_s": round(self.timeout(), 3), "srtt_s": None if self.srtt is None else round(self.srtt, 4),
-                "samples": self.samples}
 
 
 async def _end(stream, peer, *, good: bool) -> None:

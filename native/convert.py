@@ -38,7 +38,7 @@ CONVERT_VERSION = 1
 GGUF_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_K_M")
 _MATRIX_QTYPE = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
                  "BF16": gguf.GGMLQuantizationType.BF16, "Q8_0": gguf.GGMLQuantizationType.Q8_0}
-_FILE_TYPE = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
+FILE_TYPES = {"F32": gguf.LlamaFileType.ALL_F32, "F16": gguf.LlamaFileType.MOSTLY_F16,
               "BF16": gguf.LlamaFileType.MOSTLY_BF16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -75,7 +75,7 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _load_tensors(artifact: Path) -> dict[str, np.ndarray]:
+def load_tensors(artifact: Path) -> dict[str, np.ndarray]:
     import torch
     from safetensors import safe_open
 
@@ -90,7 +90,7 @@ def _load_tensors(artifact: Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-def _tokenizer_metadata(writer: gguf.GGUFWriter, artifact: Path, config: dict[str, Any],
+def add_tokenizer_metadata(writer: gguf.GGUFWriter, artifact: Path, config: dict[str, Any],
                         vocab_size: int, pre: str) -> None:
     data = json.loads((artifact / "tokenizer.json").read_text())
     model = data.get("model", {})
@@ -120,7 +120,7 @@ def _tokenizer_metadata(writer: gguf.GGUFWriter, artifact: Path, config: dict[st
     writer.add_add_bos_token(False)  # meshd tokenizes with the HF tokenizer; mirror it
 
 
-def _matrix(writer: gguf.GGUFWriter, name: str, value: np.ndarray, qtype: str) -> None:
+def add_matrix(writer: gguf.GGUFWriter, name: str, value: np.ndarray, qtype: str) -> None:
     if value.ndim == 1:
         writer.add_tensor(name, value.astype(np.float32))
         return
@@ -141,7 +141,7 @@ def _write_gguf(artifact: Path, out: Path, qtype: str, pre: str) -> None:
     config = json.loads((artifact / "config.json").read_text())
     if config.get("model_type") != "llama":
         raise ArtifactError(f"convert supports model_type 'llama', not {config.get('model_type')!r}")
-    weights = _load_tensors(artifact)
+    weights = load_tensors(artifact)
     n_head = int(config["num_attention_heads"])
     n_kv = int(config.get("num_key_value_heads") or n_head)
     hidden = int(config["hidden_size"])
@@ -165,11 +165,11 @@ def _write_gguf(artifact: Path, out: Path, qtype: str, pre: str) -> None:
     writer.add_layer_norm_rms_eps(float(config["rms_norm_eps"]))
     writer.add_rope_dimension_count(head_dim)
     writer.add_vocab_size(vocab_size)
-    writer.add_file_type(_FILE_TYPE[qtype])
+    writer.add_file_type(FILE_TYPES[qtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _tokenizer_metadata(writer, artifact, config, vocab_size, pre)
+    add_tokenizer_metadata(writer, artifact, config, vocab_size, pre)
 
-    _matrix(writer, "token_embd.weight", embed, qtype)
+    add_matrix(writer, "token_embd.weight", embed, qtype)
     for layer in range(int(config["num_hidden_layers"])):
         for hf_suffix, gguf_suffix in _LAYER_NAMES.items():
             value = weights[f"model.layers.{layer}.{hf_suffix}"]
@@ -177,11 +177,11 @@ def _write_gguf(artifact: Path, out: Path, qtype: str, pre: str) -> None:
                 value = permute_qk(value, n_head)
             elif hf_suffix.startswith("self_attn.k_proj"):
                 value = permute_qk(value, n_kv)
-            _matrix(writer, f"blk.{layer}.{gguf_suffix}", value, qtype)
-    _matrix(writer, "output_norm.weight", weights["model.norm.weight"], qtype)
+            add_matrix(writer, f"blk.{layer}.{gguf_suffix}", value, qtype)
+    add_matrix(writer, "output_norm.weight", weights["model.norm.weight"], qtype)
     tied = bool(config.get("tie_word_embeddings", False)) or "lm_head.weight" not in weights
     if not tied:
-        _matrix(writer, "output.weight", weights["lm_head.weight"], qtype)
+        add_matrix(writer, "output.weight", weights["lm_head.weight"], qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)

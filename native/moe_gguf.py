@@ -34,7 +34,7 @@ from typing import TextIO
 import gguf
 import numpy as np
 
-from native.convert import _FILE_TYPE, _load_tensors, _matrix, _tokenizer_metadata, gguf_cache_root
+from native.convert import FILE_TYPES, add_matrix, add_tokenizer_metadata, gguf_cache_root, load_tensors
 from native.errors import ArtifactError
 from shard.model.artifact import artifact_digest as directory_digest
 
@@ -64,7 +64,7 @@ def _write(artifact: Path, out: Path, qtype: str) -> None:
         raise ArtifactError("llama.cpp's qwen3moe renormalizes the top-k weights: norm_topk_prob must be true")
     if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step", 1)) != 1:
         raise ArtifactError("llama.cpp's qwen3moe expects every layer sparse (no mlp_only_layers)")
-    weights = _load_tensors(artifact)
+    weights = load_tensors(artifact)
     n_head, hidden = int(config["num_attention_heads"]), int(config["hidden_size"])
     head_dim = int(config.get("head_dim") or hidden // n_head)
     n_layers = int(config["num_hidden_layers"])
@@ -90,23 +90,23 @@ def _write(artifact: Path, out: Path, qtype: str) -> None:
     writer.add_expert_used_count(int(config["num_experts_per_tok"]))
     writer.add_expert_feed_forward_length(int(config["moe_intermediate_size"]))
     writer.add_vocab_size(vocab)
-    writer.add_file_type(_FILE_TYPE[qtype])
+    writer.add_file_type(FILE_TYPES[qtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    _tokenizer_metadata(writer, artifact, config, vocab, "qwen2")
-    _matrix(writer, "token_embd.weight", embed, qtype)
+    add_tokenizer_metadata(writer, artifact, config, vocab, "qwen2")
+    add_matrix(writer, "token_embd.weight", embed, qtype)
     for layer in range(n_layers):
         prefix = f"model.layers.{layer}."
         for hf, name in _ATTN.items():
             value = weights[prefix + hf]
             # the router stays float32: its top-k picks must not move with the weight type
             kind = "F32" if hf == "mlp.gate.weight" else qtype
-            _matrix(writer, f"blk.{layer}.{name}", value, kind)
+            add_matrix(writer, f"blk.{layer}.{name}", value, kind)
         for proj in ("gate", "up", "down"):
             stacked = np.stack([weights[f"{prefix}mlp.experts.{e}.{proj}_proj.weight"] for e in range(n_expert)])
-            _matrix(writer, f"blk.{layer}.ffn_{proj}_exps.weight", stacked, qtype)
-    _matrix(writer, "output_norm.weight", weights["model.norm.weight"], qtype)
+            add_matrix(writer, f"blk.{layer}.ffn_{proj}_exps.weight", stacked, qtype)
+    add_matrix(writer, "output_norm.weight", weights["model.norm.weight"], qtype)
     if not config.get("tie_word_embeddings", False) and "lm_head.weight" in weights:
-        _matrix(writer, "output.weight", weights["lm_head.weight"], qtype)
+        add_matrix(writer, "output.weight", weights["lm_head.weight"], qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)

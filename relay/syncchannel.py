@@ -1,109 +1,80 @@
-"""Relayed hops for synchronous callers (the route driver): a grpc.Channel look-alike.
+"""Relayed hops for synchronous callers (the route driver): a proto.hop_transport.HopTransport.
 
 The route driver (meshd/generate/driver.py) speaks to every hop through a
-channel and only calls
-``channel.stream_stream(SESSION_METHOD, request_serializer=None,
-response_deserializer=None)(request_iterator, timeout=...)`` (raw bytes in,
-raw bytes out), ``.cancel()`` on the call, and ``channel.close()``. So a
-relayed hop plugs in with no change to the driver:
+HopTransport: ``open_session()`` gives a stream to ``send`` request bodies on
+and ``receive`` response bodies from (raw bytes both ways), ``cancel()`` it,
+``close()`` the transport. A relayed hop is one more implementation:
 
-    driver thread ─ RequestQueue.put ─ Outbox.put ─ post ─▶ trio writer task ─▶ stream
-      (any other request_iterator: ─▶ pump thread ─ Outbox.put ─▶ ...)
-    driver thread ◀── next(call): Inbox.get() ◀──────────────────── trio reader task ◀─ stream
+    driver thread ─ send ─ Outbox.put ─ post ─▶ trio writer task ─▶ stream
+    driver thread ◀── receive: Inbox.get() ◀──────────────────── trio reader task ◀─ stream
 
 Every crossing between the driver's thread and the libp2p host's trio loop
 goes through a ``relay.portal.Portal`` (the daemon's own, or a LoopThread's in
-tests and the relay benchmark): a call holds at most CALL_QUEUE_FRAMES frames
-per direction besides the driver's queue and the libp2p stream, and a frame
-crosses threads once (see ``_RelayedCall``).
+tests and the relay benchmark): a stream holds at most SEND_FRAMES requests
+and CALL_QUEUE_FRAMES responses between the caller's threads and the libp2p
+stream, and a frame crosses threads once (see ``RelayedStream``). It starts
+no thread of its own.
 
 Endpoints: ``RELAYED_SCHEME + <peer id>`` names a relayed hop; a
-``channel_factory`` from ``relayed_channel_factory`` sends those through the
-portal and everything else to the direct gRPC factory it wraps.
+``transport_factory`` from ``relayed_transport_factory`` sends those through
+the portal and everything else to the direct factory it wraps.
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable
 
-import grpc
 import trio
 from libp2p.peer.id import ID
 
 from proto.errors import ProtocolError
-from proto.threads import ThreadGroup
+from proto.hop_transport import HopTransport, TransportError, TransportStatus, Unary
 from relay import trace
 from relay.errors import RelayError, RelayUnreachable
 from relay.portal import Inbox, Outbox, Portal
 from relay.transport import RelayedFrameChannel, open_session_channel
 
-__all__ = ["RelayedGrpcChannel", "RelayedRpcError", "relayed_channel_factory", "RELAYED_SCHEME",
-           "SESSION_METHOD"]
+__all__ = ["RelayedTransport", "RelayedStream", "relayed_error", "relayed_transport_factory",
+           "RELAYED_SCHEME"]
 
 RELAYED_SCHEME = "p2p:"
-# The one method a relayed hop carries (the Session stream), as gRPC names it.
-SESSION_METHOD = "/meshd.shard.v1.ShardRuntime/Session"
-# Frames of one relayed call waiting between the driver's threads and the stream,
-# per direction: 2 lets the next request queue while one is in flight.
+# Frames of one relayed stream waiting between the libp2p stream and the receiving thread: 2
+# lets the next response queue while one is being read.
 CALL_QUEUE_FRAMES = 2
-# How often a pump blocked on a full queue checks whether its call was cancelled.
+# Requests handed to trio, not yet written: the hop link's own bound (its credits bound it first).
+SEND_FRAMES = 16
+# How often a sender blocked on a full queue checks whether its stream ended.
 PUMP_POLL_S = 0.5
 
 
-class RelayedRpcError(grpc.RpcError):
-    """How a relayed hop's failure reaches gRPC-shaped callers (the driver maps RpcError)."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause))
-        self._cause = cause
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self) -> str:
-        return f"relayed hop: {self._cause}"
+def relayed_error(cause: BaseException) -> TransportError:
+    """How a relayed hop's failure reaches the driver: the transport is unavailable."""
+    return TransportError(f"relayed hop: {cause}", TransportStatus.UNAVAILABLE)
 
 
-class _RelayedCall:
-    """One Session call over a relayed stream: iterate for responses, ``cancel()`` to reset.
+class RelayedStream:
+    """One Session stream over a relayed libp2p stream (a proto.hop_transport.HopStream).
 
-    Two tasks in the portal's trio loop own the stream for the call's life (a
-    writer fed by an ``Outbox``, a reader filling an ``Inbox``); they end at
-    the stream's end, on a failure, or when ``cancel()`` cancels their scope.
-    Each frame crosses threads once: the driver's thread posts a request to
-    trio (no wait for the write), the reader hands a response to the driver
-    thread through the inbox (no round trip into trio per ``next``). Both
-    directions are bounded to CALL_QUEUE_FRAMES frames (the request queue's
-    own depth when the driver's RequestQueue is attached).
-
-    A plain request iterator (tests) is drained by a pump thread in the call's
-    ThreadGroup; it ends with the iterator, or at its first item once the call
-    is over (it cannot be woken inside someone else's iterator). The driver
-    always attaches a RequestQueue: the daemon starts no pump.
+    Two tasks in the portal's trio loop own the libp2p stream for the session's life
+    (a writer fed by an ``Outbox``, a reader filling an ``Inbox``); they end at the
+    stream's end, on a failure, or when ``cancel()`` cancels their scope. Each frame
+    crosses threads once: ``send`` posts a request to trio (no wait for the write),
+    the reader hands a response to the receiving thread through the inbox (no round
+    trip into trio per ``receive``). Both directions are bounded (SEND_FRAMES,
+    CALL_QUEUE_FRAMES).
     """
 
-    def __init__(self, portal: Portal, channel: RelayedFrameChannel, requests: Iterator[bytes]) -> None:
+    def __init__(self, portal: Portal, channel: RelayedFrameChannel) -> None:
         self._portal, self._channel = portal, channel
         self._done = False
         self._sent_all = False      # we half-closed: an end of stream is now the normal end
         self._inbox: Inbox = Inbox(CALL_QUEUE_FRAMES)
-        # A RequestQueue (shard/session/request_queue.py) lets the driver's thread hand frames to
-        # trio itself, with the queue's own depth as the credit; any other iterator is
-        # drained by a pump thread (one more hand-off per frame).
-        attach = getattr(requests, "attach", None)
-        depth = getattr(requests, "depth", None)
-        depth = depth if attach is not None and depth is not None else CALL_QUEUE_FRAMES
-        self._up: Outbox[bytes] = Outbox(portal, depth, poll_s=PUMP_POLL_S)   # requests, not yet written
+        self._up: Outbox[bytes] = Outbox(portal, SEND_FRAMES, poll_s=PUMP_POLL_S)   # requests, not yet written
         self._scopes: list[trio.CancelScope] = []   # the writer's and the reader's
         try:
             portal.run(self._start)
         except RelayError as exc:       # the loop has stopped: the driver sees a failed hop
-            raise RelayedRpcError(exc) from exc
-        self._threads = ThreadGroup("relayed-call")
-        self._pump = None
-        if attach is not None:
-            attach(self._push, self._push_end)
-        else:
-            self._pump = self._threads.start(self._send_all, requests, name="pump")
+            raise relayed_error(exc) from exc
 
     # ------------------------------------------------------------- trio side
 
@@ -115,14 +86,14 @@ class _RelayedCall:
         trio.lowlevel.spawn_system_task(self._guarded, self._scopes[1], self._read_all, name="relayed-call-reader")
 
     async def _guarded(self, scope: trio.CancelScope, afn) -> None:
-        """A system task must never raise: failures go to the driver through the inbox."""
+        """A system task must never raise: failures go to the receiver through the inbox."""
         with scope:
             try:
                 await afn()
             except Exception as exc:  # noqa: BLE001 - RelayError, ProtocolError, or a library surprise
                 self._stop_tasks()          # the other task stops too
                 cause = exc if isinstance(exc, (RelayError, ProtocolError)) else RelayUnreachable(repr(exc))
-                self._inbox.put(RelayedRpcError(cause))
+                self._inbox.put(relayed_error(cause))
                 await self._channel.reset()
 
     def _stop_tasks(self) -> None:
@@ -150,45 +121,44 @@ class _RelayedCall:
             if not self._done:
                 # Not our cancel(): a failed writer (its error is already queued first)
                 # or the portal's loop stopping under a driver that still waits.
-                self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
+                self._inbox.put(relayed_error(RelayUnreachable("the libp2p loop has stopped")))
             raise
 
-    # ------------------------------------------------ driver thread / pump thread
+    # ----------------------------------------------------------- sending threads
 
-    def _send_all(self, requests: Iterator[bytes]) -> None:
-        for body in requests:
-            if not self._push(body):
-                return
-        self._push_end()
-
-    def _push(self, body: bytes) -> bool:
-        """Hand one request to the writer task (in the caller's thread); False once the call is over."""
+    def send(self, body: bytes, timeout_s: float | None = None) -> None:
+        """Hand one request to the writer task (in the caller's thread); nothing once the stream is over."""
         trace.mark("e.pump_got")
-        try:
-            return self._up.put(body, gone=lambda: self._done)
-        except RelayError:
-            self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
-            return False
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
-    def _push_end(self) -> None:
+        def gone() -> bool:
+            return self._done or (deadline is not None and time.monotonic() >= deadline)
+        try:
+            if self._up.put(body, gone=gone) or self._done:
+                return
+        except RelayError:
+            self._inbox.put(relayed_error(RelayUnreachable("the libp2p loop has stopped")))
+            return
+        raise TransportError(f"the relayed stream took no request for {timeout_s:.0f} s",
+                             TransportStatus.DEADLINE_EXCEEDED)
+
+    def close_send(self) -> None:
+        if self._done:
+            return
         try:
             self._up.close()
         except RelayError:
-            self._inbox.put(RelayedRpcError(RelayUnreachable("the libp2p loop has stopped")))
+            self._inbox.put(relayed_error(RelayUnreachable("the libp2p loop has stopped")))
 
-    # ---------------------------------------------------------- driver thread
+    # ---------------------------------------------------------- receiving thread
 
-    def __iter__(self) -> _RelayedCall:
-        return self
-
-    def __next__(self) -> bytes:
+    def receive(self) -> bytes | None:
         if self._done:
-            raise StopIteration
+            raise TransportError("the relayed stream is over", TransportStatus.CANCELLED)
         item, waiter = self._inbox.get()
-        if waiter is not None:
-            assert isinstance(waiter, trio.Event)   # the waiters our trio side makes (_read_all)
+        if isinstance(waiter, trio.Event):    # the reader task waits for this credit
             self._wake(waiter)
-        if isinstance(item, RelayedRpcError):
+        if isinstance(item, TransportError):
             self._finish()
             raise item
         if item is None:
@@ -196,15 +166,14 @@ class _RelayedCall:
             if not self._sent_all:
                 # The server never ends a session first (a terminal ShardStatus would
                 # have come before): the circuit or the relay went away.
-                raise RelayedRpcError(RelayUnreachable("the relayed stream ended before our half-close"))
-            raise StopIteration
+                raise relayed_error(RelayUnreachable("the relayed stream ended before our half-close"))
+            return None
         trace.mark("e.next_return")
         return item
 
     def _finish(self) -> None:
-        """The call is over: make sure neither task outlives it (a writer may still wait)."""
+        """The stream is over: make sure neither task outlives it (a writer may still wait)."""
         self._done = True
-        self._threads.stop()
         try:
             self._portal.post(self._stop_tasks)
         except RelayError:
@@ -220,7 +189,7 @@ class _RelayedCall:
         if self._done:
             return
         self._done = True
-        self._threads.stop()
+        self._inbox.put(TransportError("the call was cancelled", TransportStatus.CANCELLED))
         try:
             self._portal.run(self._cancel)
         except RelayError:
@@ -231,12 +200,16 @@ class _RelayedCall:
         await self._channel.reset()
 
 
-class RelayedGrpcChannel:
-    """The subset of grpc.Channel the route driver uses, over libp2p session streams.
+class RelayedTransport:
+    """A proto.hop_transport.HopTransport over libp2p session streams.
 
     ``open_stream()`` (a coroutine function, run in the portal's loop) opens the
-    stream of one Session call: a new stream to a peer (``to_peer``) or on one
-    given connection ``conn``, meshd/reach/relay_dial.py)."""
+    stream of one session: a new stream to a peer (``to_peer``) or on one
+    given connection ``conn`` (meshd/reach/relay_dial.py). Unary calls are not
+    carried (capabilities do not travel over relays; the route's sessions check
+    the fingerprint anyway, and an in-stream release is enough)."""
+
+    kind = "relayed"
 
     def __init__(self, portal: Portal, open_stream: Callable[[], Awaitable[RelayedFrameChannel]], *,
                  conn=None) -> None:
@@ -244,37 +217,32 @@ class RelayedGrpcChannel:
         self.conn = conn        # the one connection its streams open on, when it has one
 
     @classmethod
-    def to_peer(cls, portal: Portal, host, peer_id: ID) -> RelayedGrpcChannel:
+    def to_peer(cls, portal: Portal, host, peer_id: ID) -> RelayedTransport:
         return cls(portal, lambda: open_session_channel(host, peer_id))
 
-    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):
-        if request_serializer is not None or response_deserializer is not None:
-            raise ValueError("relayed hops carry serialized frames: use raw-bytes (de)serializers")
-        if not method.endswith("/Session"):
-            raise ValueError(f"only the Session method travels over relayed hops, not {method}")
+    def open_session(self) -> RelayedStream:
+        try:
+            channel = self._portal.run(self._open_stream)
+        except RelayError as exc:
+            raise relayed_error(exc) from exc
+        return RelayedStream(self._portal, channel)
 
-        def call(request_iterator, timeout=None) -> _RelayedCall:
-            try:
-                channel = self._portal.run(self._open_stream)
-            except RelayError as exc:
-                raise RelayedRpcError(exc) from exc
-            return _RelayedCall(self._portal, channel, request_iterator)
-        return call
-
-    def unary_unary(self, method: str, **_):
-        def call(*args, **kwargs):
-            raise RelayedRpcError(RelayUnreachable(
-                f"{method} is not carried over relayed hops; pass the route's fingerprint"))
-        return call
+    def unary(self, method: Unary, body: bytes, timeout_s: float) -> bytes:
+        raise TransportError(f"{method.value} is not carried over relayed hops; pass the route's fingerprint",
+                             TransportStatus.UNIMPLEMENTED)
 
     def close(self) -> None:
         pass
 
 
-def relayed_channel_factory(portal: Portal, host, direct_factory: Callable[[str], object]):
-    """A ``channel_factory(endpoint)``: ``p2p:<peer id>`` endpoints go through the portal."""
-    def factory(endpoint: str):
+def relayed_transport_factory(portal: Portal, host, direct_factory: Callable[[str], HopTransport] | None
+                              ) -> Callable[[str], HopTransport]:
+    """A ``transport_factory(endpoint)``: ``p2p:<peer id>`` endpoints go through the portal, the rest to
+    ``direct_factory`` (None: there is none, a direct endpoint is a TransportError)."""
+    def factory(endpoint: str) -> HopTransport:
         if endpoint.startswith(RELAYED_SCHEME):
-            return RelayedGrpcChannel.to_peer(portal, host, ID.from_base58(endpoint[len(RELAYED_SCHEME):]))
+            return RelayedTransport.to_peer(portal, host, ID.from_base58(endpoint[len(RELAYED_SCHEME):]))
+        if direct_factory is None:
+            raise TransportError(f"{endpoint} is not a relayed endpoint and there is no direct transport")
         return direct_factory(endpoint)
     return factory

@@ -5,6 +5,7 @@ Rooms (data flows from the edges down to the model):
     edges/     the thin servers: gRPC (plaintext on loopback, TLS for peers), framed TLS, the
                worker's Unix socket, an expert peer's TLS port; each moves bytes between a
                socket and a core, on one SocketServer (or grpcio), and joins its threads at stop
+               (and an in-memory twin for tests: the same stream core, no socket)
     push/      push forwarding: a hop sends its rows straight to its successor, the tail its
                token to the entry; the rows kept to re-feed a replacement successor
     session/   per-(route session, epoch) KV, continuous batching, admission, and the sans-I/O

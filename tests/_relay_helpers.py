@@ -51,6 +51,17 @@ def echo_worker():
         path.parent.rmdir()
 
 
+def echo_once(transport, body: bytes) -> list[bytes]:
+    """One Session stream on ``transport`` (a HopTransport): ``body``, our half-close, every answer."""
+    stream = transport.open_session()
+    stream.send(body)
+    stream.close_send()
+    answers = []
+    while (answer := stream.receive()) is not None:
+        answers.append(answer)
+    return answers
+
+
 def info(host) -> PeerInfo:
     return PeerInfo(host.get_id(), host.get_addrs())
 

@@ -45,16 +45,6 @@ def fixed_source(workers, specs, num_layers):
     return fixed_route([(w.endpoint, a, b) for w, (a, b) in zip(workers, bounds)], num_layers)
 
 
-class FactoryConnector:
-    """The route driver's connector over a ``channel_factory(endpoint)`` (tests with their own channels)."""
-
-    def __init__(self, factory) -> None:
-        self.factory = factory
-
-    def channel(self, hop):
-        return self.factory(hop.endpoint)
-
-
 @dataclass
 class Generated:
     tokens: list[int]

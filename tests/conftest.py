@@ -68,15 +68,21 @@ def wait_until_blocking(predicate: Callable[[], Any], timeout_s: float, what: st
 DEFAULT_MODEL_SEED = 3
 
 
-@pytest.fixture(scope="module")
-def model(request: pytest.FixtureRequest) -> Path:
+def seeded_model(seed: int = DEFAULT_MODEL_SEED) -> Path:
     """The tiny seeded random Llama artifact (built once per seed, then cached on disk).
 
     One torch thread: the whole-model reference and the in-process shards compute like the
-    single-threaded workers beside them, on this machine's two shared cores."""
+    single-threaded workers beside them, on this machine's two shared cores. Helpers outside
+    a fixture's reach (tests/_swarm_helpers.py) call this; tests take the ``model`` fixture."""
     import torch
 
     from meshd.testing.models import build_random_llama
 
     torch.set_num_threads(1)
-    return build_random_llama(seed=getattr(request.module, "MODEL_SEED", DEFAULT_MODEL_SEED))
+    return build_random_llama(seed=seed)
+
+
+@pytest.fixture(scope="module")
+def model(request: pytest.FixtureRequest) -> Path:
+    """``seeded_model`` at the module's ``MODEL_SEED`` (DEFAULT_MODEL_SEED when it names none)."""
+    return seeded_model(getattr(request.module, "MODEL_SEED", DEFAULT_MODEL_SEED))

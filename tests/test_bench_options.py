@@ -36,6 +36,9 @@ def test_the_model_must_be_an_artifact_with_a_torch_reference(tmp_path):
     (["swarm", "--backend", "llama.cpp", "--model", "README.md", "--json"], 1, "is not a .gguf file"),
     (["swarm", "--backend", "llama.cpp", "--layers", "0:4,4:30", "--json"], 1, "takes no --layers"),
     (["codec", "--layers", "0:4,4:8"], 2, "takes no --model"),
+    (["codec", "--sim"], 2, "only bench dht takes --sim"),
+    (["dht", "--nodes", "50"], 2, "--nodes and --seed go with bench dht --sim"),
+    (["dht", "--sim", "--nodes", "1"], 2, "--nodes must be at least 2"),
 ])
 def test_bench_refuses_clearly(args, code, message):
     out = subprocess.run([sys.executable, "-m", "meshd", "bench", *args], cwd=REPO_ROOT, env=child_env(1),

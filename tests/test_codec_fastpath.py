@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshd.generate.hop_link import _read
+from meshd.generate.hop_link import read_answer
 from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolError
@@ -80,7 +80,7 @@ def test_decode_answers_are_protobufs_bytes_and_read_back(step, past, dup, execu
     if token is not None:
         assert view.sample.token_id == resp.sample.token_id
     assert list(got) == list(tensors) and all(np.array_equal(got[k], tensors[k]) for k in tensors)
-    assert _read(fast)[0] is not None
+    assert read_answer(fast)[0] is not None
 
 
 def _frame() -> bytes:
@@ -138,4 +138,4 @@ def test_frames_the_fast_reader_leaves_to_the_general_path():
     res = pb.DecodeResult(past_len=4, sample=pb.TailSample(token_id=9, logprob=-0.5))
     answer = pb.SessionResponse(decode=res).SerializeToString()
     assert fastpath.read_decode_response(answer) is None
-    assert _read(answer)[0].decode.sample.logprob == -0.5
+    assert read_answer(answer)[0].decode.sample.logprob == -0.5

@@ -16,7 +16,7 @@ import trio.testing
 
 from meshd.cli.status_view import failure_lines, render_status
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
-from meshd.daemon.worker_process import WorkerProcess, _ChildProcess, _stop
+from meshd.daemon.worker_process import ChildProcess, WorkerProcess, stop_child
 from proto import shard_runtime_pb2 as pb
 from shard.session.worklog import TRACE_MARK
 from tests._daemon_helpers import subprocess_env
@@ -47,7 +47,7 @@ def subprocess_life(script: str, log_path, *, ready_on_line: bool = False, progr
     pumps = WorkerProcess(spec=None, progress=progress)
 
     async def life(on_ready, state) -> int:
-        proc = _ChildProcess.spawn([sys.executable, "-c", script], subprocess_env())
+        proc = ChildProcess.spawn([sys.executable, "-c", script], subprocess_env())
         state.pid, state.log_path = proc.pid, str(log_path)
         ready = trio.Event()
         try:
@@ -59,7 +59,7 @@ def subprocess_life(script: str, log_path, *, ready_on_line: bool = False, progr
             return await proc.wait()
         finally:
             with trio.CancelScope(shield=True):
-                await _stop(proc)
+                await stop_child(proc)
     return life
 
 

@@ -34,11 +34,10 @@ from meshd.reach.relay_dial import RelayDialer
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
 from relay.portal import Portal
-from relay.syncchannel import SESSION_METHOD
 from relay.transport import SESSION_PROTOCOL, RelayedSessionServer
 from shard.edges.unix_server import UnixFrameServer
 from shard.model.reference import WholeModel
-from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
+from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_once, echo_worker, info, new_host
 from tests._swarm_helpers import start_shard
 from tests.conftest import wait_until
 
@@ -50,10 +49,6 @@ NEW_TOKENS = 8
 SHORT_UPGRADE_TIMEOUT_S = 1.0
 DCUTR = "/libp2p/dcutr"
 MODEL_SEED = 5   # the shared ``model`` fixture's seed (tests/conftest.py)
-
-
-def echo_once(channel, body: bytes) -> list[bytes]:
-    return list(channel.stream_stream(SESSION_METHOD)(iter([body])))
 
 
 # py-libp2p's top logger does not propagate to the root: watch it and the root.
@@ -198,7 +193,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 assert not is_relayed(conn) and "/p2p-circuit" not in str(conn.get_transport_addresses())
 
                 # new session streams to the home node now open on the direct connection
-                channel = await trio.to_thread.run_sync(dial.channel, home_id, addrs)
+                channel = await trio.to_thread.run_sync(dial.transport, home_id, addrs)
                 assert channel.conn is conn
                 relayed_bytes = hop.snapshot()["bytes_forwarded"]   # now includes the DCUtR exchange
                 second = await trio.to_thread.run_sync(generate)
@@ -216,7 +211,7 @@ def test_relayed_hop_is_upgraded_and_the_next_generation_runs_direct_with_the_sa
                 # peer, and new sessions take the circuit again (no new attempt within the window).
                 await conn.close()
                 assert await trio.to_thread.run_sync(dial.retry_same_peer, home_id)
-                channel = await trio.to_thread.run_sync(dial.channel, home_id, addrs)
+                channel = await trio.to_thread.run_sync(dial.transport, home_id, addrs)
                 assert is_relayed(channel.conn) and upgrader.attempts == 1
                 served_on.clear()
                 assert await trio.to_thread.run_sync(generate) == reference
@@ -256,7 +251,7 @@ def test_a_failing_upgrade_keeps_the_circuit_and_generations_succeed_silently(ho
                 dial = RelayDialer(dialer, Portal.current(), upgrader=upgrader)
 
                 def through_circuit(body: bytes):
-                    channel = dial.channel(home_id, addrs)
+                    channel = dial.transport(home_id, addrs)
                     return is_relayed(channel.conn), echo_once(channel, body)
 
                 noisy.records.clear()

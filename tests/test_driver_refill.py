@@ -1,8 +1,8 @@
 """A coverage gap mid-generation: the route driver waits for a refill (bounded), then re-prefills.
 
-Real in-process gRPC shards of the tiny random Llama (6 layers): A [0,2),
-B [2,4), C [4,6), and R [2,4), the refill, running but not advertised at
-first. B is killed mid-decode: layers 2..3 then have no live server. The
+Shards of the tiny random Llama (6 layers) in memory (real ShardServices,
+in-memory transports): A [0,2), B [2,4), C [4,6), and R [2,4), the refill,
+running but not advertised at first. B is killed mid-decode: layers 2..3 then have no live server. The
 route source's ads (an ``AdsRouteSource`` over a list, no DHT) include R
 only once the driver has asked for them REFILL_AFTER_READS more times after
 the kill -- the swarm refilling the gap "later", counted in the driver's own
@@ -20,36 +20,27 @@ import threading
 import pytest
 
 from meshd.errors import ConfigError
-from meshd.generate.driver import CoverageGap, GenerationCancelled, GenerationRequest, RouteFailed, SwarmDriver
-from meshd.generate.push import PushDriver
-from meshd.generate.routes import AdsRouteSource, PeerConnector
+from meshd.generate.driver import CoverageGap, GenerationCancelled, RouteFailed
 from meshd.plan.adverts import Span
-from meshd.reach.tls import loopback_channel
-from shard.edges.grpc_server import GRPC_OPTIONS
-from shard.model.reference import WholeModel
-from tests._swarm_helpers import start_shard
+from tests._swarm_helpers import PROMPT, MemorySwarm, decode_input_of, whole_tokens
+from tests._swarm_helpers import request as make_request
 
-NUM_LAYERS = 6
-PROMPT = tuple(range(5, 45))  # 40 tokens: three prefill chunks of 16
 NEW_TOKENS = 20
 KILL_AT = 6                   # tokens received before B dies
 REFILL_AFTER_READS = 3        # the refill appears on the driver's 3rd read of the ads after the kill
 
 
 @pytest.fixture(scope="module")
-def reference(model):
-    return WholeModel(model).generate(list(PROMPT), NEW_TOKENS, chunk_tokens=16).tokens
+def reference():
+    return whole_tokens(NEW_TOKENS)
 
 
 @pytest.fixture
-def shards(model):
-    made = [start_shard(model, "peer-a", 0, 2), start_shard(model, "peer-b", 2, 4),
-            start_shard(model, "peer-c", 4, 6), start_shard(model, "peer-r", 2, 4)]
-    for s in made:
-        s.service.push_dialer = lambda target: loopback_channel(target.endpoint, GRPC_OPTIONS)
-    yield {s.peer_id: s for s in made}
-    for s in made:
-        s.kill()
+def shards():
+    swarm = MemorySwarm()
+    for peer, start, end in (("peer-a", 0, 2), ("peer-b", 2, 4), ("peer-c", 4, 6), ("peer-r", 2, 4)):
+        swarm.start(peer, start, end)
+    return swarm
 
 
 class Swarm:
@@ -61,10 +52,18 @@ class Swarm:
         self.reads_after_kill = 0
         self.lock = threading.Lock()
 
-    def kill_b(self) -> None:
-        self.shards["peer-b"].kill()
-        with self.lock:
-            self.killed = True
+    def kill_b_after(self, tokens: int) -> None:
+        """B dies as the step carrying token number ``tokens`` reaches it (a pushed route has that step
+        in flight when the entry sees the token: the transport places the death exactly)."""
+        reached = decode_input_of(tokens)
+
+        def dies(body: bytes) -> bool:
+            if not reached(body):
+                return False
+            with self.lock:
+                self.killed = True
+            return True
+        self.shards["peer-b"].hop.kill_on(dies)
 
     def ads(self):
         with self.lock:
@@ -76,39 +75,30 @@ class Swarm:
         live = ["peer-a", "peer-c"] + ([] if self.killed else ["peer-b"])
         if self.refill_after is not None and self.killed and reads >= self.refill_after:
             live.append("peer-r")
-        return [self.shards[p].ad(NUM_LAYERS) for p in live]
+        return self.shards.ads(live)
 
 
-def driver_for(shards, swarm: Swarm, topology: str, wait_s: float):
-    fp = shards["peer-a"].service.backend.fingerprint
-    source = AdsRouteSource(swarm.ads, fp.model_artifact_digest, NUM_LAYERS, entry_peer_id="entry",
-                            recipe_digest=fp.runtime_recipe_digest)
-    kw = dict(fingerprint=fp, replan_wait_s=wait_s)
-    if topology == "star":
-        return SwarmDriver(source, PeerConnector(insecure_loopback=True), **kw)
-    return PushDriver(source, PeerConnector(insecure_loopback=True), topology="push", **kw)
+def driver_for(shards: MemorySwarm, swarm: Swarm, topology: str, wait_s: float):
+    return shards.driver(topology, source=shards.source(swarm.ads), replan_wait_s=wait_s)
 
 
-def request() -> GenerationRequest:
-    return GenerationRequest(PROMPT, NEW_TOKENS, chunk_tokens=16)
+def request():
+    return make_request(NEW_TOKENS)
 
 
 @pytest.mark.parametrize("topology", ["star", "push"])
 def test_a_gap_refilled_later_is_waited_for_and_the_tokens_stay_exact(shards, reference, topology):
     swarm = Swarm(shards, refill_after=REFILL_AFTER_READS)
     driver = driver_for(shards, swarm, topology, wait_s=60.0)
-    tokens = []
-    for token in driver.generate(request()):
-        tokens.append(token.id)
-        if len(tokens) == KILL_AT:
-            swarm.kill_b()
+    swarm.kill_b_after(KILL_AT)
+    tokens = [token.id for token in driver.generate(request())]
     assert tokens == reference
     assert swarm.reads_after_kill >= REFILL_AFTER_READS        # it waited, re-reading the view
     (event,) = driver.stats.failovers
     assert event.failed_peer == "peer-b" and event.position == len(PROMPT) + KILL_AT
     assert driver.stats.routes[-1].peers == ("peer-a", "peer-r", "peer-c")
     assert 1 in event.reprefilled                              # the refill was re-prefilled from the history
-    assert all(shards[p].active_sessions() == 0 for p in ("peer-a", "peer-c", "peer-r"))
+    assert shards.idle("peer-a", "peer-c", "peer-r")
 
 
 @pytest.mark.parametrize("topology", ["star", "push"])
@@ -116,10 +106,10 @@ def test_a_gap_never_refilled_is_a_coverage_gap_after_the_bound(shards, topology
     swarm = Swarm(shards, refill_after=None)
     wait_s = 1.0
     driver = driver_for(shards, swarm, topology, wait_s=wait_s)
+    swarm.kill_b_after(KILL_AT)
     gen = driver.generate(request())
     for _ in range(KILL_AT):
         next(gen)
-    swarm.kill_b()
     with pytest.raises(CoverageGap) as info:
         list(gen)
     gap = info.value
@@ -127,7 +117,7 @@ def test_a_gap_never_refilled_is_a_coverage_gap_after_the_bound(shards, topology
     assert gap.spans == (Span(2, 4),) and gap.waited_s >= wait_s
     assert "2..3" in str(gap) and "waited" in str(gap) and "peer-b" in str(gap)
     assert swarm.reads_after_kill >= 2                          # it did re-read while waiting
-    assert all(shards[p].active_sessions() == 0 for p in ("peer-a", "peer-c"))
+    assert shards.idle("peer-a", "peer-c")
 
 
 def test_a_cancel_during_the_refill_wait_ends_it_at_once(shards):
@@ -135,14 +125,14 @@ def test_a_cancel_during_the_refill_wait_ends_it_at_once(shards):
     swarm = Swarm(shards, refill_after=None, on_read=lambda reads: reads == 2 and driver_box[0].cancel())
     driver = driver_for(shards, swarm, "push", wait_s=600.0)   # far longer than the test may take
     driver_box.append(driver)
+    swarm.kill_b_after(KILL_AT)
     gen = driver.generate(request())
     for _ in range(KILL_AT):
         next(gen)
-    swarm.kill_b()
     with pytest.raises(GenerationCancelled):
         list(gen)
     assert swarm.reads_after_kill == 2                          # no read after the cancel
-    assert all(shards[p].active_sessions() == 0 for p in ("peer-a", "peer-c"))
+    assert shards.idle("peer-a", "peer-c")
 
 
 def test_refill_wait_config(tmp_path):

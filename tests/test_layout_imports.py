@@ -59,11 +59,13 @@ BENCH_USERS = {"benchmarks"}
 SUB_RANK = {
     "shard": {"model": 1, "session": 2, "experts": 2, "push": 3, "edges": 4},
     "proto": {"moe": 1, "golden": 1},
-    "dht": {"compat": 1, "host": 2},
+    "dht": {"compat": 1, "host": 2, "kademlia": 4},
 }
 # Floors of a folder's flat modules where they are not all its ground floor: dht's records and
-# Kademlia code sit above its host and compat rooms; only its errors and identity are ground.
-FLAT_RANK = {"dht": (3, {"errors": 0, "identity": 0, "__init__": 0})}
+# lookup code sit above its host and compat rooms; only its errors and identity are ground. The
+# sans-I/O Kademlia core (dht/kademlia/) sits on them, and the edge that runs it over libp2p
+# (node, its RPC client, the library's validator and value store around the core's rules) on it.
+FLAT_RANK = {"dht": (3, {"errors": 0, "identity": 0, "__init__": 0, "node": 5, "rpc": 5, "validator": 5})}
 
 
 def _room(module: str) -> str:

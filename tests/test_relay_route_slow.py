@@ -23,7 +23,7 @@ def test_relayed_middle_hop_gives_the_whole_models_tokens(tmp_path):
         kids += workers
         head, middle, tail = (H.wait_ready(w) for w in workers)
         node = H.spawn_home_node(tmp_path, "home", "/ip4/127.0.0.1/tcp/0", relay.ready["addrs"][0],
-                                 middle.ready["listen"])
+                                 middle.ready["unix"])   # a home node serves its worker's Unix socket
         kids.append(node)
         peer = node.ready["peer_id"]
 
@@ -67,7 +67,7 @@ def test_a_relay_that_dies_mid_generation_fails_the_hop_promptly(tmp_path):
         kids += workers
         head, tail = (H.wait_ready(w) for w in workers)
         node = H.spawn_home_node(tmp_path, "home", "/ip4/127.0.0.1/tcp/0", relay.ready["addrs"][0],
-                                 tail.ready["listen"])
+                                 tail.ready["unix"])     # a home node serves its worker's Unix socket
         kids.append(node)
         peer = node.ready["peer_id"]
         spec = {"hops": [{"endpoint": head.ready["listen"], "start": 0, "end": 3, "num_layers": 6},

@@ -1,19 +1,16 @@
-"""The grpc.Channel look-alike that lets the (synchronous) route driver use relayed hops."""
+"""The relayed HopTransport (relay/syncchannel.py) that lets the (synchronous) route driver use relayed hops."""
 from __future__ import annotations
 
-import queue
-
-import grpc
 import pytest
 import trio
 from libp2p.tools.anyio_service import background_trio_service
 
+from proto.hop_transport import TransportError, TransportStatus, Unary
 from relay.client import dial_relayed, reserve, stop_service
 from relay.hop import HopService
 from relay.portal import LoopThread
-from relay.syncchannel import SESSION_METHOD, RelayedRpcError, relayed_channel_factory
+from relay.syncchannel import relayed_transport_factory
 from relay.transport import RelayedSessionServer
-from shard.session.request_queue import RequestQueue
 from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
 
 
@@ -39,84 +36,77 @@ def _portal(target: str | None):
     return LoopThread(setup)
 
 
+def _relayed(portal, dialer, home_id):
+    return relayed_transport_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
+
+
 def test_driver_shaped_calls_travel_through_the_relay():
     with echo_worker() as target, _portal(target) as portal:
         dialer, home_id = portal.value
-        factory = relayed_channel_factory(portal, dialer, direct_factory=lambda e: pytest.fail("not direct"))
-        channel = factory(f"p2p:{home_id.to_base58()}")
-        requests: queue.Queue = queue.Queue(maxsize=4)
-        end = object()
-        call = channel.stream_stream(SESSION_METHOD, request_serializer=None,
-                                     response_deserializer=None)(iter(requests.get, end), timeout=60)
+        factory = relayed_transport_factory(portal, dialer, direct_factory=lambda e: pytest.fail("not direct"))
+        transport = factory(f"p2p:{home_id.to_base58()}")
+        assert transport.kind == "relayed"
+        stream = transport.open_session()
         for body in (b"open", b"step" * 500):
-            requests.put(body)
-            assert next(call) == ECHO_PREFIX + body
-        requests.put(end)
-        assert list(call) == []        # the worker ends the stream after our half-close
-        channel.close()
-        with pytest.raises(ValueError):
-            channel.stream_stream(SESSION_METHOD, request_serializer=bytes)
+            stream.send(body)
+            assert stream.receive() == ECHO_PREFIX + body
+        stream.close_send()
+        assert stream.receive() is None     # the worker ends the stream after our half-close
+        transport.close()
+        with pytest.raises(TransportError) as err:
+            transport.unary(Unary.CAPABILITY, b"", 5)
+        assert err.value.status == TransportStatus.UNIMPLEMENTED
 
 
-def test_a_peer_without_the_session_protocol_fails_as_an_rpc_error():
+def test_a_peer_without_the_session_protocol_fails_as_a_transport_error():
     with _portal(None) as portal:
         dialer, home_id = portal.value
-        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
-        with pytest.raises(grpc.RpcError) as err:
-            channel.stream_stream(SESSION_METHOD)(iter([b"x"]))
-        assert isinstance(err.value, RelayedRpcError) and err.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(TransportError) as err:
+            _relayed(portal, dialer, home_id).open_session()
+        assert err.value.status == TransportStatus.UNAVAILABLE and "relayed hop" in str(err.value)
 
 
 def test_pipelined_requests_come_back_in_order_and_cancel_ends_the_call():
     with echo_worker() as target, _portal(target) as portal:
         dialer, home_id = portal.value
-        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
-        requests: queue.Queue = queue.Queue(maxsize=16)
-        call = channel.stream_stream(SESSION_METHOD)(iter(requests.get, object()), timeout=60)
+        stream = _relayed(portal, dialer, home_id).open_session()
         bodies = [b"%d" % i * (1 + 100 * i) for i in range(12)]
-        for body in bodies:                 # more than CALL_QUEUE_FRAMES before reading any
-            requests.put(body)
-        assert [next(call) for _ in bodies] == [ECHO_PREFIX + b for b in bodies]
-        call.cancel()                        # the driver's close(): the stream is reset
-        assert list(call) == []
-        requests.put(b"after cancel")        # the pump takes it, sees the call is over and stops
-        call._pump.join(10)
-        assert not call._pump.is_alive()
+        for body in bodies:                 # more than CALL_QUEUE_FRAMES before reading any, from this thread
+            stream.send(body)
+        assert [stream.receive() for _ in bodies] == [ECHO_PREFIX + b for b in bodies]
+        stream.cancel()                     # the driver's close(): the stream is reset
+        with pytest.raises(TransportError) as err:
+            stream.receive()
+        assert err.value.status == TransportStatus.CANCELLED
+        stream.send(b"after cancel")        # returns at once: the stream is over
+        stream.close_send()
 
 
-def test_a_request_queue_hands_frames_over_from_the_driver_thread_without_a_pump():
+def test_a_half_close_ends_the_stream_after_the_answers():
     with echo_worker() as target, _portal(target) as portal:
         dialer, home_id = portal.value
-        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
-        requests = RequestQueue(16)
-        call = channel.stream_stream(SESSION_METHOD)(requests, timeout=60)
-        assert call._pump is None
+        stream = _relayed(portal, dialer, home_id).open_session()
         bodies = [b"%d" % i * (1 + 100 * i) for i in range(12)]
-        for body in bodies:                 # more than CALL_QUEUE_FRAMES before reading any
-            requests.put(body)
-        assert [next(call) for _ in bodies] == [ECHO_PREFIX + b for b in bodies]
-        requests.finish()                   # our half-close: the echo ends its side too
-        assert list(call) == []
-        requests.put(b"after the end")      # returns at once: the call is over
-        requests.finish()
+        for body in bodies:
+            stream.send(body)
+        stream.close_send()                 # our half-close: the echo ends its side too
+        assert [stream.receive() for _ in bodies] == [ECHO_PREFIX + b for b in bodies]
+        assert stream.receive() is None
+        stream.send(b"after the end")      # returns at once: the stream is over
+        stream.close_send()
 
 
-def test_a_home_node_whose_worker_is_gone_fails_the_call_as_an_rpc_error():
+def test_a_home_node_whose_worker_is_gone_fails_the_call_as_a_transport_error():
     """The home's worker link fails (nothing listens), it resets the stream, the driver sees UNAVAILABLE."""
     with _portal("unix:/nonexistent/meshd-test/w.sock") as portal:
         dialer, home_id = portal.value
-        channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
-        requests: queue.Queue = queue.Queue(maxsize=4)
-        call = channel.stream_stream(SESSION_METHOD)(iter(requests.get, None), timeout=60)
-        requests.put(b"open")
-        with pytest.raises(grpc.RpcError) as err:
-            next(call)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        with pytest.raises(StopIteration):
-            next(call)
-        requests.put(None)
-        call._pump.join(10)
-        assert not call._pump.is_alive()
+        stream = _relayed(portal, dialer, home_id).open_session()
+        stream.send(b"open")
+        with pytest.raises(TransportError) as err:
+            stream.receive()
+        assert err.value.status == TransportStatus.UNAVAILABLE
+        with pytest.raises(TransportError):    # and stays over
+            stream.receive()
 
 
 def test_a_driver_waiting_on_a_call_is_released_when_the_libp2p_loop_stops():
@@ -124,15 +114,11 @@ def test_a_driver_waiting_on_a_call_is_released_when_the_libp2p_loop_stops():
         portal = _portal(target)
         with portal:
             dialer, home_id = portal.value
-            channel = relayed_channel_factory(portal, dialer, direct_factory=None)(f"p2p:{home_id.to_base58()}")
-            requests: queue.Queue = queue.Queue(maxsize=4)
-            call = channel.stream_stream(SESSION_METHOD)(iter(requests.get, None), timeout=60)
+            transport = _relayed(portal, dialer, home_id)
+            stream = transport.open_session()
         # The portal's loop is gone (its tasks were cancelled with it): no hang, a failed hop.
-        with pytest.raises(grpc.RpcError) as err:
-            next(call)
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        requests.put(None)
-        call._pump.join(10)
-        assert not call._pump.is_alive()
-        with pytest.raises(grpc.RpcError):      # a new call on a stopped loop fails the same way
-            channel.stream_stream(SESSION_METHOD)(iter([b"x"]))
+        with pytest.raises(TransportError) as err:
+            stream.receive()
+        assert err.value.status == TransportStatus.UNAVAILABLE
+        with pytest.raises(TransportError):      # a new stream on a stopped loop fails the same way
+            transport.open_session()

@@ -14,16 +14,10 @@ from meshd.reach.relay_dial import RelayDialer
 from relay.client import relayed_addrs, reserve, stop_service
 from relay.hop import DEFAULT_HOP_LIMITS, HopService
 from relay.portal import Portal
-from relay.syncchannel import SESSION_METHOD
 from relay.transport import RelayedSessionServer
-from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_worker, info, new_host
+from tests._relay_helpers import ECHO_PREFIX, LOOPBACK, echo_once, echo_worker, info, new_host
 
 TEST_TIMEOUT_S = 60
-
-
-def echo_once(channel, body: bytes) -> list[bytes]:
-    call = channel.stream_stream(SESSION_METHOD)(iter([body]))
-    return list(call)
 
 
 async def run_relay(task_status=trio.TASK_STATUS_IGNORED):
@@ -61,7 +55,7 @@ def test_dialer_uses_the_first_live_relay_blames_the_relay_only_when_it_died():
                     hop = Hop(home_id, 2, 4, 2, True)
 
                     def through_a():
-                        ch = connector.channel(hop)
+                        ch = connector.transport(hop)
                         return echo_once(ch, b"one"), echo_once(ch, b"two" * 500)
                     assert await trio.to_thread.run_sync(through_a) == ([ECHO_PREFIX + b"one"],
                                                                          [ECHO_PREFIX + b"two" * 500])
@@ -72,7 +66,7 @@ def test_dialer_uses_the_first_live_relay_blames_the_relay_only_when_it_died():
                     assert not dial.relay_failed_recently(relay_a_id)
 
                     def again():
-                        return echo_once(connector.channel(hop), b"three")
+                        return echo_once(connector.transport(hop), b"three")
                     assert await trio.to_thread.run_sync(again) == [ECHO_PREFIX + b"three"]
                     assert dial._circuits[home_id][0] == relay_a_id
 
@@ -90,7 +84,7 @@ def test_dialer_uses_the_first_live_relay_blames_the_relay_only_when_it_died():
                                            relayed_addrs=lambda peer: addrs[:1])
                     dial._circuits.clear()
                     with pytest.raises(HopFailure, match="failed recently"):
-                        await trio.to_thread.run_sync(only_a.channel, hop)
+                        await trio.to_thread.run_sync(only_a.transport, hop)
                     server.close()
                 nursery.cancel_scope.cancel()
 
@@ -99,10 +93,10 @@ def test_dialer_uses_the_first_live_relay_blames_the_relay_only_when_it_died():
 
 def test_connector_without_a_dialer_refuses_relayed_hops_and_skips_bad_addresses():
     with pytest.raises(HopFailure, match="no relay dialer"):
-        PeerConnector(self_peer_id="me").channel(Hop("12D3KooWpeer", 0, 2, 0, True))
+        PeerConnector(self_peer_id="me").transport(Hop("12D3KooWpeer", 0, 2, 0, True))
     dial = RelayDialer(host=None, portal=None)  # never dials: no usable address
     with pytest.raises(HopFailure, match="no relayed address"):
-        dial.channel("12D3KooWpeer", ["/ip4/1.2.3.4/tcp/1", "not a multiaddr"])
+        dial.transport("12D3KooWpeer", ["/ip4/1.2.3.4/tcp/1", "not a multiaddr"])
     assert not dial.retry_same_peer("12D3KooWpeer")
 
 
@@ -119,5 +113,5 @@ def test_failed_relays_are_forgotten_after_the_memory_and_tables_stay_bounded():
     for i in range(MAX_TRACKED_PEERS + 50):
         dial.mark_failed(f"relay-{i}")
     with pytest.raises(HopFailure):
-        dial.channel("12D3KooWpeer", [])
+        dial.transport("12D3KooWpeer", [])
     assert len(dial._failed) <= MAX_TRACKED_PEERS

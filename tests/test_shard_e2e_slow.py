@@ -84,10 +84,11 @@ def _self_signed(tmp_path):
 def test_tls_port_serves_a_generation(tmp_path):
     import grpc
 
-    from meshd.generate.routes import fixed_route
+    from meshd.generate.routes import FactoryConnector, fixed_route
+    from meshd.generate.transports import GrpcTransport
     from shard.edges.grpc_server import GRPC_OPTIONS
     from shard.model.reference import WholeModel
-    from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed
+    from tests._shard_helpers import PROMPT, drive_fixed
 
     cert_pem = _self_signed(tmp_path)
     path = testmodels.build_random_llama()
@@ -98,8 +99,8 @@ def test_tls_port_serves_a_generation(tmp_path):
         assert workers[0].tls_endpoint and workers[0].tls_endpoint != workers[0].endpoint
 
         def tls_channel(endpoint):
-            return grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(root_certificates=cert_pem),
-                                       options=GRPC_OPTIONS)
+            return GrpcTransport(grpc.secure_channel(endpoint, grpc.ssl_channel_credentials(root_certificates=cert_pem),
+                                                     options=GRPC_OPTIONS))
 
         got = drive_fixed(fixed_route([(workers[0].tls_endpoint, 0, 6)], 6), PROMPT, 8,
                           connector=FactoryConnector(tls_channel))

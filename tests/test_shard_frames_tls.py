@@ -1,4 +1,4 @@
-"""The framed fast path (shard/edges/frame_server.py, meshd/generate/unix_channel.py TlsFrameChannel):
+"""The framed fast path (shard/edges/frame_server.py, meshd/generate/transports.py TlsFrameTransport):
 Session frames over pinned TLS/TCP to real worker processes -- exact, pinned, bounded, gRPC fallback."""
 from __future__ import annotations
 
@@ -14,17 +14,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshd.errors import CertificateMismatch
-from meshd.generate.unix_channel import TlsFrameChannel, UnixLinkError
+from meshd.generate.routes import FactoryConnector
+from meshd.generate.transports import GrpcTransport, TlsFrameTransport
 from meshd.reach.tls import pinned_channel
 from meshd.testing.experts import tls_files
 from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
 from proto.frames import FrameReader, encode_frame, parse_response
+from proto.hop_transport import TransportError, Unary
 from proto.limits import MAX_FRAME_BYTES
 from shard.edges.grpc_server import GRPC_OPTIONS
 from shard.experts.transport import client_tls_context
 from shard.model.reference import WholeModel
-from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
+from tests._shard_helpers import PROMPT, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]
 MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
@@ -47,15 +49,26 @@ def workers(model, tls):
 
 
 class _Recording:
-    """The product's PeerConnector, keeping the channels it made."""
+    """The product's PeerConnector, keeping the transports it made."""
 
     def __init__(self, connector) -> None:
         self.connector, self.channels = connector, []
+        self.self_peer_id = connector.self_peer_id
 
-    def channel(self, hop):
-        ch = self.connector.channel(hop)
+    def transport(self, hop):
+        ch = self.connector.transport(hop)
         self.channels.append(ch)
         return ch
+
+    def retry_same_peer(self, peer_id: str) -> bool:
+        return False
+
+    def push_dial(self, hop, *, head: bool = False):
+        return self.connector.push_dial(hop, head=head)
+
+
+def _grpc(endpoint: str, tls) -> GrpcTransport:
+    return GrpcTransport(pinned_channel(endpoint, tls.pin, GRPC_OPTIONS))
 
 
 def test_route_over_frames_equals_the_whole_model(model, workers, tls):
@@ -71,12 +84,12 @@ def test_route_over_frames_equals_the_whole_model(model, workers, tls):
     res = drive_fixed(source, PROMPT, 12, connector=connector, return_logits=True)
     assert res.tokens == ref.tokens
     assert max(float(abs(a - b).max()) for a, b in zip(res.logits, ref.logits)) == 0.0
-    sessions = [c for c in connector.channels if getattr(c, "used", "")]
-    assert len(sessions) == 2 and all(isinstance(c, TlsFrameChannel) and c.used == "frames" for c in sessions)
+    sessions = [c for c in connector.channels if c.kind]
+    assert len(sessions) == 2 and all(isinstance(c, TlsFrameTransport) and c.kind == "frames" for c in sessions)
     # a record without a frames endpoint: plain pinned gRPC, same tokens
     grpc_only = _Recording(PeerConnector(pins={w.tls_endpoint: tls.pin for w in workers}))
     assert drive_fixed(source, PROMPT, 12, connector=grpc_only).tokens == ref.tokens
-    assert not any(isinstance(c, TlsFrameChannel) for c in grpc_only.channels)
+    assert not any(isinstance(c, TlsFrameTransport) for c in grpc_only.channels)
 
 
 def test_unreachable_frames_port_falls_back_to_grpc(model, workers, tls):
@@ -87,30 +100,29 @@ def test_unreachable_frames_port_falls_back_to_grpc(model, workers, tls):
 
     def factory(endpoint):
         w = next(x for x in workers if x.endpoint == endpoint)
-        ch = TlsFrameChannel(dead, tls.pin, lambda: pinned_channel(w.tls_endpoint, tls.pin, GRPC_OPTIONS))
+        ch = TlsFrameTransport(dead, tls.pin, lambda: _grpc(w.tls_endpoint, tls))
         channels.append(ch)
         return ch
 
     ref = WholeModel(model).generate(PROMPT, 4, chunk_tokens=16)
     res = drive_fixed(fixed_source(workers, SPECS, 6), PROMPT, 4, connector=FactoryConnector(factory))
     assert res.tokens == ref.tokens
-    used = [c for c in channels if c.used]
-    assert used and all(c.used == "grpc" and "cannot reach" in c.fallback_reason for c in used)
+    used = [c for c in channels if c.kind]
+    assert used and all(c.kind == "grpc" and "cannot reach" in c.fallback_reason for c in used)
     # without a fallback the hop fails with a transport error the driver can route around
-    with pytest.raises(UnixLinkError):
-        TlsFrameChannel(dead, tls.pin).stream_stream("/x/Session")(iter(()))
+    with pytest.raises(TransportError):
+        TlsFrameTransport(dead, tls.pin).open_session()
 
 
 def test_wrong_pin_is_refused_and_never_falls_back(workers, tls):
     fell_back = []
-    ch = TlsFrameChannel(workers[0].frames_endpoint, bytes(32), lambda: fell_back.append(1))
-    from shard.session.request_queue import RequestQueue
+    ch = TlsFrameTransport(workers[0].frames_endpoint, bytes(32), lambda: fell_back.append(1))
 
     with pytest.raises(CertificateMismatch):
-        ch.stream_stream("/x/Session")(RequestQueue(4))
+        ch.open_session()
     assert not fell_back
     with pytest.raises(CertificateMismatch):
-        TlsFrameChannel(workers[0].frames_endpoint, b"short")
+        TlsFrameTransport(workers[0].frames_endpoint, b"short")
 
 
 def test_driver_maps_a_pin_mismatch_to_a_hop_failure(workers, tls):
@@ -119,7 +131,7 @@ def test_driver_maps_a_pin_mismatch_to_a_hop_failure(workers, tls):
 
     def factory(endpoint):
         w = next(x for x in workers if x.endpoint == endpoint)
-        return TlsFrameChannel(w.frames_endpoint, bytes(32) if w is workers[1] else tls.pin)
+        return TlsFrameTransport(w.frames_endpoint, bytes(32) if w is workers[1] else tls.pin)
 
     source = fixed_source(workers, SPECS, 6)
     fingerprint = discover_fingerprint(PeerConnector(insecure_loopback=True), source.route)
@@ -194,17 +206,14 @@ def test_worker_still_serves_after_the_fuzzing(workers, model):
     assert drive_fixed(fixed_source(workers, SPECS, 6), PROMPT, 3).tokens == ref.tokens
 
 
-def test_grpc_fallback_channel_carries_unary_calls(workers, tls):
-    ch = TlsFrameChannel(workers[0].frames_endpoint, tls.pin,
-                         lambda: pinned_channel(workers[0].tls_endpoint, tls.pin, GRPC_OPTIONS))
-    report = ch.unary_unary("/meshd.shard.v1.ShardRuntime/GetCapability",
-                            request_serializer=pb.CapabilityRequest.SerializeToString,
-                            response_deserializer=pb.CapabilityReport.FromString)(
-        pb.CapabilityRequest(schema_version=pb.SCHEMA_VERSION_1), timeout=30)
+def test_grpc_fallback_transport_carries_unary_calls(workers, tls):
+    ch = TlsFrameTransport(workers[0].frames_endpoint, tls.pin, lambda: _grpc(workers[0].tls_endpoint, tls))
+    report = pb.CapabilityReport.FromString(ch.unary(
+        Unary.CAPABILITY, pb.CapabilityRequest(schema_version=pb.SCHEMA_VERSION_1).SerializeToString(), 30))
     assert report.validated
     ch.close()
-    with pytest.raises(grpc.RpcError):
-        TlsFrameChannel(workers[0].frames_endpoint, tls.pin).unary_unary("/x/Release")()
+    with pytest.raises(TransportError):   # no fallback: no unary calls
+        TlsFrameTransport(workers[0].frames_endpoint, tls.pin).unary(Unary.RELEASE, b"", 30)
 
 
 def test_the_frames_port_is_not_a_private_edge(workers):

@@ -6,24 +6,24 @@ import os
 import socket
 import stat
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 import trio
 
-from meshd.generate.routes import PeerConnector, discover_fingerprint
+from meshd.generate.routes import FactoryConnector, PeerConnector, discover_fingerprint
+from meshd.generate.transports import GrpcTransport, UnixFrameTransport
 from meshd.reach.tls import loopback_channel
 from meshd.testing.procs import spawn_workers
 from proto import shard_runtime_pb2 as pb
-from proto.frames import FrameReader, encode_frame, parse_response
+from proto.frames import FrameReader, parse_response
 from proto.limits import MAX_FRAME_BYTES
 from relay.errors import WorkerUnavailable
 from relay.local_link import UnixWorkerLink, UnixWorkerSession
 from shard.edges.grpc_server import GRPC_OPTIONS
 from shard.model.reference import WholeModel
-from tests._shard_helpers import PROMPT, FactoryConnector, drive_fixed, fixed_source
+from tests._shard_helpers import PROMPT, drive_fixed, fixed_source
 
 SPECS = ["0:3", "3:6"]
 MODEL_SEED = 0   # the shared ``model`` fixture's seed (tests/conftest.py)
@@ -43,45 +43,6 @@ def workers(model):
         sock.parent.rmdir()
 
 
-class _UnixCall:
-    """Test-side sync adapter: the route driver's channel protocol over the frame socket."""
-
-    def __init__(self, path: str, requests) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
-        self._reader = FrameReader(MAX_FRAME_BYTES)
-        threading.Thread(target=self._pump, args=(requests,), daemon=True).start()
-
-    def _pump(self, requests) -> None:
-        try:
-            for body in requests:
-                self._sock.sendall(encode_frame(body))
-        except OSError:
-            pass
-
-    def __next__(self) -> bytes:
-        while (body := self._reader.next_frame()) is None:
-            data = self._sock.recv(1 << 20)
-            if not data:
-                raise StopIteration
-            self._reader.feed(data)
-        return body
-
-    def cancel(self) -> None:
-        self._sock.close()
-
-
-class _UnixChannel:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def stream_stream(self, *_a, **_k):
-        return lambda requests, timeout=None: _UnixCall(self.path, requests)
-
-    def close(self) -> None:
-        pass
-
-
 def test_socket_is_private_and_announced(workers):
     for w in workers:
         assert w.unix_endpoint and w.unix_endpoint.startswith("unix:")
@@ -90,13 +51,12 @@ def test_socket_is_private_and_announced(workers):
 
 
 def test_tail_over_the_socket_equals_the_whole_model(model, workers):
-    tail_path = workers[1].unix_endpoint[5:]
     source = fixed_source(workers, SPECS, 6)
 
     def factory(endpoint):
         if endpoint == workers[1].endpoint:
-            return _UnixChannel(tail_path)
-        return loopback_channel(endpoint, GRPC_OPTIONS)
+            return UnixFrameTransport(workers[1].unix_endpoint)
+        return GrpcTransport(loopback_channel(endpoint, GRPC_OPTIONS))
 
     ref = WholeModel(model).generate(PROMPT, 12, chunk_tokens=16)
     # capability over gRPC; sessions over the socket

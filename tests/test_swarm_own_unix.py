@@ -12,7 +12,7 @@ import pytest
 
 from meshd.generate.driver import GenerationRequest, SwarmDriver, collect
 from meshd.generate.routes import AdsRouteSource, PeerConnector
-from meshd.generate.unix_channel import UnixFrameChannel
+from meshd.generate.transports import UnixFrameTransport
 from meshd.plan.routing import Hop
 from shard.edges.unix_server import UnixFrameServer
 from shard.model.reference import WholeModel
@@ -37,7 +37,7 @@ def test_the_own_hop_goes_over_the_frame_socket_with_the_whole_models_tokens(mod
         connector = PeerConnector(self_peer_id="entry", own_endpoint=own.endpoint, own_unix=unix.endpoint,
                                   insecure_loopback=True)
         own_hop = Hop("entry", 0, 3, 0, relayed=False, endpoint=own.endpoint)
-        assert isinstance(connector.channel(own_hop), UnixFrameChannel)
+        assert isinstance(connector.transport(own_hop), UnixFrameTransport)
         driver = SwarmDriver(source, connector, fingerprint=fp, replan_wait_s=0.0)
         tokens = collect(driver, GenerationRequest(PROMPT, NEW_TOKENS, chunk_tokens=16))
         assert tokens == reference
@@ -51,35 +51,33 @@ def test_the_frame_socket_call_is_cut_from_another_thread_and_a_gone_worker_is_a
     import threading
     import time
 
-    import grpc
-
-    from meshd.generate.unix_channel import UnixLinkError
     from proto import shard_runtime_pb2 as pb
-    from shard.session.request_queue import RequestQueue
+    from proto.hop_transport import TransportError, TransportStatus, Unary
 
     own = start_shard(model, "entry", 0, 3)
     own.kill()
     sock_dir = Path(tempfile.mkdtemp(prefix="own-"))
     unix = UnixFrameServer(own.service, sock_dir / "w.sock").start()
-    channel = UnixFrameChannel(unix.endpoint)
+    transport = UnixFrameTransport(unix.endpoint)
     try:
-        requests = RequestQueue(4)
-        call = channel.stream_stream("/x/Session")(requests)
+        call = transport.open_session()
         fp = own.service.backend.fingerprint
-        requests.put(pb.SessionRequest(open=pb.SessionOpen(
+        call.send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=1, route_session_id="cut", fingerprint=fp, max_tokens=32,
             shard_range=pb.ShardRange(start_layer=0, end_layer=3))).SerializeToString())
-        assert pb.SessionResponse.FromString(next(call)).WhichOneof("kind") == "accepted"
+        assert pb.SessionResponse.FromString(call.receive()).WhichOneof("kind") == "accepted"
         with own.service.lock:          # the worker is silent: nothing comes back
-            threading.Timer(0.3, call.cancel).start()
+            cutter = threading.Timer(0.3, call.cancel)
+            cutter.start()
             t0 = time.monotonic()
-            with pytest.raises(UnixLinkError) as err:
-                next(call)
-            assert err.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - t0 < 5
-        with pytest.raises(grpc.RpcError):
-            channel.unary_unary("/x/Release")(None)
+            with pytest.raises(TransportError) as err:
+                call.receive()
+            assert err.value.status == TransportStatus.CANCELLED and time.monotonic() - t0 < 5
+            cutter.join()
+        with pytest.raises(TransportError):
+            transport.unary(Unary.RELEASE, b"", 5)
     finally:
         unix.close()
-    with pytest.raises(UnixLinkError) as err:      # the socket is gone: a transport failure, at once
-        channel.stream_stream("/x/Session")(RequestQueue(4))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(TransportError) as err:      # the socket is gone: a transport failure, at once
+        transport.open_session()
+    assert err.value.status == TransportStatus.UNAVAILABLE

@@ -205,16 +205,24 @@ def route_logits(entry, prompt_ids: Sequence[int], n: int):
     source = FixedRouteSource(Route("", entries[0]["num_layers"], hops))
     made: list = []
 
-    class Recording:   # the product's connector, keeping its channels to say which transport carried each hop
-        def channel(self, hop):
-            made.append(connector.channel(hop))
+    class Recording:   # the product's connector, keeping its transports to say which carried each hop
+        self_peer_id = connector.self_peer_id
+
+        def transport(self, hop):
+            made.append(connector.transport(hop))
             return made[-1]
+
+        def retry_same_peer(self, peer_id: str) -> bool:
+            return connector.retry_same_peer(peer_id)
+
+        def push_dial(self, hop, *, head: bool = False):
+            return connector.push_dial(hop, head=head)
 
     recording = Recording()
     driver = SwarmDriver(source, recording, fingerprint=discover_fingerprint(recording, source.route))
     tokens = [t.id for t in driver.generate(GenerationRequest(tuple(prompt_ids), n, return_logits=True))]
-    # the sessions' channels are the last ones made (after the capability questions)
-    return tokens, driver.stats.logits, [getattr(c, "used", "") or "grpc" for c in made[-len(hops):]]
+    # the sessions' transports are the last ones made (after the capability questions)
+    return tokens, driver.stats.logits, [t.kind for t in made[-len(hops):]]
 
 
 def measure_failover(swarm, entry, reference, prompt: str, new_tokens: int, result: dict,

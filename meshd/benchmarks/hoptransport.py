@@ -4,9 +4,9 @@ Beside ``bench pipeline``'s floors: a real ``meshd worker`` process (a seeded
 Llama with SmolLM2's hidden size, serving the middle layer of three: hidden
 rows in, hidden rows out -- hop-to-hop traffic) with its TLS gRPC port, its
 framed TLS port (shard/edges/frame_server.py) and its Unix frame socket; one
-``HopLink`` (the product's) per transport, each over the channel the
-product's ``PeerConnector`` would build (pinned gRPC, ``TlsFrameChannel``,
-``UnixFrameChannel``). Decode steps alternate between the links step by step,
+``HopLink`` (the product's) per transport, each over the transport the
+product's ``PeerConnector`` would build (pinned gRPC, ``TlsFrameTransport``,
+``UnixFrameTransport``). Decode steps alternate between the links step by step,
 so load from other processes hurts all alike. Reported per transport: the
 median of (step wall time - the worker's own execution time), in ms:
 
@@ -19,25 +19,36 @@ import secrets
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from proto.hop_transport import HopTransport
 
 # SmolLM2's hidden size: the decode frame is the one bench pipeline's hops carry.
 HIDDEN = 576
 WARMUP_STEPS = 10
 
 
+def _fixed(transport: HopTransport) -> Callable[[], HopTransport]:
+    """A HopLink's ``connect``: the one transport this benchmark made for it."""
+    return lambda: transport
+
+
 def measure(steps: int = 200) -> dict:
     import numpy as np
 
     from meshd.generate.hop_link import HopLink, LinkSpec, StepCounter
-    from meshd.generate.unix_channel import TlsFrameChannel, UnixFrameChannel
+    from meshd.generate.transports import GrpcTransport, TlsFrameTransport, UnixFrameTransport
     from meshd.reach.tls import pinned_channel
     from meshd.testing import models
     from meshd.testing.experts import tls_files
     from meshd.testing.procs import spawn_worker
     from proto import shard_runtime_pb2 as pb
     from proto.frames import SCHEMA_VERSION
-    from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+    from proto.hop_transport import Unary
+    from shard.edges.grpc_server import GRPC_OPTIONS
 
     path = models.build_random_llama(hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=3,
                                      num_attention_heads=4, num_key_value_heads=4)
@@ -50,21 +61,20 @@ def measure(steps: int = 200) -> dict:
     try:
         # all three were asked for on the worker's command line above
         assert worker.tls_endpoint and worker.frames_endpoint and worker.unix_endpoint
-        grpc_channel = pinned_channel(worker.tls_endpoint, tls.pin, GRPC_OPTIONS)
-        fingerprint = grpc_channel.unary_unary(
-            f"/{SERVICE_NAME}/GetCapability", request_serializer=pb.CapabilityRequest.SerializeToString,
-            response_deserializer=pb.CapabilityReport.FromString)(
-            pb.CapabilityRequest(schema_version=SCHEMA_VERSION), timeout=60).fingerprint
-        channels = {"grpc_tls": grpc_channel,
-                    "frames_tls": TlsFrameChannel(worker.frames_endpoint, tls.pin),
-                    "unix": UnixFrameChannel(worker.unix_endpoint)}
+        grpc_transport = GrpcTransport(pinned_channel(worker.tls_endpoint, tls.pin, GRPC_OPTIONS))
+        fingerprint = pb.CapabilityReport.FromString(grpc_transport.unary(
+            Unary.CAPABILITY, pb.CapabilityRequest(schema_version=SCHEMA_VERSION).SerializeToString(),
+            60)).fingerprint
+        transports: dict[str, HopTransport] = {"grpc_tls": grpc_transport,
+                                               "frames_tls": TlsFrameTransport(worker.frames_endpoint, tls.pin),
+                                               "unix": UnixFrameTransport(worker.unix_endpoint)}
         rng = np.random.default_rng(0)
-        for name, channel in channels.items():
+        for name, transport in transports.items():
             spec = LinkSpec(peer_id=name, start=1, end=2, effective_start=1, num_layers=3,
                             session_id=f"hoptransport-{name}", epoch=1, fingerprint=fingerprint,
                             chunk_tokens=128, max_tokens=steps + WARMUP_STEPS + 16,
                             owner_token=secrets.token_bytes(32))   # the TLS ports want the opener's token
-            link = HopLink(0, spec, channel)
+            link = HopLink(0, spec, _fixed(transport))
             link.open()
             counter = StepCounter()
             link.run(rng.standard_normal((4, HIDDEN)).astype(np.float32), counter)

@@ -132,70 +132,55 @@ def spawn_home_node(workdir: Path, name: str, listen: str, relay_addr: str, work
 
 # ------------------------------------------------------------------ the entry node
 
-class _Recorded:
-    """A RequestQueue seen through ``record(body)`` (called before each body goes out)."""
+class _RecordedStream:
+    """A relayed hop's stream whose request bodies go through ``record(body)`` first."""
 
-    def __init__(self, requests, record) -> None:
-        self._requests, self._record, self.depth = requests, record, requests.depth
+    def __init__(self, inner, record) -> None:
+        self._inner, self._record = inner, record
 
-    def attach(self, push, finish) -> None:
-        def recorded(body):
-            self._record(body)
-            return push(body)
-        self._requests.attach(recorded, finish)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        body = next(self._requests)
+    def send(self, body: bytes, timeout_s: float | None = None) -> None:
         self._record(body)
-        return body
+        self._inner.send(body, timeout_s)
+
+    def receive(self):
+        return self._inner.receive()
+
+    def close_send(self) -> None:
+        self._inner.close_send()
+
+    def cancel(self) -> None:
+        self._inner.cancel()
+
+
+class _RecordedTransport:
+    def __init__(self, inner, sent: list[bytes], on_sent=None) -> None:
+        self._inner, self._sent, self._on_sent = inner, sent, on_sent
+        self.kind = inner.kind
+
+    def open_session(self):
+        count = [0]
+
+        def record(body: bytes) -> None:
+            count[0] += 1
+            if len(self._sent) < KEEP_SENT_BODIES:
+                self._sent.append(bytes(body))
+            if self._on_sent is not None:
+                self._on_sent(count[0])
+        return _RecordedStream(self._inner.open_session(), record)
+
+    def unary(self, method, body: bytes, timeout_s: float) -> bytes:
+        return self._inner.unary(method, body, timeout_s)
+
+    def close(self) -> None:
+        self._inner.close()
 
 
 def _recording_factory(factory, sent: list[bytes], on_sent=None):
-    """Wrap a channel factory so relayed hops keep their first request bodies (bounded)."""
+    """Wrap a transport factory so relayed hops keep their first request bodies (bounded)."""
     def wrap(endpoint: str):
-        channel = factory(endpoint)
-        if not endpoint.startswith("p2p:"):
-            return channel
-        inner = channel.stream_stream
-
-        def stream_stream(method, **kw):
-            call = inner(method, **kw)
-
-            def start(requests, timeout=None):
-                count = [0]
-
-                def record(body):
-                    count[0] += 1
-                    if len(sent) < KEEP_SENT_BODIES:
-                        sent.append(bytes(body))
-                    if on_sent is not None:
-                        on_sent(count[0])
-
-                if hasattr(requests, "attach"):     # keep the RequestQueue hand-off the product uses
-                    return call(_Recorded(requests, record), timeout=timeout)
-
-                def tee():
-                    for body in requests:
-                        record(body)
-                        yield body
-                return call(tee(), timeout=timeout)
-            return start
-        channel.stream_stream = stream_stream
-        return channel
+        transport = factory(endpoint)
+        return _RecordedTransport(transport, sent, on_sent) if endpoint.startswith("p2p:") else transport
     return wrap
-
-
-class _FactoryConnector:
-    """The route driver's connector over a channel factory keyed by endpoint (``p2p:`` = relayed)."""
-
-    def __init__(self, factory) -> None:
-        self.factory = factory
-
-    def channel(self, hop):
-        return self.factory(hop.endpoint)
 
 
 def drive(spec: dict, on_sent=None) -> dict:
@@ -217,11 +202,12 @@ def drive(spec: dict, on_sent=None) -> dict:
     from dht.host.build import build_host
     from dht.identity import Identity
     from meshd.generate.driver import GenerationRequest, SwarmDriver
-    from meshd.generate.routes import discover_fingerprint, fixed_route
+    from meshd.generate.routes import FactoryConnector, discover_fingerprint, fixed_route
+    from meshd.generate.transports import GrpcTransport
     from meshd.reach.tls import loopback_channel
     from relay.client import dial_relayed, parse_relayed_addr
     from relay.portal import LoopThread
-    from relay.syncchannel import relayed_channel_factory
+    from relay.syncchannel import relayed_transport_factory
     from shard.edges.grpc_server import GRPC_OPTIONS
 
     async def setup(task_status=trio.TASK_STATUS_IGNORED):
@@ -241,9 +227,11 @@ def drive(spec: dict, on_sent=None) -> dict:
                                 return_logits=spec.get("return_logits", False))
     with LoopThread(setup, name="relay-entry") as loop:
         assert loop.portal is not None   # __enter__ returns once setup has started
-        direct = lambda endpoint: loopback_channel(endpoint, GRPC_OPTIONS)  # noqa: E731
-        connector = _FactoryConnector(_recording_factory(relayed_channel_factory(loop.portal, loop.value, direct),
-                                                         sent, on_sent))
+
+        def direct(endpoint: str) -> GrpcTransport:
+            return GrpcTransport(loopback_channel(endpoint, GRPC_OPTIONS))
+        connector = FactoryConnector(_recording_factory(relayed_transport_factory(loop.portal, loop.value, direct),
+                                                        sent, on_sent))
         driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route))
         tokens = [t.id for t in driver.generate(request)]
     stats = driver.stats

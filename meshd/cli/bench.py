@@ -5,7 +5,8 @@ Each benchmark is a module ``meshd.benchmarks.<name>`` exposing
 the result is printed as one JSON object. Benchmarks report ratios measured in
 the same run, never absolute thresholds. ``swarm`` and ``pipeline`` time the
 product (``meshd join`` daemons) and take the model options; the others
-ignore them.
+ignore them. ``dht --sim [--nodes N] [--seed S]`` runs the deterministic
+simulation of the DHT (dht/kademlia/scenario.py) instead of real hosts.
 """
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(tc netem; root) and compare star with push (meshd/benchmarks/wan.py)")
     parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
                         help="swarm, pipeline: the daemons' backend (default torch)")
+    parser.add_argument("--sim", action="store_true",
+                        help="dht: the deterministic simulation on a virtual clock instead of real hosts")
+    parser.add_argument("--nodes", type=int, help="dht --sim: simulated nodes (default 1000; --quick 200)")
+    parser.add_argument("--seed", type=int, help="dht --sim: the seed every choice of the run derives from "
+                                                 "(default 1; equal seeds give equal traces)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +60,12 @@ def run(args: argparse.Namespace) -> int:
         return fail("only bench swarm takes --rtt-ms", 2)
     if args.name not in MODEL_OPTIONS and (args.model or args.layers or args.backend != "torch"):
         return fail(f"bench {args.name} takes no --model/--layers/--backend (only {', '.join(MODEL_OPTIONS)} do)", 2)
+    if args.sim and args.name != "dht":
+        return fail("only bench dht takes --sim", 2)
+    if (args.nodes is not None or args.seed is not None) and not args.sim:
+        return fail("--nodes and --seed go with bench dht --sim", 2)
+    if args.nodes is not None and args.nodes < 2:
+        return fail("--nodes must be at least 2", 2)
     module = importlib.import_module(BENCHMARKS[args.name])
     try:
         # progress lines go to stderr in both modes: stdout carries only the result

@@ -257,10 +257,10 @@ def push_dialer(target):
     without a pin is refused (relayed targets never get here: the entry drives those as a star).
     When the target names its framed fast path (``frames_endpoint``, same certificate), the
     stream goes there -- no gRPC threads between this hop's forward and the successor's --
-    with the pinned gRPC port as the fallback (meshd/generate/unix_channel.TlsFrameChannel).
+    with the pinned gRPC port as the fallback (meshd/generate/transports.TlsFrameTransport).
     """
     from meshd.errors import ConfigError
-    from meshd.generate.unix_channel import TlsFrameChannel
+    from meshd.generate.transports import GrpcTransport, TlsFrameTransport
     from meshd.reach.tls import pinned_channel
     from shard.edges.grpc_server import GRPC_OPTIONS
 
@@ -268,9 +268,12 @@ def push_dialer(target):
     if len(pin) != 32:
         raise ConfigError(f"push target {target.peer_id[-12:]} carries no certificate pin; refusing to dial")
     endpoint = target.endpoint
+
+    def grpc_transport() -> GrpcTransport:
+        return GrpcTransport(pinned_channel(endpoint, pin, GRPC_OPTIONS))
     if target.frames_endpoint:
-        return TlsFrameChannel(target.frames_endpoint, pin, lambda: pinned_channel(endpoint, pin, GRPC_OPTIONS))
-    return pinned_channel(endpoint, pin, GRPC_OPTIONS)
+        return TlsFrameTransport(target.frames_endpoint, pin, grpc_transport)
+    return grpc_transport()
 
 
 def run(args: argparse.Namespace) -> int:

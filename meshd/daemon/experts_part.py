@@ -38,7 +38,7 @@ import trio
 from dht.expert_records import ExpertClaim, ExpertRecord, sign_experts, sign_experts_withdrawal, validate_experts
 from meshd.daemon.advertiser import RecordSchedule
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerState
-from meshd.daemon.worker_process import REPO_ROOT, WorkerProcess, _ChildProcess, ready_or_exit
+from meshd.daemon.worker_process import REPO_ROOT, ChildProcess, WorkerProcess, ready_or_exit
 from meshd.errors import WorkerFailed
 from meshd.plan.experts import ExpertFootprint, coverage, demand, placements, plan_experts, runs_of
 from meshd.reach.tls import TlsMaterial
@@ -105,7 +105,7 @@ class ExpertWorkerProcess(WorkerProcess):
         ready_file = spec.run_dir / "expert-worker-ready.json"
         ready_file.unlink(missing_ok=True)
         ready_line = trio.Event()
-        proc = _ChildProcess.spawn(spec.command(ready_file), spec.env())
+        proc = ChildProcess.spawn(spec.command(ready_file), spec.env())
         state.pid = proc.pid
         log_path = spec.run_dir / "expert-worker.log"
         try:

@@ -46,7 +46,9 @@ lane's estimates of working memory and process bases; each refresh plans
 with the figures nodes of our backend measured instead, once the records
 carry any: meshd/plan/footprint.py measured_footprint), the last
 snapshot, the directive ledger, the worker slot. Everything else is the
-daemon's (Node) and is read through it.
+daemon's (Node) and is read through it. ``Swarm`` is also what the generate
+core sees of the node (meshd/generate/entry_view.py ``EntryView``: identity,
+model, snapshot, own worker), so generate/ never reaches into the daemon.
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ import trio
 
 from meshd.daemon.worker_slot import WorkerSlot
 from meshd.errors import DaemonError
+from meshd.generate.entry_view import OwnWorker
 from meshd.generate.routes import LoadBook
 from meshd.plan.adverts import CoverageMap, Span
 from meshd.plan.assignment import JoinRequest, ModelFootprint
@@ -370,6 +373,27 @@ class Swarm:
         snap = await self.fresh_snapshot()
         self._measured(snap)
         return self.duty.answer_join(remote, ask, snap, wall_ms()).SerializeToString()
+
+    # ------------------------------------------------------------------ the generate core's view
+    @property
+    def peer_id(self) -> str:
+        return self.node.identity.peer_id
+
+    def own_worker(self) -> OwnWorker | None:
+        claim, supervisor = self.node.advertiser.claim, self.node.supervisor
+        if claim is None or supervisor is None:
+            return None
+        return OwnWorker(pb.Fingerprint(model_artifact_digest=claim.model_artifact_digest,
+                                        runtime_recipe_digest=claim.runtime_recipe_digest),
+                         supervisor.state.endpoint, supervisor.state.unix)
+
+    @property
+    def own_dialable(self) -> bool:
+        return not self.node.relaying.private
+
+    @property
+    def relay_dialer(self):
+        return self.node.relay_dialer
 
     # ------------------------------------------------------------------ control API
     def tracker(self, snap: SwarmSnapshot, now_ms: int) -> str | None:

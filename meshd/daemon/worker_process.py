@@ -186,7 +186,7 @@ class WorkerProcess:
         log_path = spec.run_dir / "worker.log"
         state.log_path = str(log_path)
         ready_line = trio.Event()
-        proc = _ChildProcess.spawn(spec.command(ready_file), spec.env())
+        proc = ChildProcess.spawn(spec.command(ready_file), spec.env())
         state.pid = proc.pid
         try:
             async with trio.open_nursery() as nursery:
@@ -212,8 +212,8 @@ class WorkerProcess:
             with trio.CancelScope(shield=True):
                 await self.stop_and_drain(proc, log_path, state)
 
-    async def stop_and_drain(self, proc: _ChildProcess, log_path: Path, state: WorkerState) -> None:
-        """Stop the child (``_stop``: SIGTERM, SIGKILL after STOP_GRACE_S) while its last lines
+    async def stop_and_drain(self, proc: ChildProcess, log_path: Path, state: WorkerState) -> None:
+        """Stop the child (``stop_child``: SIGTERM, SIGKILL after STOP_GRACE_S) while its last lines
         still reach its log -- "[worker] stopped", or what kept it from stopping cleanly -- and
         keep its exit code in ``state.last_exit``. Bounded: a pipe some grandchild holds open is
         given up DRAIN_S after the child is gone."""
@@ -221,7 +221,7 @@ class WorkerProcess:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump, proc.stdout, log_path, state, None)
                 nursery.start_soon(self._pump, proc.stderr, log_path, state, None)
-                await _stop(proc, close_pipes=False)
+                await stop_child(proc, close_pipes=False)
         await _close_pipes(proc)
         state.last_exit = proc.returncode
 
@@ -296,7 +296,7 @@ else:  # pragma: no cover - the parent-death signal is a Linux feature
     _prctl = None
 
 
-async def ready_or_exit(proc: _ChildProcess, ready_line: trio.Event, timeout_s: float, what: str) -> None:
+async def ready_or_exit(proc: ChildProcess, ready_line: trio.Event, timeout_s: float, what: str) -> None:
     """Wait until the child printed its ready line or exited; WorkerFailed after ``timeout_s``."""
     with trio.move_on_after(timeout_s) as scope:
         async with trio.open_nursery() as race:
@@ -320,7 +320,7 @@ def _die_with_parent() -> None:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-class _ChildProcess:
+class ChildProcess:
     """A subprocess spawned from the trio thread itself, awaited through a pidfd.
 
     trio.lowlevel.open_process forks from a worker thread, and Linux delivers
@@ -342,7 +342,7 @@ class _ChildProcess:
         popen.stderr.close()
 
     @classmethod
-    def spawn(cls, cmd: list[str], env: dict[str, str]) -> _ChildProcess:
+    def spawn(cls, cmd: list[str], env: dict[str, str]) -> ChildProcess:
         popen = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_die_with_parent)
         return cls(popen)
@@ -374,7 +374,7 @@ class _ChildProcess:
         self.send_signal(signal.SIGKILL)
 
 
-async def _stop(proc: _ChildProcess, *, close_pipes: bool = True) -> None:
+async def stop_child(proc: ChildProcess, *, close_pipes: bool = True) -> None:
     """SIGTERM (the worker drains), SIGKILL after STOP_GRACE_S; always reaps (and closes the pipes)."""
     try:
         if proc.returncode is None:
@@ -389,6 +389,6 @@ async def _stop(proc: _ChildProcess, *, close_pipes: bool = True) -> None:
             await _close_pipes(proc)
 
 
-async def _close_pipes(proc: _ChildProcess) -> None:
+async def _close_pipes(proc: ChildProcess) -> None:
     await proc.stdout.aclose()
     await proc.stderr.aclose()

@@ -69,14 +69,16 @@ peer id and range), so a hop knows only its own token: no hop of the route
 (and no one who learns the session id) can release, cancel, re-attach or
 supersede the session on another hop (shard/session/sessions.py).
 
-Hop transport: the ``HopConnector`` turns a planned hop into a channel; the
-daemon's connector pins the peer's TLS certificate (meshd/reach/tls.py) or uses
-its own worker's frame socket; relayed hops (``hop.relayed``) get a
-circuit through one of the peer's relays (meshd/reach/relay_dial.py). When a
-relayed hop fails only because its relay died, the connector's optional
-``retry_same_peer(peer)`` says so: the route is kept, the failed hop alone
-gets a fresh session (through another relay) and is re-prefilled from the
-boundary rows -- the peer is not avoided, the output is unchanged.
+Hop transport: the ``HopConnector`` turns a planned hop into a
+proto.hop_transport.HopTransport; the daemon's connector pins the peer's TLS
+certificate (meshd/reach/tls.py) or uses its own worker's frame socket;
+relayed hops (``hop.relayed``) get a circuit through one of the peer's relays
+(meshd/reach/relay_dial.py); tests connect to workers in memory
+(shard/edges/memory.py). When a relayed hop fails only because its relay died,
+the connector's ``retry_same_peer(peer)`` says so: the route is kept, the
+failed hop alone gets a fresh session (through another relay) and is
+re-prefilled from the boundary rows -- the peer is not avoided, the output is
+unchanged.
 
 Measurements (``stats``): the routes and failovers, each token's time, the
 prefill time, and per plain decode step (every hop ran one position) its
@@ -84,6 +86,7 @@ wall time, the hops' own execution time and the bytes the tail sent back.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -96,7 +99,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
 import numpy as np
 
 from meshd.errors import HopFailure
@@ -105,6 +107,7 @@ from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, hops_to_reprefill
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, MeshdError
+from proto.hop_transport import HopTransport
 from proto.limits import DEFAULT_PREFILL_CHUNK_TOKENS, MAX_STOP_TOKENS
 from proto.threads import ThreadGroup
 from shard.model.sampling import SamplingSpec, check_top_logprobs
@@ -169,10 +172,37 @@ class RouteSource(Protocol):
     def replace(self, route: Route, failed_peer: str, avoid: frozenset[str], needed_tokens: int) -> Route: ...
 
 
-class HopConnector(Protocol):
-    def channel(self, hop: Hop) -> grpc.Channel: ...
+@dataclass(frozen=True, slots=True)
+class PushDial:
+    """How a worker reaches a hop to push to it: its gRPC endpoint, the certificate pin from its
+    signed record (empty: loopback plaintext, tests), its framed fast path (same pin) if offered."""
 
-    # optional: def retry_same_peer(self, peer_id: str) -> bool  (relayed hops whose relay died)
+    endpoint: str
+    pin: bytes = b""
+    frames: str = ""
+
+
+class HopConnector(Protocol):
+    """How the driver reaches the hops of its routes (routes.PeerConnector; tests' connectors)."""
+
+    @property
+    def self_peer_id(self) -> str:
+        """This node's peer id: its own worker is a hop like any other, but never asked for Health."""
+        ...
+
+    def transport(self, hop: Hop) -> HopTransport:
+        """The hop's transport (connecting lazily is allowed); a MeshdError when it cannot be had."""
+        ...
+
+    def retry_same_peer(self, peer_id: str) -> bool:
+        """The hop to ``peer_id`` failed: True when another way to the same peer is left (a relayed
+        hop whose relay died); the route is then kept and only that hop restarts."""
+        ...
+
+    def push_dial(self, hop: Hop, *, head: bool = False) -> PushDial | None:
+        """How another worker would reach ``hop`` to push to it (``head``: as the head of a loop);
+        None when it cannot (a relayed hop, no pin, our own worker unless peers can dial it)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -441,7 +471,8 @@ class SwarmDriver:
                         fingerprint=self.fingerprint, chunk_tokens=self._chunk_tokens, max_tokens=self._max_tokens,
                         tail=self._tail if hop.end == num_layers else None,
                         owner_token=self.owner_token(hop.peer_id, hop.start, hop.end))
-        return _LazyLink(index, spec, hop, self.connector, patience=self._patience.get(hop.peer_id, 1.0))
+        return HopLink(index, spec, functools.partial(self.connector.transport, hop),
+                       patience=self._patience.get(hop.peer_id, 1.0))
 
     def owner_token(self, peer_id: str, start: int, end: int) -> bytes:
         """This generation's secret for one hop (the same for every epoch of it)."""
@@ -522,9 +553,8 @@ class SwarmDriver:
         failed_at = time.monotonic()
         peer = failure.peer_id
         same_hop = 0 <= failure.index < len(old.hops) and old.hops[failure.index].peer_id == peer
-        retry = getattr(self.connector, "retry_same_peer", None)
         new = None
-        if same_hop and retry is not None and retry(peer):
+        if same_hop and self.connector.retry_same_peer(peer):
             new, fresh = old, {failure.index}   # same peer through another relay: only this hop restarts
         elif same_hop and failure.code == pb.ERROR_CODE_DEADLINE_EXCEEDED \
                 and self._slow_retries.get(peer, 0) < SLOW_PEER_RETRIES:
@@ -615,28 +645,6 @@ class SwarmDriver:
         self._hold(())
         for link in links:
             link.close(release=True)
-
-
-class _LazyLink(HopLink):
-    """A HopLink whose channel is made when it is first opened (so a dead peer fails inside the step loop)."""
-
-    def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector: HopConnector, *, patience: float) -> None:
-        self._hop, self._connector = hop, connector
-        super().__init__(index, spec, None, patience=patience)
-
-    def open(self) -> None:
-        if self.channel is None:
-            try:
-                self.channel = self._connector.channel(self._hop)
-            except MeshdError as exc:  # e.g. CertificateMismatch, unreachable endpoint, relayed hop
-                detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
-                raise HopFailure(self.index, self.spec.peer_id, detail) from exc
-        super().open()
-
-    def close(self, *, release: bool) -> None:
-        if self.channel is None:
-            return
-        super().close(release=release)
 
 
 def collect(driver: SwarmDriver, request: GenerationRequest) -> list[int]:

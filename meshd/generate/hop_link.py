@@ -1,4 +1,4 @@
-"""One hop's Session stream as seen from the entry node (blocking gRPC; used in a thread).
+"""One hop's Session stream as seen from the entry node (blocking; used in the driver's thread).
 
 A ``HopLink`` owns one bidi ``Session`` call to one worker: it opens the
 session (route session id + *this hop's* epoch, and for the tail what to
@@ -10,9 +10,12 @@ transport broke, the watchdog cut a call past its step deadline -- surfaces
 as ``HopFailure`` naming the hop, so the route driver has exactly one thing
 to catch. A cut call fails with code DEADLINE_EXCEEDED.
 
-Transport: the link is given a ready ``grpc.Channel`` (TLS pinned to the
-peer's advertised certificate, loopback plaintext or a frame socket to the
-daemon's own worker, or a relayed circuit -- see ``routes.PeerConnector``).
+Transport: the link is given how to connect (``connect()``: a
+proto.hop_transport.HopTransport -- gRPC pinned to the peer's advertised
+certificate, its framed TLS port, loopback plaintext or the frame socket of
+the daemon's own worker, a relayed circuit, see ``routes.PeerConnector``; in
+tests, a worker in memory) and connects when it is first opened, so that a
+dead peer fails inside the driver's step loop like any other hop failure.
 
 State: the call, its bounded send queue, the credit window, ``past_len``
 (positions this hop's KV holds for the session), the step deadlines derived
@@ -24,10 +27,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
-import grpc
 import numpy as np
 
 from meshd.errors import HopFailure
@@ -35,23 +38,16 @@ from meshd.generate.deadlines import StepDeadlines
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
-from proto.errors import MeshdError
+from proto.errors import LocalError, MeshdError
 from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION, parse_response
+from proto.hop_transport import HopStream, HopTransport, TransportError, Unary
 from proto.tensors import decode_bundle
 from proto.threads import ThreadGroup
 from proto.zerocopy import read_response
-from shard.edges.grpc_server import SERVICE_NAME
-from shard.session.request_queue import RequestQueue
 from shard.session.stream import HIDDEN, LOGITS, SMALL_FRAME_BYTES, TOKEN_IDS
 
-SESSION_METHOD = f"/{SERVICE_NAME}/Session"
-RELEASE_METHOD = f"/{SERVICE_NAME}/Release"
-# Requests queued per hop before send() blocks; the credit window is smaller anyway.
-SEND_QUEUE_DEPTH = 16
-# No stream outlives this, whatever happens (a wedged peer is also cut by the step deadline).
-STREAM_TIMEOUT_S = 6 * 3600.0
 # A release is a courtesy to the peer; never wait long for it.
 RELEASE_TIMEOUT_S = 5.0
 
@@ -92,10 +88,13 @@ class TailOut:
 
 
 class HopLink:
-    def __init__(self, index: int, spec: LinkSpec, channel: grpc.Channel, *, patience: float = 1.0) -> None:
-        self.index, self.spec, self.channel = index, spec, channel
-        self._queue = RequestQueue(SEND_QUEUE_DEPTH)
-        self._call: Any = None      # the open Session stream call (gRPC's, or a framed channel's)
+    """One hop's Session stream (see the module doc); ``connect()`` gives its transport when opened."""
+
+    def __init__(self, index: int, spec: LinkSpec, connect: Callable[[], HopTransport], *,
+                 patience: float = 1.0) -> None:
+        self.index, self.spec, self._connect = index, spec, connect
+        self.transport: HopTransport | None = None
+        self._stream: HopStream | None = None
         self._cut = False
         self.window: CreditWindow | None = None
         self.past_len = 0
@@ -106,13 +105,21 @@ class HopLink:
         self.execution_ns = 0       # the hop's own compute of its last step (DecodeResult/Ack)
 
     # ------------------------------------------------------------------ helpers
-    def _fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL, retry_after_ms: int = 0) -> HopFailure:
+    def fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL, retry_after_ms: int = 0) -> HopFailure:
+        """A HopFailure naming this hop."""
         return HopFailure(self.index, self.spec.peer_id, detail, code, retry_after_ms)
+
+    @property
+    def stream(self) -> HopStream:
+        """The open Session stream (a LocalError before ``open``: a bug of the caller)."""
+        if self._stream is None:
+            raise LocalError(f"hop {self.index}: no stream is open")
+        return self._stream
 
     def _send(self, body: bytes, *, work: bool = True) -> None:
         if work and self.window is not None:
             self.window.consume(len(body))
-        self._queue.put(body)
+        self.stream.send(body)
 
     def _recv(self, timeout_s: float) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
         self.step_timeout = timeout_s
@@ -120,19 +127,19 @@ class HopLink:
         try:
             while True:
                 try:
-                    body = next(self._call)
-                except StopIteration:
-                    raise self._fail("the stream ended", pb.ERROR_CODE_PROTOCOL_VIOLATION) from None
-                except grpc.RpcError as exc:
+                    body = self.stream.receive()
+                except TransportError as exc:
                     if self._cut:
-                        raise self._fail(f"silent past its step deadline ({self.step_timeout:.1f} s)",
-                                         pb.ERROR_CODE_DEADLINE_EXCEEDED) from exc
-                    raise self._fail(f"transport: {exc.code().name}") from exc
+                        raise self.fail(f"silent past its step deadline ({self.step_timeout:.1f} s)",
+                                        pb.ERROR_CODE_DEADLINE_EXCEEDED) from exc
+                    raise self.fail(f"transport: {exc.status.value}") from exc
+                if body is None:
+                    raise self.fail("the stream ended", pb.ERROR_CODE_PROTOCOL_VIOLATION)
                 self.received_bytes += len(body)
                 try:
-                    resp, tensors = _read(body)
+                    resp, tensors = read_answer(body)
                 except MeshdError as exc:
-                    raise self._fail(f"bad response: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
+                    raise self.fail(f"bad response: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
                 kind = resp.WhichOneof("kind")
                 if kind == "flow_control":
                     if self.window is not None:
@@ -141,12 +148,22 @@ class HopLink:
                 if kind == "status":
                     err = resp.status.error
                     name = pb.ErrorCode.Name(err.code) if err.code in pb.ErrorCode.values() else str(err.code)
-                    raise self._fail(f"{name}: {err.detail}", err.code, err.retry_after_ms)
+                    raise self.fail(f"{name}: {err.detail}", err.code, err.retry_after_ms)
                 if kind in ("chunk", "decode", "ack") and self.window is not None and self.window.inflight:
                     self.window.on_ack()
                 return resp, tensors
         finally:
             self.deadline = 0.0
+
+    def connect(self) -> HopTransport:
+        """This hop's transport, made on first use; a peer that cannot be reached is a HopFailure."""
+        if self.transport is None:
+            try:
+                self.transport = self._connect()
+            except MeshdError as exc:  # e.g. CertificateMismatch, unreachable endpoint, relayed hop
+                detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
+                raise self.fail(detail) from exc
+        return self.transport
 
     # ------------------------------------------------------------------ protocol
     def open(self) -> None:
@@ -154,16 +171,16 @@ class HopLink:
         self.window = CreditWindow(resp.accepted.flow_control)
 
     def _open_session(self, **extra) -> pb.SessionResponse:
-        """Start the Session call and open this hop's session (``extra``: more SessionOpen fields);
-        the SessionAccepted, or a HopFailure."""
+        """Connect, start the Session stream and open this hop's session (``extra``: more SessionOpen
+        fields); the SessionAccepted, or a HopFailure."""
         s = self.spec
-        call = self.channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        try:   # a frame channel connects here (gRPC connects lazily): the same one failure type
-            self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise self._fail(f"transport: {exc.code().name}: {exc.details()}") from exc
+        transport = self.connect()
+        try:   # a frame transport connects here (gRPC connects lazily): the same one failure type
+            self._stream = transport.open_session()
+        except TransportError as exc:
+            raise self.fail(f"transport: {exc}") from exc
         except MeshdError as exc:   # CertificateMismatch: unreachable, or not the peer its record names
-            raise self._fail(f"cannot connect: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
+            raise self.fail(f"cannot connect: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION) from exc
         self._send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
             fingerprint=s.fingerprint,
@@ -174,10 +191,10 @@ class HopLink:
         )).SerializeToString(), work=False)
         resp, _ = self._recv(self.deadlines.open_s())
         if resp.WhichOneof("kind") != "accepted":
-            raise self._fail("expected SessionAccepted", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+            raise self.fail("expected SessionAccepted", pb.ERROR_CODE_PROTOCOL_VIOLATION)
         if resp.accepted.past_len != 0:
-            raise self._fail(f"a new session starts with {resp.accepted.past_len} cached positions",
-                             pb.ERROR_CODE_PROTOCOL_VIOLATION)
+            raise self.fail(f"a new session starts with {resp.accepted.past_len} cached positions",
+                            pb.ERROR_CODE_PROTOCOL_VIOLATION)
         return resp
 
     @property
@@ -229,15 +246,15 @@ class HopLink:
             out = tensors.get(HIDDEN)
             if out is None or out.ndim != 2 or out.shape[0] != rows:
                 got = "none" if out is None else str(out.shape)
-                raise self._fail(f"hidden output of shape {got}, expected {rows} rows",
-                                 pb.ERROR_CODE_PROTOCOL_VIOLATION)
+                raise self.fail(f"hidden output of shape {got}, expected {rows} rows",
+                                pb.ERROR_CODE_PROTOCOL_VIOLATION)
             return out
         tail = self.spec.tail
         if not holder.HasField("sample"):
-            raise self._fail("the tail sent no sampled token", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+            raise self.fail("the tail sent no sampled token", pb.ERROR_CODE_PROTOCOL_VIOLATION)
         logits = tensors.get(LOGITS)
         if tail is not None and tail.return_logits and logits is None:
-            raise self._fail("the tail sent no logits although asked", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+            raise self.fail("the tail sent no logits although asked", pb.ERROR_CODE_PROTOCOL_VIOLATION)
         return TailOut(holder.sample, logits)
 
     def cut(self) -> None:
@@ -246,9 +263,9 @@ class HopLink:
         self.cancel_call()
 
     def cancel_call(self) -> None:
-        """Cut the call (cancellation); a blocked ``run`` raises HopFailure."""
-        if self._call is not None:
-            self._call.cancel()
+        """Cut the stream (cancellation); a blocked ``run`` raises HopFailure."""
+        if self._stream is not None:
+            self._stream.cancel()
 
     def _cut_after(self, closed: threading.Event) -> None:
         """The close's guard: cut the call unless the close is done within RELEASE_TIMEOUT_S."""
@@ -256,7 +273,9 @@ class HopLink:
             self.cancel_call()
 
     def close(self, *, release: bool) -> None:
-        """Release the session (in-stream if alive, else by unary RPC) and close the channel."""
+        """Release the session (in-stream if alive, else by the unary call) and close the transport."""
+        if self.transport is None:
+            return                      # never connected: nothing to release or close
         s = self.spec
         guard = ThreadGroup(f"hop-{self.index}-close")    # a frozen peer never blocks a close
         guard.start(self._cut_after, guard.stopping, name="release-guard")
@@ -272,27 +291,24 @@ class HopLink:
                     pass
                 if not released:
                     try:
-                        self.channel.unary_unary(
-                            RELEASE_METHOD, request_serializer=pb.ReleaseRequest.SerializeToString,
-                            response_deserializer=pb.ReleaseResponse.FromString)(
-                            pb.ReleaseRequest(schema_version=SCHEMA_VERSION, route_session_id=s.session_id,
-                                              route_epoch=s.epoch, owner_token=s.owner_token),
-                            timeout=RELEASE_TIMEOUT_S)
-                    except (grpc.RpcError, MeshdError):
+                        self.transport.unary(Unary.RELEASE, pb.ReleaseRequest(
+                            schema_version=SCHEMA_VERSION, route_session_id=s.session_id, route_epoch=s.epoch,
+                            owner_token=s.owner_token).SerializeToString(), RELEASE_TIMEOUT_S)
+                    except MeshdError:
                         # A dead hop holds nothing worth releasing (its TTL cleans up); a frozen or
                         # gone one cannot even show its certificate (CertificateMismatch) to the
-                        # gRPC fallback of a frames channel.
+                        # gRPC fallback of a frames transport; the Unix socket carries no unary call.
                         pass
         finally:
             guard.close()
-            self._queue.finish()
-            if self._call is not None:
-                self._call.cancel()
-            self.channel.close()
+            if self._stream is not None:
+                self._stream.close_send()
+                self._stream.cancel()
+            self.transport.close()
             self.window = None
 
 
-def _read(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
+def read_answer(body: bytes) -> tuple[pb.SessionResponse, dict[str, np.ndarray]]:
     """A response and its tensors: protobuf parses small frames (a decode step: fewer Python
     steps), the zero-copy reader large ones (shard.session.stream.SMALL_FRAME_BYTES); same checks."""
     if len(body) > SMALL_FRAME_BYTES:

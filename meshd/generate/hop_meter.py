@@ -1,16 +1,16 @@
-"""Per-hop measurements at the entry, taken where every hop's frames pass: its channel.
+"""Per-hop measurements at the entry, taken where every hop's frames pass: its transport.
 
-``MeteredConnector`` wraps the driver's ``HopConnector``: each channel it
+``MeteredConnector`` wraps the driver's ``HopConnector``: each transport it
 returns counts the bytes of every Session frame each way and times each
-decode step (a ``DecodeStep`` request -> its ``DecodeResult``), whatever the
-transport underneath (our worker's frame socket, pinned TLS gRPC, a relay
+decode step (a ``DecodeStep`` request -> its ``DecodeResult``), whatever
+carries it underneath (our worker's frame socket, pinned TLS gRPC, a relay
 circuit) -- the route driver and ``HopLink`` are unchanged. Readings go to a
 ``HopObserver`` (the API's Prometheus metrics, meshd/api/metrics.py).
 
 Frames are told apart by their first protobuf field (proto.wirescan), one
-varint read per frame; nothing is parsed twice. Requests may be consumed by
-gRPC's own thread or pushed by a relayed channel (``RequestQueue.attach``):
-the send times wait in a deque (thread-safe appends and pops).
+varint read per frame; nothing is parsed twice. A pushed route sends from
+one thread and receives on another: the send times wait in a deque
+(thread-safe appends and pops).
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ import threading
 import time
 from typing import Protocol
 
+from meshd.generate.driver import HopConnector, PushDial
 from meshd.plan.routing import Hop
+from proto.hop_transport import HopStream, HopTransport, Unary
 from proto.wirescan import top_level_field
 
 # SessionRequest / SessionResponse oneof field numbers (proto/shard_runtime.proto).
@@ -102,89 +104,75 @@ class _Reading:
             self.observer.hop_bytes(self.peer_id, self.transport, sent, received)
 
 
-class _Requests:
-    """The request iterator handed to the transport: counts what it takes (or is pushed)."""
+class _MeteredStream:
+    """A HopStream that counts what passes (proto.hop_transport)."""
 
-    def __init__(self, inner, reading: _Reading) -> None:
+    def __init__(self, inner: HopStream, reading: _Reading) -> None:
         self._inner, self._reading = inner, reading
-        if hasattr(inner, "depth"):
-            self.depth = inner.depth
 
-    def __getattr__(self, name):
-        if name == "attach" and hasattr(self._inner, "attach"):
-            return self._attach
-        raise AttributeError(name)
-
-    def _attach(self, push, finish) -> None:
-        def metered(body: bytes) -> None:
-            self._reading.sent(body)
-            push(body)
-        self._inner.attach(metered, finish)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> bytes:
-        body = next(self._inner)
+    def send(self, body: bytes, timeout_s: float | None = None) -> None:
         self._reading.sent(body)
-        return body
+        self._inner.send(body, timeout_s)
 
-
-class _Call:
-    def __init__(self, inner, reading: _Reading) -> None:
-        self._inner, self._reading = inner, reading
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> bytes:
+    def receive(self) -> bytes | None:
         try:
-            body = next(self._inner)
-        except BaseException:       # the call ended (or broke): what it counted is told now
+            body = self._inner.receive()
+        except BaseException:       # the stream broke: what it counted is told now
             self._reading.flush()
             raise
-        self._reading.received(body)
+        if body is None:            # the stream ended
+            self._reading.flush()
+        else:
+            self._reading.received(body)
         return body
 
-    def cancel(self):
+    def close_send(self) -> None:
+        self._inner.close_send()
+
+    def cancel(self) -> None:
         self._reading.flush()
-        return self._inner.cancel()
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+        self._inner.cancel()
 
 
-class _Channel:
-    def __init__(self, inner, reading: _Reading) -> None:
+class MeteredTransport:
+    """A HopTransport whose streams report to one reading (proto.hop_transport)."""
+
+    def __init__(self, inner: HopTransport, reading: _Reading) -> None:
         self._inner, self._reading = inner, reading
 
-    def stream_stream(self, method: str, request_serializer=None, response_deserializer=None):
-        call = self._inner.stream_stream(method, request_serializer=request_serializer,
-                                         response_deserializer=response_deserializer)
+    @property
+    def kind(self) -> str:
+        return self._inner.kind
 
-        def start(requests, **kwargs):
-            return _Call(call(_Requests(requests, self._reading), **kwargs), self._reading)
-        return start
+    def open_session(self) -> HopStream:
+        return _MeteredStream(self._inner.open_session(), self._reading)
 
-    def close(self):
+    def unary(self, method: Unary, body: bytes, timeout_s: float) -> bytes:
+        return self._inner.unary(method, body, timeout_s)
+
+    def close(self) -> None:
         self._reading.flush()
-        return self._inner.close()
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+        self._inner.close()
 
 
 class MeteredConnector:
-    """A HopConnector whose channels report to ``observer`` (see the module doc)."""
+    """A driver.HopConnector whose transports report to ``observer`` (see the module doc)."""
 
-    def __init__(self, inner, observer: HopObserver, self_peer_id: str = "") -> None:
+    def __init__(self, inner: HopConnector, observer: HopObserver, self_peer_id: str = "") -> None:
         self._inner, self._observer, self._self = inner, observer, self_peer_id
 
-    def channel(self, hop: Hop):
-        reading = _Reading(hop.peer_id, transport_of(hop, self._self), self._observer)
-        channel = _Channel(self._inner.channel(hop), reading)
-        self._observer.hop_opened(hop.peer_id, reading.transport)
-        return channel
+    @property
+    def self_peer_id(self) -> str:
+        return self._inner.self_peer_id
 
-    def __getattr__(self, name):  # retry_same_peer and whatever else the driver may ask for
-        return getattr(self._inner, name)
+    def transport(self, hop: Hop) -> HopTransport:
+        reading = _Reading(hop.peer_id, transport_of(hop, self._self), self._observer)
+        transport = MeteredTransport(self._inner.transport(hop), reading)
+        self._observer.hop_opened(hop.peer_id, reading.transport)
+        return transport
+
+    def retry_same_peer(self, peer_id: str) -> bool:
+        return self._inner.retry_same_peer(peer_id)
+
+    def push_dial(self, hop: Hop, *, head: bool = False) -> PushDial | None:
+        return self._inner.push_dial(hop, head=head)

@@ -66,27 +66,27 @@ turns unpushable on failover restarts every hop fresh as a star.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import cast
 
-import grpc
 import numpy as np
 
 from meshd.errors import HopFailure
-from meshd.generate import driver as star
-from meshd.generate.hop_link import LinkSpec, StepCounter, TailOut, _read
+from meshd.generate.driver import WATCHDOG_TICK_S, FailoverEvent, SwarmDriver
+from meshd.generate.hop_link import HopLink, LinkSpec, StepCounter, TailOut, read_answer
 from meshd.plan.routing import Hop, Route
 from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
 from proto.chunking import plan_prefill_chunks
 from proto.errors import LocalError, MeshdError
 from proto.frames import SCHEMA_VERSION
+from proto.hop_transport import HopTransport, TransportError, TransportStatus, Unary
 from proto.limits import DECODE_STEP_BASE
 from proto.threads import ThreadGroup
-from shard.edges.grpc_server import SERVICE_NAME
 from shard.session.stream import HIDDEN, TOKEN_IDS
 
 TOPOLOGIES = ("push", "star")
@@ -94,21 +94,25 @@ TOPOLOGIES = ("push", "star")
 PROBE_TIMEOUT_S = 2.0
 # A release is a courtesy; never wait long for its acknowledgement.
 RELEASE_WAIT_S = 2.0
+# A closed link's reader thread ends with its stream; it may first finish a frame it is handling.
+READER_JOIN_S = 5.0
 
 
-class PushLink(star._LazyLink):
+class PushLink(HopLink):
     """A hop's control stream of a pushed route: sends inputs (head), a reader thread hears the rest."""
 
-    def __init__(self, index: int, spec: LinkSpec, hop: Hop, connector, *, patience: float,
-                 events: queue.Queue, threads: ThreadGroup) -> None:
-        super().__init__(index, spec, hop, connector, patience=patience)
+    def __init__(self, index: int, spec: LinkSpec, connect: Callable[[], HopTransport], *, patience: float,
+                 events: queue.Queue, threads: ThreadGroup, own: bool = False) -> None:
+        super().__init__(index, spec, connect, patience=patience)
         self._events = events
         self._threads = threads            # the generation's: joined when it ends
+        self._own = own                    # our own worker (never asked for Health)
         self._opened = False
         self._closing = False
         self._cond = threading.Condition()
         self._credits = 0
         self._released = threading.Event()
+        self._reader: threading.Thread | None = None
         self.fed = 0                       # positions the head has (or will have) its input for
         self.loop = False                  # the tail of a looped route: sends its tokens to the head
         self.loop_from = 0                 # ... drawn for positions from this one on
@@ -124,29 +128,23 @@ class PushLink(star._LazyLink):
         return self._opened
 
     def open(self) -> None:
-        if self.channel is None:
-            try:
-                self.channel = self._connector.channel(self._hop)
-            except MeshdError as exc:
-                detail = exc.detail if isinstance(exc, HopFailure) else f"cannot connect: {exc}"
-                raise HopFailure(self.index, self.spec.peer_id, detail) from exc
         resp = self._open_session(push=True, push_next=self.target, push_loop=self.loop,
                                   push_loop_from=self.loop_from)
         self._credits = resp.accepted.flow_control.credits_granted
         self.successor = None if self.target is None else (self.target.peer_id, self.target.route_epoch)
         self._opened = True
-        self._threads.start(self._read_loop, name=f"push-hop-{self.index}")
+        self._reader = self._threads.start(self._read_loop, name=f"push-hop-{self.index}")
 
     # ------------------------------------------------------------------ reader thread
     def _read_loop(self) -> None:
         events = self._events
         try:
-            for body in self._call:
+            while (body := self.stream.receive()) is not None:
                 self.received_bytes += len(body)
                 try:
-                    resp, tensors = _read(body)
+                    resp, tensors = read_answer(body)
                 except MeshdError as exc:
-                    events.put((self, self._fail(f"bad response: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION)))
+                    events.put((self, self.fail(f"bad response: {exc}", pb.ERROR_CODE_PROTOCOL_VIOLATION)))
                     return
                 kind = resp.WhichOneof("kind")
                 if kind == "flow_control":
@@ -159,7 +157,7 @@ class PushLink(star._LazyLink):
                     if st.failed_peer_id:   # our successor failed, not us
                         failure = HopFailure(self.index + 1, st.failed_peer_id, f"{name}: {err.detail}", err.code)
                     else:
-                        failure = self._fail(f"{name}: {err.detail}", err.code)
+                        failure = self.fail(f"{name}: {err.detail}", err.code)
                     events.put((self, failure))
                     if st.terminal:
                         return
@@ -171,10 +169,10 @@ class PushLink(star._LazyLink):
                         continuation(resp)
                     events.put((self, (resp, tensors, len(body))))
             if not self._closing:
-                events.put((self, self._fail("the stream ended", pb.ERROR_CODE_PROTOCOL_VIOLATION)))
-        except grpc.RpcError as exc:
+                events.put((self, self.fail("the stream ended", pb.ERROR_CODE_PROTOCOL_VIOLATION)))
+        except TransportError as exc:
             if not self._closing:
-                events.put((self, self._fail(f"transport: {exc.code().name}")))
+                events.put((self, self.fail(f"transport: {exc.status.value}")))
         finally:
             self._released.set()
 
@@ -182,7 +180,7 @@ class PushLink(star._LazyLink):
     def _credit(self, timeout_s: float) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: self._credits > 0 or self._closing, timeout_s):
-                raise self._fail(f"no flow-control credit for {timeout_s:.1f} s", pb.ERROR_CODE_DEADLINE_EXCEEDED)
+                raise self.fail(f"no flow-control credit for {timeout_s:.1f} s", pb.ERROR_CODE_DEADLINE_EXCEEDED)
             self._credits -= 1
 
     def try_feed_token(self, token: int, step: StepCounter) -> bool:
@@ -198,8 +196,8 @@ class PushLink(star._LazyLink):
         ids = np.array([token], dtype=np.int64)
         body = fastpath.decode_request_bytes(idem, first, first, TOKEN_IDS, ids, legs=1) or wire.request_decode(
             pb.DecodeStep(idempotency_step=idem, position=first, expected_past_len=first, legs=1), TOKEN_IDS, ids)
+        self.fed = self.continued = first + 1   # before the send: its answer may come back at once
         self._send(body, work=False)
-        self.fed = self.continued = first + 1
         return True
 
     def feed(self, inputs: np.ndarray, step: StepCounter, timeout_s: float) -> None:
@@ -212,8 +210,8 @@ class PushLink(star._LazyLink):
             body = wire.request_decode(head, name, inputs)
             self._credit(timeout_s)
             self.fed_at_ns = time.perf_counter_ns()
+            self.fed = first + 1               # before the send: the continuation checks it on the answer
             self._send(body, work=False)
-            self.fed = first + 1
             return
         plan = plan_prefill_chunks(n, self.spec.chunk_tokens)
         s = self.spec
@@ -237,23 +235,22 @@ class PushLink(star._LazyLink):
         self.target, self.successor = target, (target.peer_id, target.route_epoch)
 
     def probe(self) -> bool:
-        """Does the peer answer Health within PROBE_TIMEOUT_S, channel set-up included? (True when it
-        cannot be asked: our own worker's socket.) A frozen peer also stalls the first TLS handshake
-        of a frames channel's gRPC fallback, so the whole probe runs against one clock, in a thread
-        that ends by itself (the call's own timeout, the certificate fetch's)."""
-        if self._hop.peer_id == getattr(self._connector, "self_peer_id", None) or self.channel is None:
+        """Does the peer answer Health within PROBE_TIMEOUT_S, transport set-up included? (True when it
+        cannot be asked: our own worker, a transport without unary calls.) A frozen peer also stalls
+        the first TLS handshake of a frames transport's gRPC fallback, so the whole probe runs against
+        one clock, in a thread that ends by itself (the call's own timeout, the certificate fetch's)."""
+        if self._own or self.transport is None:
             return True
+        transport = self.transport
         answered, verdict = threading.Event(), [False]
 
         def ask() -> None:
             try:
-                self.channel.unary_unary(f"/{SERVICE_NAME}/Health",
-                                         request_serializer=pb.HealthRequest.SerializeToString,
-                                         response_deserializer=pb.HealthReport.FromString)(
-                    pb.HealthRequest(schema_version=SCHEMA_VERSION), timeout=PROBE_TIMEOUT_S)
+                transport.unary(Unary.HEALTH, pb.HealthRequest(schema_version=SCHEMA_VERSION).SerializeToString(),
+                                PROBE_TIMEOUT_S)
                 verdict[0] = True
-            except grpc.RpcError as exc:
-                verdict[0] = exc.code() == grpc.StatusCode.UNIMPLEMENTED
+            except TransportError as exc:
+                verdict[0] = exc.status == TransportStatus.UNIMPLEMENTED
             except MeshdError:      # cannot even reach it for a channel (frames' gRPC fallback)
                 verdict[0] = False
             finally:
@@ -263,7 +260,7 @@ class PushLink(star._LazyLink):
         return answered.wait(PROBE_TIMEOUT_S) and verdict[0]
 
     def close(self, *, release: bool) -> None:
-        if self.channel is None:
+        if self.transport is None:
             return
         self._closing = True
         with self._cond:
@@ -276,13 +273,15 @@ class PushLink(star._LazyLink):
                 self._released.wait(RELEASE_WAIT_S)
         finally:
             self._opened = False
-            self._queue.finish()
-            if self._call is not None:
-                self._call.cancel()
-            self.channel.close()
+            if self._stream is not None:
+                self._stream.close_send()
+                self._stream.cancel()
+            if self._reader is not None and self._reader is not threading.current_thread():
+                self._reader.join(READER_JOIN_S)    # it ends with its stream (cancelled above)
+            self.transport.close()
 
 
-class PushDriver(star.SwarmDriver):
+class PushDriver(SwarmDriver):
     """The route driver with the push topology (module docstring); ``topology="star"``: the star."""
 
     def __init__(self, *args, topology: str = "push", loop: bool = True, **kwargs) -> None:
@@ -299,20 +298,20 @@ class PushDriver(star.SwarmDriver):
         self._armed: tuple[int, PushLink] | None = None
         self._looped_at = -1               # head.fed right after a looped token was noted
 
+    @property
+    def pushing(self) -> bool:
+        """The route in use is pushed (False: a star, forced or because push does not fit)."""
+        return self._pushing
+
     # ------------------------------------------------------------------ route shape
     def _target_of(self, hop: Hop, *, head: bool = False) -> pb.PushTarget | None:
-        """Where a worker may push to ``hop`` (None: it cannot). Our own worker is a target only as
-        a loop's head, and only when peers can dial this node (``own_dialable``)."""
-        c = self.connector
-        own = hop.peer_id == getattr(c, "self_peer_id", None)
-        if hop.relayed or not hop.endpoint or (own and not (head and getattr(c, "own_dialable", False))):
+        """Where a worker may push to ``hop`` (None: it cannot; the connector knows how peers reach
+        it: routes.PeerConnector.push_dial)."""
+        dial = self.connector.push_dial(hop, head=head)
+        if dial is None:
             return None
-        pin = b"" if getattr(c, "insecure_loopback", False) else bytes(getattr(c, "pins", {}).get(hop.peer_id, b""))
-        if not pin and not getattr(c, "insecure_loopback", False):
-            return None
-        frames = "" if not pin else getattr(c, "frames", {}).get(hop.peer_id, "")
-        return pb.PushTarget(peer_id=hop.peer_id, endpoint=hop.endpoint, tls_cert_sha256=pin,
-                             frames_endpoint=frames,
+        return pb.PushTarget(peer_id=hop.peer_id, endpoint=dial.endpoint, tls_cert_sha256=dial.pin,
+                             frames_endpoint=dial.frames,
                              shard_range=pb.ShardRange(start_layer=hop.start, end_layer=hop.end,
                                                        effective_start_layer=hop.effective_start),
                              owner_token=self.owner_token(hop.peer_id, hop.start, hop.end))
@@ -337,18 +336,22 @@ class PushDriver(star.SwarmDriver):
         """The route's links while pushing (``_new_link`` made each one a PushLink)."""
         return cast(list[PushLink], self._links)
 
-    def _new_link(self, index: int, hop: Hop, num_layers: int):
+    def _new_link(self, index: int, hop: Hop, num_layers: int) -> HopLink:
         link = super()._new_link(index, hop, num_layers)
         if not self._pushing:
             return link
-        return PushLink(index, link.spec, hop, self.connector, patience=link.deadlines.patience,
-                        events=self._events, threads=self.threads)
+        return PushLink(index, link.spec, functools.partial(self.connector.transport, hop),
+                        patience=link.deadlines.patience, events=self._events, threads=self.threads,
+                        own=hop.peer_id == self.connector.self_peer_id)
 
-    def _target(self, link, *, head: bool = False) -> pb.PushTarget:
-        target = self._target_of(link._hop, head=head)
+    def _target(self, index: int, *, head: bool = False) -> pb.PushTarget:
+        """The PushTarget of the route's hop ``index`` at its link's epoch (it is pushable)."""
+        route = self._route
+        assert route is not None   # a pushed step runs on a route
+        target = self._target_of(route.hops[index], head=head)
         if target is None:   # pushable() checked every hop this is asked for
-            raise LocalError(f"hop {link.index} cannot be pushed to")
-        target.route_epoch = link.spec.epoch
+            raise LocalError(f"hop {index} cannot be pushed to")
+        target.route_epoch = self._links[index].spec.epoch
         return target
 
     # ------------------------------------------------------------------ stepping
@@ -364,9 +367,9 @@ class PushDriver(star.SwarmDriver):
             link = links[i]
             if not link.is_open:
                 if i + 1 < len(links):
-                    link.target = self._target(links[i + 1])
+                    link.target = self._target(i + 1)
                 elif looped:                          # the tail: tokens go to the head from here on
-                    link.target, link.loop = self._target(links[0], head=True), True
+                    link.target, link.loop = self._target(0, head=True), True
                     # a fresh head is fed every known position by us; a kept one has them, or gets the
                     # last one from this tail (it re-draws it from the rows it is re-sent)
                     link.loop_from = target if not links[0].is_open else max(0, target - 1)
@@ -376,7 +379,7 @@ class PushDriver(star.SwarmDriver):
         for i, link in enumerate(links[:-1]):
             succ = links[i + 1]
             if link.successor != (succ.spec.peer_id, succ.spec.epoch):
-                link.repoint(self._target(succ))
+                link.repoint(self._target(i + 1))
         head, tail = links[0], links[-1]
         rows = self._rows[0]
         # the continuation (or, on a loop, the tail) already sent this step's input
@@ -387,11 +390,11 @@ class PushDriver(star.SwarmDriver):
         # A decode step's deadline comes from the route's own measured step times (decode_done below
         # records the whole route's), so it already spans every hop; a chunk's is per hop.
         budget = tail.deadlines.decode_s() if plain else tail.deadlines.chunk_s(positions) * len(links)
-        for a, b in self._replay(head.fed, target):
-            head.feed(rows.read(a, b), self._steps, budget)
-        if not looped:
+        if not looped:                              # armed first: the answer may beat this thread back
             self._arm(target, head, tail)
         try:
+            for a, b in self._replay(head.fed, target):
+                head.feed(rows.read(a, b), self._steps, budget)
             resp, tensors, nbytes = self._await(target, budget)
         finally:
             self._disarm(tail)
@@ -404,7 +407,7 @@ class PushDriver(star.SwarmDriver):
             tail.deadlines.chunk_done(positions, elapsed)
         holder = resp.decode if resp.WhichOneof("kind") == "decode" else resp.chunk
         if not holder.HasField("sample"):
-            raise tail._fail("the tail sent no sampled token", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+            raise tail.fail("the tail sent no sampled token", pb.ERROR_CODE_PROTOCOL_VIOLATION)
         if plain:
             s = self.stats
             s.step_wall_ns.append(time.perf_counter_ns() - t0)
@@ -438,7 +441,9 @@ class PushDriver(star.SwarmDriver):
     # stats, stop strings, logprobs) stays with the driver; a stop string found by the caller
     # after the token costs the head one step that is released with the session.
     def _arm(self, target: int, head: PushLink, tail: PushLink) -> None:
-        if target + 1 >= self._max_tokens or head.fed != target or head is tail:
+        """Arm the continuation for the answer at ``target`` (before this step's input is sent:
+        ``_continue`` checks that it was)."""
+        if target + 1 >= self._max_tokens or head is tail:
             return
         with self._cont_lock:
             self._armed = (target, head)
@@ -476,7 +481,7 @@ class PushDriver(star.SwarmDriver):
             if left <= 0:
                 raise self._silent(budget)
             try:
-                link, item = self._events.get(timeout=min(left, star.WATCHDOG_TICK_S))
+                link, item = self._events.get(timeout=min(left, WATCHDOG_TICK_S))
             except queue.Empty:
                 continue
             if id(link) not in current:
@@ -510,7 +515,7 @@ class PushDriver(star.SwarmDriver):
                 break
         self._epoch += 1
         self._set_route(route)
-        event = star.FailoverEvent(failure.peer_id, target, f"{failure} (the loop is off)", route,
+        event = FailoverEvent(failure.peer_id, target, f"{failure} (the loop is off)", route,
                                    tuple(range(len(route.hops))), time.monotonic())
         self.stats.failovers.append(event)
         if self.on_failover is not None:
@@ -544,10 +549,12 @@ class PushDriver(star.SwarmDriver):
                 break
         if not self._pushing:
             return
+        route = self._route
+        assert route is not None   # a failover happens on a route
         fresh_seen = False                            # a kept hop after a fresh one would get rows twice
         for i, link in enumerate(self._push_links):
             if not link.is_open:
                 fresh_seen = True
             elif fresh_seen:
                 link.close(release=True)
-                self._links[i] = self._new_link(i, link._hop, link.spec.num_layers)
+                self._links[i] = self._new_link(i, route.hops[i], link.spec.num_layers)

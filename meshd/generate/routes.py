@@ -1,4 +1,4 @@
-"""Where routes and channels come from, for the route driver.
+"""Where routes and hop transports come from, for the route driver.
 
 ``AdsRouteSource`` plans over a snapshot of live shard ads taken when asked
 (``plan_route`` / ``replacement_route`` from routing.py, pinned to the
@@ -26,16 +26,17 @@ first). ``fixed_route(hops, num_layers)`` builds it from (endpoint, start,
 end) triples; ``discover_fingerprint`` asks each direct hop's validated
 capability and checks they name one artifact and recipe.
 
-``PeerConnector`` turns a planned hop into a gRPC channel:
+``PeerConnector`` turns a planned hop into a proto.hop_transport.HopTransport
+(transports.py):
     * our own peer id      -> our worker's private frame socket, read and
                                written by the driver's own thread
-                               (unix_channel.py: no gRPC, no thread hand-off),
+                               (UnixFrameTransport: no gRPC, no thread hand-off),
                                else loopback plaintext gRPC to it
                                (meshd/reach/tls.py)
     * a peer with a pin     -> TLS, trusting only the certificate whose
                                SHA-256 the peer's signed record carries:
                                its framed fast path (Session frames over
-                               TLS, unix_channel.TlsFrameChannel) when the
+                               TLS, TlsFrameTransport) when the
                                same record offers one, with pinned gRPC as
                                the fallback and for unary calls; else gRPC
     * a relayed hop         -> a circuit through one of the peer's relays
@@ -47,6 +48,12 @@ capability and checks they name one artifact and recipe.
 True tells the driver to rebuild the hop on the same peer via another relay.
     * ``insecure_loopback`` -> plaintext to any loopback endpoint (in-process
                                tests and benchmarks only; refuses anything else)
+``push_dial(hop)`` says how a worker would reach the hop to push to it (the
+same endpoint and pin; push.py).
+
+``FactoryConnector`` is a connector over any ``factory(endpoint)`` of
+transports -- tests' workers in memory (shard/edges/memory.py), harnesses
+with their own channels -- whose hops workers reach at the same endpoint.
 """
 from __future__ import annotations
 
@@ -58,17 +65,17 @@ from dataclasses import dataclass, field
 from dataclasses import replace as replace_fields
 from typing import TYPE_CHECKING, Protocol
 
-import grpc
-
 from meshd.errors import HopFailure
-from meshd.generate.unix_channel import TlsFrameChannel, UnixFrameChannel
+from meshd.generate.driver import PushDial
+from meshd.generate.transports import GrpcTransport, TlsFrameTransport, UnixFrameTransport
 from meshd.plan.adverts import ShardAd, Span
 from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, RouteCosts, plan_route, replacement_route
 from meshd.reach.tls import loopback_channel, pinned_channel
 from proto import shard_runtime_pb2 as pb
 from proto.frames import SCHEMA_VERSION
-from shard.edges.grpc_server import GRPC_OPTIONS, SERVICE_NAME
+from proto.hop_transport import HopTransport, TransportError, Unary
+from shard.edges.grpc_server import GRPC_OPTIONS
 from shard.model.artifact import fingerprints_match
 
 if TYPE_CHECKING:   # libp2p-heavy: a relay dialer exists only in a daemon
@@ -173,28 +180,28 @@ def fixed_route(hops: Sequence[tuple[str, int, int]], num_layers: int, *, relaye
     return FixedRouteSource(Route(model_digest, num_layers, built, recipe_digest))
 
 
-class ChannelSource(Protocol):
-    """What discover_fingerprint dials with (PeerConnector, or a benchmark's recording one)."""
+class TransportSource(Protocol):
+    """What discover_fingerprint dials with (PeerConnector, a driver.HopConnector, or a benchmark's
+    recording one)."""
 
-    def channel(self, hop: Hop) -> grpc.Channel: ...
+    def transport(self, hop: Hop) -> HopTransport: ...
 
 
-def discover_fingerprint(connector: ChannelSource, route: Route) -> pb.Fingerprint:
+def discover_fingerprint(connector: TransportSource, route: Route) -> pb.Fingerprint:
     """The fingerprint every direct hop's validated capability names (HopFailure if one differs)."""
     found: pb.Fingerprint | None = None
     for i, hop in enumerate(route.hops):
         if hop.relayed:
             continue  # capabilities do not travel over relays; the route's sessions check it anyway
-        channel = connector.channel(hop)
+        transport = connector.transport(hop)
         try:
-            report = channel.unary_unary(f"/{SERVICE_NAME}/GetCapability",
-                                         request_serializer=pb.CapabilityRequest.SerializeToString,
-                                         response_deserializer=pb.CapabilityReport.FromString)(
-                pb.CapabilityRequest(schema_version=SCHEMA_VERSION), timeout=CAPABILITY_TIMEOUT_S)
-        except grpc.RpcError as exc:
-            raise HopFailure(i, hop.peer_id, f"capability: {exc.code().name}") from exc
+            report = pb.CapabilityReport.FromString(transport.unary(
+                Unary.CAPABILITY, pb.CapabilityRequest(schema_version=SCHEMA_VERSION).SerializeToString(),
+                CAPABILITY_TIMEOUT_S))
+        except TransportError as exc:
+            raise HopFailure(i, hop.peer_id, f"capability: {exc.status.value}") from exc
         finally:
-            channel.close()
+            transport.close()
         if not report.validated:
             raise HopFailure(i, hop.peer_id, f"capability not validated: {report.detail}")
         if found is not None and not fingerprints_match(found, report.fingerprint):
@@ -208,12 +215,14 @@ def discover_fingerprint(connector: ChannelSource, route: Route) -> pb.Fingerpri
 
 @dataclass(frozen=True, slots=True)
 class PeerConnector:
+    """The daemon's driver.HopConnector (see the module doc)."""
+
     self_peer_id: str = ""
     own_endpoint: str = ""                       # our worker's loopback plaintext endpoint
     own_unix: str = ""                           # our worker's frame socket (unix:/path), preferred
     pins: Mapping[str, bytes] = field(default_factory=dict)  # peer id -> TLS cert SHA-256 from its record
     insecure_loopback: bool = False
-    relay_dialer: RelayDialer | None = None
+    relay_dialer: RelayDialer | None = None      # circuits to relayed peers (the daemon's)
     relayed_addrs: Callable[[str], Sequence[str]] = lambda peer_id: ()  # the peer's p2p-circuit addrs
     frames: Mapping[str, str] = field(default_factory=dict)  # peer id -> its framed TLS fast path (same pin)
     own_dialable: bool = False                   # peers can dial our worker's TLS port (a loop's head, push.py)
@@ -221,23 +230,58 @@ class PeerConnector:
     def retry_same_peer(self, peer_id: str) -> bool:
         return self.relay_dialer is not None and self.relay_dialer.retry_same_peer(peer_id)
 
-    def channel(self, hop: Hop) -> grpc.Channel:
+    def transport(self, hop: Hop) -> HopTransport:
         if hop.peer_id == self.self_peer_id and self.own_unix:
-            return UnixFrameChannel(self.own_unix)   # our own worker, from this thread: no loopback gRPC
+            return UnixFrameTransport(self.own_unix)   # our own worker, from this thread: no loopback gRPC
         if hop.peer_id == self.self_peer_id and self.own_endpoint:
-            return loopback_channel(self.own_endpoint, GRPC_OPTIONS)
+            return GrpcTransport(loopback_channel(self.own_endpoint, GRPC_OPTIONS))
         if hop.relayed:
             if self.relay_dialer is None:
                 raise HopFailure(0, hop.peer_id, "relayed hop but this connector has no relay dialer")
-            return self.relay_dialer.channel(hop.peer_id, tuple(self.relayed_addrs(hop.peer_id)))
+            return self.relay_dialer.transport(hop.peer_id, tuple(self.relayed_addrs(hop.peer_id)))
         if not hop.endpoint:
             raise HopFailure(0, hop.peer_id, "the peer advertises no gRPC endpoint")
         if self.insecure_loopback:
-            return loopback_channel(hop.endpoint, GRPC_OPTIONS)
+            return GrpcTransport(loopback_channel(hop.endpoint, GRPC_OPTIONS))
         pin = self.pins.get(hop.peer_id)
         if not pin:
             raise HopFailure(0, hop.peer_id, "the peer's record carries no TLS certificate pin")
         frames = self.frames.get(hop.peer_id)
+        def pinned() -> GrpcTransport:
+            return GrpcTransport(pinned_channel(hop.endpoint, pin, GRPC_OPTIONS))
         if frames:   # the fast path; the pinned gRPC port carries the unary calls and is the fallback
-            return TlsFrameChannel(frames, pin, lambda: pinned_channel(hop.endpoint, pin, GRPC_OPTIONS))
-        return pinned_channel(hop.endpoint, pin, GRPC_OPTIONS)
+            return TlsFrameTransport(frames, pin, pinned)
+        return pinned()
+
+    def push_dial(self, hop: Hop, *, head: bool = False) -> PushDial | None:
+        """Our own worker is a push target only as a loop's head, and only when peers can dial this
+        node (``own_dialable``); a relayed hop never (workers cannot dial relay circuits: the libp2p
+        host lives in the daemon); a peer only with the pin its record carries."""
+        own = hop.peer_id == self.self_peer_id
+        if hop.relayed or not hop.endpoint or (own and not (head and self.own_dialable)):
+            return None
+        if self.insecure_loopback:
+            return PushDial(hop.endpoint)
+        pin = bytes(self.pins.get(hop.peer_id, b""))
+        if not pin:
+            return None
+        return PushDial(hop.endpoint, pin, self.frames.get(hop.peer_id, ""))
+
+
+class FactoryConnector:
+    """A driver.HopConnector over ``factory(endpoint) -> HopTransport`` (see the module doc): every
+    hop is a peer's, reached at its endpoint by the entry and by pushing workers alike (no pin)."""
+
+    self_peer_id = ""
+
+    def __init__(self, factory: Callable[[str], HopTransport]) -> None:
+        self.factory = factory
+
+    def transport(self, hop: Hop) -> HopTransport:
+        return self.factory(hop.endpoint)
+
+    def retry_same_peer(self, peer_id: str) -> bool:
+        return False
+
+    def push_dial(self, hop: Hop, *, head: bool = False) -> PushDial | None:
+        return None if hop.relayed or not hop.endpoint else PushDial(hop.endpoint)

@@ -33,6 +33,10 @@ the tail per decode step: the token alone is ~20), and per decode step its
 wall time, the hops' own compute and the hop count (``step_wall_ms``,
 ``step_execution_ms``, ``step_hops``).
 
+The node is seen through ``EntryView`` (entry_view.py), which the daemon's
+swarm part implements: its identity, the model, the latest swarm snapshot,
+its own worker.
+
 Routes are planned here, at the entry, from its own DHT view, with the same
 pure planner (routing.py) and the same signed records the tracker would use
 rather than asking the tracker: one round trip less, and a
@@ -60,6 +64,7 @@ import numpy as np
 import trio
 
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, PromptTooLarge, SampledToken, SwarmDriver
+from meshd.generate.entry_view import EntryView
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
 from meshd.generate.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, GenerateParams  # noqa: F401 - re-exported
 from meshd.generate.push import PushDriver
@@ -105,9 +110,9 @@ class Embeddings:
     prompt_tokens: int
 
 
-def _relayed_of(swarm, peer_id: str) -> tuple[str, ...]:
+def _relayed_of(swarm: EntryView, peer_id: str) -> tuple[str, ...]:
     snap = swarm.snapshot   # the latest snapshot (replaced whole, so safe to read from the driver thread)
-    return snap.relayed.get(peer_id, ()) if snap is not None else ()
+    return tuple(snap.relayed.get(peer_id, ())) if snap is not None else ()
 
 
 def load_tokenizer(model_path):
@@ -116,18 +121,17 @@ def load_tokenizer(model_path):
     return EntryTokenizer(model_path)
 
 
-async def run_generate(swarm, request: dict, send: Send) -> None:
+async def run_generate(swarm: EntryView, request: dict, send: Send) -> None:
     """Serve one control-socket generate request; raises LocalError for a request we cannot serve."""
     await generate(swarm, GenerateParams.from_request(request), send)
 
 
-async def check_ready(swarm) -> None:
+async def check_ready(swarm: EntryView) -> None:
     """Raise NotReady unless our worker serves (a client-only node has none: it only needs the model's
     digest) and the swarm (fresh view) covers every layer."""
-    node = swarm.node
     if swarm.digest is None:
         raise NotReady("this node is still reading the model's digest; try again in a moment")
-    if not _client_only(swarm) and (node.advertiser.claim is None or node.supervisor is None):
+    if not _client_only(swarm) and swarm.own_worker() is None:
         raise NotReady("this node serves no layers yet (its worker is loading or it waits for the tracker); "
                        "try again in a moment")
     snap = swarm.snapshot
@@ -145,7 +149,7 @@ async def check_ready(swarm) -> None:
     raise NotReady(f"no peer serves layers {gaps} of the model right now{why}; retry once a node covers them")
 
 
-async def entry_tokenizer(swarm):
+async def entry_tokenizer(swarm: EntryView):
     if swarm.tokenizer is None:
         path = getattr(swarm, "tokenizer_path", None) or swarm.config.model
         if path is None:   # --model ROOT before its first slice arrived
@@ -154,8 +158,8 @@ async def entry_tokenizer(swarm):
     return swarm.tokenizer
 
 
-def _client_only(swarm) -> bool:
-    return bool(getattr(swarm.config, "client_only", False))
+def _client_only(swarm: EntryView) -> bool:
+    return bool(swarm.config.client_only)
 
 
 def swarm_recipe(swarm, ads, me: str) -> str:
@@ -170,7 +174,8 @@ def swarm_recipe(swarm, ads, me: str) -> str:
     return route.recipe_digest
 
 
-def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "") -> tuple[SwarmDriver, list[dict]]:
+def swarm_driver(swarm: EntryView, observer: HopObserver | None = None,
+                 topology: str = "") -> tuple[SwarmDriver, list[dict]]:
     """A route driver over the swarm as this node sees it, and the list its failovers are noted in.
 
     A serving node pins the fingerprint its own worker validated and reaches its own hop over its
@@ -178,19 +183,17 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
     the one it computed from its local model files (no weights loaded), the recipe is the swarm's
     (``swarm_recipe``: this node computes nothing, so it has no recipe of its own, and computing one
     would import torch into the daemon), and every hop of its routes is a remote peer."""
-    node = swarm.node
-    me = node.identity.peer_id
-    if _client_only(swarm):
+    me = swarm.peer_id
+    digest = swarm.digest
+    if digest is None:          # check_ready came first; the digest is never unset again
+        raise NotReady("this node is still reading the model's digest; try again in a moment")
+    own = None if _client_only(swarm) else swarm.own_worker()
+    if own is None:
         snap = swarm.snapshot
         recipe = swarm_recipe(swarm, snap.ads if snap is not None else (), me)
-        fingerprint = pb.Fingerprint(model_artifact_digest=swarm.digest, runtime_recipe_digest=recipe)
-        own_endpoint = own_unix = ""
+        fingerprint = pb.Fingerprint(model_artifact_digest=digest, runtime_recipe_digest=recipe)
     else:
-        claim = node.advertiser.claim
-        fingerprint = pb.Fingerprint(model_artifact_digest=claim.model_artifact_digest,
-                                     runtime_recipe_digest=claim.runtime_recipe_digest)
-        state = node.supervisor.state
-        own_endpoint, own_unix = state.endpoint, state.unix
+        fingerprint = own.fingerprint
 
     portal = Portal.current()
 
@@ -201,21 +204,19 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
         snap = swarm.snapshot   # replaced whole by the refresh loop: safe to read from the driver thread
         return snap.ads if snap is not None else ()
 
-    source = AdsRouteSource(ads, swarm.digest, swarm.num_layers, entry_peer_id=me,
-                            recipe_digest=fingerprint.runtime_recipe_digest, cached=cached_ads,
-                            load=getattr(swarm, "load", None))
+    source = AdsRouteSource(ads, digest, swarm.num_layers, entry_peer_id=me,
+                            recipe_digest=fingerprint.runtime_recipe_digest, cached=cached_ads, load=swarm.load)
     # Our worker can head a loop (its tail dials it) when our record offers its direct endpoint, which
     # peers dial anyway: not a private node (a first node's probe may be "unknown" for minutes). A tail
     # that cannot reach it after all turns the loop off for that generation (push.py).
-    relaying = getattr(node, "relaying", None)
-    dialable = relaying is not None and not relaying.private
+    own_endpoint, own_unix = (own.endpoint, own.unix) if own is not None else ("", "")
     connector = PeerConnector(self_peer_id=me, own_endpoint=own_endpoint, own_unix=own_unix, pins=swarm.pins,
-                              frames=swarm.frames, own_dialable=dialable and bool(own_unix or own_endpoint),
-                              relay_dialer=node.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
+                              frames=swarm.frames, own_dialable=swarm.own_dialable and bool(own_unix or own_endpoint),
+                              relay_dialer=swarm.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
     driver = PushDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
                         topology=topology or swarm.config.route_topology,
-                        fingerprint=fingerprint, context_tokens=getattr(swarm, "context_tokens", 0),
+                        fingerprint=fingerprint, context_tokens=swarm.context_tokens,
                         replan_wait_s=swarm.config.refill_wait,
                         on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
@@ -224,7 +225,8 @@ def swarm_driver(swarm, observer: HopObserver | None = None, topology: str = "")
     return driver, failovers
 
 
-async def generate(swarm, params: GenerateParams, send: Send, *, observer: HopObserver | None = None) -> None:
+async def generate(swarm: EntryView, params: GenerateParams, send: Send, *,
+                   observer: HopObserver | None = None) -> None:
     """The core on the daemon's swarm: check readiness, then ``drive`` (raises NotReady, LocalError)."""
     await check_ready(swarm)
     tokenizer = await entry_tokenizer(swarm)
@@ -251,7 +253,7 @@ async def embed_rows(driver: SwarmDriver, ids: list[int]) -> np.ndarray:
     return rows
 
 
-async def embed(swarm, texts: list[str], *, truncate: bool = True, normalize: bool = True,
+async def embed(swarm: EntryView, texts: list[str], *, truncate: bool = True, normalize: bool = True,
                 observer: HopObserver | None = None) -> Embeddings:
     """Each text's mean-pooled last hidden state (the tail's final norm over every position), one
     prefill through the swarm per text (star topology: the rows come back here). A text past the
@@ -261,7 +263,7 @@ async def embed(swarm, texts: list[str], *, truncate: bool = True, normalize: bo
                                     "returns logits only (start the nodes with --backend torch)")
     await check_ready(swarm)
     tokenizer = await entry_tokenizer(swarm)
-    context = getattr(swarm, "context_tokens", 0)
+    context = swarm.context_tokens
     vectors, total = [], 0
     for text in texts:
         ids = tokenizer.encode_prompt(text, raw=True)
@@ -382,6 +384,6 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
                 "step_execution_ms": [round(n / 1e6, 4) for n in stats.step_execution_ns],
                 "step_hops": list(stats.step_hops),
                 "step_legs": list(stats.step_legs),
-                "topology": "push" if getattr(driver, "_pushing", False) else "star",
-                "looped": bool(getattr(driver, "looped", False)),   # push: the tail feeds the head itself
+                "topology": "push" if isinstance(driver, PushDriver) and driver.pushing else "star",
+                "looped": isinstance(driver, PushDriver) and driver.looped,   # push: the tail feeds the head itself
                 "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in route.hops] if route else []})

@@ -13,7 +13,7 @@ the attempts this node starts itself:
          DCUtR initiate_hole_punch(P)   (unilateral dial first, then CONNECT/SYNC)
          direct_connection(host, P)     an open, Noise-authenticated connection
                                         to P whose transport is not a circuit
-      -> found: remembered; RelayDialer.channel(P) opens NEW session streams on it
+      -> found: remembered; RelayDialer.transport(P) opens NEW session streams on it
          none:  nothing changes; nothing is logged above DEBUG
 
 The library's service is narrowed (``QuietDCUtR``): no auto-drive loop (it

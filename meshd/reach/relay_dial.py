@@ -3,20 +3,20 @@
 The route driver runs in a worker thread; the libp2p host lives in the
 daemon's trio loop. The dialer reaches that loop through the daemon's
 ``relay.portal.Portal`` (the one thread-to-loop bridge: no second host, no
-second loop). ``RelayDialer.channel(peer, relayed_addrs)``:
+second loop). ``RelayDialer.transport(peer, relayed_addrs)``:
 
     for each relayed addr of the peer, in the advertised order:
         skip relays that failed within FAILED_RELAY_MEMORY_S
         dial_relayed (relay/client.py): HOP CONNECT + Noise + yamux end to end
-        -> circuit_channel: grpc.Channel look-alike whose Session streams are
-           opened ON THAT circuit connection (not whatever connection the
-           swarm would pick), carrying the same frames as a gRPC hop
+        -> circuit_transport: a HopTransport (proto.hop_transport) whose Session
+           streams are opened ON THAT circuit connection (not whatever connection
+           the swarm would pick), carrying the same frames as a gRPC hop
     none worked -> HopFailure (the driver avoids the peer)
 
-With an ``upgrader`` (meshd/reach/direct_upgrade.py), every channel handed out on
+With an ``upgrader`` (meshd/reach/direct_upgrade.py), every transport handed out on
 a circuit also asks for a background DCUtR upgrade to that peer (bounded,
 rate-limited per peer, silent on failure). Once an attempt found a verified
-direct connection, ``channel`` opens NEW session streams on it instead (same
+direct connection, ``transport`` opens NEW session streams on it instead (same
 protocol, same frames, still Noise); sessions already on the circuit keep it.
 A hop that fails on the direct connection drops it: the retry takes the circuit.
 
@@ -24,7 +24,7 @@ When a relayed hop fails mid-generation the driver asks
 ``retry_same_peer(peer)``: the relay the hop used is remembered as failed
 and its circuit closed; if another advertised relay is left, the driver
 rebuilds the hop on the SAME peer (its route, hence its output, unchanged)
-and ``channel`` dials through the next relay. A peer that is really gone
+and ``transport`` dials through the next relay. A peer that is really gone
 fails every relay and is then avoided like any failed peer.
 
 State (guarded by one lock: one dialer per daemon, shared by the driver
@@ -45,10 +45,10 @@ from meshd.errors import HopFailure
 from relay.client import dial_relayed, parse_relayed_addr
 from relay.errors import RelayError, RelayRefused, RelayUnreachable
 from relay.portal import Portal
-from relay.syncchannel import RelayedGrpcChannel
+from relay.syncchannel import RelayedTransport
 from relay.transport import OPEN_STREAM_TIMEOUT_S, SESSION_PROTOCOL, RelayedFrameChannel
 
-__all__ = ["RelayDialer", "circuit_channel", "FAILED_RELAY_MEMORY_S"]
+__all__ = ["RelayDialer", "circuit_transport", "FAILED_RELAY_MEMORY_S"]
 
 # A relay that failed is skipped for this long: long enough to finish the
 # generation on another relay, short enough that a restarted relay is used again.
@@ -77,10 +77,10 @@ async def open_session_on(host, conn) -> RelayedFrameChannel:
     raise RelayUnreachable(f"no session stream on the circuit within {OPEN_STREAM_TIMEOUT_S:g} s")
 
 
-def circuit_channel(portal: Portal, host, conn) -> RelayedGrpcChannel:
-    """A grpc.Channel look-alike whose Session streams open on one libp2p connection (a circuit,
-    or the direct connection a DCUtR upgrade found)."""
-    return RelayedGrpcChannel(portal, functools.partial(open_session_on, host, conn), conn=conn)
+def circuit_transport(portal: Portal, host, conn) -> RelayedTransport:
+    """A HopTransport whose Session streams open on one libp2p connection (a circuit, or the
+    direct connection a DCUtR upgrade found)."""
+    return RelayedTransport(portal, functools.partial(open_session_on, host, conn), conn=conn)
 
 
 class RelayDialer:
@@ -106,8 +106,8 @@ class RelayDialer:
         with self._lock:
             self._failed[relay_peer_id] = self.clock() + self.memory_s
 
-    def channel(self, peer_id: str, relayed_addrs: Sequence[str]) -> RelayedGrpcChannel:
-        """A channel to ``peer_id`` through the first relay of ``relayed_addrs`` that works."""
+    def transport(self, peer_id: str, relayed_addrs: Sequence[str]) -> RelayedTransport:
+        """A transport to ``peer_id`` through the first relay of ``relayed_addrs`` that works."""
         targets = []
         for addr in relayed_addrs:
             try:
@@ -124,7 +124,7 @@ class RelayDialer:
                     table.pop(next(iter(table)))
         direct = self.upgrader.direct_for_session(peer_id) if self.upgrader is not None else None
         if direct is not None:
-            return circuit_channel(self.portal, self.host, direct)
+            return circuit_transport(self.portal, self.host, direct)
         if held is not None and not getattr(held[1], "is_closed", True) \
                 and not self.relay_failed_recently(held[0]):
             return self._on_circuit(peer_id, held[1])
@@ -149,10 +149,10 @@ class RelayDialer:
         raise HopFailure(0, peer_id, "no relay reaches the peer (" + ("; ".join(tried) or "no relayed address")
                          + ")")
 
-    def _on_circuit(self, peer_id: str, conn) -> RelayedGrpcChannel:
+    def _on_circuit(self, peer_id: str, conn) -> RelayedTransport:
         if self.upgrader is not None:
             self.upgrader.request(peer_id)   # background, bounded; never delays or fails this hop
-        return circuit_channel(self.portal, self.host, conn)
+        return circuit_transport(self.portal, self.host, conn)
 
     def retry_same_peer(self, peer_id: str) -> bool:
         """The hop to ``peer_id`` failed. If its relay is gone (our connection to it closed: the

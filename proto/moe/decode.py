@@ -13,22 +13,18 @@ import numpy as np
 
 from proto.errors import LimitExceeded, PayloadCorrupt, ProtocolViolation, VersionUnsupported
 from proto.moe.wire import (
-    _FAIL,
-    _HEADER,
-    _KINDS,
-    _PAIR,
-    _REP,
-    _REQ,
-    _U16,
     ACT_F32,
     ACT_Q8,
     ACTS,
+    FAILURE_HEAD,
+    HEADER,
     KIND_FAILURE,
     KIND_HELLO,
     KIND_REFUSE,
     KIND_REPLY,
     KIND_REQUEST,
     KIND_WELCOME,
+    KINDS,
     MAGIC,
     MAX_DIGEST_BYTES,
     MAX_EXCHANGE_FRAME_BYTES,
@@ -37,8 +33,12 @@ from proto.moe.wire import (
     MAX_ITEMS,
     MAX_REASON_BYTES,
     MAX_ROWS,
+    PAIR,
+    REPLY_HEAD,
+    REQUEST_HEAD,
     SHARED,
     SUPPORTED_VERSIONS,
+    U16,
     VERSION_COPIES,
     VERSION_ROWS_ONCE,
     Failure,
@@ -77,7 +77,7 @@ class _Cursor:
         return fmt.unpack(self.take(fmt.size))
 
     def text(self, bound: int) -> str:
-        (n,) = self.unpack(_U16)
+        (n,) = self.unpack(U16)
         if n > bound:
             raise LimitExceeded(f"text field of {n} bytes > {bound}")
         try:
@@ -94,12 +94,12 @@ def peek_header(body) -> tuple[int, int, int]:
     """(version, kind, act) of a body; refuses a wrong magic, an unknown kind or version."""
     if len(body) > MAX_EXCHANGE_FRAME_BYTES:
         raise LimitExceeded(f"expert message of {len(body)} bytes > {MAX_EXCHANGE_FRAME_BYTES}")
-    if len(body) < _HEADER.size:
+    if len(body) < HEADER.size:
         raise PayloadCorrupt(f"expert message of {len(body)} bytes is shorter than its header")
-    magic, version, kind, act, reserved = _HEADER.unpack_from(body, 0)
+    magic, version, kind, act, reserved = HEADER.unpack_from(body, 0)
     if magic != MAGIC:
         raise PayloadCorrupt(f"not an expert exchange message (magic {bytes(magic)!r})")
-    if kind not in _KINDS or reserved:
+    if kind not in KINDS or reserved:
         raise ProtocolViolation(f"unknown expert message kind {kind} (reserved byte {reserved})")
     if kind != KIND_REFUSE:  # a refusal comes from a peer that may speak newer versions
         if version not in SUPPORTED_VERSIONS:
@@ -123,7 +123,7 @@ def _row_bytes(hidden: int, act: int, count: int) -> int:
 
 
 def _decode_request(cur: _Cursor, version: int, act: int) -> Request:
-    request_id, layer, hidden, rows, n_items = cur.unpack(_REQ)
+    request_id, layer, hidden, rows, n_items = cur.unpack(REQUEST_HEAD)
     if not 1 <= hidden <= MAX_HIDDEN:
         raise LimitExceeded(f"hidden size {hidden} outside 1..{MAX_HIDDEN}")
     if not 1 <= rows <= MAX_ROWS:
@@ -134,7 +134,7 @@ def _decode_request(cur: _Cursor, version: int, act: int) -> Request:
     seen: set[int] = set()
     total = 0
     for _ in range(n_items):
-        expert, count = cur.unpack(_PAIR)
+        expert, count = cur.unpack(PAIR)
         if not (expert < MAX_EXPERTS_PER_LAYER or (expert == SHARED and version == VERSION_ROWS_ONCE)):
             raise ProtocolViolation(f"expert id {expert} outside 0..{MAX_EXPERTS_PER_LAYER - 1}")
         if expert in seen:
@@ -168,12 +168,12 @@ def _decode_request(cur: _Cursor, version: int, act: int) -> Request:
 
 
 def _decode_reply(cur: _Cursor, version: int, act: int) -> Reply:
-    request_id, layer, hidden, n_items = cur.unpack(_REP)
+    request_id, layer, hidden, n_items = cur.unpack(REPLY_HEAD)
     if not 1 <= hidden <= MAX_HIDDEN or not 1 <= n_items <= MAX_ITEMS:
         raise LimitExceeded(f"reply of {n_items} items at hidden {hidden} is outside the bounds")
     heads = []
     for _ in range(n_items):
-        expert, count = cur.unpack(_PAIR)
+        expert, count = cur.unpack(PAIR)
         if not 1 <= count <= MAX_ROWS:
             raise LimitExceeded(f"reply item of {count} rows outside 1..{MAX_ROWS}")
         heads.append((expert, count))
@@ -185,7 +185,7 @@ def _decode_reply(cur: _Cursor, version: int, act: int) -> Reply:
 def decode(body):
     """One body -> Hello | Welcome | Refuse | Request | Reply | Failure (bounded; ProtocolError on bad bytes)."""
     version, kind, act = peek_header(body)
-    cur = _Cursor(body, _HEADER.size)
+    cur = _Cursor(body, HEADER.size)
     if kind == KIND_HELLO:
         artifact, recipe = cur.text(MAX_DIGEST_BYTES), cur.text(MAX_DIGEST_BYTES)
         cur.end()
@@ -205,7 +205,7 @@ def decode(body):
         return _decode_request(cur, version, act)
     if kind == KIND_REPLY:
         return _decode_reply(cur, version, act)
-    request_id, code = cur.unpack(_FAIL)
+    request_id, code = cur.unpack(FAILURE_HEAD)
     reason = cur.text(MAX_REASON_BYTES)
     cur.end()
     return Failure(version, request_id, code, reason)

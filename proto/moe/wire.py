@@ -70,7 +70,7 @@ ACT_Q8 = 2
 ACTS = (ACT_F32, ACT_Q8)
 _ACT_NAMES = {ACT_F32: "f32", ACT_Q8: "q8"}
 KIND_HELLO, KIND_WELCOME, KIND_REFUSE, KIND_REQUEST, KIND_REPLY, KIND_FAILURE = 1, 2, 3, 4, 5, 6
-_KINDS = {KIND_HELLO, KIND_WELCOME, KIND_REFUSE, KIND_REQUEST, KIND_REPLY, KIND_FAILURE}
+KINDS = {KIND_HELLO, KIND_WELCOME, KIND_REFUSE, KIND_REQUEST, KIND_REPLY, KIND_FAILURE}
 
 # The shared expert's id: no routed expert id comes near it.
 SHARED = 0xFFFF_FFFF
@@ -94,13 +94,14 @@ FAILURE_NOT_SERVED = 1   # the peer does not hold an expert the request names
 FAILURE_BAD_REQUEST = 2  # well-formed but unusable here (hidden size, layer)
 FAILURE_INTERNAL = 3
 
-_HEADER = struct.Struct(">4sBBBB")
-_U16 = struct.Struct(">H")
+# The fixed layouts every body is built from (and read back by decode.py).
+HEADER = struct.Struct(">4sBBBB")
+U16 = struct.Struct(">H")
 _U32 = struct.Struct(">I")
-_REQ = struct.Struct(">IIIIH")
-_REP = struct.Struct(">IIIH")
-_PAIR = struct.Struct(">II")
-_FAIL = struct.Struct(">IH")
+REQUEST_HEAD = struct.Struct(">IIIIH")
+REPLY_HEAD = struct.Struct(">IIIH")
+PAIR = struct.Struct(">II")
+FAILURE_HEAD = struct.Struct(">IH")
 
 
 def act_name(act: int) -> str:
@@ -182,7 +183,7 @@ class Failure:
 
 
 def _header(version: int, kind: int, act: int) -> bytes:
-    return _HEADER.pack(MAGIC, version, kind, act, 0)
+    return HEADER.pack(MAGIC, version, kind, act, 0)
 
 
 def _check_version_act(version: int, act: int) -> None:
@@ -194,7 +195,7 @@ def _check_version_act(version: int, act: int) -> None:
 
 def _text(value: str, bound: int) -> bytes:
     data = value.encode("utf-8")[:bound]
-    return _U16.pack(len(data)) + data
+    return U16.pack(len(data)) + data
 
 
 def _rows_payload(rows: np.ndarray, act: int) -> bytes:
@@ -241,16 +242,16 @@ def encode_request(req: Request) -> bytes:
         total = sum(len(i.index) for i in req.items)
         if any(i.expert == SHARED for i in req.items):
             raise LocalError("version 1 has no shared-expert item")
-        parts.append(_REQ.pack(req.request_id, req.layer, hidden, total, len(req.items)))
-        parts += [_PAIR.pack(i.expert, len(i.index)) for i in req.items]
+        parts.append(REQUEST_HEAD.pack(req.request_id, req.layer, hidden, total, len(req.items)))
+        parts += [PAIR.pack(i.expert, len(i.index)) for i in req.items]
         parts += [_rows_payload(req.item_rows(i), ACT_F32) for i in req.items]
     else:
-        parts.append(_REQ.pack(req.request_id, req.layer, hidden, rows, len(req.items)))
+        parts.append(REQUEST_HEAD.pack(req.request_id, req.layer, hidden, rows, len(req.items)))
         for item in req.items:
             index = np.asarray(item.index)
             if not 1 <= index.size <= rows or int(index.max()) >= rows or int(index.min()) < 0:
                 raise LocalError(f"item of expert {item.expert}: 1..{rows} indices below {rows}")
-            parts += [_PAIR.pack(item.expert, index.size), index.astype(">u4").tobytes()]
+            parts += [PAIR.pack(item.expert, index.size), index.astype(">u4").tobytes()]
         parts.append(_rows_payload(req.rows, req.act))
     body = b"".join(parts)
     if len(body) > MAX_EXCHANGE_FRAME_BYTES:
@@ -262,17 +263,18 @@ def encode_reply(req: Request, outputs: list[np.ndarray]) -> bytes:
     """The reply body to ``req``: ``outputs[i]`` are item i's rows (float32 [count_i, hidden])."""
     if len(outputs) != len(req.items):
         raise LocalError("one output per item")
-    parts = [_header(req.version, KIND_REPLY, req.act), _REP.pack(req.request_id, req.layer, req.hidden,
+    parts = [_header(req.version, KIND_REPLY, req.act), REPLY_HEAD.pack(req.request_id, req.layer, req.hidden,
                                                                   len(req.items))]
     payloads = []
     for item, out in zip(req.items, outputs):
         if out.shape != (len(item.index), req.hidden) or out.dtype != np.float32:
             raise LocalError(f"output of expert {item.expert} must be float32 [{len(item.index)}, {req.hidden}]")
-        parts.append(_PAIR.pack(item.expert, len(item.index)))
+        parts.append(PAIR.pack(item.expert, len(item.index)))
         payloads.append(_rows_payload(out, req.act))
     return b"".join(parts + payloads)
 
 
 def encode_failure(version: int, request_id: int, code: int, reason: str) -> bytes:
-    return _header(version, KIND_FAILURE, ACT_F32) + _FAIL.pack(request_id, code) + _text(reason, MAX_REASON_BYTES)
+    return (_header(version, KIND_FAILURE, ACT_F32) + FAILURE_HEAD.pack(request_id, code)
+            + _text(reason, MAX_REASON_BYTES))
 

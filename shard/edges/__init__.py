@@ -1,6 +1,6 @@
 """Edges: the thin servers that carry Session streams between a socket and the stream core.
 
-Files and roles (one core, three edges; each only moves bytes):
+Files and roles (one core, three socket edges and an in-memory twin; each only moves bytes):
 
     grpc_server.py    the grpcio edge: ShardRuntime with identity (de)serializers (Session stream,
                       unary RPCs), plaintext on loopback for the node's own daemon, TLS for peers;
@@ -13,10 +13,13 @@ Files and roles (one core, three edges; each only moves bytes):
                       per connection, a stop that closes, shuts down and joins everything
     expert_server.py  an expert peer's TLS edge (shard/experts/server.py runs each connection)
     worker_edges.py   a shard worker's edges together: started at once, stopped in order
+    memory.py         the in-memory twin: streams straight into a ShardService's core, with the
+                      faults a test causes (a worker killed, frozen, refusing, sending bad frames)
 
 Who owns what: each server owns its listening socket and a ThreadGroup (its
 accept thread, one thread per live stream, bounded by MAX_STREAMS /
-MAX_CONNECTIONS) and joins it when it stops; the streams' state belongs to the
+MAX_CONNECTIONS) and joins it when it stops; the in-memory edge has none (the
+core runs in the thread that receives); the streams' state belongs to the
 stream core (shard/session/stream.py), pushed sessions to shard/push/.
 """
 from shard.edges.frame_server import TlsFrameServer, serve_frames

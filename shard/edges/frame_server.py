@@ -22,7 +22,7 @@ reach it, uses gRPC.
 Authentication: the same certificate and key as the worker's TLS gRPC port,
 so the pin in the signed record (SHA-256 of the certificate's DER) covers
 both; the dialer checks it right after the handshake, before sending a byte
-(meshd/generate/unix_channel.py TlsFrameChannel). Like the gRPC port, the
+(meshd/generate/transports.py TlsFrameTransport). Like the gRPC port, the
 server does not authenticate the client: a session is bound to its stream.
 
 Bounds: at most MAX_CONNECTIONS live connections (more are closed at once),
@@ -47,7 +47,7 @@ from shard.edges.socket_server import SocketServer, tcp_listener
 from shard.experts.transport import server_tls_context
 from shard.push.actions import receive, sink_of, stream_ended
 from shard.session.service import ShardService
-from shard.session.stream import SessionStream, _status
+from shard.session.stream import SessionStream, status_frame
 
 __all__ = ["TlsFrameServer", "serve_frames", "MAX_CONNECTIONS", "HANDSHAKE_TIMEOUT_S", "IDLE_TIMEOUT_S"]
 
@@ -102,7 +102,7 @@ def serve_frames(conn, service: ShardService, *, idle_timeout_s: float | None = 
                 try:
                     reader.feed(data)
                 except ProtocolError as exc:    # bad length prefix: answer, then close
-                    write(_status(exc, terminal=True))
+                    write(status_frame(exc, terminal=True))
                     return
             while not stream.closed and (body := one if one is not None else reader.next_frame()) is not None:
                 one = None

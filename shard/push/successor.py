@@ -2,7 +2,8 @@
 
 Part of the push topology (shard/push/hub.py has the whole picture). The
 successor stream dials lazily, on the first output, only the PushTarget the entry
-named, through the worker's ``push_dialer``; it opens a feeder stream
+named, through the worker's ``push_dialer`` (a proto.hop_transport.HopTransport:
+pinned frames or gRPC from meshd/cli/worker.py, in memory in tests); it opens a feeder stream
 (``SessionOpen.push_feed``) and then mirrors the batch shapes it was fed: a
 decode step stays a decode step (one more leg counted in ``legs``), a prefill
 chunk keeps its ChunkInfo. A reader thread takes the successor's credits and
@@ -20,15 +21,13 @@ The session that drives a successor stream is seen through ``Upstream``, a
 small protocol (shard/push/hub.py PushSession implements it): its key and
 bounds, how to dial, where to count the stream, and where to report.
 
-Bounds: credit waits of CREDIT_WAIT_S, the open's answer within
-OPEN_TIMEOUT_S, a send queue of SEND_DEPTH bodies.
+Bounds: credit waits of CREDIT_WAIT_S (the successor's credits bound what
+waits in the transport), the open's answer within OPEN_TIMEOUT_S.
 """
 from __future__ import annotations
 
-import queue
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -36,24 +35,20 @@ from proto import fastpath, wire
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, ProtocolViolation
 from proto.frames import SCHEMA_VERSION, parse_response
+from proto.hop_transport import HopStream, HopTransport, PushDialer, TransportError
 from proto.limits import DECODE_STEP_BASE
 from proto.threads import GroupStopped, ThreadGroup
-from shard.session.request_queue import RequestQueue
 from shard.session.session_ids import SessionKey
 
 # A successor that grants no credit for this long is reported as failed.
 CREDIT_WAIT_S = 60.0
 # Dialing and opening the successor's feeder stream.
 OPEN_TIMEOUT_S = 30.0
-STREAM_TIMEOUT_S = 6 * 3600.0
-# Bodies queued towards the successor (credits bound them first).
-SEND_DEPTH = 32
-SESSION_METHOD = "/meshd.shard.v1.ShardRuntime/Session"
 HIDDEN = "h"
 TOKEN_IDS = "token_ids"
 
 
-Dialer = Callable[[pb.PushTarget], Any]   # -> a grpc.Channel (or a framed channel) to the target
+Dialer = PushDialer   # the transport to the target the entry named
 
 
 class PushError(Exception):
@@ -97,9 +92,8 @@ class SuccessorStream:
         self._rows: np.ndarray | None = None
         self._held = 0
         self._batches: list[tuple[int, int, int, int, bool, bool]] = []  # first, n, index, count, final, decode
-        self._channel: Any = None               # a grpc.Channel or a framed channel (untyped)
-        self._call: Any = None
-        self._queue: RequestQueue | None = None
+        self._transport: HopTransport | None = None
+        self._stream: HopStream | None = None
         self._credits = 0
         self._cond = threading.Condition()
         self._failed: str | None = None
@@ -107,7 +101,7 @@ class SuccessorStream:
         self._generation = 0
         self._step = 0
         self.sent_frames = 0
-        self.transport = ""                     # "frames" or "grpc": what carries the stream now
+        self.transport = ""                     # "frames", "grpc", ...: what carries the stream now
 
     # -- rows kept for a replacement ---------------------------------------------------
     def _check_keep(self, first: int, rows: np.ndarray) -> None:
@@ -144,13 +138,11 @@ class SuccessorStream:
         with self._cond:
             self._generation += 1
             generation = self._generation
-        self._channel = dial(t)
-        self._queue = RequestQueue(SEND_DEPTH)
-        call = self._channel.stream_stream(SESSION_METHOD, request_serializer=None, response_deserializer=None)
-        self._call = call(self._queue, timeout=STREAM_TIMEOUT_S)
-        self.transport = getattr(self._channel, "used", "") or "grpc"
+        self._transport = dial(t)
+        self._stream = stream = self._transport.open_session()
+        self.transport = self._transport.kind
         s.note_stream(self.transport)
-        self._queue.put(pb.SessionRequest(open=pb.SessionOpen(
+        stream.send(pb.SessionRequest(open=pb.SessionOpen(
             schema_version=SCHEMA_VERSION, route_session_id=s.key.session_id, route_epoch=t.route_epoch,
             fingerprint=s.fingerprint, shard_range=t.shard_range, push_feed=True, max_tokens=s.max_tokens,
             owner_token=t.owner_token,
@@ -160,22 +152,22 @@ class SuccessorStream:
         with self._cond:
             self._credits, self._failed = 0, None
             closed = self._closed
-        if closed:                              # close() came while we dialed: it may not have seen the call
-            self._call.cancel()
+        if closed:                              # close() came while we dialed: it may not have seen the stream
+            stream.cancel()
             raise PushError("the push session was closed")
         try:
-            s.threads.start(self._read, self._call, generation, opened, name="successor-read")
+            s.threads.start(self._read, stream, generation, opened, name="successor-read")
         except GroupStopped as exc:             # the worker is stopping
-            self._call.cancel()
+            stream.cancel()
             raise PushError("the worker is stopping") from exc
         if not opened.wait(OPEN_TIMEOUT_S):
             raise PushError(f"no answer to the feeder open within {OPEN_TIMEOUT_S:.0f} s")
         if self._failed:
             raise PushError(self._failed)
 
-    def _read(self, call, generation: int, opened: threading.Event) -> None:
+    def _read(self, stream: HopStream, generation: int, opened: threading.Event) -> None:
         try:
-            for body in call:
+            while (body := stream.receive()) is not None:
                 resp = parse_response(body)
                 kind = resp.WhichOneof("kind")
                 if kind == "status":
@@ -191,9 +183,10 @@ class SuccessorStream:
                         self._credits += resp.flow_control.credits_granted
                     self._cond.notify_all()
             self._fail(generation, "the successor ended the stream")
-        except Exception as exc:  # noqa: BLE001 - transport failure of the successor
-            detail = exc.code().name if hasattr(exc, "code") else type(exc).__name__
-            self._fail(generation, f"transport: {detail}")
+        except TransportError as exc:
+            self._fail(generation, f"transport: {exc.status.value}")
+        except Exception as exc:  # noqa: BLE001 - a bad frame from the successor
+            self._fail(generation, f"transport: {type(exc).__name__}")
         finally:
             opened.set()
 
@@ -215,12 +208,12 @@ class SuccessorStream:
             if self._failed is not None:
                 raise PushError(self._failed)
             self._credits -= 1
-        if self._queue is None:
+        if self._stream is None:
             raise PushError("the stream to the successor is closed")
         try:   # credits bound what waits first: gRPC's queue, or a framed socket's buffer
-            self._queue.put(body, timeout=CREDIT_WAIT_S)
-        except queue.Full:
-            raise PushError(f"the stream to the successor took no frame for {CREDIT_WAIT_S:.0f} s") from None
+            self._stream.send(body, timeout_s=CREDIT_WAIT_S)
+        except TransportError as exc:
+            raise PushError(f"the stream to the successor took no frame: {exc}") from None
         self.sent_frames += 1
 
     def _body(self, first: int, rows: np.ndarray, index: int, count: int, final: bool, decode: bool,
@@ -254,7 +247,7 @@ class SuccessorStream:
         with self._lock:
             self._check_keep(first, rows)
             try:
-                if self._call is None:
+                if self._stream is None:
                     self._open()
                 self._send(self._body(first, rows, index, count, final, decode, legs, execution))
             finally:
@@ -268,7 +261,7 @@ class SuccessorStream:
         ids = np.array([token], dtype=np.int64)
         step = DECODE_STEP_BASE + position
         with self._lock:
-            if self._call is None:
+            if self._stream is None:
                 self._open()
             body = fastpath.decode_request_bytes(step, position, position, TOKEN_IDS, ids, legs=1)
             self._send(body or wire.request_decode(pb.DecodeStep(idempotency_step=step, position=position,
@@ -289,13 +282,12 @@ class SuccessorStream:
     def _close_call(self) -> None:
         with self._cond:
             self._generation += 1       # whatever the old stream says now is not a failure to report
-        if self._queue is not None:
-            self._queue.finish()
-        if self._call is not None:
-            self._call.cancel()
-        if self._channel is not None:
-            self._channel.close()
-        self._call = self._channel = self._queue = None
+        if self._stream is not None:
+            self._stream.close_send()
+            self._stream.cancel()
+        if self._transport is not None:
+            self._transport.close()
+        self._stream = self._transport = None
 
     def close(self) -> None:
         """End the stream for good. A send waiting for a credit, or an open waiting for its answer,
@@ -304,8 +296,8 @@ class SuccessorStream:
             self._closed = True
             self._generation += 1               # what the cancelled stream says now is not a failure
             self._cond.notify_all()
-            call = self._call
-        if call is not None:
-            call.cancel()                       # the reader ends; an open waiting for it wakes
+            stream = self._stream
+        if stream is not None:
+            stream.cancel()                     # the reader ends; an open waiting for it wakes
         with self._lock:
             self._close_call()

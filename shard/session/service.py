@@ -29,6 +29,7 @@ import numpy as np
 from proto import shard_runtime_pb2 as pb
 from proto.errors import ProtocolError
 from proto.frames import SCHEMA_VERSION
+from proto.hop_transport import PushDialer
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
 from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
 from shard.model.backend import RangeBackend
@@ -105,7 +106,7 @@ class ShardService:
         self.validation_tokens = 0   # the prefill positions validate() ran (its memory forward)
         # Push topology (shard/push/hub.py): how this worker dials a successor the entry named
         # (set by the worker CLI: TLS pinned to the target's certificate hash), and its pushed sessions.
-        self.push_dialer = None
+        self.push_dialer: PushDialer | None = None   # how pushed sessions reach successors (push/)
         self.push_hub = None
 
     # -- capability ------------------------------------------------------------------

@@ -143,7 +143,7 @@ def read_small_or_large(data: bytes) -> tuple[pb.SessionRequest | fastpath.Decod
     return req, {}
 
 
-def _status(exc: BaseException, *, terminal: bool, work_id: str = "", session_id: str = "",
+def status_frame(exc: BaseException, *, terminal: bool, work_id: str = "", session_id: str = "",
             step: int = 0) -> bytes:
     return pb.SessionResponse(status=pb.ShardStatus(
         work_id=work_id, route_session_id=session_id, idempotency_step=step,
@@ -325,7 +325,7 @@ class SessionStream:
             doing += f" of session {session_id[:32]}" if session_id else ""
             log_failure(log, exc, doing)
             exc = map_failure(exc, doing)
-        return [_status(exc, terminal=True, session_id=session_id)]
+        return [status_frame(exc, terminal=True, session_id=session_id)]
 
     # -- what the edge reports back while carrying out push actions ------------------------
     def attach_push(self, handle: object, role: str) -> None:
@@ -439,8 +439,8 @@ class SessionStream:
     def _work_error(self, exc: MeshdError, work_id: str, step: int) -> list[bytes]:
         if isinstance(exc, Cancelled):
             self.state = CLOSED
-        return [_status(exc, terminal=self.state == CLOSED, work_id=work_id,
-                        session_id=self.open_key.session_id, step=step), *self._grant()]
+        return [status_frame(exc, terminal=self.state == CLOSED, work_id=work_id,
+                             session_id=self.open_key.session_id, step=step), *self._grant()]
 
     def _on_chunk(self, req: pb.SessionRequest, tensors) -> Sequence[Output]:
         env = req.chunk.envelope
