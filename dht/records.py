@@ -367,7 +367,7 @@ def _check_bounds(p: pb.CapabilityPayload) -> None:
         raise bad("a fetch_endpoint needs its certificate hash (tls_cert_sha256)")
     if p.held_end and not 0 <= p.held_start < p.held_end <= p.num_layers:
         raise bad(f"held layers {p.held_start}:{p.held_end} of {p.num_layers}")
-    if len(p.artifact_sha256) > MAX_DIGEST_CHARS or (p.artifact_sha256 and not _DIGEST_RE.match(p.artifact_sha256)):
+    if len(p.artifact_sha256) > MAX_DIGEST_CHARS or (p.artifact_sha256 and not DIGEST_RE.match(p.artifact_sha256)):
         raise bad("artifact_sha256 has a bad form")
 
 

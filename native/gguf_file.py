@@ -43,7 +43,8 @@ import numpy as np
 
 from native.errors import ArtifactError
 
-__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "GGUFFormatError", "VType", "parse_fields"]
+__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "GGUFFormatError", "VType", "parse_fields", "SCALAR_FORMATS",
+           "ARRAY_DTYPES"]
 
 VType = gguf.GGUFValueType
 
@@ -70,14 +71,16 @@ MAX_TENSOR_ELEMENTS = 1 << 44
 DEFAULT_ALIGNMENT = 32
 MAX_ALIGNMENT = 1 << 16
 
-_SCALARS: dict[VType, tuple[str, int]] = {
+# The scalar value types' struct formats and widths, and the arrays' numpy dtypes (shared with
+# native/gguf_write.py, which writes what this reads).
+SCALAR_FORMATS: dict[VType, tuple[str, int]] = {
     VType.UINT8: ("<B", 1), VType.INT8: ("<b", 1), VType.UINT16: ("<H", 2), VType.INT16: ("<h", 2),
     VType.UINT32: ("<I", 4), VType.INT32: ("<i", 4), VType.FLOAT32: ("<f", 4), VType.BOOL: ("<?", 1),
     VType.UINT64: ("<Q", 8), VType.INT64: ("<q", 8), VType.FLOAT64: ("<d", 8),
 }
-_NUMPY = {VType.UINT8: np.uint8, VType.INT8: np.int8, VType.UINT16: np.uint16, VType.INT16: np.int16,
-          VType.UINT32: np.uint32, VType.INT32: np.int32, VType.FLOAT32: np.float32, VType.BOOL: np.bool_,
-          VType.UINT64: np.uint64, VType.INT64: np.int64, VType.FLOAT64: np.float64}
+ARRAY_DTYPES = {VType.UINT8: np.uint8, VType.INT8: np.int8, VType.UINT16: np.uint16, VType.INT16: np.int16,
+                VType.UINT32: np.uint32, VType.INT32: np.int32, VType.FLOAT32: np.float32, VType.BOOL: np.bool_,
+                VType.UINT64: np.uint64, VType.INT64: np.int64, VType.FLOAT64: np.float64}
 # Tensor types stored as typed arrays (everything else: raw blocks of bytes).
 _TYPED = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
           gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
@@ -187,8 +190,8 @@ class _Cursor:
             raise self.fail(f"{what} {raw} is not a GGUF value type") from None
 
     def value(self, vtype: VType, what: str) -> tuple[Any, VType | None]:
-        if vtype in _SCALARS:
-            return self.scalar(*_SCALARS[vtype], what), None
+        if vtype in SCALAR_FORMATS:
+            return self.scalar(*SCALAR_FORMATS[vtype], what), None
         if vtype == VType.STRING:
             return self.string(what), None
         sub = self.vtype(f"{what} element type")
@@ -200,9 +203,9 @@ class _Cursor:
         if sub == VType.STRING:
             self.need(count * 8, f"{what} ({count} strings)")  # each at least its length field
             return [self.string(f"{what}[{i}]") for i in range(count)], sub
-        fmt, width = _SCALARS[sub]
+        fmt, width = SCALAR_FORMATS[sub]
         self.need(count * width, f"{what} ({count} x {width} bytes)")
-        arr = np.frombuffer(self.buf, dtype=np.dtype(_NUMPY[sub]).newbyteorder("<"), count=count, offset=self.pos)
+        arr = np.frombuffer(self.buf, dtype=np.dtype(ARRAY_DTYPES[sub]).newbyteorder("<"), count=count, offset=self.pos)
         self.pos += count * width
         return arr, sub
 

@@ -30,7 +30,7 @@ import gguf
 import numpy as np
 
 from native.errors import ArtifactError
-from native.gguf_file import _NUMPY, _SCALARS, DEFAULT_ALIGNMENT, GGUFField, VType
+from native.gguf_file import ARRAY_DTYPES, DEFAULT_ALIGNMENT, SCALAR_FORMATS, GGUFField, VType
 
 __all__ = ["TensorSpec", "Layout", "encode_pairs", "canonical_metadata", "plan_layout", "RESERVED_PREFIX",
            "GGUF_VERSION"]
@@ -46,8 +46,8 @@ def _string(text: str) -> bytes:
 
 
 def _value(vtype: VType, value, sub_type: VType | None) -> bytes:
-    if vtype in _SCALARS:
-        return struct.pack(_SCALARS[vtype][0], value)
+    if vtype in SCALAR_FORMATS:
+        return struct.pack(SCALAR_FORMATS[vtype][0], value)
     if vtype == VType.STRING:
         return _string(value)
     if vtype != VType.ARRAY or sub_type is None or sub_type == VType.ARRAY:
@@ -55,7 +55,7 @@ def _value(vtype: VType, value, sub_type: VType | None) -> bytes:
     head = struct.pack("<IQ", int(sub_type), len(value))
     if sub_type == VType.STRING:
         return head + b"".join(_string(v) for v in value)
-    return head + np.asarray(value, dtype=np.dtype(_NUMPY[sub_type]).newbyteorder("<")).tobytes()
+    return head + np.asarray(value, dtype=np.dtype(ARRAY_DTYPES[sub_type]).newbyteorder("<")).tobytes()
 
 
 def encode_pairs(fields: Iterable[GGUFField]) -> bytes:

@@ -119,7 +119,7 @@ class ModelFootprint:
 
     def range_bytes(self, start: int, end: int, kv_budget_tokens: int) -> int:
         """Bytes to hold ``[start, end)`` with a KV budget (weights + extras + KV + working + base)."""
-        return _Costs(self, kv_budget_tokens).of(start, end)
+        return RangeCosts(self, kv_budget_tokens).of(start, end)
 
     def scratch_bytes(self, kv_budget_tokens: int, *, tail: bool) -> int:
         """One batched forward's working memory: ``working_bytes`` when measured, else the estimate:
@@ -133,8 +133,8 @@ class ModelFootprint:
         return SCRATCH_POSITIONS * row + (SCRATCH_LOGIT_ROWS * self.logit_row_bytes if tail else 0)
 
 
-class _Costs:
-    """Prefix sums for O(1) range footprints (internal, built per plan)."""
+class RangeCosts:
+    """Prefix sums for O(1) range footprints, built per plan (plan_join here, the layout search in layout.py)."""
 
     __slots__ = ("fp", "prefix", "kv_per_layer", "scratch", "tail_scratch")
 
@@ -234,7 +234,7 @@ class Assignment:
     intents: tuple[DirectiveIntent, ...]
 
 
-def _grow(costs: _Costs, window: Span, counts: tuple[int, ...], memory: int, bounds: Span) -> Span:
+def _grow(costs: RangeCosts, window: Span, counts: tuple[int, ...], memory: int, bounds: Span) -> Span:
     """Extend a window layer by layer towards the less redundant side while it fits (inside ``bounds``)."""
     s, e = window.start, window.end
     while True:
@@ -266,7 +266,7 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
                              f"footprint ({footprint.model_digest}, {footprint.num_layers}) disagree")
     view = coverage.without(request.peer_id)
     counts = view.counts
-    costs = _Costs(footprint, request.kv_budget_tokens)
+    costs = RangeCosts(footprint, request.kv_budget_tokens)
     bounds = request.held or Span(0, footprint.num_layers)
     if bounds.end > footprint.num_layers:
         raise PlanInputError(f"held span {bounds} is outside a {footprint.num_layers}-layer model")

@@ -69,7 +69,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from meshd.plan.adverts import MAX_MEMORY_BYTES, MAX_PEER_ID_LEN, ShardAd, Span, live_adverts
-from meshd.plan.assignment import ModelFootprint, _Costs
+from meshd.plan.assignment import ModelFootprint, RangeCosts
 from meshd.plan.errors import PlanInputError
 from meshd.sizes import format_size
 
@@ -221,7 +221,7 @@ class _Sweeper:
     __slots__ = ("costs", "n")
 
     def __init__(self, footprint: ModelFootprint, kv_budget_tokens: int) -> None:
-        self.costs = _Costs(footprint, kv_budget_tokens)
+        self.costs = RangeCosts(footprint, kv_budget_tokens)
         self.n = footprint.num_layers
 
     def longest_end(self, start: int, budget: int) -> int:
