@@ -109,6 +109,11 @@ class CapabilityClaim:
     delegated_experts: tuple = ()
     # The node's measured memory (pb.MemoryFigures: the worker's figures + the daemon's base); None: unmeasured.
     memory: pb.MemoryFigures | None = None
+    # The fetch port (same certificate) and the layers whose weights it serves (held_end 0: none).
+    fetch_endpoint: str = ""
+    held_start: int = 0
+    held_end: int = 0
+    artifact_sha256: str = ""      # the model file's SHA-256, beside the root (model_artifact_digest)
 
     def __post_init__(self) -> None:
         _check_digest(self.model_artifact_digest, "model_artifact_digest")
@@ -123,6 +128,12 @@ class CapabilityClaim:
             raise ValueError("tls_cert_sha256 must be 32 bytes")
         if self.frames_endpoint and not self.grpc_endpoint:
             raise ValueError("a frames_endpoint needs the grpc_endpoint it is a fast path beside")
+        if self.fetch_endpoint and len(self.tls_cert_sha256) != 32:
+            raise ValueError("a fetch_endpoint needs the certificate pin (tls_cert_sha256)")
+        if self.held_end and not 0 <= self.held_start < self.held_end <= self.num_layers:
+            raise ValueError(f"bad held range {self.held_start}:{self.held_end} of {self.num_layers}")
+        if self.artifact_sha256:
+            _check_digest(self.artifact_sha256, "artifact_sha256")
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,10 +182,12 @@ def sign_capability(claim: CapabilityClaim, key, *, peer_id: str, sequence: int,
                                      relayed_addrs=list(claim.relayed_addrs),
                                      grpc_endpoint=claim.grpc_endpoint,
                                      tls_cert_sha256=claim.tls_cert_sha256,
-                                     frames_endpoint=claim.frames_endpoint),
+                                     frames_endpoint=claim.frames_endpoint,
+                                     fetch_endpoint=claim.fetch_endpoint),
         issued_at_unix_ms=now_ms, expires_at_unix_ms=now_ms + ttl_ms, sequence=sequence,
         model_id=claim.model_id, num_layers=claim.num_layers, delegated_experts=list(claim.delegated_experts),
-        memory=claim.memory)
+        memory=claim.memory,
+        held_start=claim.held_start, held_end=claim.held_end, artifact_sha256=claim.artifact_sha256)
     return _sign(payload, key)
 
 
@@ -348,6 +361,14 @@ def _check_bounds(p: pb.CapabilityPayload) -> None:
         raise bad("a frames_endpoint is a fast path beside a grpc_endpoint (the fallback), never alone")
     if len(p.model_id) > MAX_MODEL_ID_CHARS or len(p.dtypes) > MAX_DTYPES:
         raise bad("model_id or dtypes over bound")
+    if len(reach.fetch_endpoint) > MAX_ENDPOINT_CHARS:
+        raise bad("fetch_endpoint too long")
+    if reach.fetch_endpoint and len(reach.tls_cert_sha256) != 32:
+        raise bad("a fetch_endpoint needs its certificate hash (tls_cert_sha256)")
+    if p.held_end and not 0 <= p.held_start < p.held_end <= p.num_layers:
+        raise bad(f"held layers {p.held_start}:{p.held_end} of {p.num_layers}")
+    if len(p.artifact_sha256) > MAX_DIGEST_CHARS or (p.artifact_sha256 and not DIGEST_RE.match(p.artifact_sha256)):
+        raise bad("artifact_sha256 has a bad form")
 
 
 def replaces(incoming: CapabilityRecord, existing: CapabilityRecord | None) -> bool:

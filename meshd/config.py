@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -83,6 +84,14 @@ MIN_API_KEY_CHARS = 16
 DEFAULT_API_MAX_CONNECTIONS = 64
 # A key file is a secret: a few hundred bytes at most, its first line is the key.
 MAX_API_KEY_FILE_BYTES = 4096
+# Uploads to peers that fetch the model from us (meshd/fetch/server.py): a home uplink or a
+# LAN keeps room for everything else at 64 MiB/s (about half a gigabit link), and while our
+# worker serves a generation the fetch port drops to 8 MiB/s so the generation keeps the CPU
+# and the link (its threads also run at the lowest CPU priority). 0: unlimited.
+DEFAULT_UPLOAD_BYTES_PER_S = 64 << 20
+DEFAULT_UPLOAD_BUSY_BYTES_PER_S = 8 << 20
+# `--model NAME@ROOT`: a model named by its Merkle root (meshd/fetch/), with an optional short name.
+MODEL_ROOT_RE = re.compile(r"^(?:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63})@)?(?P<root>merkle:[0-9a-f]{64})$")
 # Host names / web origins an operator may list (each at most MAX_NAME_CHARS).
 MAX_API_NAMES = 32
 MAX_NAME_CHARS = 253
@@ -229,6 +238,12 @@ class DaemonConfig:
     experts: str | None = None
     expert_act: str = "f32"
     offload_experts: bool = False
+    # `--model ROOT` / `NAME@ROOT` (set from ``model`` when it names a root, not a path): the node
+    # fetches its range's weights from peers (meshd/fetch/) and verifies every byte against it.
+    model_root: str | None = None
+    model_name: str | None = None
+    upload_bytes_per_s: int = DEFAULT_UPLOAD_BYTES_PER_S
+    upload_busy_bytes_per_s: int = DEFAULT_UPLOAD_BUSY_BYTES_PER_S
     # The swarm (dht/host/swarm_scope.py): it scopes mDNS and the DHT protocol; "default" when not given.
     swarm: str = DEFAULT_SWARM_NAME
     # LAN discovery by mDNS (dht/host/mdns.py) on the interfaces we listen on; false: --no-mdns.
@@ -248,7 +263,22 @@ class DaemonConfig:
             raise ConfigError(f"route_topology must be one of {', '.join(ROUTE_TOPOLOGIES)}")
         object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
         if self.model is not None:
-            object.__setattr__(self, "model", Path(os.path.expanduser(str(self.model))))
+            named = MODEL_ROOT_RE.match(str(self.model))
+            if named is not None and not Path(str(self.model)).exists():
+                object.__setattr__(self, "model_root", named["root"])
+                object.__setattr__(self, "model_name", named["name"])
+                object.__setattr__(self, "model", None)
+            else:
+                object.__setattr__(self, "model", Path(os.path.expanduser(str(self.model))))
+        if self.model_root is not None and not MODEL_ROOT_RE.match(self.model_root):
+            raise ConfigError(f"model_root must be merkle:<64 hex digits>, not {self.model_root!r}")
+        if self.model_root is not None and (self.experts is not None or self.client_only):
+            raise ConfigError("--model ROOT fetches a layer range to serve: it does not apply to --experts or "
+                              "--layers none (give the model's file)")
+        for name in ("upload_bytes_per_s", "upload_busy_bytes_per_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1 << 40:
+                raise ConfigError(f"{name} must be a number of bytes per second (0: unlimited)")
         if not self.listen:
             raise ConfigError("listen needs at least one multiaddr, e.g. /ip4/127.0.0.1/tcp/4001")
         for addr in self.listen + self.bootstrap:
@@ -267,7 +297,7 @@ class DaemonConfig:
         self._check_client_only()
         self._check_experts()
         expert_peer = self.experts is not None and self.layers is None and not self.auto_layers
-        if (self.model is None) != (self.layers is None and not self.auto_layers and not self.client_only) \
+        if (not self.has_model) != (self.layers is None and not self.auto_layers and not self.client_only) \
                 and not expert_peer:
             raise ConfigError("--model and --layers go together")
         if self.auto_layers and not (self.memory_bytes and self.memory_bytes > 0):
@@ -319,6 +349,11 @@ class DaemonConfig:
             ExpertSpec.parse(self.experts)
         except ExpertSpecError as exc:
             raise ConfigError(f"experts: {exc}") from exc
+
+    @property
+    def has_model(self) -> bool:
+        """A model file or directory, or a root to fetch (``--model ROOT``)."""
+        return self.model is not None or self.model_root is not None
 
     @property
     def expert_peer(self) -> bool:
@@ -455,10 +490,11 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None) -
         if raw.get("client_only") is False:
             raise ConfigError('layers = "none" is a client-only node; client_only = false contradicts it')
         raw["layers"], raw["client_only"] = None, True
-    if isinstance(raw.get("memory_bytes"), str):
-        from meshd.sizes import parse_size
+    for key in ("memory_bytes", "upload_bytes_per_s", "upload_busy_bytes_per_s"):
+        if isinstance(raw.get(key), str):
+            from meshd.sizes import parse_size
 
-        raw["memory_bytes"] = parse_size(raw["memory_bytes"])
+            raw[key] = parse_size(raw[key])
     if isinstance(raw.get("layers"), str):
         raw["layers"] = parse_layers(raw["layers"])
     for key in ("listen", "bootstrap"):

@@ -6,9 +6,13 @@ Files and roles:
   gguf_arch.py      one adapter per architecture (llama, qwen2, qwen3, gemma3): tensors, hparams,
                     layer-indexed metadata of slices, the torch lane's names and transforms
   gguf_range.py     model facts, one range's tensors (memory-mapped), held range of a slice,
-                    size table, model digest (a slice's = its source's), recipe
+                    size table, model digest (the Merkle root; a slice's = its source's), recipe
+  gguf_manifest.py  a GGUF's manifest: built from a whole file, or carried by a slice and checked against
+                    its bytes; a manifest's model facts without the file (virtual reader); a range's tensors
+  gguf_write.py     GGUF bytes written by us: metadata pairs, the canonical metadata blob, a file's layout
   slice.py          per-range GGUF slices for llama.cpp (renumbered blocks, no_vocab, fake vocab
-                    off the ends) and self-describing user slices (``meshd slice``)
+                    off the ends) and self-describing user slices (``meshd slice``, and what a node
+                    fetches: the same file, carrying the source's manifest)
   llama_engine.py   one llama.cpp model + context; token/embedding batches; residual capture via cb_eval
                     (the C callback of csrc/capture.c; the Python one without a compiler)
   cbuild.py         compiles and caches meshd's C against the installed llama.cpp (csrc/)

@@ -43,7 +43,8 @@ import numpy as np
 
 from native.errors import ArtifactError
 
-__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "GGUFFormatError", "VType"]
+__all__ = ["GGUFFile", "GGUFField", "GGUFTensor", "GGUFFormatError", "VType", "parse_fields", "SCALAR_FORMATS",
+           "ARRAY_DTYPES"]
 
 VType = gguf.GGUFValueType
 
@@ -70,14 +71,16 @@ MAX_TENSOR_ELEMENTS = 1 << 44
 DEFAULT_ALIGNMENT = 32
 MAX_ALIGNMENT = 1 << 16
 
-_SCALARS: dict[VType, tuple[str, int]] = {
+# The scalar value types' struct formats and widths, and the arrays' numpy dtypes (shared with
+# native/gguf_write.py, which writes what this reads).
+SCALAR_FORMATS: dict[VType, tuple[str, int]] = {
     VType.UINT8: ("<B", 1), VType.INT8: ("<b", 1), VType.UINT16: ("<H", 2), VType.INT16: ("<h", 2),
     VType.UINT32: ("<I", 4), VType.INT32: ("<i", 4), VType.FLOAT32: ("<f", 4), VType.BOOL: ("<?", 1),
     VType.UINT64: ("<Q", 8), VType.INT64: ("<q", 8), VType.FLOAT64: ("<d", 8),
 }
-_NUMPY = {VType.UINT8: np.uint8, VType.INT8: np.int8, VType.UINT16: np.uint16, VType.INT16: np.int16,
-          VType.UINT32: np.uint32, VType.INT32: np.int32, VType.FLOAT32: np.float32, VType.BOOL: np.bool_,
-          VType.UINT64: np.uint64, VType.INT64: np.int64, VType.FLOAT64: np.float64}
+ARRAY_DTYPES = {VType.UINT8: np.uint8, VType.INT8: np.int8, VType.UINT16: np.uint16, VType.INT16: np.int16,
+                VType.UINT32: np.uint32, VType.INT32: np.int32, VType.FLOAT32: np.float32, VType.BOOL: np.bool_,
+                VType.UINT64: np.uint64, VType.INT64: np.int64, VType.FLOAT64: np.float64}
 # Tensor types stored as typed arrays (everything else: raw blocks of bytes).
 _TYPED = {gguf.GGMLQuantizationType.F32: np.float32, gguf.GGMLQuantizationType.F16: np.float16,
           gguf.GGMLQuantizationType.F64: np.float64, gguf.GGMLQuantizationType.I8: np.int8,
@@ -187,8 +190,8 @@ class _Cursor:
             raise self.fail(f"{what} {raw} is not a GGUF value type") from None
 
     def value(self, vtype: VType, what: str) -> tuple[Any, VType | None]:
-        if vtype in _SCALARS:
-            return self.scalar(*_SCALARS[vtype], what), None
+        if vtype in SCALAR_FORMATS:
+            return self.scalar(*SCALAR_FORMATS[vtype], what), None
         if vtype == VType.STRING:
             return self.string(what), None
         sub = self.vtype(f"{what} element type")
@@ -200,11 +203,36 @@ class _Cursor:
         if sub == VType.STRING:
             self.need(count * 8, f"{what} ({count} strings)")  # each at least its length field
             return [self.string(f"{what}[{i}]") for i in range(count)], sub
-        fmt, width = _SCALARS[sub]
+        fmt, width = SCALAR_FORMATS[sub]
         self.need(count * width, f"{what} ({count} x {width} bytes)")
-        arr = np.frombuffer(self.buf, dtype=np.dtype(_NUMPY[sub]).newbyteorder("<"), count=count, offset=self.pos)
+        arr = np.frombuffer(self.buf, dtype=np.dtype(ARRAY_DTYPES[sub]).newbyteorder("<"), count=count, offset=self.pos)
         self.pos += count * width
         return arr, sub
+
+
+def _pairs(cur: _Cursor, n_kv: int) -> dict[str, GGUFField]:
+    fields: dict[str, GGUFField] = {}
+    for index in range(n_kv):
+        key = cur.string(f"key {index}", MAX_KEY_BYTES)
+        if key in fields:
+            raise cur.fail(f"metadata key {key!r} appears twice")
+        vtype = cur.vtype(f"type of {key!r}")
+        value, sub = cur.value(vtype, repr(key))
+        fields[key] = GGUFField(key, vtype, value, sub)
+    return fields
+
+
+def parse_fields(data: bytes) -> dict[str, GGUFField]:
+    """Metadata pairs on their own (a u64 count, then the pairs, nothing after): a manifest's
+    canonical metadata blob (native/gguf_write.py), with the same checks as a file's header."""
+    cur = _Cursor(data, len(data))
+    n_kv = cur.u64("metadata count")
+    if n_kv > MAX_KV:
+        raise cur.fail(f"{n_kv} metadata pairs exceed the limit of {MAX_KV}")
+    fields = _pairs(cur, n_kv)
+    if cur.pos != len(data):
+        raise cur.fail(f"{len(data) - cur.pos} bytes after the metadata pairs")
+    return fields
 
 
 def _row_bytes(cur: _Cursor, name: str, qtype: gguf.GGMLQuantizationType, shape: tuple[int, ...]) -> int:
@@ -222,6 +250,12 @@ class GGUFFile:
         self.path, self._buf, self.size, self.version = path, buf, size, version
         self.fields, self.tensors = fields, tensors
         self.data_offset, self.alignment = data_offset, alignment
+
+    def bytes_of(self, offset: int, n_bytes: int) -> memoryview:
+        """``n_bytes`` of the file from ``offset`` (a view of the map, no copy)."""
+        if self._buf is None or not 0 <= offset <= offset + n_bytes <= self.size:
+            raise ArtifactError(f"{self.path.name}: bytes [{offset}, {offset + n_bytes}) are not in the file")
+        return memoryview(self._buf)[offset:offset + n_bytes]
 
     def get_field(self, key: str) -> GGUFField | None:
         return self.fields.get(key)
@@ -262,14 +296,7 @@ class GGUFFile:
         if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
             raise cur.fail(f"{n_tensors} tensors / {n_kv} metadata pairs exceed the limits "
                            f"({MAX_TENSORS} / {MAX_KV})")
-        fields: dict[str, GGUFField] = {}
-        for index in range(n_kv):
-            key = cur.string(f"key {index}", MAX_KEY_BYTES)
-            if key in fields:
-                raise cur.fail(f"metadata key {key!r} appears twice")
-            vtype = cur.vtype(f"type of {key!r}")
-            value, sub = cur.value(vtype, repr(key))
-            fields[key] = GGUFField(key, vtype, value, sub)
+        fields = _pairs(cur, n_kv)
         alignment = DEFAULT_ALIGNMENT
         if "general.alignment" in fields:
             a = fields["general.alignment"]

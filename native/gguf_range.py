@@ -13,16 +13,17 @@ Whole files and slices: a file written by ``slice.write_user_slice`` (``meshd
 slice``) keeps the source's metadata and block numbering but holds only the
 blocks of ``meshd.slice.start..end``; ``held_range`` says which, and
 ``read_range`` refuses a range outside it. Its identity is the *source's*:
-``model_digest`` returns ``meshd.slice.source_digest``, so a slice and the
-whole file are one model artifact and route together.
+``model_digest`` returns the root of the manifest it carries, so a slice and
+the whole file are one model artifact and route together.
 
 State: none of its own. The file's digest is computed once and cached on
 disk (``shard/model/digests.py``, keyed by path, size, mtime_ns and inode), so a
 restart, a LOAD or a respawn never rehashes an unchanged file.
 
-Identity: ``artifact_digest`` is SHA-256 over the whole file (what
-``sha256sum`` prints), streamed with progress; ``model_digest`` is the one
-function callers use (the source digest of a slice, else artifact_digest);
+Identity: ``model_digest`` is the one function callers use: the Merkle root
+of the model's manifest (native/gguf_manifest.py; a slice carries its
+source's, checked against its bytes); ``artifact_digest`` is SHA-256 over the
+whole file (what ``sha256sum`` prints), kept as a field of the manifest;
 ``gguf_recipe`` names backend, compute dtype, quantization and runtime
 versions as a ``shard.model.artifact.Recipe`` whose digest is the recipe digest.
 Both end up in the ``pb.Fingerprint`` every hop of a route must share.
@@ -46,6 +47,7 @@ import gguf
 from native.errors import ArtifactError, RangeUnavailable
 from native.gguf_arch import ARCHITECTURES, Architecture, architecture
 from native.gguf_file import GGUFFile, GGUFTensor
+from native.gguf_manifest import file_manifest
 from shard.model import digests
 from shard.model.artifact import Recipe
 from shard.model.backend import LayerRange
@@ -316,25 +318,19 @@ def artifact_digest(path: str | os.PathLike[str], progress: TextIO | None = None
     return digests.cached_digest(GGUF_SCHEME, [path], lambda i, key: b"", label=path.name, progress=progress)
 
 
-_DIGEST_TEXT = re.compile(r"^sha256:[0-9a-f]{64}$")
-
-
 def model_digest(path: str | os.PathLike[str], progress: TextIO | None = None,
                  reader: GGUFFile | None = None) -> str:
-    """The model artifact digest of a GGUF: a slice's source digest, else ``artifact_digest``.
+    """The model's id: the Merkle root of its manifest (native/gguf_manifest.py).
 
     The one function every caller (worker backends, the daemon) uses, so a
-    slice and its source always name the same artifact.
+    slice and its source always name the same model: a whole file's root is
+    built from its bytes, a slice's is the manifest it carries, checked
+    against every byte the slice holds (ArtifactError when one differs).
     """
     reader = reader or open_reader(path)
-    field = reader.get_field(SLICE_KEYS["source_digest"])
-    if field is None:
-        return artifact_digest(path, progress)
-    if not isinstance(field.value, str) or not _DIGEST_TEXT.match(field.value):
-        raise ArtifactError(f"{Path(path).name}: slice source digest {str(field.value)[:80]!r} is not "
-                            "sha256:<64 hex>; the slice is corrupt")
-    held_range(reader)  # a slice's range must make sense too
-    return field.value
+    if reader.get_field(SLICE_KEYS["start"]) is not None:
+        held_range(reader)  # a slice's range must make sense too
+    return file_manifest(path, reader, progress).root
 
 
 def gguf_recipe(*, backend: str, info: GGUFModelInfo, compute_dtype: str,

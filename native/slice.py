@@ -23,16 +23,25 @@ to the range, and the architecture's adapter adds what llama.cpp would
 otherwise derive from the (renumbered) layer index (``gguf_arch``: Gemma 3's
 sliding-window layers).
 
-User slices (``meshd slice FILE --layers A:B -o OUT``, ``write_user_slice``)
-are different: a self-describing *part of the model file* for a node that
-should not need the whole file. It keeps every metadata pair of the source
-(tokenizer and chat template included, so a head slice can be an entry
-node), the original block numbers and only the blocks of [A, B) plus the
-embedding (head, or tied tail) and output tensors (tail), and adds
-``meshd.slice.{source_digest,start,end,num_layers}``. ``gguf_range`` reads it
-as the source model restricted to [A, B); its digest is the source's.
+User slices (``meshd slice FILE --layers A:B -o OUT``, ``write_user_slice``,
+and what a node fetches from its peers, meshd/fetch/) are different: a
+self-describing *part of the model file* for a node that should not need the
+whole file. It keeps every metadata pair of the source (tokenizer and chat
+template included, so a head slice can be an entry node; in the canonical
+order of native/gguf_write.py), the original block numbers and only the
+tensors of [A, B) (``gguf_manifest.range_names``: the blocks, plus the
+embedding at the head or a tied tail and the output tensors at the tail), and
+adds ``meshd.slice.{source_digest,start,end,num_layers,...}`` and
+``meshd.slice.manifest``: the source's manifest, so the slice proves its own
+bytes against the model's root. ``plan_slice`` gives its header and every
+tensor's offset from the manifest and the metadata alone, which is what lets
+a fetch write verified chunks straight into place. ``gguf_range`` reads the
+slice as the source model restricted to [A, B); its root is the source's.
 
-Writing: tensor bytes are copied from the source with ``pread`` in
+Writing (the worker's renumbered slices and user slices alike; a fetch
+writes its verified chunks at ``plan_slice``'s offsets itself, and settles
+them the same way, meshd/fetch/store.py): tensor bytes are copied from the
+source with ``pread`` in
 COPY_CHUNK_BYTES pieces (the source is never mapped into the writer, so its
 pages never count in a worker's resident set), each piece is synced and
 both its source and its written pages are handed back to the kernel
@@ -58,6 +67,7 @@ import numpy as np
 
 from native.errors import ArtifactError
 from native.gguf_file import GGUFField, GGUFFile, GGUFTensor, VType
+from native.gguf_manifest import MANIFEST_KEY, file_manifest, range_names, virtual_reader
 from native.gguf_range import (
     SLICE_KEYS,
     RangeTensors,
@@ -68,11 +78,13 @@ from native.gguf_range import (
     read_range,
     size_table,
 )
+from native.gguf_write import Layout, TensorSpec, plan_layout
 from shard.model.backend import LayerRange
+from shard.model.manifest import TENSOR, Manifest
 from shard.model.memory import drop_page_cache
 
 __all__ = ["slice_path", "range_file", "write_slice", "write_user_slice", "slice_cache_root", "FAKE_VOCAB",
-           "SLICE_FORMAT_VERSION"]
+           "SLICE_FORMAT_VERSION", "plan_slice", "slice_fields"]
 
 # Bump when write_slice changes what it writes, so stale cached slices are not reused.
 SLICE_FORMAT_VERSION = 3
@@ -134,18 +146,27 @@ class _Tensors:
                     n = item.nbytes
                 else:
                     n = item.n_bytes
-                    for done in range(0, n, COPY_CHUNK_BYTES):
-                        size = min(COPY_CHUNK_BYTES, n - done)
-                        chunk = os.pread(src.fileno(), size, item.offset + done)
-                        if len(chunk) != size:
-                            raise ArtifactError(f"{self.source.name} ends inside tensor {item.name}")
-                        fout.write(chunk)
-                        drop_page_cache(src.fileno(), item.offset + done, size)
-                        if fout.tell() - settled >= COPY_CHUNK_BYTES:
-                            settled = _settle(fout, settled)
+                    settled = _copy(src, item.offset, n, item.name, fout, settled)
                 writer.write_padding(fout, n)
             _settle(fout, settled)
         writer.close()
+
+
+def _copy(src, offset: int, n: int, name: str, fout, settled: int) -> int:
+    """Copy ``n`` bytes of ``src`` from ``offset`` to ``fout``'s position (moving forward only) in
+    COPY_CHUNK_BYTES pieces, each piece's source pages dropped, the written ones synced and dropped
+    every COPY_CHUNK_BYTES (module docstring); ``settled``: where the unsynced bytes begin. Returns
+    the new ``settled``."""
+    for done in range(0, n, COPY_CHUNK_BYTES):
+        size = min(COPY_CHUNK_BYTES, n - done)
+        chunk = os.pread(src.fileno(), size, offset + done)
+        if len(chunk) != size:
+            raise ArtifactError(f"{Path(src.name).name} ends inside tensor {name}")
+        fout.write(chunk)
+        drop_page_cache(src.fileno(), offset + done, size)
+        if fout.tell() - settled >= COPY_CHUNK_BYTES:
+            settled = _settle(fout, settled)
+    return settled
 
 
 def _settle(fout, start: int) -> int:
@@ -163,7 +184,7 @@ def _arch_fields(reader: GGUFFile, arch: str, layer_range: LayerRange, writer: g
     extra = model_info(reader).adapter.slice_metadata(
         {f.name: f.contents() for f in reader.fields.values() if f.name.startswith(f"{arch}.")},
         layer_range.start, layer_range.end, n)
-    for field in reader.fields.values():
+    for field in sorted(reader.fields.values(), key=lambda f: f.name):   # a slice's pairs are sorted too
         if not field.name.startswith(f"{arch}.") or field.name in extra:
             continue
         if field.name in (f"{arch}.block_count", f"{arch}.vocab_size"):
@@ -233,7 +254,7 @@ def slice_path(source: str | os.PathLike[str], layer_range: LayerRange,
     source = Path(source)
     reader = open_reader(source)
     digest = model_digest(source, progress, reader)
-    prefix = digest.removeprefix("sha256:")[:24]
+    prefix = digest.partition(":")[2][:24]   # the model's root (shard/model/manifest.py), hex after its scheme
     name = f"{prefix}-{layer_range.start}-{layer_range.end}-of-{layer_range.num_layers}-v{SLICE_FORMAT_VERSION}.gguf"
     root = directory if directory is not None else slice_cache_root()
     root.mkdir(parents=True, exist_ok=True)
@@ -280,6 +301,38 @@ def _atomic_write(target: Path, write) -> None:
             os.unlink(tmp_name)
 
 
+def slice_fields(source: dict[str, GGUFField], manifest: Manifest, layer_range: LayerRange) -> list[GGUFField]:
+    """The metadata pairs of the slice of ``layer_range``: the source's (canonical order, without
+    slice keys), then the slice keys (SLICE_KEYS) and the manifest."""
+    reader = virtual_reader(manifest, source)
+    info = model_info(reader)
+    sizes = size_table(reader, info)   # the whole model's, so a slice holder can plan for others
+    fields = sorted((f for f in source.values() if not f.name.startswith("meshd.slice.")), key=lambda f: f.name)
+    digest = "sha256:" + manifest.files[0].sha256.hex() if manifest.files else ""
+    extra = [
+        GGUFField(SLICE_KEYS["source_digest"], VType.STRING, digest),   # the source file's SHA-256
+        GGUFField(SLICE_KEYS["vocab_size"], VType.UINT32, info.vocab_size),
+        GGUFField(SLICE_KEYS["tied"], VType.BOOL, info.tied_embeddings),
+        *(GGUFField(SLICE_KEYS[k], VType.ARRAY, np.asarray(getattr(sizes, k), dtype=np.uint64), VType.UINT64)
+          for k in ("layer_bytes", "layer_elements", "single_bytes", "single_elements")),
+        GGUFField(SLICE_KEYS["start"], VType.UINT32, layer_range.start),
+        GGUFField(SLICE_KEYS["end"], VType.UINT32, layer_range.end),
+        GGUFField(SLICE_KEYS["num_layers"], VType.UINT32, layer_range.num_layers),
+        GGUFField(MANIFEST_KEY, VType.ARRAY, np.frombuffer(manifest.encode(), dtype=np.uint8), VType.UINT8),
+    ]
+    return fields + extra
+
+
+def plan_slice(manifest: Manifest, source: dict[str, GGUFField],
+               layer_range: LayerRange) -> tuple[Layout, list[int]]:
+    """The layout of the slice of ``layer_range`` and the manifest entries it holds, in file order."""
+    names = range_names([e.name for e in manifest.entries if e.kind == TENSOR], layer_range)
+    indices = [manifest.index(n) for n in names]
+    specs = [TensorSpec(e.name, e.shape, gguf.GGMLQuantizationType[e.dtype], e.size)
+             for e in (manifest.entries[i] for i in indices)]
+    return plan_layout(slice_fields(source, manifest, layer_range), specs), indices
+
+
 def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: str | os.PathLike[str],
                      progress: TextIO | None = sys.stderr) -> Path:
     """``meshd slice``: write layers [start, end) of ``source`` as a self-describing slice at ``out``.
@@ -293,38 +346,28 @@ def write_user_slice(source: str | os.PathLike[str], start: int, end: int, out: 
     if not 0 <= start < end <= info.num_layers:
         raise ArtifactError(f"layers {start}:{end} are outside the model's 0:{info.num_layers}")
     layer_range = LayerRange(start, end, info.num_layers)
-    tensors = read_range(reader, layer_range)  # RangeUnavailable outside a source slice
-    digest = model_digest(source, progress, reader)
-    sizes = size_table(reader, info)  # the whole model's, so a slice holder can plan for others
-    keep = {t.name for block in tensors.blocks for t in block.values()}
-    keep |= {t.name for t in (tensors.token_embd, tensors.output_norm, tensors.output) if t is not None}
+    read_range(reader, layer_range)  # RangeUnavailable outside a source slice
+    manifest = file_manifest(source, reader, progress)   # built (whole file) or checked (a slice)
+    layout, indices = plan_slice(manifest, reader.fields, layer_range)
+    by_name = {t.name: t for t in reader.tensors}
+    tensors = [by_name[manifest.entries[i].name] for i in indices]
     if progress is not None:
         print(f"[meshd gguf] writing layers {start}:{end} of {source.name} to {out} "
-              f"({tensors.touched_bytes() / 1e6:.1f} MB of tensors)", file=progress, flush=True)
+              f"({sum(t.n_bytes for t in tensors) / 1e6:.1f} MB of tensors)", file=progress, flush=True)
 
     def write(tmp: Path) -> None:
-        writer = gguf.GGUFWriter(tmp, info.architecture)
-        table = _Tensors(writer, source)
-        for field in reader.fields.values():
-            if field.name not in ("general.architecture", "general.alignment", *SLICE_KEYS.values()):
-                _copy_field(writer, field)
-        writer.add_string(SLICE_KEYS["source_digest"], digest)
-        writer.add_uint32(SLICE_KEYS["vocab_size"], info.vocab_size)
-        writer.add_bool(SLICE_KEYS["tied"], info.tied_embeddings)
-        for key in ("layer_bytes", "layer_elements", "single_bytes", "single_elements"):
-            values = getattr(sizes, key)
-            writer.add_key_value(SLICE_KEYS[key], [int(v) for v in values], VType.ARRAY, VType.UINT64)
-        writer.add_uint32(SLICE_KEYS["start"], start)
-        writer.add_uint32(SLICE_KEYS["end"], end)
-        writer.add_uint32(SLICE_KEYS["num_layers"], info.num_layers)
-        for tensor in reader.tensors:  # source order, original names
-            if tensor.name in keep:
-                table.add(tensor.name, tensor)
-        table.write()
+        with open(source, "rb") as src, open(tmp, "wb") as fout:
+            fout.write(layout.header)
+            settled = 0
+            for t in tensors:
+                fout.seek(layout.offsets[t.name])
+                settled = _copy(src, t.offset, t.n_bytes, t.name, fout, settled)
+            fout.truncate(layout.size)
+            _settle(fout, settled)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _atomic_write(out, write)
     got = open_reader(out)
-    if held_range(got) != layer_range or model_digest(out, None, got) != digest:  # pragma: no cover - invariant
-        raise ArtifactError(f"{out} does not read back as layers {start}:{end} of {digest}")
+    if held_range(got) != layer_range or model_digest(out, None, got) != manifest.root:  # pragma: no cover
+        raise ArtifactError(f"{out} does not read back as layers {start}:{end} of {manifest.root}")
     return out

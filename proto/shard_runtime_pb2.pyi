@@ -773,18 +773,20 @@ class SignedRecord(_message.Message):
     def __init__(self, kind: _Optional[_Union[RecordKind, str]] = ..., payload: _Optional[bytes] = ..., signature: _Optional[bytes] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class Reachability(_message.Message):
-    __slots__ = ("direct_addrs", "relayed_addrs", "grpc_endpoint", "tls_cert_sha256", "frames_endpoint")
+    __slots__ = ("direct_addrs", "relayed_addrs", "grpc_endpoint", "tls_cert_sha256", "frames_endpoint", "fetch_endpoint")
     DIRECT_ADDRS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_ADDRS_FIELD_NUMBER: _ClassVar[int]
     GRPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TLS_CERT_SHA256_FIELD_NUMBER: _ClassVar[int]
     FRAMES_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     direct_addrs: _containers.RepeatedScalarFieldContainer[str]
     relayed_addrs: _containers.RepeatedScalarFieldContainer[str]
     grpc_endpoint: str
     tls_cert_sha256: bytes
     frames_endpoint: str
-    def __init__(self, direct_addrs: _Optional[_Iterable[str]] = ..., relayed_addrs: _Optional[_Iterable[str]] = ..., grpc_endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., frames_endpoint: _Optional[str] = ...) -> None: ...
+    fetch_endpoint: str
+    def __init__(self, direct_addrs: _Optional[_Iterable[str]] = ..., relayed_addrs: _Optional[_Iterable[str]] = ..., grpc_endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., frames_endpoint: _Optional[str] = ..., fetch_endpoint: _Optional[str] = ...) -> None: ...
 
 class Throughput(_message.Message):
     __slots__ = ("decode_ms_per_layer", "prefill_tokens_per_s")
@@ -795,7 +797,7 @@ class Throughput(_message.Message):
     def __init__(self, decode_ms_per_layer: _Optional[float] = ..., prefill_tokens_per_s: _Optional[float] = ...) -> None: ...
 
 class CapabilityPayload(_message.Message):
-    __slots__ = ("schema_version", "peer_id", "model_artifact_digest", "runtime_recipe_digest", "shard_range", "backend", "dtypes", "memory_budget_bytes", "free_kv_tokens", "throughput", "reachability", "issued_at_unix_ms", "expires_at_unix_ms", "sequence", "model_id", "num_layers", "withdrawn", "delegated_experts", "memory")
+    __slots__ = ("schema_version", "peer_id", "model_artifact_digest", "runtime_recipe_digest", "shard_range", "backend", "dtypes", "memory_budget_bytes", "free_kv_tokens", "throughput", "reachability", "issued_at_unix_ms", "expires_at_unix_ms", "sequence", "model_id", "num_layers", "withdrawn", "delegated_experts", "memory", "held_start", "held_end", "artifact_sha256")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
@@ -815,6 +817,9 @@ class CapabilityPayload(_message.Message):
     WITHDRAWN_FIELD_NUMBER: _ClassVar[int]
     DELEGATED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    HELD_START_FIELD_NUMBER: _ClassVar[int]
+    HELD_END_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACT_SHA256_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     peer_id: str
     model_artifact_digest: str
@@ -834,7 +839,10 @@ class CapabilityPayload(_message.Message):
     withdrawn: bool
     delegated_experts: _containers.RepeatedCompositeFieldContainer[ExpertRun]
     memory: MemoryFigures
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., memory_budget_bytes: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., withdrawn: bool = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ..., memory: _Optional[_Union[MemoryFigures, _Mapping]] = ...) -> None: ...
+    held_start: int
+    held_end: int
+    artifact_sha256: str
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., runtime_recipe_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., backend: _Optional[_Union[Backend, str]] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., memory_budget_bytes: _Optional[int] = ..., free_kv_tokens: _Optional[int] = ..., throughput: _Optional[_Union[Throughput, _Mapping]] = ..., reachability: _Optional[_Union[Reachability, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., model_id: _Optional[str] = ..., num_layers: _Optional[int] = ..., withdrawn: bool = ..., delegated_experts: _Optional[_Iterable[_Union[ExpertRun, _Mapping]]] = ..., memory: _Optional[_Union[MemoryFigures, _Mapping]] = ..., held_start: _Optional[int] = ..., held_end: _Optional[int] = ..., artifact_sha256: _Optional[str] = ...) -> None: ...
 
 class RelayPayload(_message.Message):
     __slots__ = ("schema_version", "peer_id", "addrs", "issued_at_unix_ms", "expires_at_unix_ms", "sequence")
@@ -931,20 +939,24 @@ class RebalanceDirective(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., directive_id: _Optional[str] = ..., action: _Optional[_Union[DirectiveAction, str]] = ..., tracker_peer_id: _Optional[str] = ..., target_peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., epoch: _Optional[int] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...
 
 class JoinAsk(_message.Message):
-    __slots__ = ("schema_version", "model_artifact_digest", "memory_budget_bytes", "kv_budget_tokens", "held_start", "held_end")
+    __slots__ = ("schema_version", "model_artifact_digest", "memory_budget_bytes", "kv_budget_tokens", "held_start", "held_end", "prefer_start", "prefer_end")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HELD_START_FIELD_NUMBER: _ClassVar[int]
     HELD_END_FIELD_NUMBER: _ClassVar[int]
+    PREFER_START_FIELD_NUMBER: _ClassVar[int]
+    PREFER_END_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     model_artifact_digest: str
     memory_budget_bytes: int
     kv_budget_tokens: int
     held_start: int
     held_end: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., model_artifact_digest: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., held_start: _Optional[int] = ..., held_end: _Optional[int] = ...) -> None: ...
+    prefer_start: int
+    prefer_end: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., model_artifact_digest: _Optional[str] = ..., memory_budget_bytes: _Optional[int] = ..., kv_budget_tokens: _Optional[int] = ..., held_start: _Optional[int] = ..., held_end: _Optional[int] = ..., prefer_start: _Optional[int] = ..., prefer_end: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("directive", "refusal")

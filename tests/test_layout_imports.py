@@ -10,7 +10,7 @@ first; a room imports only rooms below it (or itself):
     daemon                   node composition root, control socket, supervisor, relay mode
     api                      OpenAI-compatible HTTP, metrics, dashboard (the daemon serves it)
     swarm                    tracker duty, swarm view, join/directive wire
-    generate                 the route driver, hop links, routes, tokenizer
+    generate | fetch         the route driver, hop links, routes, tokenizer | weights from peers
     plan | reach             pure planners | reachability, relays, TLS (not each other)
     config, errors, sizes    the ground floor
 
@@ -51,7 +51,7 @@ ALLOWED_TOP = {
 }
 GROUND = {"config", "errors", "sizes", "__init__"}
 RANK = {"__main__": 9, "cli": 8, "benchmarks": 7, "daemon": 6, "api": 5, "swarm": 4, "generate": 3,
-        "plan": 2, "reach": 2, "testing": 2}
+        "fetch": 3, "plan": 2, "reach": 2, "testing": 2}
 TESTING_USERS = {"benchmarks", "testing"}
 BENCH_USERS = {"benchmarks"}
 # Floors of the sub-rooms of a top-level folder (flat modules: 0). Rooms on one floor do not

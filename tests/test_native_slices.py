@@ -19,6 +19,7 @@ from native.errors import RangeUnavailable
 from native.gguf_range import artifact_digest, held_range, model_info, open_reader, read_range, size_table
 from native.slice import slice_path, write_user_slice
 from shard.model.backend import LayerRange
+from shard.model.manifest import is_root
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,9 @@ def test_user_slice_is_the_source_restricted_to_its_layers(source, isolated):
     out = write_user_slice(source, 2, 5, isolated / "mid.gguf", progress=None)
     whole, part = open_reader(source), open_reader(out)
     assert held_range(part) == LayerRange(2, 5, 6) and held_layers(out) == (2, 5) and held_layers(source) is None
-    assert model_digest(out) == artifact_digest(source) == model_digest(source)
+    # one model id: the slice proves its bytes against its source's root; the file's SHA-256 stays a field
+    assert is_root(model_digest(out)) and model_digest(out) == model_digest(source)
+    assert part.value("meshd.slice.source_digest") == artifact_digest(source)
     blocks = {t.name.split(".")[1] for t in part.tensors if t.name.startswith("blk.")}
     assert blocks == {"2", "3", "4"} and "token_embd.weight" not in {t.name for t in part.tensors}
     src = {t.name: t for t in whole.tensors}
@@ -54,7 +57,7 @@ def test_user_slice_is_the_source_restricted_to_its_layers(source, isolated):
 def test_slices_of_slices_and_head_tail(source, isolated):
     mid = write_user_slice(source, 1, 5, isolated / "a.gguf", progress=None)
     inner = write_user_slice(mid, 2, 4, isolated / "b.gguf", progress=None)
-    assert held_range(open_reader(inner)) == LayerRange(2, 4, 6) and model_digest(inner) == artifact_digest(source)
+    assert held_range(open_reader(inner)) == LayerRange(2, 4, 6) and model_digest(inner) == model_digest(source)
     with pytest.raises(RangeUnavailable):
         write_user_slice(mid, 0, 2, isolated / "c.gguf", progress=None)
     head = {t.name for t in open_reader(write_user_slice(source, 0, 2, isolated / "h.gguf", progress=None)).tensors}

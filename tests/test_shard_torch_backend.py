@@ -51,7 +51,7 @@ def test_protocol_conformance_and_boundary_dtypes():
     assert out.dtype == ml_dtypes.bfloat16 and out.shape == (3, head.hidden_size)
     assert cache.past_len == 3
     assert head.boundary_dtype == np.dtype(ml_dtypes.bfloat16)
-    assert head.fingerprint.model_artifact_digest.startswith("sha256:")
+    assert head.fingerprint.model_artifact_digest.startswith("merkle:")   # the model root
 
 
 def test_only_the_range_is_loaded():

@@ -9,8 +9,9 @@
                     safetensors headers (parameters), chat_template.jinja or
                     tokenizer_config.json's chat_template; size = the weight files' bytes
 
-``digest`` is the artifact digest the swarm already agrees on ("sha256:<64 hex>",
-the same value every peer's record carries). Read once per daemon (the files do
+``digest`` is the model's id the swarm already agrees on (its Merkle root,
+``merkle:<64 hex>``, the value every peer's record carries), shown in Ollama's
+form: the root is a SHA-256, so Ollama's clients get ``sha256:<the same 64 hex>``. Read once per daemon (the files do
 not change under a running worker) and cached by the API part. Pure apart from
 reading the files.
 """
@@ -61,6 +62,8 @@ class ModelCard:
         path = Path(path)
         modified = datetime.fromtimestamp(path.stat().st_mtime, UTC).isoformat().replace("+00:00", "Z")
         read = _gguf if path.is_file() else _directory
+        if digest and digest.startswith("merkle:"):
+            digest = "sha256:" + digest.removeprefix("merkle:")
         return cls(name=model_id, digest=digest or "", modified_at=modified, **read(path))
 
 

@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, str] = {
     "dht": "meshd.benchmarks.dht_sim",
     "pool": "meshd.benchmarks.pool",
     "churn": "meshd.benchmarks.churn",
+    "fetch": "meshd.benchmarks.fetch",
 }
 # Benchmarks that honour --model / --layers / --backend.
 MODEL_OPTIONS = ("swarm", "pipeline")

@@ -2,20 +2,22 @@
 
 ``--layers A:B`` serves a fixed range, ``--layers auto --memory SIZE`` one the tracker
 assigns, ``--layers none`` nothing: a client-only node (DHT, control socket, HTTP API;
-every hop of its generations is a remote peer's).
+every hop of its generations is a remote peer's). ``--model`` names a file or directory
+the node holds, or a model root (``merkle:<hex>``, ``NAME@merkle:<hex>``: ``meshd id
+--model FILE`` prints it) whose range the node fetches from the peers that hold it.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from meshd.cli.common import add_config_arguments, fail, first_meshd_error, setup_logging
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, help="model artifact directory or .gguf file")
+    parser.add_argument("--model", help="model artifact directory or .gguf file, or a model root to fetch from "
+                                        "peers: merkle:<hex> or NAME@merkle:<hex> (meshd id --model FILE prints it)")
     parser.add_argument("--layers", help="layer range A:B to serve (half-open), 'auto': the tracker assigns one, or "
                              "'none': a client-only node (no worker, no record; generates through the swarm)")
     parser.add_argument("--memory", help="memory this node offers with --layers auto, e.g. 4GiB: the whole node "
@@ -63,6 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-experts", action="store_true", default=None,
                         help="send even the experts this node holds to expert peers (local compute stays "
                              "the fallback)")
+    parser.add_argument("--upload-limit", metavar="SIZE", dest="upload_limit",
+                        help="bytes per second peers may fetch from us, e.g. 64MiB (0: unlimited; default 64MiB)")
+    parser.add_argument("--upload-limit-busy", metavar="SIZE", dest="upload_limit_busy",
+                        help="the same while our worker serves a generation (default 8MiB)")
     parser.add_argument("--threads", type=int,
                         help="the worker's compute threads (default: every core of this machine)")
     parser.add_argument("-v", "--verbose", action="count", default=0,
@@ -106,24 +112,32 @@ def run(args: argparse.Namespace) -> int:
             "api.listen": args.api_listen, "api.key": args.api_key, "api.key_file": args.api_key_file,
             "api.allowed_hosts": tuple(args.api_allowed_hosts) if args.api_allowed_hosts else None,
             "api.cors_origins": tuple(args.api_cors_origins) if args.api_cors_origins else None,
+            "upload_bytes_per_s": args.upload_limit, "upload_busy_bytes_per_s": args.upload_limit_busy,
         }
         config = load_config(args.config, overrides)
-        if config.model is None:
+        if not config.has_model:
             return fail("meshd join needs --model PATH and --layers A:B (or model/layers in --config)", 2)
-        if config.client_only:
-            num_layers = model_num_layers(config.model)
+        model = config.model
+        if config.model_root is not None or model is None:
+            layers = config.layers
+            what = f"{layers[0]}:{layers[1]}" if layers is not None and not config.auto_layers \
+                else "auto (asking the tracker)"
+            _progress(f"model {config.model_name or ''}{'@' if config.model_name else ''}{config.model_root}: "
+                      f"no local file; range {what}, fetched from the peers that hold it")
+        elif config.client_only:
+            num_layers = model_num_layers(model)
             _progress(f"model {config.model}: {num_layers} layers; client-only: holds none, "
                       "generates through the swarm")
         elif config.expert_peer:
-            num_layers = model_num_layers(config.model)
+            num_layers = model_num_layers(model)
             _progress(f"model {config.model}: {num_layers} layers; serving experts {config.experts} (expert peer)")
         elif config.auto_layers:
-            num_layers = model_num_layers(config.model)
+            num_layers = model_num_layers(model)
             _progress(f"model {config.model}: {num_layers} layers; range: auto (asking the tracker)")
         else:
             layers = config.layers
             assert layers is not None   # neither client-only, experts nor auto: the config requires --layers
-            num_layers = check_layers(config.model, layers)
+            num_layers = check_layers(model, layers)
             _progress(f"model {config.model}: {num_layers} layers; serving {layers[0]}:{layers[1]}")
         import trio  # the daemon's imports (libp2p, grpc) take seconds: only after the checks
 

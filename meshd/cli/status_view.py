@@ -97,6 +97,33 @@ def render_http(http: dict | None) -> list[str]:
     return lines
 
 
+def render_fetch(f: dict | None) -> list[str]:
+    """What this node holds and serves to fetching peers, and the fetch it runs (bytes, rate, ETA, peers)."""
+    if not f:
+        return []
+    lines = []
+    for h in f.get("holds", []):
+        layers = f"layers {h['layers'][0]}:{h['layers'][1]}" if h.get("layers") else "all layers"
+        lines.append(f"holds      {h['what']} ({layers}{', fetching' if h.get('fetching') else ''})")
+    server = f.get("server") or {}
+    if f.get("endpoint"):
+        lines.append(f"fetch port {f['endpoint']}: {server.get('bytes_sent', 0) / 1e6:.1f} MB sent, "
+                     f"{server.get('connections', 0)} connections, limit {f.get('upload_limit_mb_s')} MB/s")
+    p = f.get("fetching")
+    if p:
+        eta = f", ETA {p['eta_s']:.0f} s" if p.get("eta_s") is not None else ""
+        peers = ", ".join(f"{_short(k)} {v['bytes'] / 1e6:.1f} MB {v['state']}" for k, v in p["peers"].items())
+        lines.append(f"fetching   {p['label']}: {p['bytes_done'] / 1e6:.1f} of {p['bytes_total'] / 1e6:.1f} MB, "
+                     f"{p['rate_mb_s']} MB/s{eta}; peers: {peers or 'none yet'}")
+    last = f.get("last_fetch")
+    if last:
+        lines.append(f"fetched    layers {last['layers'][0]}:{last['layers'][1]}: {last['bytes'] / 1e6:.1f} MB in "
+                     f"{last['seconds']} s ({last['network_bytes'] / 1e6:.1f} MB from peers)")
+    if f.get("blamed"):
+        lines.append("blamed     " + ", ".join(_short(p) for p in f["blamed"]) + " (sent chunks failing the root)")
+    return lines
+
+
 def render_discovery(d: dict | None) -> list[str]:
     """The swarm this node is in, its mDNS (interfaces, peers found, what it ignored), foreign peers."""
     if not d:
@@ -183,6 +210,7 @@ def render_status(s: dict) -> str:
                          f"{moe['bytes_received_per_position']:.0f} received, {moe['failovers']} failovers")
     lines += render_library(s.get("libp2p"))
     lines += render_http(s.get("http"))
+    lines += render_fetch(s.get("fetch"))
     experts = s.get("experts")
     if experts:
         line = f"experts    {experts['role']}, holds {experts.get('experts') or 'all'}"

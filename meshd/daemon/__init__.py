@@ -8,7 +8,10 @@
     free_kv.py         when our record's free KV is republished (moved > 10% of the budget, rate-limited)
     supervisor.py      restarts the worker with backoff, withdraws meanwhile
     worker_process.py  the life of one ``meshd worker`` subprocess
-    worker_slot.py     the worker of a ``--layers auto`` node (range assigned at run time)
+    worker_slot.py     the worker of a ``--layers auto`` node (range assigned at run time; with
+                       ``--model ROOT`` fetched first)
+    fetch_part.py      the fetch port (the model bytes we hold, served to peers) and, for
+                       ``--model ROOT``, fetching our range from every peer that holds it
     swarm_part.py      the daemon's swarm part: tracker duty, auto ranges, directives, generate
     experts_part.py    MoE: an expert peer's worker and signed expert record, a holder's directory
                        of expert peers (the placement file its worker reads)

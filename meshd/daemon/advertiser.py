@@ -63,7 +63,8 @@ BACKEND_ENUM = {"torch": pb.BACKEND_TORCH, "llama.cpp": pb.BACKEND_LLAMA_CPP}
 
 def claim_from_report(report: pb.CapabilityReport, *, grpc_endpoint: str, tls_cert_sha256: bytes,
                       direct_addrs: tuple[str, ...], free_kv_tokens: int | None = None,
-                      frames_endpoint: str = "") -> CapabilityClaim:
+                      frames_endpoint: str = "", fetch_endpoint: str = "",
+                      held: tuple[int, int] | None = None, artifact_sha256: str = "") -> CapabilityClaim:
     """Turn the worker's validated CapabilityReport into what we sign and advertise;
     ``free_kv_tokens`` is the worker's latest free KV (None: the whole budget, as at start)."""
     fp, r = report.fingerprint, report.shard_range
@@ -77,7 +78,9 @@ def claim_from_report(report: pb.CapabilityReport, *, grpc_endpoint: str, tls_ce
         frames_endpoint=frames_endpoint if grpc_endpoint else "",
         free_kv_tokens=report.kv_budget_tokens if free_kv_tokens is None else free_kv_tokens,
         decode_ms_per_layer=report.decode_ms_per_layer, prefill_tokens_per_s=report.prefill_tokens_per_s,
-        delegated_experts=tuple(report.delegated_experts))
+        delegated_experts=tuple(report.delegated_experts),
+        fetch_endpoint=fetch_endpoint if tls_cert_sha256 else "",
+        held_start=held[0] if held else 0, held_end=held[1] if held else 0, artifact_sha256=artifact_sha256)
 
 
 @dataclass(frozen=True, slots=True)

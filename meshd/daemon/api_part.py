@@ -97,14 +97,15 @@ class ApiPart:
 
     async def _read_card(self) -> None:
         config, swarm = self.node.config, self.node.swarm
-        if config.model is None:
+        if not config.has_model:
             return
-        while swarm is None or not swarm.digest:       # the digest is the swarm part's to compute
+        while swarm is None or not swarm.digest or swarm.tokenizer_path is None:   # the swarm part's to find
             await trio.sleep(0.5)
             swarm = self.node.swarm
+        path = swarm.tokenizer_path
+        name = Path(config.model).name if config.model is not None else (config.model_name or config.model_root)
         try:
-            self.card = await trio.to_thread.run_sync(ModelCard.read, config.model, Path(config.model).name,
-                                                      swarm.digest)
+            self.card = await trio.to_thread.run_sync(ModelCard.read, path, name, swarm.digest)
         except Exception as exc:  # noqa: BLE001 - Ollama's model routes then answer 503; generation is unaffected
             self.node.progress(f"api: cannot read the model card of {config.model}: {exc}")
 
@@ -121,9 +122,11 @@ class ApiPart:
     # ------------------------------------------------------------------ views
     def model(self) -> dict:
         config, swarm = self.node.config, self.node.swarm
-        if config.model is None:
+        if not config.has_model:
             return {}
-        info = {"id": Path(config.model).name, "digest": swarm.digest if swarm else None,
+        name = Path(config.model).name if config.model is not None else (config.model_name or config.model_root)
+        info = {"id": name, "digest": swarm.digest if swarm else None, "root": swarm.digest if swarm else None,
+                "sha256": self.node.fetch.artifact_sha256() or None,
                 "num_layers": swarm.num_layers if swarm else None,
                 "serving": bool(self.node.advertiser.claim), "role": config.role, "coverage": None}
         cmap = self._coverage()
@@ -261,7 +264,7 @@ class ApiPart:
     async def _serve(self, app, sock, max_connections: int, task_status) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._read_card)
-            if self.node.config.model is not None:
+            if self.node.config.has_model:
                 await nursery.start(self.watch.run)
             url = await nursery.start(lambda task_status: serve_api(app, sock, max_connections=max_connections,
                                                                    table=self.connections, task_status=task_status))

@@ -196,9 +196,9 @@ class ExpertPart:
         return W.ACT_Q8 if self.config.expert_act == "q8" else W.ACT_F32
 
     async def _describe(self) -> str:
-        from shard.model.artifact import artifact_digest
+        from meshd.plan.modelinfo import model_digest
 
-        self.digest = await trio.to_thread.run_sync(artifact_digest, self.config.model)
+        self.digest = await trio.to_thread.run_sync(model_digest, self.config.model)
         _, self.footprint, recipe = await trio.to_thread.run_sync(_model_facts, self.config.model,
                                                                   self.config.worker.dtype)
         return recipe

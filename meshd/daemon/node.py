@@ -22,6 +22,11 @@
                 │       └── [thread] the route driver (trio.to_thread: the task waits for it)
                 │           └── [ThreadGroup route-<id>] watchdog, push readers, Health probes,
                 │               close guards: joined before the driver thread returns
+                ├── fetch port  (the model bytes we hold, served to peers over TLS
+                │   │           [ThreadGroup fetch-port] accept, one per connection;
+                │   │           joined when it stops)                 meshd/daemon/fetch_part.py
+                │   └── fetching our range for --model ROOT ([thread] the fetch, its
+                │               [ThreadGroup fetch] one per provider + the feeder; joined)
                 ├── supervisor  (worker subprocess: its life, its Health calls [thread each],
                 │               its output pumps)  meshd/daemon/supervisor.py, worker_process.py
                 ├── swarm       (tracker duty, --layers auto, directives, generate;
@@ -35,9 +40,10 @@ Threads: trio owns the process. Blocking work leaves the loop only through
 nursery does (``[thread]`` above); a thread comes back into the loop only
 through relay/portal.py (the daemon's ``Portal``: DHT snapshots, relay dials,
 DCUtR requests, a generation's tokens in a bounded Outbox). The only threads
-that are not a waiting task's are the route driver's helpers, and those are
-in the driver's ThreadGroup, joined when its generation ends
-(tests/test_thread_ownership.py checks that none outlives the daemon).
+that are not a waiting task's are the route driver's helpers, in the
+driver's ThreadGroup, joined when its generation ends
+(tests/test_thread_ownership.py checks that none outlives the daemon), and
+the fetch port's, in its ThreadGroup, joined when the fetch part stops.
 
 Graceful leave: stop advertising and publish the withdrawal (bounded), then
 cancel the tree: a generation's driver is cancelled (it releases its hops and
@@ -77,6 +83,7 @@ from meshd.config import DaemonConfig
 from meshd.daemon.advertiser import Advertiser, claim_from_report
 from meshd.daemon.api_part import ApiPart
 from meshd.daemon.control import serve_control
+from meshd.daemon.fetch_part import FetchPart
 from meshd.daemon.free_kv import POLL_S as FREE_KV_POLL_S
 from meshd.daemon.free_kv import FreeKvGate
 from meshd.daemon.supervisor import Backoff, Supervisor, WorkerReady
@@ -161,6 +168,7 @@ class Node:
         self.swarm: Swarm | None = None  # meshd/daemon/swarm_part.py: tracker duty, --layers auto, generation
         self.experts: ExpertPart | None = None  # meshd/daemon/experts_part.py: MoE expert peer or holder (--experts)
         self.api = ApiPart(self)  # the entry every generation passes, the HTTP server (meshd/daemon/api_part.py)
+        self.fetch = FetchPart(self)  # our fetch port and, with --model ROOT, fetching our range
         self.model_digest: str | None = None
         self.relaying = Relaying(host, dht, mode=config.reachability, bootstrap=config.bootstrap,
                                  on_change=self.refresh_claim, progress=progress, own_addrs=self.direct_addrs)
@@ -221,7 +229,7 @@ class Node:
         if self.relaying.private and not self.relaying.relayed_addrs and self.advertiser.claim is None:
             return   # not reachable yet: the first reservation will call us again
         if self.relaying.private:
-            endpoint, frames, pin = "", "", b""
+            endpoint, frames, pin, fetch = "", "", b"", ""
             direct: tuple[str, ...] = ()
         else:
             port = split_endpoint(ready.tls_listen)[1] if ready.tls_listen else None
@@ -229,8 +237,12 @@ class Node:
             frames_port = split_endpoint(ready.frames)[1] if ready.frames and endpoint else None
             frames = f"{self.advertise_host}:{frames_port}" if frames_port else ""
             direct, pin = self.direct_addrs(), (self.tls.sha256 if endpoint else b"")
+            fetch = self.fetch.endpoint if pin else ""
+        r = ready.report.shard_range
+        held = self.fetch.held_for_claim((r.start_layer, r.end_layer)) if fetch else None
         claim = claim_from_report(ready.report, grpc_endpoint=endpoint, tls_cert_sha256=pin, direct_addrs=direct,
-                                  free_kv_tokens=self.free_kv.published, frames_endpoint=frames)
+                                  free_kv_tokens=self.free_kv.published, frames_endpoint=frames,
+                                  fetch_endpoint=fetch, held=held, artifact_sha256=self.fetch.artifact_sha256())
         if self.relaying.private:
             claim = replace(claim, relayed_addrs=self.relaying.relayed_addrs)
         if self.memory_budget_bytes:
@@ -307,7 +319,8 @@ class Node:
 
     async def status(self) -> dict:
         digests = []
-        own_digest = self.model_digest or (self.swarm.digest if self.swarm is not None else None)
+        own_digest = self.model_digest or (self.swarm.digest if self.swarm is not None else None) \
+            or self.config.model_root
         if own_digest:   # a client-only node has no claim: its swarm part read the digest from the files
             digests.append(own_digest)
         digests += [d for d in self.dht.local_models() if d not in digests]
@@ -340,7 +353,7 @@ class Node:
             "routing_table": self.dht.routing_table_size(),
             "own": {
                 "role": self.config.role,
-                "model": str(self.config.model) if self.config.model else None,
+                "model": str(self.config.model) if self.config.model else self.config.model_root,
                 "layers": list(self.config.layers) if self.config.layers else None,
                 "model_digest": own_digest,
                 "advertising": advert.advertising, "sequence": advert.sequence,
@@ -355,6 +368,7 @@ class Node:
             },
             "worker": worker,
             **({"experts": self.experts.status()} if self.experts is not None else {}),
+            "fetch": self.fetch.status(),
             "reachability": self.relaying.status(),
             "direct_upgrades": self.upgrader.snapshot(),
             "discovery": self.discovery_status(),
@@ -426,6 +440,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                 await nursery.start(partial(serve_control, stream_handler=node.handle_stream),
                                     config.control_socket, node.handle)
                 await nursery.start(node.api.run)
+                await nursery.start(node.fetch.run)
                 if handle_signals:
                     nursery.start_soon(_wait_for_signal, nursery.cancel_scope, node, progress)
                 if config.experts is not None or config.offload_experts:
@@ -447,7 +462,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                                                                  w.restart_backoff_reset_s))
                     progress(f"starting the worker for layers {config.layers[0]}:{config.layers[1]} of {config.model}")
                     await nursery.start(node.supervisor.run)
-                if config.model is not None:
+                if config.has_model:
                     node.swarm = Swarm(node)
                     await nursery.start(node.swarm.run)
                 task_status.started(node)

@@ -29,11 +29,19 @@ its source's), footprint (tensor infos) and tokenizer (its metadata) come
 from the file. A node holding a slice plans, asks and accepts only ranges
 inside it, and advertises no memory budget (never moved by rebalancing).
 
+A node started with ``--model ROOT`` holds no file at first: the fetch part
+(meshd/daemon/fetch_part.py) gives the model's facts from its manifest and
+metadata, every range it is to serve -- the tracker's assignment, a LOAD, or
+a fixed ``--layers A:B`` -- is fetched first (``WorkerSlot(resolve=...)``),
+and it asks the tracker to prefer the range it already holds. It is not
+bound to what it holds: it fetches whatever the tracker assigns.
+
 ``pool_status`` is what this node says about layers without a server (the
 status reply, the dashboard, the API's 503): meshd/swarm/view.py over the
 latest snapshot.
 
-State: the model digest and footprint (from the artifact, once, with the
+State: the model digest and footprint (from the artifact or, with ``--model
+ROOT``, its manifest, once, with the
 lane's estimates of working memory and process bases; each refresh plans
 with the figures nodes of our backend measured instead, once the records
 carry any: meshd/plan/footprint.py measured_footprint), the last
@@ -92,8 +100,11 @@ class Swarm:
         self.refresh_s = refresh_s
         self.auto = bool(self.config.auto_layers)
         self.client = bool(self.config.client_only)   # --layers none: no duty, no range, generate only
+        self.by_root = self.config.model_root is not None   # --model ROOT: every range is fetched first
         self.kv_budget = self.config.worker.kv_budget_tokens   # the worker admits against the same number
-        self.slot = WorkerSlot(node, memory_bytes=self.config.memory_bytes or 0) if self.auto else None
+        resolve = self._resolve if self.by_root else None
+        self.slot = WorkerSlot(node, memory_bytes=self.config.memory_bytes or 0, resolve=resolve) \
+            if self.auto or self.by_root else None
         self.digest: str | None = None
         self.num_layers = 0
         self.held: Span | None = None  # the layers a GGUF slice holds (None: the whole model)
@@ -105,15 +116,46 @@ class Swarm:
         self.frames: dict[str, str] = {}   # peer id -> framed fast path, from the record that gave its pin
         self.last_join: str = ""
         self.tokenizer = None
+        self.tokenizer_path = None   # the file or directory the entry's tokenizer is read from
+        self._tokenizer_known = trio.Event()
         self.context_tokens = 0   # the model's trained context (set with the model's description)
         self.load = LoadBook()   # our running generations' sessions per peer (routes spread by it)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------ setup
+    async def _describe_by_root(self) -> None:
+        from meshd.fetch.facts import footprint
+
+        fetch = self.node.fetch
+        facts = await fetch.describe()
+        self.digest, self.num_layers, self.context_tokens = self.config.model_root, facts.num_layers, \
+            facts.context_tokens
+        self.held = None      # nothing binds us: any range can be fetched
+        fp = footprint(facts, fetch.manifest, self.config.worker.backend, self.config.worker.dtype)
+        self.estimated = fp   # the lane's estimates; measured figures replace them (_measured)
+        self.duty = TrackerDuty(self.node.identity.peer_id, fp, self.node.identity.signing_key,
+                                self.kv_budget, rng=random.Random())
+        self.node.progress(f"model {self.digest[:23]}...: {self.num_layers} layers, "
+                           f"{fetch.manifest.total_bytes / 1e6:.0f} MB in all; serving a range fetched from peers")
+
+    async def _resolve(self, layers: tuple[int, int]):
+        """--model ROOT: the slice to run ``layers`` from (fetched first when we do not hold it)."""
+        path = await self.node.fetch.ensure(layers)
+        if self.tokenizer_path is None:
+            self._known_tokenizer(path)
+        return path
+
+    def _known_tokenizer(self, path) -> None:
+        self.tokenizer_path = path
+        self._tokenizer_known.set()
+
     async def _describe_model(self) -> None:
         from meshd.plan.footprint import model_footprint
         from meshd.plan.modelinfo import held_layers, model_context_tokens, model_digest, model_num_layers
 
+        if self.by_root:
+            await self._describe_by_root()
+            return
         model, w = self.config.model, self.config.worker
         self.num_layers = model_num_layers(model)
         self.context_tokens = model_context_tokens(model)   # the driver refuses longer generations at once
@@ -126,6 +168,7 @@ class Swarm:
                 self.slot.memory_bytes = 0  # never a rebalancing candidate: it cannot move outside its slice
         self.node.progress("the model artifact's digest (tracker duty, route planning; cached per file)")
         self.digest = await trio.to_thread.run_sync(model_digest, model, self.node.progress)
+        self._known_tokenizer(model)
         if self.client:
             self.node.progress("client-only: holding no layers, generating through the swarm's peers")
             return   # no footprint, no tracker duty: nothing is ever planned for or by this node
@@ -142,7 +185,7 @@ class Swarm:
         return self.digest
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        if self.config.model is None:
+        if not self.config.has_model:
             task_status.started()
             return
         await self._describe_model()
@@ -151,6 +194,10 @@ class Swarm:
         async with trio.open_nursery() as nursery:
             if self.slot is not None:
                 await nursery.start(self.slot.run)
+                if self.by_root and not self.auto:
+                    await self.slot.load(self.config.layers)     # a fixed range, fetched first
+            if self.config.model is not None and not self.client:
+                nursery.start_soon(self.node.fetch.serve_path, self.config.model)   # our copy, for peers
             nursery.start_soon(self._preload_tokenizer)
             task_status.started()
             self.started = time.monotonic()   # the grace before planning alone counts from the first refresh
@@ -165,8 +212,9 @@ class Swarm:
         """The entry's tokenizer, loaded once in the background (transformers imports take seconds)."""
         from meshd.generate.service import load_tokenizer
 
+        await self._tokenizer_known.wait()    # --model ROOT: the first slice we fetch has it
         try:
-            tokenizer = await trio.to_thread.run_sync(load_tokenizer, self.config.model)
+            tokenizer = await trio.to_thread.run_sync(load_tokenizer, self.tokenizer_path)
         except Exception as exc:  # noqa: BLE001 - generate loads it again and reports the error
             log.info("could not preload the tokenizer: %s", exc)
             return
@@ -176,6 +224,7 @@ class Swarm:
     async def fresh_snapshot(self) -> SwarmSnapshot:
         snap = await fetch_snapshot(self.node.dht, self._digest, wall_ms())
         self.snapshot = snap
+        self.node.fetch.update(snap)    # who we may fetch from
         self.pins.update(snap.pins)
         for peer in snap.pins:   # a peer that stopped offering the fast path loses it here
             if peer in snap.frames:
@@ -222,7 +271,7 @@ class Swarm:
             return   # a client-only node: the view and the mesh are all it keeps
         self._measured(snap)
         now = wall_ms()
-        if self.slot is not None and (self.slot.layers is None or self.slot.failure):
+        if self.auto and self.slot is not None and (self.slot.layers is None or self.slot.failure):
             await self._join(snap, now)
         for target, records in self.duty.rebalance(snap, now):
             await self._push(target, records, snap)
@@ -230,7 +279,9 @@ class Swarm:
     async def _join(self, snap: SwarmSnapshot, now: int) -> None:
         duty, slot = self.duty, self.slot
         assert duty is not None and slot is not None   # refresh() checked both
-        request = JoinRequest(self.node.identity.peer_id, int(self.config.memory_bytes), self.kv_budget, self.held)
+        prefer = self.node.fetch.prefer() if self.by_root else None   # --model ROOT: what we fetched before
+        request = JoinRequest(self.node.identity.peer_id, int(self.config.memory_bytes), self.kv_budget, self.held,
+                              Span(*prefer) if prefer else None)
         waiting = self.node.expects_peers and time.monotonic() - self.started < NO_TRACKER_GRACE_S
         step = join_step(duty, snap, now, request, waiting=waiting)
         if isinstance(step, Wait):
@@ -287,7 +338,7 @@ class Swarm:
 
     async def _apply(self, record: bytes) -> pb.DirectiveAck:
         """Verify and accept one signed directive in our own fresh view (meshd/swarm/member.py); act on it."""
-        role = "client" if self.client else "auto" if self.slot is not None else "fixed"
+        role = "client" if self.client else "auto" if self.auto and self.slot is not None else "fixed"
         opened = open_for(record, role)
         if isinstance(opened, pb.DirectiveAck):
             return opened

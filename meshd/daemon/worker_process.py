@@ -75,6 +75,7 @@ class WorkerSpec:
     offload_experts: bool = False
     batching: bool = True
     llama_kv_streams: int | str = "auto"   # WorkerConfig.llama_kv_streams
+    model_root: str | None = None   # --model ROOT: the root the worker's report must name
 
     @classmethod
     def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> WorkerSpec:
@@ -84,7 +85,7 @@ class WorkerSpec:
         return cls(model=config.model, layers=layers, run_dir=config.data_dir, tls=tls, tls_host=tls_host,
                    dtype=w.dtype, backend=w.backend, kv_budget_tokens=w.kv_budget_tokens,
                    torch_threads=w.torch_threads, batching=w.batching, llama_kv_streams=w.llama_kv_streams,
-                   ready_timeout_s=w.ready_timeout_s, **moe)
+                   ready_timeout_s=w.ready_timeout_s, model_root=config.model_root, **moe)
 
     def command(self, ready_file: Path) -> list[str]:
         cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(self.model),
@@ -126,7 +127,9 @@ class WorkerSpec:
         return env
 
 
-def check_report(report: pb.CapabilityReport, layers: tuple[int, int]) -> None:
+def check_report(report: pb.CapabilityReport, layers: tuple[int, int], root: str | None = None) -> None:
+    """The worker's report must be validated, for our range and (``root``: --model ROOT) of the model
+    the user named -- the worker computed its root from the very bytes it loaded."""
     r = report.shard_range
     if not report.validated:
         raise WorkerFailed(f"the worker's capability is not validated: {report.detail[:200]}")
@@ -136,6 +139,9 @@ def check_report(report: pb.CapabilityReport, layers: tuple[int, int]) -> None:
         raise WorkerFailed(f"the worker serves {r.start_layer}:{r.end_layer}, we asked for {layers[0]}:{layers[1]}")
     if not report.fingerprint.model_artifact_digest:
         raise WorkerFailed("the worker's capability has no artifact digest")
+    if root is not None and report.fingerprint.model_artifact_digest != root:
+        raise WorkerFailed(f"the worker loaded model {report.fingerprint.model_artifact_digest[:23]}..., not the "
+                           f"{root[:23]}... this node was asked to serve")
 
 
 def fetch_capability(endpoint: str) -> pb.CapabilityReport:
@@ -193,7 +199,7 @@ class WorkerProcess:
                     return proc.returncode
                 ready = self._read_ready(ready_file, proc.pid)
                 report = await trio.to_thread.run_sync(fetch_capability, ready.listen)
-                check_report(report, spec.layers)
+                check_report(report, spec.layers, spec.model_root)
                 ready = WorkerReady(ready.listen, ready.tls_listen, proc.pid, report, ready.unix, ready.frames)
                 state.endpoint, state.tls_endpoint, state.unix = ready.listen, ready.tls_listen, ready.unix
                 state.frames_endpoint = ready.frames

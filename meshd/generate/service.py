@@ -151,7 +151,10 @@ async def check_ready(swarm: EntryView) -> None:
 
 async def entry_tokenizer(swarm: EntryView):
     if swarm.tokenizer is None:
-        swarm.tokenizer = await trio.to_thread.run_sync(load_tokenizer, swarm.config.model)
+        path = getattr(swarm, "tokenizer_path", None) or swarm.config.model
+        if path is None:   # --model ROOT before its first slice arrived
+            raise NotReady("this node has not fetched the model's tokenizer yet; retry in a moment")
+        swarm.tokenizer = await trio.to_thread.run_sync(load_tokenizer, path)
     return swarm.tokenizer
 
 

@@ -129,6 +129,11 @@ class ShardAd:
     backend: int = 0                    # pb.Backend of its worker
     measured_working_bytes: int = 0
     measured_base_bytes: int = 0
+    # The layers whose weights it serves to fetching peers (held_end 0: only its range, if it
+    # has a fetch port at all -- ``fetchable``). The tracker prefers ranges many peers hold.
+    held_start: int = 0
+    held_end: int = 0
+    fetchable: bool = False
 
     def __post_init__(self) -> None:
         _check_id(self.peer_id, "peer_id", MAX_PEER_ID_LEN)
@@ -155,6 +160,11 @@ class ShardAd:
         _check_int(self.backend, "backend", 0, MAX_BACKEND_ENUM)
         _check_int(self.measured_working_bytes, "measured_working_bytes", 0, MAX_MEMORY_BYTES)
         _check_int(self.measured_base_bytes, "measured_base_bytes", 0, MAX_MEMORY_BYTES)
+        if self.held_end:
+            _check_int(self.held_start, "held_start", 0, self.held_end - 1)
+            _check_int(self.held_end, "held_end", 1, self.num_layers)
+        if not isinstance(self.fetchable, bool):
+            raise PlanInputError(f"fetchable must be a bool, got {self.fetchable!r}")
 
     @property
     def span(self) -> Span:
@@ -163,6 +173,13 @@ class ShardAd:
     @property
     def layers(self) -> int:
         return self.end - self.start
+
+    @property
+    def held(self) -> Span | None:
+        """The layers peers can fetch from it (None: it has no fetch port)."""
+        if not self.fetchable:
+            return None
+        return Span(self.held_start, self.held_end) if self.held_end else self.span
 
     def serves(self, layer: int) -> bool:
         return self.start <= layer < self.end
@@ -214,6 +231,9 @@ class ShardAd:
                 backend=payload.backend,
                 measured_working_bytes=memory.working_bytes,
                 measured_base_bytes=base,
+                held_start=payload.held_start,
+                held_end=payload.held_end,
+                fetchable=bool(reach.fetch_endpoint),
             )
         except PlanInputError as exc:
             raise AdvertRejected(f"capability advert from {payload.peer_id!r}: {exc}") from exc
@@ -312,3 +332,16 @@ class CoverageMap:
         """The map as it would be if ``peer_id`` stopped serving."""
         return CoverageMap(self.model_digest, self.num_layers,
                            tuple(tuple(p for p in s if p != peer_id) for s in self.servers))
+
+
+def holder_counts(ads: Iterable[ShardAd], num_layers: int) -> tuple[int, ...]:
+    """Per layer, how many peers serve its weights on a fetch port (``ShardAd.held``): where a
+    node that must fetch its range gets its bytes fastest."""
+    counts = [0] * num_layers
+    for ad in ads:
+        held = ad.held
+        if held is None or ad.num_layers != num_layers:
+            continue
+        for layer in range(held.start, min(held.end, num_layers)):
+            counts[layer] += 1
+    return tuple(counts)

@@ -28,6 +28,13 @@ Rules (ADR-0009 in the seeds: fill every gap before adding redundancy):
    while it fits: a node's memory is used, never idle.
 4. A node that holds only some layers (a GGUF slice: ``JoinRequest.held``)
    is planned inside them: target, window and growth never leave ``held``.
+   Where the bytes are only steers the choice among windows of the same
+   length inside the target: the one that overlaps most what the node
+   already holds without being bound to it (``JoinRequest.prefer``: a range
+   it fetched before), then the one whose least-held layer has the most
+   providers (``holders``: peers serving that layer's weights on a fetch
+   port, ``adverts.holder_counts``), then the leftmost. Coverage still comes
+   first: the target is the same with or without them.
 5. A node that cannot hold one layer of the target gets ``NoFitError``
    (strictly coverage-first: it is not sent to add redundancy while a gap
    it cannot fill exists); the message says how much memory would do.
@@ -127,7 +134,7 @@ class ModelFootprint:
 
 
 class RangeCosts:
-    """Prefix sums for O(1) range footprints (internal, built per plan)."""
+    """Prefix sums for O(1) range footprints, built per plan (plan_join here, the layout search in layout.py)."""
 
     __slots__ = ("fp", "prefix", "kv_per_layer", "scratch", "tail_scratch")
 
@@ -149,15 +156,33 @@ class RangeCosts:
                 + (self.tail_scratch if end == n else self.scratch)
                 + self.fp.base_bytes)
 
-    def best_window(self, target: Span, memory: int) -> Span | None:
-        """Longest (then leftmost) sub-span of ``target`` that fits ``memory``."""
+    def best_window(self, target: Span, memory: int, rank=None) -> Span | None:
+        """Longest sub-span of ``target`` that fits ``memory``; among equally long ones the highest
+        ``rank(span)`` (a tuple; None: all equal), then the leftmost."""
         best: Span | None = None
+        best_key: tuple = ()
         for s in range(target.start, target.end):
             ends = range(s + 1, target.end + 1)
             fits = bisect.bisect_right(ends, memory, key=functools.partial(self.of, s))
-            if fits and (best is None or fits > best.length):
-                best = Span(s, s + fits)
+            if not fits:
+                continue
+            window = Span(s, s + fits)
+            key = (fits, *(rank(window) if rank is not None else ()))
+            if best is None or key > best_key:
+                best, best_key = window, key
         return best
+
+
+def placement_rank(prefer: Span | None, holders: tuple[int, ...] | None):
+    """The preference among equally long windows (rule 4): layers already held, then providers."""
+    if prefer is None and holders is None:
+        return None
+
+    def rank(window: Span) -> tuple[int, int, int]:
+        overlap = max(0, min(window.end, prefer.end) - max(window.start, prefer.start)) if prefer else 0
+        counts = holders[window.start:window.end] if holders else (0,)
+        return overlap, min(counts), sum(counts)
+    return rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +193,14 @@ class JoinRequest:
     memory_bytes: int
     kv_budget_tokens: int = DEFAULT_KV_BUDGET_TOKENS
     held: Span | None = None  # the layers the node has weights for (None: all of them)
+    prefer: Span | None = None  # layers it holds but is not bound to (fetched before): preferred
 
     def __post_init__(self) -> None:
         if not isinstance(self.peer_id, str) or not self.peer_id:
             raise PlanInputError("peer_id must be a non-empty string")
-        if self.held is not None and not isinstance(self.held, Span):
-            raise PlanInputError("held must be a Span or None")
+        for name in ("held", "prefer"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), Span):
+                raise PlanInputError(f"{name} must be a Span or None")
         for name, value, hi in (("memory_bytes", self.memory_bytes, MAX_MEMORY_BYTES),
                                 ("kv_budget_tokens", self.kv_budget_tokens, MAX_KV_BUDGET_TOKENS)):
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= hi:
@@ -225,13 +252,14 @@ def _grow(costs: RangeCosts, window: Span, counts: tuple[int, ...], memory: int,
 
 
 def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinRequest, *,
-              current: Span | None = None) -> Assignment:
+              current: Span | None = None, holders: tuple[int, ...] | None = None) -> Assignment:
     """Choose the range a joining (or re-planned) node should load.
 
     ``current`` is the range the node serves now, if any: its own servers
     entry is ignored, and the intents become DROP(current) + LOAD(new), or
     nothing if the answer is the range it already has. Whether moving a
     serving node is safe is the caller's call (layout.py orders moves safely).
+    ``holders``: per layer, the peers that serve its weights (rule 4).
     """
     if coverage.num_layers != footprint.num_layers or coverage.model_digest != footprint.model_digest:
         raise PlanInputError(f"coverage ({coverage.model_digest}, {coverage.num_layers} layers) and "
@@ -243,7 +271,9 @@ def plan_join(coverage: CoverageMap, footprint: ModelFootprint, request: JoinReq
     if bounds.end > footprint.num_layers:
         raise PlanInputError(f"held span {bounds} is outside a {footprint.num_layers}-layer model")
     target, redundancy = view.weakest_span(within=request.held)
-    window = costs.best_window(target, request.memory_bytes)
+    if holders is not None and len(holders) != footprint.num_layers:
+        raise PlanInputError(f"holders has {len(holders)} entries for a {footprint.num_layers}-layer model")
+    window = costs.best_window(target, request.memory_bytes, placement_rank(request.prefer, holders))
     if window is None:
         cheapest = min(costs.of(layer, layer + 1) for layer in range(target.start, target.end))
         kind = "the coverage gap" if redundancy == 0 else "the weakest span"

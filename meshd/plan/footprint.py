@@ -160,14 +160,26 @@ def _headers(path: Path) -> dict[str, list[int]]:
 
 
 def artifact_footprint(path: Path, model_digest: str, dtype: str = "float32") -> ModelFootprint:
+    from shard.model.st_manifest import dir_manifest, is_partial
+
     config = json.loads((path / "config.json").read_text())
+    if is_partial(path):   # a fetched range: the whole model's shapes are in the manifest it carries
+        shapes = {e.name: list(e.shape) for e in dir_manifest(path).entries if e.dtype}
+        return footprint_of_config(config, shapes, model_digest, dtype)
+    return footprint_of_config(config, _headers(path), model_digest, dtype)
+
+
+def footprint_of_config(config: dict, shapes: dict[str, list[int]], model_digest: str,
+                        dtype: str = "float32") -> ModelFootprint:
+    """The footprint of a safetensors model from its config.json and tensor shapes (a manifest's
+    tensor table serves as well as the files' headers)."""
     text = config.get("text_config") or config
     num_layers = int(text["num_hidden_layers"])
     width = DTYPE_BYTES[dtype]
     layers = [0] * num_layers
     head = tail = 0
     embed = 0
-    for name, shape in _headers(path).items():
+    for name, shape in shapes.items():
         count = 1
         for dim in shape:
             count *= int(dim)
@@ -198,14 +210,26 @@ def artifact_footprint(path: Path, model_digest: str, dtype: str = "float32") ->
 def gguf_footprint(path: Path, model_digest: str, backend: str = "llama.cpp", dtype: str = "float32") -> ModelFootprint:
     """Per-layer memory of a GGUF model (or of the source of a GGUF slice) on ``backend``."""
     from native.errors import ArtifactError
-    from native.gguf_range import SIZED_SINGLES, model_info, open_reader, size_table
+    from native.gguf_range import open_reader
 
     try:
         reader = open_reader(path)
+    except ArtifactError as exc:
+        raise ConfigError(f"{path} is not a usable GGUF model: {exc}") from exc
+    return gguf_footprint_of(reader, model_digest, backend, dtype, name=str(path))
+
+
+def gguf_footprint_of(reader, model_digest: str, backend: str = "llama.cpp", dtype: str = "float32", *,
+                      name: str = "the model") -> ModelFootprint:
+    """``gguf_footprint`` of a parsed GGUF (a file, or a manifest's virtual reader)."""
+    from native.errors import ArtifactError
+    from native.gguf_range import SIZED_SINGLES, model_info, size_table
+
+    try:
         info = model_info(reader)
         sizes = size_table(reader, info)
     except ArtifactError as exc:
-        raise ConfigError(f"{path} is not a usable GGUF model: {exc}") from exc
+        raise ConfigError(f"{name} is not a usable GGUF model: {exc}") from exc
     if backend == "llama.cpp":
         layers, singles, kv_width = sizes.layer_bytes, sizes.single_bytes, LLAMA_CPP_KV_BYTES
     else:

@@ -6,8 +6,9 @@ field of a ``.gguf`` file (the bounded reader, native/gguf_file.py: memory-mappe
 no tensor is read; a malformed file is one ConfigError line), so that
 ``meshd join`` can refuse a missing path or a range beyond the model with one
 clear line instead of a worker traceback minutes later. ``held_layers`` names
-the layers a GGUF slice holds; ``model_digest`` is the artifact digest of
-either kind (the only digest function the daemon calls).
+the layers a GGUF slice or a partial directory holds; ``model_digest`` is the
+model's id, the Merkle root of either kind (the only digest function the
+daemon calls).
 """
 from __future__ import annotations
 
@@ -77,7 +78,16 @@ def model_context_tokens(path: Path) -> int:
 
 
 def held_layers(path: Path) -> tuple[int, int] | None:
-    """The layers a GGUF slice (``meshd slice``) holds, or None for a whole model / directory."""
+    """The layers a GGUF slice or a partial directory (a fetch) holds, or None for a whole model."""
+    if path.is_dir():
+        from shard.errors import ArtifactError
+        from shard.model.st_manifest import held_layers as partial_layers
+
+        try:
+            partial = partial_layers(path)
+        except ArtifactError as exc:
+            raise ConfigError(str(exc)) from exc
+        return None if partial is None or (partial[0], partial[1]) == (0, partial[2]) else (partial[0], partial[1])
     if not (path.is_file() and path.suffix == ".gguf"):
         return None
     from native.errors import ArtifactError
@@ -91,7 +101,8 @@ def held_layers(path: Path) -> tuple[int, int] | None:
 
 
 def model_digest(path: Path, progress=None) -> str:
-    """The model artifact digest: a directory's (shard.model.artifact) or a GGUF's (a slice: its source's).
+    """The model's id: the Merkle root of its manifest -- a directory's (shard/model/st_manifest.py) or a
+    GGUF's (native/gguf_manifest.py); a slice or a partial directory names its source's root.
 
     The one place the daemon asks; workers compute the same value for their fingerprints.
     """
@@ -99,9 +110,9 @@ def model_digest(path: Path, progress=None) -> str:
         from native.gguf_range import model_digest as gguf_digest
 
         return gguf_digest(path, progress)
-    from shard.model.artifact import artifact_digest
+    from shard.model.st_manifest import model_root
 
-    return artifact_digest(path)
+    return model_root(path)
 
 
 def check_layers(path: Path, layers: tuple[int, int]) -> int:

@@ -7,7 +7,9 @@ drives the same functions over in-memory records on a fake clock.
     join_step(duty, snap, now_ms, request, waiting)   a node serving nothing yet
         -> Wait(note)                  the swarm's records may not be in our view yet
         -> PlanOwn(assignment)         no tracker: plan our own range with the same pure planner
-        -> AskTracker(tracker, ask)    send /meshd/join/1, then take the reply's directive
+                                       (preferring ``request.prefer``, then the most-held layers)
+        -> AskTracker(tracker, ask)    send /meshd/join/1 (with ``request.held`` and ``.prefer``),
+                                       then take the reply's directive
 
     open_for(record, role)                   -> (directive, signer) | a refusal ack
     take_directive(directive, signer, ...)   -> Verdict(ack, action, span, ledger, note)
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshd.plan.adverts import CoverageMap, Span
+from meshd.plan.adverts import CoverageMap, Span, holder_counts
 from meshd.plan.assignment import Assignment, JoinRequest, plan_join
 from meshd.plan.directives import DirectiveLedger, NodeView, accept_directive
 from meshd.plan.errors import DirectiveRefused, PlanningError
@@ -64,14 +66,16 @@ def join_step(duty: TrackerDuty, snap: SwarmSnapshot, now_ms: int, request: Join
     if tracker is None or tracker == request.peer_id:
         coverage = CoverageMap.build(snap.ads, model_digest=duty.model_digest, num_layers=duty.footprint.num_layers)
         try:
-            return PlanOwn(plan_join(coverage, duty.footprint, request))
+            return PlanOwn(plan_join(coverage, duty.footprint, request,
+                                     holders=holder_counts(snap.ads, duty.footprint.num_layers)))
         except PlanningError as exc:
             return Wait(f"cannot plan a range: {exc}")
-    held = request.held
+    held, prefer = request.held, request.prefer
     return AskTracker(tracker, pb.JoinAsk(
         schema_version=pb.SCHEMA_VERSION_1, model_artifact_digest=duty.model_digest,
         memory_budget_bytes=request.memory_bytes, kv_budget_tokens=request.kv_budget_tokens,
-        held_start=held.start if held else 0, held_end=held.end if held else 0))
+        held_start=held.start if held else 0, held_end=held.end if held else 0,
+        prefer_start=prefer.start if prefer else 0, prefer_end=prefer.end if prefer else 0))
 
 
 @dataclass(frozen=True, slots=True)

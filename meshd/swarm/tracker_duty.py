@@ -8,7 +8,9 @@ among the layer-0 servers). Only the node that finds itself on duty acts:
 
 * answers ``/meshd/join/1`` asks: ``plan_join`` over the coverage map plus
   the assignments it issued that are still loading (``pending``), inside the
-  layers the asker holds (``JoinAsk.held_start/held_end``: a GGUF slice).
+  layers the asker holds (``JoinAsk.held_start/held_end``: a GGUF slice),
+  preferring what it holds unbound (``prefer_*``: fetched before) and then
+  the layers most peers serve on a fetch port (``holder_counts``).
   When that greedy window would leave a gap that a new layout of the pool
   closes (meshd/plan/layout.py: the joiner plus moves of other auto nodes),
   the joiner gets its range in that layout instead, and the layout becomes
@@ -44,7 +46,7 @@ import logging
 import random
 from dataclasses import dataclass, field, replace
 
-from meshd.plan.adverts import CoverageMap, ShardAd, Span
+from meshd.plan.adverts import CoverageMap, ShardAd, Span, holder_counts
 from meshd.plan.assignment import DirectiveIntent, JoinRequest, ModelFootprint, plan_join
 from meshd.plan.directives import build_directive
 from meshd.plan.errors import NoFitError, PlanInputError
@@ -164,12 +166,14 @@ class TrackerDuty:
         coverage = _coverage(members, self.model_digest, n)
         try:
             held = Span(int(ask.held_start), int(ask.held_end)) if ask.held_end else None
+            prefer = Span(int(ask.prefer_start), int(ask.prefer_end)) if ask.prefer_end else None
             request = JoinRequest(peer_id, int(ask.memory_budget_bytes),
-                                  int(ask.kv_budget_tokens or self.kv_budget_tokens), held)
+                                  int(ask.kv_budget_tokens or self.kv_budget_tokens), held, prefer)
         except PlanInputError as exc:
             return pb.JoinReply(refusal=str(exc))
         try:
-            greedy: Span | None = plan_join(coverage, self.footprint, request).span
+            greedy: Span | None = plan_join(coverage, self.footprint, request, holders=holder_counts(
+                (a for a in snap.ads if a.is_live(now_ms)), n)).span
             refusal = ""
         except (NoFitError, PlanInputError) as exc:
             greedy, refusal = None, str(exc)

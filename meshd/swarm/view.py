@@ -41,13 +41,14 @@ class SwarmSnapshot:
     addrs: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peer id -> libp2p multiaddrs
     relayed: dict[str, tuple[str, ...]] = field(default_factory=dict)  # peer id -> p2p-circuit multiaddrs
     frames: dict[str, str] = field(default_factory=dict)  # peer id -> framed TLS fast path (same pin)
+    fetch: dict[str, str] = field(default_factory=dict)   # peer id -> fetch port (same pin), meshd/fetch/
 
     def ad_of(self, peer_id: str) -> ShardAd | None:
         return next((a for a in self.ads if a.peer_id == peer_id), None)
 
 
 def snapshot_from_records(model_digest: str, records: list[CapabilityRecord], now_ms: int) -> SwarmSnapshot:
-    ads, pins, addrs, relayed, frames = [], {}, {}, {}, {}
+    ads, pins, addrs, relayed, frames, fetch = [], {}, {}, {}, {}, {}
     for rec in live(records, now_ms):
         try:
             ad = ShardAd.from_payload(rec.payload)
@@ -60,10 +61,12 @@ def snapshot_from_records(model_digest: str, records: list[CapabilityRecord], no
             pins[ad.peer_id] = bytes(reach.tls_cert_sha256)
             if reach.frames_endpoint:
                 frames[ad.peer_id] = reach.frames_endpoint
+            if reach.fetch_endpoint:
+                fetch[ad.peer_id] = reach.fetch_endpoint
         addrs[ad.peer_id] = tuple(reach.direct_addrs)
         if reach.relayed_addrs:
             relayed[ad.peer_id] = tuple(reach.relayed_addrs)
-    return SwarmSnapshot(model_digest, tuple(ads), pins, addrs, relayed, frames)
+    return SwarmSnapshot(model_digest, tuple(ads), pins, addrs, relayed, frames, fetch)
 
 
 async def fetch_snapshot(dht, model_digest: str, now_ms: int) -> SwarmSnapshot:

@@ -42,7 +42,8 @@ from transformers.activations import ACT2FN
 from shard.experts.adapters import EXPERTS_IMPLEMENTATION, MoeFamily, moe_layers
 from shard.experts.dispatch import expert_ffn
 from shard.experts.spec import SHARED, ExpertSpec
-from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
+from shard.model.artifact import make_fingerprint, torch_recipe
+from shard.model.st_manifest import model_root
 from shard.model.torch_backend import DTYPES
 
 __all__ = ["ExpertStore", "ExpertValidation", "VALIDATION_ROWS"]
@@ -119,7 +120,7 @@ class ExpertStore:
                 routed[(layer, expert)] = (gate_up[i], down[i])
         shared = {layer: cls._shared_module(config, shared_state.get(layer, {}), layer, torch_dtype)
                   for layer in spec.layers if spec.has_shared(layer)}
-        fingerprint = make_fingerprint(artifact_digest(model_path), torch_recipe(dtype, adapter.adapter_name))
+        fingerprint = make_fingerprint(model_root(model_path), torch_recipe(dtype, adapter.adapter_name))
         return cls(config=config, spec=spec, dtype=dtype, routed=routed, shared=shared,
                    fingerprint=fingerprint, model_path=model_path)
 

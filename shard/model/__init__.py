@@ -3,8 +3,12 @@
 Files and roles:
 
     backend.py        LayerRange; RangeBackend / BackendCache protocols (torch and llama.cpp)
-    artifact.py       artifact digest, recipe digest, pb.Fingerprint builder
-    digests.py        digests computed once per file: on-disk cache keyed by (path, size, mtime_ns, inode)
+    manifest.py       the model's identity: a manifest (metadata, tensor table, a hash per chunk) under one
+                      Merkle root, ``merkle:<hex>``, the model id on the wire (sans-I/O)
+    st_manifest.py    a safetensors directory's manifest (whole, or a partial directory of a fetched range)
+    artifact.py       the files' SHA-256 digest (kept beside the root), recipe digest, pb.Fingerprint builder
+    digests.py        digests and manifests computed once per file: on-disk cache keyed by (path, size,
+                      mtime_ns, inode)
     sampling.py       greedy / temperature / top-k / top-p, a pure function of (seed, position); logprobs
     adapters.py       model families (Llama family, Gemma 3): build / load / forward pieces, and the
                       family registry (``adapter_for``); other rooms' families register themselves

@@ -45,13 +45,16 @@ from typing import TextIO
 
 from shard.model.memory import drop_page_cache
 
-__all__ = ["FileKey", "file_key", "cached_digest", "hash_files", "cache_dir", "CACHE_ENV", "hash_runs",
-           "hashed_bytes", "MAX_ENTRIES"]
+__all__ = ["FileKey", "file_key", "cached_digest", "cached_blob", "hash_files", "cache_dir", "CACHE_ENV",
+           "hash_runs", "hashed_bytes", "MAX_ENTRIES"]
 
 CACHE_ENV = "MESHD_DIGEST_CACHE"
 # Entries kept: one per model (directory or file) this user ever ran; a few
 # hundred bytes each. Past this the least recently written are removed.
 MAX_ENTRIES = 256
+# A cached blob (a model's manifest, shard/model/manifest.py: 32 bytes per MiB of weights) is
+# at most this; a larger file in the cache is not ours and is not read.
+MAX_BLOB_BYTES = 1 << 25
 # An entry is a few hundred bytes (more for a directory of many files); a file
 # above this is not ours and is not parsed.
 MAX_ENTRY_BYTES = 1 << 20
@@ -195,7 +198,7 @@ def _prune(root: Path) -> None:
         if child.name.endswith(".tmp"):
             if now - st.st_mtime > STALE_TMP_S:
                 child.unlink(missing_ok=True)
-        elif child.suffix == ".json":
+        elif child.suffix in (".json", ".bin"):
             entries.append((st.st_mtime_ns, child))
     entries.sort()
     for _, child in entries[:max(0, len(entries) - MAX_ENTRIES)]:
@@ -223,3 +226,51 @@ def cached_digest(scheme: str, files: Sequence[Path], header: Callable[[int, Fil
         _memo.pop(next(iter(_memo)))
     _memo[memo_key] = digest
     return digest
+
+
+def _blob_read(entry: Path, header: bytes) -> bytes | None:
+    try:
+        with open(entry, "rb") as fh:
+            raw = fh.read(MAX_BLOB_BYTES + len(header) + 1)
+    except OSError:
+        return None
+    if len(raw) > MAX_BLOB_BYTES + len(header) or not raw.startswith(header):
+        return None
+    return raw[len(header):]
+
+
+def _blob_write(root: Path, entry: Path, header: bytes, payload: bytes) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(prefix=entry.name + ".", suffix=".tmp", dir=root)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(header + payload)
+            os.replace(tmp, entry)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        _prune(root)
+    except OSError:   # an unwritable cache costs the recomputation, nothing else
+        pass
+
+
+def cached_blob(scheme: str, files: Sequence[Path], compute: Callable[[], bytes]) -> bytes:
+    """Bytes derived from ``files`` (a manifest), from the disk cache when no file changed, else
+    ``compute()`` -- cached unless a file changed while it ran. The caller checks what it reads
+    back (a manifest is decoded and its root compared), so a damaged entry costs a recompute.
+
+    Entry: ``<sha256 of the key>.bin`` holding a one-line JSON key, then the payload; the key is
+    the scheme and every file's (path, size, mtime_ns, inode, device), as for digests."""
+    keys = [file_key(p) for p in files]
+    root = cache_dir()
+    entry, rows = _entry_path(root, "blob:" + scheme, keys)
+    entry = entry.with_suffix(".bin")
+    header = json.dumps({"format": ENTRY_FORMAT, "scheme": scheme, "files": rows}).encode() + b"\n"
+    payload = _blob_read(entry, header)
+    if payload is not None:
+        return payload
+    payload = compute()
+    if [file_key(p) for p in files] == keys and len(payload) <= MAX_BLOB_BYTES:
+        _blob_write(root, entry, header, payload)
+    return payload

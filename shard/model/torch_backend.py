@@ -36,8 +36,9 @@ import torch
 from proto import shard_runtime_pb2 as pb
 from shard.errors import ArtifactError
 from shard.model.adapters import RangeModules, adapter_for, range_config
-from shard.model.artifact import artifact_digest, make_fingerprint, torch_recipe
+from shard.model.artifact import make_fingerprint, torch_recipe
 from shard.model.backend import LayerRange, ids_in_range
+from shard.model.st_manifest import model_root
 
 if TYPE_CHECKING:
     from transformers import DynamicCache
@@ -181,8 +182,8 @@ class TorchRangeBackend:
         leftover = [n for n, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
         if leftover:
             raise RuntimeError(f"tensors left on the meta device: {leftover[:5]}")
-        say("the artifact's digest for its fingerprint (cached per file)")
-        fingerprint = make_fingerprint(artifact_digest(model_path, progress),
+        say("the model's root for its fingerprint (cached per file)")
+        fingerprint = make_fingerprint(model_root(model_path),
                                        torch_recipe(dtype, adapter.adapter_name))
         backend = cls(config=config, adapter=adapter, modules=modules, layer_range=layer_range,
                       dtype=dtype, fingerprint=fingerprint, model_path=model_path)
