@@ -176,3 +176,65 @@ def test_entering_a_llama_cpp_range_mid_way_costs_its_whole_range():
     exact = route([make_ad("a", 0, 5, **llama), make_ad("b", 3, 8, decode_ms_per_layer=0.9, **llama),
                    make_ad("c", 5, 8, **llama)])
     assert [h.peer_id for h in exact.hops] == ["a", "c"]               # b is faster per layer, not here
+
+
+# A torch model whose range weights dwarf a worker's real working memory (measured 25-56 MiB here),
+# with few heads so that the planner's estimate of it is small too (~100 MiB): 6 layers of 58 MiB.
+TORCH_POOL_DIMS = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 6,
+                   "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 384}
+
+
+def test_a_torch_workers_measured_figures_leave_the_next_node_its_share():
+    """The torch lane end to end through the planner: a worker loads 0:3 and measures its figures
+    as ``meshd worker`` does (base after the imports, peak reset after the load, the validation
+    forward); its record raises the footprint (measured_footprint); a second node with the same
+    --memory must then still cover 3:6. The load once left safetensors' map of the file alive, so
+    the range's weights were resident twice and the second copy counted as working memory: the
+    second node got 3:4."""
+    import argparse
+
+    from meshd.cli.worker import import_backend_libraries
+    from meshd.config import DEFAULT_KV_BUDGET_TOKENS as KV
+    from meshd.plan.adverts import CoverageMap, Span
+    from meshd.plan.assignment import JoinRequest, plan_join
+    from meshd.plan.footprint import WORKER_BASE_ESTIMATE, measured_footprint, model_footprint
+    from meshd.testing.models import build_random_llama
+    from shard.model.memory import memory_figures, reset_peak
+    from shard.model.torch_backend import TorchRangeBackend
+    from shard.session.service import ShardService
+    from shard.session.sessions import SessionPolicy
+
+    model = build_random_llama(seed=35, **TORCH_POOL_DIMS)
+    import_backend_libraries(argparse.Namespace(model=str(model), threads=1, backend="torch"))
+    base = process_memory().rss
+    backend = TorchRangeBackend.load(model, 0, 3, progress=None)
+    with open("/proc/self/maps") as fh:   # nothing maps the file: the tensors own their memory
+        assert not [line for line in fh if str(model) in line]
+    if not reset_peak():
+        pytest.skip("this kernel does not let a process reset its VmHWM (clear_refs 5)")
+    service = ShardService(backend, SessionPolicy(kv_budget_tokens=KV), model_id="pool")
+    assert service.validate().validated
+    figures = memory_figures(backend, base=base, peak=process_memory().peak, kv_budget_tokens=KV,
+                             validation_tokens=service.validation_tokens)
+    print(f"weights {figures.weight_bytes >> 20} MiB, working {figures.working_bytes >> 20} MiB")
+    # the range's weights are resident once: its working memory is not a second copy of them
+    assert figures.working_bytes < figures.weight_bytes // 2
+    layer = figures.weight_bytes // 3
+
+    fp = model_footprint(model, MODEL, "torch")
+    memory = fp.range_bytes(0, 3, KV) + layer // 2   # 0:3 with half a layer to spare
+    alone = CoverageMap.build([], model_digest=MODEL, num_layers=6)
+    assert plan_join(alone, fp, JoinRequest("n0", memory)).span == Span(0, 3)
+    # its record: the worker's figures, the process bases as estimated (this test process is no
+    # worker; the base is not the figure under test)
+    figures.worker_base_bytes = WORKER_BASE_ESTIMATE["torch"]
+    figures.daemon_base_bytes = fp.base_bytes - WORKER_BASE_ESTIMATE["torch"]
+    payload = pb.CapabilityPayload(
+        schema_version=pb.SCHEMA_VERSION_1, peer_id="12D3KooWfirst", model_artifact_digest=MODEL,
+        shard_range=pb.ShardRange(start_layer=0, end_layer=3), num_layers=6, backend=pb.BACKEND_TORCH,
+        throughput=pb.Throughput(decode_ms_per_layer=1.0, prefill_tokens_per_s=10.0),
+        issued_at_unix_ms=1_000, expires_at_unix_ms=61_000, sequence=1, memory=figures)
+    ad = ShardAd.from_payload(payload)
+    measured = measured_footprint(fp, [ad], "torch")
+    served = CoverageMap.build([ad], model_digest=MODEL, num_layers=6)
+    assert plan_join(served, measured, JoinRequest("n1", memory)).span == Span(3, 6)

@@ -79,10 +79,10 @@ class ExpertStore:
     # -- loading -----------------------------------------------------------------
     @classmethod
     def load(cls, path: str | os.PathLike, spec: ExpertSpec, *, dtype: str = "float32") -> ExpertStore:
-        from safetensors import safe_open
         from transformers import AutoConfig
 
         from shard.model.adapters import adapter_for
+        from shard.model.tensor_file import TensorFile
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -102,7 +102,7 @@ class ExpertStore:
         pieces: dict[tuple[int, int, str], torch.Tensor] = {}
         shared_state: dict[int, dict[str, torch.Tensor]] = {}
         for file in files:
-            with safe_open(str(file), framework="pt") as fh:
+            with TensorFile(file) as fh:   # owned tensors: no map of the file stays resident
                 for key in fh.keys():
                     cls._read(fh, key, spec, pieces, shared_state, torch_dtype)
         routed = {}

@@ -12,7 +12,10 @@
     working  = peak - base - weights - the KV resident at the peak: llama.cpp
                zeroes its whole KV buffer when it creates the context, so all of
                it is resident; torch grows a session's cache, so only the
-               validation's positions are
+               validation's positions are. Whatever else the load leaves
+               resident counts here too: a loader must leave only the
+               weights (shard/model/tensor_file.py: a live map of the
+               safetensors file once doubled a torch range's figure)
 
 The worker puts these in its CapabilityReport (``pb.MemoryFigures``); the
 daemon adds its own base and republishes them in its record; the planner

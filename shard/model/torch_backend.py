@@ -2,10 +2,12 @@
 
 Loading (``TorchRangeBackend.load``): read ``config.json``, pick the family
 adapter (``shard/model/adapters.py``), build the range's modules on the meta device
-with local layer indices, then stream only the range's tensors out of the
-safetensors files with ``safe_open`` and assign them (cast to the compute
-dtype). Nothing outside the range is ever materialised, so resident memory
-scales with the range.
+with local layer indices, then read only the range's tensors out of the
+safetensors files into memory they own (``tensor_file.TensorFile``: pread, no
+map of the file left behind, each tensor's page cache handed back) and assign
+them (cast to the compute dtype). Nothing outside the range is ever
+materialised, so resident memory scales with the range: after the load it is
+the weights the modules hold, once.
 
 State: the backend holds the weights (read-only after load). Each session's
 ``TorchCache`` holds a transformers ``DynamicCache`` over the layers it runs,
@@ -111,8 +113,9 @@ class TorchRangeBackend:
              progress: TextIO | None = sys.stderr, experts=None, exchange=None) -> TorchRangeBackend:
         """``experts`` (shard.experts.spec.ExpertSpec) / ``exchange`` (shard.experts.dispatch.ExpertExchange):
         MoE families only -- the experts this range loads, and where the others run."""
-        from safetensors import safe_open
         from transformers import AutoConfig
+
+        from shard.model.tensor_file import TensorFile
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -146,7 +149,7 @@ class TorchRangeBackend:
         loaded_layers: set[str] = set()
         for file in files:
             try:
-                handle = safe_open(str(file), framework="pt")
+                handle = TensorFile(file)   # owned tensors, no map of the file (tensor_file.py)
             except Exception as exc:  # SafetensorError (header, truncation), OSError
                 raise ArtifactError(f"{file} is not a readable safetensors file ({_one_line(exc)}); "
                                     "re-create or re-download it") from exc
