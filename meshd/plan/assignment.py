@@ -309,8 +309,19 @@ def simulate_joins(footprint, nodes: int, memory: int, kv_tokens: int):
     return CoverageMap.build(ads, model_digest=footprint.model_digest, num_layers=footprint.num_layers)
 
 
+# What ``even_memory_for`` adds to a node's estimated process base: the lane's estimate of the daemon
+# and worker bases can be below what nodes then measure and publish (a torch daemon imports the
+# tokenizer's libraries), and a swarm plans with the measured figures once they arrive -- a demo sized
+# on the estimates alone could leave a layer unserved.
+EVEN_BASE_HEADROOM_BYTES = 256 << 20
+
+
 def even_memory_for(footprint, nodes: int, kv_tokens: int) -> int:
-    """The smallest memory (in half-layer steps) with which ``nodes`` joiners cover the model."""
+    """The smallest memory (in half-layer steps) with which ``nodes`` joiners cover the model, the
+    processes' base taken EVEN_BASE_HEADROOM_BYTES above the estimate."""
+    from dataclasses import replace
+
+    footprint = replace(footprint, base_bytes=footprint.base_bytes + EVEN_BASE_HEADROOM_BYTES)
     n = footprint.num_layers
     layer = (footprint.range_bytes(0, 2, kv_tokens) - footprint.range_bytes(0, 1, kv_tokens) if n > 2
              else footprint.range_bytes(0, 1, kv_tokens) - footprint.head_extra_bytes)   # weights + KV, no scratch
