@@ -32,7 +32,9 @@ from proto.errors import MeshdError
 
 pytestmark = [pytest.mark.slow, pytest.mark.native]
 
-KV_TOKENS = 1024
+# Two llama.cpp sequences per worker (one per 2048 tokens of budget): at the kill the re-prefilled
+# route opens its session on a surviving hop while that hop may still hold the old route's.
+KV_TOKENS = 4096
 RECORD_TTL_S = 12.0
 START_TIMEOUT_S = 300
 PROMPT = "Once upon a time, in a small village by the sea,"
