@@ -160,6 +160,9 @@ def test_two_swarms_on_one_lan_find_their_own_and_stay_apart(tmp_path):
         status_a = a.status()["discovery"]
         assert status_a["swarm"]["name"] == "default" and c.status()["discovery"]["swarm"]["name"] == "red"
         # listening on 0.0.0.0 with no --advertise-host: peers dialed the LAN address back
+        for node in (a, b):   # the dial-back probe runs in the background: wait for its verdict
+            wait_for(lambda n=node: n.status()["reachability"]["verdict"] != "unknown" or None,
+                     f"{node.name}'s reachability verdict", WAIT_S, node)
         assert a.status()["reachability"]["verdict"] == b.status()["reachability"]["verdict"] == "public"
         print(f"LAN swarms formed and generated in {time.monotonic() - started:.1f} s; A's mDNS: {mdns_of(a)}")
     finally:
