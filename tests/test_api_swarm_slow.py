@@ -207,8 +207,11 @@ def test_metrics_parse_and_count_a_generation(url, model_id):
     assert grew("meshd_tokens_predicted_total") == out.usage.completion_tokens
     assert grew("meshd_prompt_tokens_total") == out.usage.prompt_tokens
     assert grew("meshd_requests_total", edge="http", outcome="ok") == 1
-    assert grew("meshd_hop_sessions_total", transport="own") == 1
-    assert grew("meshd_hop_sessions_total", transport="direct") >= 1
+    # the route's hops, the entry's own worker or peers' (ranges may overlap: which nodes a route takes
+    # is the planner's choice), at least two since no node holds all 30 layers
+    own = grew("meshd_hop_sessions_total", transport="own")
+    direct = grew("meshd_hop_sessions_total", transport="direct")
+    assert own <= 1 and own + direct >= 2
     layers = [v for (name, labels), v in after.items() if name == "meshd_layer_coverage"]
     assert len(layers) == 30 and min(layers) >= 1
     assert sum(v for (name, _), v in after.items() if name == "meshd_hop_step_seconds_count") > \
@@ -347,7 +350,11 @@ def test_dashboard_tells_the_truth_and_shows_a_killed_node_gone(url, model_id, s
 
     gone = max(swarm.daemons[1:], key=lambda d: views[d.name]["layers"][0])   # not the entry
     gone_id = views[gone.name]["peer_id"]
-    gap = f"{views[gone.name]['layers'][0]}:{views[gone.name]['layers'][1]}"
+    # the layers only the killed node served (the survivors' ranges may overlap its own)
+    held = {layer for d in swarm.daemons if d is not gone for layer in range(*views[d.name]["layers"])}
+    lost = [layer for layer in range(*views[gone.name]["layers"]) if layer not in held]
+    assert lost and lost == list(range(lost[0], lost[-1] + 1)), (views, lost)   # one contiguous gap
+    gap = f"{lost[0]}:{lost[-1] + 1}"
     killed_ms = time.time() * 1000
     gone.kill_node()
 
@@ -364,8 +371,13 @@ def test_dashboard_tells_the_truth_and_shows_a_killed_node_gone(url, model_id, s
 
     wait_for(lambda: gone_id not in [p["peer_id"] for p in httpx.get(f"{url}/meshd/status").json()["peers"]],
              "the killed node's record to expire", 60)
-    with pytest.raises(openai.APIStatusError) as info:
+    # Either the gap is still open (a 503 naming it), or the tracker has already moved a surviving
+    # auto node over it (meshd/plan/layout.py) and the request is served by a covered swarm.
+    try:
         client(url).chat.completions.create(model=model_id, messages=QUESTION, max_tokens=4)
-    assert info.value.status_code == 503 and info.value.response.headers["retry-after"]
-    a, b = map(int, gap.split(":"))
-    assert gap in info.value.body["message"] or f"{a}..{b - 1}" in info.value.body["message"]
+    except openai.APIStatusError as exc:
+        assert exc.status_code == 503 and exc.response.headers["retry-after"]
+        a, b = map(int, gap.split(":"))
+        assert gap in exc.body["message"] or f"{a}..{b - 1}" in exc.body["message"]
+    else:
+        assert (swarm.daemons[0].swarm() or {})["coverage"]["fully_covered"]

@@ -313,7 +313,7 @@ def simulate_joins(footprint, nodes: int, memory: int, kv_tokens: int):
 # and worker bases can be below what nodes then measure and publish (a torch daemon imports the
 # tokenizer's libraries), and a swarm plans with the measured figures once they arrive -- a demo sized
 # on the estimates alone could leave a layer unserved.
-EVEN_BASE_HEADROOM_BYTES = 256 << 20
+EVEN_BASE_HEADROOM_BYTES = 128 << 20
 
 
 def even_memory_for(footprint, nodes: int, kv_tokens: int) -> int:
