@@ -30,9 +30,8 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TextIO
 
 import gguf
 import numpy as np
@@ -65,16 +64,7 @@ _BLOCK = re.compile(r"^blk\.(\d+)\.")
 _MEMO_MAX = 32
 _memo: dict[tuple, Manifest] = {}
 
-Progress = TextIO | Callable[[str], None] | None
-
-
-def _say(progress: Progress, line: str) -> None:
-    if progress is None:
-        return
-    if callable(progress):
-        progress(line)
-    else:
-        print(line, file=progress, flush=True)
+Progress = digests.Progress
 
 
 def _spans(reader: GGUFFile) -> list[tuple[int, int, int]]:
@@ -107,11 +97,11 @@ def _hash_pass(reader: GGUFFile, chunk_bytes: int, progress: Progress) -> tuple[
         pos = end
         if report and time.monotonic() - last >= PROGRESS_INTERVAL_S:
             last = time.monotonic()
-            _say(progress, f"[meshd] hashing {reader.path.name}: {pos / 1e6:.0f} of {size / 1e6:.0f} MB "
-                           f"({pos * 100 // size}%)")
+            digests.emit(progress, f"[meshd] hashing {reader.path.name}: {pos / 1e6:.0f} of {size / 1e6:.0f} MB "
+                         f"({pos * 100 // size}%)")
     if report:
-        _say(progress, f"[meshd] hashed {reader.path.name}: {size / 1e6:.0f} MB in {time.monotonic() - started:.1f} s "
-                       "(its model root; cached until the file changes)")
+        digests.emit(progress, f"[meshd] hashed {reader.path.name}: {size / 1e6:.0f} MB in "
+                     f"{time.monotonic() - started:.1f} s (its model root; cached until the file changes)")
     return whole.digest(), [h.finish() for h in hashers]
 
 
@@ -179,7 +169,7 @@ def check_slice(reader: GGUFFile, manifest: Manifest, progress: Progress = None)
         done += t.n_bytes
         if total >= PROGRESS_MIN_BYTES and time.monotonic() - last >= PROGRESS_INTERVAL_S:
             last = time.monotonic()
-            _say(progress, f"[meshd] checking {name} against its root: {done * 100 // total}%")
+            digests.emit(progress, f"[meshd] checking {name} against its root: {done * 100 // total}%")
 
 
 def file_manifest(path: str | os.PathLike[str], reader: GGUFFile | None = None, progress: Progress = None) -> Manifest:

@@ -46,7 +46,7 @@ from typing import TextIO
 from shard.model.memory import drop_page_cache
 
 __all__ = ["FileKey", "file_key", "cached_digest", "cached_blob", "hash_files", "cache_dir", "CACHE_ENV",
-           "hash_runs", "hashed_bytes", "MAX_ENTRIES"]
+           "hash_runs", "hashed_bytes", "MAX_ENTRIES", "emit", "Progress"]
 
 CACHE_ENV = "MESHD_DIGEST_CACHE"
 # Entries kept: one per model (directory or file) this user ever ran; a few
@@ -102,7 +102,8 @@ def cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "meshd" / "digests"
 
 
-def _emit(progress: Progress, line: str) -> None:
+def emit(progress: Progress, line: str) -> None:
+    """One progress line to a stream or a callback (None: nowhere)."""
     if progress is None:
         return
     if callable(progress):
@@ -139,11 +140,11 @@ def hash_files(parts: Sequence[tuple[bytes, Path]], *, label: str, progress: Pro
                 now = clock()
                 if report and now - last >= PROGRESS_INTERVAL_S:
                     last = now
-                    _emit(progress, f"[meshd] hashing {label}: {done / 1e6:.0f} of {total / 1e6:.0f} MB "
+                    emit(progress, f"[meshd] hashing {label}: {done / 1e6:.0f} of {total / 1e6:.0f} MB "
                                     f"({done * 100 // max(total, 1)}%)")
     hashed_bytes += done
     if report:
-        _emit(progress, f"[meshd] hashed {label}: {done / 1e6:.0f} MB in {clock() - started:.1f} s "
+        emit(progress, f"[meshd] hashed {label}: {done / 1e6:.0f} MB in {clock() - started:.1f} s "
                         "(cached; not hashed again until a file changes)")
     return "sha256:" + h.hexdigest()
 
