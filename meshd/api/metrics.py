@@ -17,7 +17,8 @@ and the mesh's own:
 
     meshd_requests_total{edge,outcome}     finished requests by edge (http, control) and outcome
     meshd_time_to_first_token_seconds      histogram
-    meshd_hop_step_seconds{peer,transport} decode-step round trip per hop, seen from here (histogram)
+    meshd_hop_step_seconds{peer,transport} decode-step round trip per hop, seen from here (histogram;
+                                           star routes: a pushed route answers from its tail only)
     meshd_hop_bytes_total{peer,transport,direction}   Session frame bytes per hop
     meshd_hop_sessions_total{transport}    hop sessions opened (own worker, direct, relayed)
     meshd_relayed_hops_ratio               share of those sessions that went through a relay
