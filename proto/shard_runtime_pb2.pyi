@@ -437,7 +437,7 @@ class PushTarget(_message.Message):
     def __init__(self, peer_id: _Optional[str] = ..., endpoint: _Optional[str] = ..., tls_cert_sha256: _Optional[bytes] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., route_epoch: _Optional[int] = ..., owner_token: _Optional[bytes] = ..., frames_endpoint: _Optional[str] = ...) -> None: ...
 
 class SessionAccepted(_message.Message):
-    __slots__ = ("schema_version", "route_session_id", "route_epoch", "flow_control", "accepted_compression", "fingerprint", "past_len")
+    __slots__ = ("schema_version", "route_session_id", "route_epoch", "flow_control", "accepted_compression", "fingerprint", "past_len", "receipt_key")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -445,6 +445,7 @@ class SessionAccepted(_message.Message):
     ACCEPTED_COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     PAST_LEN_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_KEY_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     route_session_id: str
     route_epoch: int
@@ -452,17 +453,20 @@ class SessionAccepted(_message.Message):
     accepted_compression: _containers.RepeatedScalarFieldContainer[Compression]
     fingerprint: Fingerprint
     past_len: int
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., past_len: _Optional[int] = ...) -> None: ...
+    receipt_key: KeyDelegation
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., past_len: _Optional[int] = ..., receipt_key: _Optional[_Union[KeyDelegation, _Mapping]] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
-    __slots__ = ("envelope", "bundle", "sample")
+    __slots__ = ("envelope", "bundle", "sample", "receipt")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
     bundle: TensorBundle
     sample: TailSample
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class DecodeStep(_message.Message):
     __slots__ = ("idempotency_step", "position", "expected_past_len", "tensor", "work_id", "deadline_unix_nanos", "legs", "route_execution_nanos")
@@ -485,7 +489,7 @@ class DecodeStep(_message.Message):
     def __init__(self, idempotency_step: _Optional[int] = ..., position: _Optional[int] = ..., expected_past_len: _Optional[int] = ..., tensor: _Optional[_Union[NamedTensor, _Mapping]] = ..., work_id: _Optional[str] = ..., deadline_unix_nanos: _Optional[int] = ..., legs: _Optional[int] = ..., route_execution_nanos: _Optional[int] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
-    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "bundle", "sample", "legs")
+    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "bundle", "sample", "legs", "receipt")
     IDEMPOTENCY_STEP_FIELD_NUMBER: _ClassVar[int]
     PAST_LEN_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
@@ -493,6 +497,7 @@ class DecodeResult(_message.Message):
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     LEGS_FIELD_NUMBER: _ClassVar[int]
+    RECEIPT_FIELD_NUMBER: _ClassVar[int]
     idempotency_step: int
     past_len: int
     duplicate: bool
@@ -500,7 +505,8 @@ class DecodeResult(_message.Message):
     bundle: TensorBundle
     sample: TailSample
     legs: int
-    def __init__(self, idempotency_step: _Optional[int] = ..., past_len: _Optional[int] = ..., duplicate: bool = ..., execution_nanos: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ..., legs: _Optional[int] = ...) -> None: ...
+    receipt: bytes
+    def __init__(self, idempotency_step: _Optional[int] = ..., past_len: _Optional[int] = ..., duplicate: bool = ..., execution_nanos: _Optional[int] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ..., legs: _Optional[int] = ..., receipt: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseSignal(_message.Message):
     __slots__ = ("route_session_id", "route_epoch", "work_id")
@@ -975,3 +981,45 @@ class DirectiveAck(_message.Message):
     reason: str
     detail: str
     def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class StepReceipt(_message.Message):
+    __slots__ = ("route_session_id", "route_epoch", "start_layer", "end_layer", "first_position", "count", "input_sha256", "output_sha256", "peer_id")
+    ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_LAYER_FIELD_NUMBER: _ClassVar[int]
+    END_LAYER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    route_session_id: str
+    route_epoch: int
+    start_layer: int
+    end_layer: int
+    first_position: int
+    count: int
+    input_sha256: bytes
+    output_sha256: bytes
+    peer_id: str
+    def __init__(self, route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., first_position: _Optional[int] = ..., count: _Optional[int] = ..., input_sha256: _Optional[bytes] = ..., output_sha256: _Optional[bytes] = ..., peer_id: _Optional[str] = ...) -> None: ...
+
+class KeyDelegation(_message.Message):
+    __slots__ = ("node_public_key", "delegate_public_key", "not_after_unix_ms", "signature")
+    NODE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    DELEGATE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    NOT_AFTER_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    node_public_key: bytes
+    delegate_public_key: bytes
+    not_after_unix_ms: int
+    signature: bytes
+    def __init__(self, node_public_key: _Optional[bytes] = ..., delegate_public_key: _Optional[bytes] = ..., not_after_unix_ms: _Optional[int] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class SignedReceipt(_message.Message):
+    __slots__ = ("body", "signature")
+    BODY_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    body: bytes
+    signature: bytes
+    def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
