@@ -96,12 +96,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
 
 from meshd.errors import HopFailure
+from meshd.generate.audit import AuditBook, AuditMismatch, StepAuditor, VerifyPolicy
 from meshd.generate.hop_link import HopLink, LinkSpec, StepCounter, TailOut
 from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, hops_to_reprefill
@@ -319,7 +320,8 @@ class _Rows:
 class SwarmDriver:
     def __init__(self, source: RouteSource, connector: HopConnector, *, fingerprint: pb.Fingerprint,
                  replan_wait_s: float = REPLAN_WAIT_S, session_id: str | None = None,
-                 on_failover: Callable[[FailoverEvent], None] | None = None, context_tokens: int = 0) -> None:
+                 on_failover: Callable[[FailoverEvent], None] | None = None, context_tokens: int = 0,
+                 verify: VerifyPolicy | None = None, audit_book: AuditBook | None = None) -> None:
         self.source, self.connector, self.fingerprint = source, connector, fingerprint
         self.context_tokens = context_tokens   # the model's trained context (0: unknown, unchecked)
         self.replan_wait_s = replan_wait_s
@@ -339,6 +341,11 @@ class SwarmDriver:
         self._patience: dict[str, float] = {}   # peer -> deadline multiplier after a cut without replacement
         self._slow_retries: dict[str, int] = {}
         self._lock = threading.Lock()  # guards _links against the watchdog / cancel threads
+        # Audits (audit.py): a seeded share of each hop's steps re-run on another replica; the
+        # book (the entry's, shared by its generations) keeps the excluded peers.
+        self.audit_book = audit_book if audit_book is not None else AuditBook()
+        self.auditor = (StepAuditor(verify, self.audit_book, session_id=self.session_id)
+                        if verify is not None and verify.enabled else None)
 
     # ------------------------------------------------------------------ public
     def cancel(self) -> None:
@@ -424,7 +431,16 @@ class SwarmDriver:
 
     # ------------------------------------------------------------------ routing
     def _plan_first(self) -> Route:
-        return self._replan(lambda: self.source.plan(self._max_tokens))
+        route = self._replan(lambda: self.source.plan(self._max_tokens))
+        excluded = self.audit_book.excluded_peers()
+        self._failed |= excluded          # peers an audit caught lying: never in this entry's routes
+        for _ in range(len(excluded)):
+            liar = next((h.peer_id for h in route.hops if h.peer_id in excluded), None)
+            if liar is None:
+                break
+            route = self._replan(functools.partial(self.source.replace, route, liar, frozenset(self._failed),
+                                                   self._max_tokens))
+        return route
 
     def _replan(self, attempt: Callable[[], Route], after: HopFailure | None = None) -> Route:
         wait = 0.0 if getattr(self.source, "static", False) else self.replan_wait_s  # a fixed route never grows
@@ -506,6 +522,8 @@ class SwarmDriver:
             before = link.received_bytes
             for a, b in self._replay(link.past_len, target):
                 out = link.run(rows.read(a, b), self._steps)
+                if self.auditor is not None:   # before the next hop sees the answer (audit.py)
+                    self._audit(link, a, b, out)
                 if spec.is_tail:
                     answer, tail_bytes = out, link.received_bytes - before
                     continue
@@ -530,6 +548,23 @@ class SwarmDriver:
             for i, ns in enumerate(executed):
                 s.hop_execution_ns[i] += ns
         return answer
+
+    def _audit(self, link: HopLink, first: int, end: int, out: TailOut | np.ndarray) -> None:
+        route = self._route
+        assert self.auditor is not None and route is not None
+        hop, rows = route.hops[link.index], self._rows[link.spec.effective_start]
+        find = getattr(self.source, "auditors", None)   # a fixed route knows no replicas
+
+        def candidates(h: Hop) -> tuple[Hop, ...]:
+            return find(h, frozenset(self._failed)) if find is not None else ()
+
+        def open_link(h: Hop, session_id: str) -> HopLink:
+            spec = replace(self._new_link(link.index, h, route.num_layers).spec, session_id=session_id,
+                           epoch=0, owner_token=self.owner_token(h.peer_id, h.start, h.end))
+            return HopLink(link.index, spec, functools.partial(self.connector.transport, h))
+
+        self.auditor.check(link, hop, first, end, out, candidates=candidates, open_link=open_link,
+                           inputs=rows.read, replay=self._replay)
 
     def _replay(self, past: int, target: int) -> list[tuple[int, int]]:
         """Position batches that repeat how the route first ran [past, target): the prompt as one
@@ -596,14 +631,20 @@ class SwarmDriver:
             except CoverageGap as exc:
                 raise CoverageGap(f"{exc}; the hop failed with: {failure}", exc.spans, exc.waited_s) from failure
             fresh = set(hops_to_reprefill(old, new))
+        if isinstance(failure, AuditMismatch):
+            # The liar's earlier answers may sit in the KV of every hop after it: re-prefill them
+            # from the rows its replacement recomputes.
+            fresh |= {i for i, h in enumerate(new.hops) if h.effective_start >= old.hops[failure.index].end}
         by_hop = {(k.spec.peer_id, k.spec.start, k.spec.end, k.spec.effective_start): k for k in self._links}
         keep: dict[int, HopLink] = {}
         for i, hop in enumerate(new.hops):
             if i not in fresh:
                 keep[i] = by_hop.pop((hop.peer_id, hop.start, hop.end, hop.effective_start))
         self._epoch += 1  # new sessions supersede anything a reused peer still holds for this id
-        for link in by_hop.values():  # dropped hops: release what they hold (best effort)
-            link.close(release=link.spec.peer_id != peer)
+        for link in by_hop.values():  # dropped hops: release what they hold (best effort; a liar is alive)
+            link.close(release=link.spec.peer_id != peer or isinstance(failure, AuditMismatch))
+        if self.auditor is not None:
+            self.auditor.reset()   # boundary rows are rewritten: audit sessions start over
         self._set_route(new, keep)
         event = FailoverEvent(peer, target, str(failure), new, tuple(sorted(fresh)), failed_at)
         self.stats.failovers.append(event)
@@ -643,6 +684,8 @@ class SwarmDriver:
         with self._lock:
             links, self._links = self._links, []
         self._hold(())
+        if self.auditor is not None:
+            self.auditor.close()
         for link in links:
             link.close(release=True)
 

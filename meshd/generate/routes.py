@@ -66,6 +66,7 @@ from dataclasses import replace as replace_fields
 from typing import TYPE_CHECKING, Protocol
 
 from meshd.errors import HopFailure
+from meshd.generate.audit import auditor_hops
 from meshd.generate.driver import PushDial
 from meshd.generate.transports import GrpcTransport, TlsFrameTransport, UnixFrameTransport
 from meshd.plan.adverts import ShardAd, Span
@@ -150,6 +151,13 @@ class AdsRouteSource:
             except MissingLayersError:
                 pass                         # nothing in the latest snapshot: ask the DHT
         return attempt(self.ads())
+
+    def auditors(self, hop: Hop, avoid: frozenset[str]) -> tuple[Hop, ...]:
+        """Other live peers that can re-run ``hop``'s layers for an audit (meshd/generate/audit.py),
+        from the latest snapshot when there is one (an audit never waits for the DHT)."""
+        ads = self.cached() if self.cached is not None else self.ads()
+        return auditor_hops(ads, hop, model_digest=self.model_digest, recipe_digest=self.recipe_digest,
+                            now_ms=self.clock(), avoid=avoid)
 
 
 @dataclass(frozen=True, slots=True)
