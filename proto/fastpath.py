@@ -16,7 +16,7 @@ number order, proto3 defaults left out -- tests compare byte for byte) for
                                       8 route_execution_nanos}}
     SessionResponse{decode: DecodeResult{1 idempotency_step, 2 past_len, 3 duplicate,
                                          4 execution_nanos, 5 bundle{1 version, 2 tensor},
-                                         6 sample{1 token_id}, 7 legs}}
+                                         6 sample{1 token_id}, 7 legs, 8 receipt}}
 
 where a tensor is RAW, uncompressed, little-endian, in one fragment (at most
 DEFAULT_FRAGMENT_BYTES), with its CRC32C: what meshd's own peers send on
@@ -56,6 +56,7 @@ _BOOL_CODE = next(code for code, dt in PB_TO_NUMPY.items() if dt == np.dtype(np.
 _LE, _NONE, _RAW = 1, 1, 1               # BYTE_ORDER_LITTLE_ENDIAN, COMPRESSION_NONE, TENSOR_ENCODING_RAW
 _U32 = 1 << 32
 _BIG = 1 << 63                            # larger varints (10 bytes, or negative int64s) go the general way
+_MAX_RECEIPT = 1024                       # proto.receipts.MAX_RECEIPT_BYTES: a larger one goes the general way
 
 
 class _Bail(Exception):
@@ -126,9 +127,11 @@ def decode_request_bytes(step: int, position: int, expected_past_len: int, name:
 
 
 def decode_response_bytes(step: int, past_len: int, duplicate: bool, execution_nanos: int, *,
-                          tensors: dict | None = None, token_id: int | None = None, legs: int = 0) -> bytes | None:
+                          tensors: dict | None = None, token_id: int | None = None, legs: int = 0,
+                          receipt: bytes = b"") -> bytes | None:
     """SessionResponse{decode: DecodeResult{...}}: the bundle when ``tensors`` (one tensor at most
-    here), the sample when ``token_id``; None when it needs the general encoder (proto.wire)."""
+    here), the sample when ``token_id``, the step's signed receipt when ``receipt``; None when it
+    needs the general encoder (proto.wire)."""
     body = ((b"\x08" + varint(step) if step else b"") + (b"\x10" + varint(past_len) if past_len else b"")
             + (b"\x18\x01" if duplicate else b"") + (b"\x20" + varint(execution_nanos) if execution_nanos else b""))
     parts = [body]
@@ -158,6 +161,10 @@ def decode_response_bytes(step: int, past_len: int, duplicate: bool, execution_n
         size += len(field)
     if legs:
         field = b"\x38" + varint(legs)
+        parts.append(field)
+        size += len(field)
+    if receipt:
+        field = b"\x42" + varint(len(receipt)) + receipt
         parts.append(field)
         size += len(field)
     if size + 8 > MAX_FRAME_BYTES:
@@ -325,13 +332,15 @@ class SampleView:
 class DecodeResultView:
     """A fast-read SessionResponse{decode}: its DecodeResult's fields (``decode`` is itself)."""
 
-    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "legs", "sample", "_bundle")
+    __slots__ = ("idempotency_step", "past_len", "duplicate", "execution_nanos", "legs", "sample", "receipt",
+                 "_bundle")
     idempotency_step: int
     past_len: int
     duplicate: bool
     execution_nanos: int
     legs: int
     sample: SampleView | None
+    receipt: bytes
     _bundle: bool
 
     def WhichOneof(self, _group: str) -> str:   # protobuf's name
@@ -392,6 +401,12 @@ def read_decode_response(data: bytes) -> tuple[DecodeResultView, dict[str, np.nd
             v.sample = SampleView(token)
             i = se
         v.legs, i = _field(data, i, end, 0x38)
+        v.receipt = b""
+        if i < end and data[i] == 0x42:
+            rs, re_ = _span(data, i + 1, end)
+            if not 0 < re_ - rs <= _MAX_RECEIPT:
+                return None                  # protobuf reads it (and the receipt parser bounds it)
+            v.receipt, i = data[rs:re_], re_
         if i != end or v.legs >= _U32:
             return None
         return v, tensors

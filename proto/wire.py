@@ -81,9 +81,15 @@ def request_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | Prep
 
 
 def response_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | PreparedTensor], *,
-                   sample: pb.TailSample | None = None, framed: bool = False, **encode_kwargs) -> bytes:
-    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle, sample}}."""
-    return _finish(b"\x12", *_chunk(envelope, tensors, encode_kwargs, sample), framed)
+                   sample: pb.TailSample | None = None, framed: bool = False, receipt: bytes = b"",
+                   **encode_kwargs) -> bytes:
+    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle, sample, receipt}}."""
+    out, size = _chunk(envelope, tensors, encode_kwargs, sample)
+    if receipt:
+        field = b"\x22" + varint(len(receipt)) + receipt
+        out.append(field)
+        size += len(field)
+    return _finish(b"\x12", out, size, framed)
 
 
 def request_decode(step: pb.DecodeStep, name: str, array: np.ndarray | PreparedTensor, *,

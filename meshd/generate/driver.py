@@ -104,6 +104,7 @@ import numpy as np
 from meshd.errors import HopFailure
 from meshd.generate.audit import AuditBook, AuditMismatch, StepAuditor, VerifyPolicy
 from meshd.generate.hop_link import HopLink, LinkSpec, StepCounter, TailOut
+from meshd.generate.receipt_check import ReceiptCheck
 from meshd.plan.errors import MissingLayersError
 from meshd.plan.routing import Hop, Route, hops_to_reprefill
 from proto import shard_runtime_pb2 as pb
@@ -321,7 +322,8 @@ class SwarmDriver:
     def __init__(self, source: RouteSource, connector: HopConnector, *, fingerprint: pb.Fingerprint,
                  replan_wait_s: float = REPLAN_WAIT_S, session_id: str | None = None,
                  on_failover: Callable[[FailoverEvent], None] | None = None, context_tokens: int = 0,
-                 verify: VerifyPolicy | None = None, audit_book: AuditBook | None = None) -> None:
+                 verify: VerifyPolicy | None = None, audit_book: AuditBook | None = None,
+                 receipts: ReceiptCheck | None = None) -> None:
         self.source, self.connector, self.fingerprint = source, connector, fingerprint
         self.context_tokens = context_tokens   # the model's trained context (0: unknown, unchecked)
         self.replan_wait_s = replan_wait_s
@@ -346,6 +348,8 @@ class SwarmDriver:
         self.audit_book = audit_book if audit_book is not None else AuditBook()
         self.auditor = (StepAuditor(verify, self.audit_book, session_id=self.session_id)
                         if verify is not None and verify.enabled else None)
+        # Each hop's step receipts are checked as they arrive (receipt_check.py; unsigned hops pass).
+        self.receipt_check = receipts if receipts is not None else ReceiptCheck()
 
     # ------------------------------------------------------------------ public
     def cancel(self) -> None:
@@ -487,8 +491,10 @@ class SwarmDriver:
                         fingerprint=self.fingerprint, chunk_tokens=self._chunk_tokens, max_tokens=self._max_tokens,
                         tail=self._tail if hop.end == num_layers else None,
                         owner_token=self.owner_token(hop.peer_id, hop.start, hop.end))
-        return HopLink(index, spec, functools.partial(self.connector.transport, hop),
+        link = HopLink(index, spec, functools.partial(self.connector.transport, hop),
                        patience=self._patience.get(hop.peer_id, 1.0))
+        link.receipt_check = self.receipt_check
+        return link
 
     def owner_token(self, peer_id: str, start: int, end: int) -> bytes:
         """This generation's secret for one hop (the same for every epoch of it)."""
@@ -561,7 +567,9 @@ class SwarmDriver:
         def open_link(h: Hop, session_id: str) -> HopLink:
             spec = replace(self._new_link(link.index, h, route.num_layers).spec, session_id=session_id,
                            epoch=0, owner_token=self.owner_token(h.peer_id, h.start, h.end))
-            return HopLink(link.index, spec, functools.partial(self.connector.transport, h))
+            audit = HopLink(link.index, spec, functools.partial(self.connector.transport, h))
+            audit.receipt_check = self.receipt_check
+            return audit
 
         self.auditor.check(link, hop, first, end, out, candidates=candidates, open_link=open_link,
                            inputs=rows.read, replay=self._replay)

@@ -35,6 +35,7 @@ import numpy as np
 
 from meshd.errors import HopFailure
 from meshd.generate.deadlines import StepDeadlines
+from meshd.generate.receipt_check import ReceiptCheck
 from proto import shard_runtime_pb2 as pb
 from proto import wire
 from proto.chunking import plan_prefill_chunks
@@ -43,6 +44,7 @@ from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION, parse_response
 from proto.hop_transport import HopStream, HopTransport, TransportError, Unary
+from proto.receipts import Delegation, SignedReceipt
 from proto.tensors import decode_bundle
 from proto.threads import ThreadGroup
 from proto.zerocopy import read_response
@@ -103,6 +105,12 @@ class HopLink:
         self.deadlines = StepDeadlines(patience)
         self.received_bytes = 0
         self.execution_ns = 0       # the hop's own compute of its last step (DecodeResult/Ack)
+        # Step receipts (receipt_check.py): how to check them (set by the driver before open; None:
+        # not checked), the hop's certified key, and the verified receipts of the last ``run``.
+        self.receipt_check: ReceiptCheck | None = None
+        self.delegation: Delegation | None = None
+        self.receipts: list[SignedReceipt] = []
+        self._receipting = False
 
     # ------------------------------------------------------------------ helpers
     def fail(self, detail: str, code: int = pb.ERROR_CODE_INTERNAL, retry_after_ms: int = 0) -> HopFailure:
@@ -168,7 +176,28 @@ class HopLink:
     # ------------------------------------------------------------------ protocol
     def open(self) -> None:
         resp = self._open_session()
+        if self.receipt_check is not None:
+            try:
+                self.delegation = self.receipt_check.delegation(self.spec.peer_id, resp.accepted)
+            except MeshdError as exc:
+                raise self.fail(f"receipt key: {exc}", pb.ERROR_CODE_PAYLOAD_CORRUPT) from exc
+            self._receipting = True
         self.window = CreditWindow(resp.accepted.flow_control)
+
+    def _receipt(self, holder, first: int, inputs: np.ndarray, output: np.ndarray | None) -> None:
+        """Check the receipt that came with one answer (receipt_check.py); a lie is a HopFailure."""
+        if not self._receipting or self.receipt_check is None:
+            return
+        s = self.spec
+        try:
+            signed = self.receipt_check.receipt(
+                self.delegation, bytes(getattr(holder, "receipt", b"")), peer_id=s.peer_id, session_id=s.session_id,
+                epoch=s.epoch, start=s.effective_start, end=s.end, first=first, inputs=inputs,
+                output=output)
+        except MeshdError as exc:
+            raise self.fail(f"step receipt: {exc}", pb.ERROR_CODE_PAYLOAD_CORRUPT) from exc
+        if signed is not None:
+            self.receipts.append(signed)
 
     def _open_session(self, **extra) -> pb.SessionResponse:
         """Connect, start the Session stream and open this hop's session (``extra``: more SessionOpen
@@ -205,6 +234,7 @@ class HopLink:
         """Feed positions ``[past_len, past_len + len(inputs))``; returns hidden rows or the tail's answer."""
         first, n = self.past_len, int(inputs.shape[0])
         name = TOKEN_IDS if self.spec.effective_start == 0 else HIDDEN
+        self.receipts = []
         if n == 1 and first > 0:  # decode fast path
             head = pb.DecodeStep(idempotency_step=step.next(), position=first, expected_past_len=first)
             self._send(wire.request_decode(head, name, inputs))
@@ -213,7 +243,9 @@ class HopLink:
             self.deadlines.decode_done(time.monotonic() - t0)
             self.execution_ns = resp.decode.execution_nanos
             self.past_len = first + 1
-            return self._output(resp.decode, tensors, 1)
+            answer = self._output(resp.decode, tensors, 1)
+            self._receipt(resp.decode, first, inputs, answer if isinstance(answer, np.ndarray) else None)
+            return answer
         plan = plan_prefill_chunks(n, self.spec.chunk_tokens)
         outs = []
         self.execution_ns = 0
@@ -238,6 +270,10 @@ class HopLink:
             final = index == len(plan) - 1
             if self.spec.returns_rows or final:
                 outs.append(self._output(resp.chunk, tensors, count))
+            if resp.WhichOneof("kind") == "chunk":   # (an Ack answers an old duplicate: no receipt)
+                rows = outs[-1] if self.spec.returns_rows else None
+                self._receipt(resp.chunk, first + offset, inputs[offset:offset + count],
+                              rows if isinstance(rows, np.ndarray) else None)
         # returns_rows: every output is an array of rows (_output)
         return np.concatenate(cast(list[np.ndarray], outs), axis=0) if self.spec.returns_rows else outs[-1]
 

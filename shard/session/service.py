@@ -31,6 +31,7 @@ from proto.errors import ProtocolError
 from proto.frames import SCHEMA_VERSION
 from proto.hop_transport import PushDialer
 from proto.limits import DEFAULT_MAX_INFLIGHT_CHUNKS, DEFAULT_PREFILL_CHUNK_TOKENS, MAX_FRAME_BYTES
+from proto.receipts import ReceiptSigner
 from shard.errors import MAX_DETAIL_CHARS, InternalError, ShardRefusal, log_failure, to_shard_error
 from shard.model.backend import RangeBackend
 from shard.session.batching import BatchingBackend
@@ -108,6 +109,9 @@ class ShardService:
         # (set by the worker CLI: TLS pinned to the target's certificate hash), and its pushed sessions.
         self.push_dialer: PushDialer | None = None   # how pushed sessions reach successors (push/)
         self.push_hub = None
+        # Step receipts (proto/receipts.py): the worker's certified per-run key, set by the worker
+        # CLI when its daemon handed it one; None: answers carry no receipts.
+        self.receipts: ReceiptSigner | None = None
 
     # -- capability ------------------------------------------------------------------
     def _validation_inputs(self, count: int, rng: np.random.Generator) -> np.ndarray:

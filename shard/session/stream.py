@@ -82,6 +82,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError, PayloadCorrupt, ProtocolError, ProtocolViolation
 from proto.flow import CreditLedger, negotiate
 from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
+from proto.receipts import rows_digest, tail_digest
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
 from shard.errors import (
@@ -178,25 +179,26 @@ def _parts(payload) -> tuple[dict[str, np.ndarray], pb.TailSample | None]:
     return payload or {}, None
 
 
-def decode_answer(step: int, past_len: int, duplicate: bool, execution_nanos: int, payload, legs: int = 0) -> bytes:
+def decode_answer(step: int, past_len: int, duplicate: bool, execution_nanos: int, payload, legs: int = 0,
+                  receipt: bytes = b"") -> bytes:
     """The SessionResponse{decode} of one step: by hand when it is a plain one (proto.fastpath),
     else through protobuf and proto.wire (a sample with logprobs, q8, several tensors...)."""
     if isinstance(payload, TailAnswer):
         tensors, token = payload.tensors, payload.plain_token
         if token is not None or payload.token is None:
             body = fastpath.decode_response_bytes(step, past_len, duplicate, execution_nanos, tensors=tensors,
-                                                  token_id=token, legs=legs)
+                                                  token_id=token, legs=legs, receipt=receipt)
             if body is not None:
                 return body
         sample = payload.sample
     else:
         tensors, sample = payload or {}, None
         body = fastpath.decode_response_bytes(step, past_len, duplicate, execution_nanos, tensors=tensors,
-                                              legs=legs)
+                                              legs=legs, receipt=receipt)
         if body is not None:
             return body
     head = pb.DecodeResult(idempotency_step=step, past_len=past_len, duplicate=duplicate,
-                           execution_nanos=execution_nanos, legs=legs)
+                           execution_nanos=execution_nanos, legs=legs, receipt=receipt)
     if sample is not None:
         head.sample.CopyFrom(sample)
     return wire.response_decode(head, tensors)
@@ -276,6 +278,7 @@ class SessionStream:
         self.ledger: CreditLedger | None = None
         self.push: object | None = None   # what the edge registered for a pushed session (opaque here)
         self.push_role = ""               # CONTROL (the entry's stream), FEED (the upstream hop's) or ""
+        self._signed: bytes | None = None  # the last step's signed receipt (service.receipts set)
 
     @property
     def closed(self) -> bool:
@@ -389,7 +392,8 @@ class SessionStream:
         accepted = pb.SessionResponse(accepted=pb.SessionAccepted(
             schema_version=SCHEMA_VERSION, route_session_id=key.session_id, route_epoch=key.epoch,
             flow_control=flow, accepted_compression=ACCEPTED_COMPRESSION,
-            fingerprint=backend.fingerprint, past_len=past_len)).SerializeToString()
+            fingerprint=backend.fingerprint, past_len=past_len,
+            receipt_key=self._receipt_key())).SerializeToString()
         return [OpenPushed(key, o, accepted)] if o.push else [accepted]
 
     # -- work ----------------------------------------------------------------------------
@@ -424,10 +428,38 @@ class SessionStream:
         inputs = self._input(tensors)
         # A sampling tail that returns no logits only reads them to draw: the backend may lend them.
         lend = self.sampling is not None and not self.tail.return_logits
+        post = self._poster(draw_at)
+        self._signed = None
+        if self.service.receipts is not None:
+            post = self._digesting(post, inputs, position)
         with self.service.lock:
             return self.service.manager.step(
                 self.open_key, step=step, position=position, expected_past_len=expected, inputs=inputs,
-                effective_start=self.effective_start, post=self._poster(draw_at), lend=lend)
+                effective_start=self.effective_start, post=post, lend=lend)
+
+    # -- step receipts (proto/receipts.py) ---------------------------------------------------
+    def _receipt_key(self) -> pb.KeyDelegation | None:
+        signer = self.service.receipts
+        return signer.delegation.to_pb() if signer is not None else None
+
+    def _digesting(self, post: Callable, inputs: np.ndarray, position: int) -> Callable:
+        """``post`` that also signs the step's receipt: the output is hashed inside the forward's
+        post-processing, while a lent logits buffer is still this step's."""
+        signer, key, start = self.service.receipts, self.open_key, self.effective_start
+        assert signer is not None
+        end, count = self.service.backend.layer_range.end, int(inputs.shape[0])
+
+        def signed(output: np.ndarray):
+            answer = post(output)
+            digest = (tail_digest(answer.token, output) if isinstance(answer, TailAnswer) else rows_digest(output))
+            self._signed = signer.sign(key.session_id, key.epoch, start, end, position, count,
+                                       rows_digest(inputs), digest)
+            return answer
+        return signed
+
+    def _take_receipt(self) -> bytes:
+        signed, self._signed = self._signed or b"", None
+        return signed
 
     def _grant(self) -> list[bytes]:
         ledger = self.open_ledger
@@ -474,7 +506,7 @@ class SessionStream:
         tensors, sample = _parts(result.payload)
         if self.push is not None:
             return [PushChunk(out_env, tensors, sample), *self._grant()]
-        return [wire.response_chunk(out_env, tensors, sample=sample), *self._grant()]
+        return [wire.response_chunk(out_env, tensors, sample=sample, receipt=self._take_receipt()), *self._grant()]
 
     def _on_decode(self, req: pb.SessionRequest, tensors) -> Sequence[Output]:
         d = req.decode
@@ -488,7 +520,7 @@ class SessionStream:
         if self.push is not None:
             return [PushDecode(d, result), *self._grant()]
         return [decode_answer(d.idempotency_step, result.past_len, result.duplicate, result.execution_nanos,
-                              result.payload), *self._grant()]
+                              result.payload, receipt=self._take_receipt()), *self._grant()]
 
     def _on_flow_control(self, req: pb.SessionRequest, _tensors) -> list[bytes]:
         return []  # responses answer requests one to one; the peer's grants need no bookkeeping
