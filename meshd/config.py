@@ -74,6 +74,10 @@ MAX_LLAMA_KV_STREAMS = 256
 REACHABILITY_MODES = ("auto", "public", "private")
 # How the entry drives a route (meshd/generate/push.py); push is the default: fewer network legs.
 ROUTE_TOPOLOGIES = ("push", "star")
+# Audits (meshd/generate/audit.py): the share of each hop's steps the entry re-runs on another
+# replica. A few percent catches a hop that lies on every step within 2/rate of its steps for
+# about that much more compute; "all" (1.0) checks every step before its token is streamed.
+DEFAULT_VERIFY_RATE = 0.03
 EXPERT_ACTS = ("f32", "q8")
 # The HTTP API listens on loopback unless told otherwise (secure by default).
 DEFAULT_API_LISTEN = "127.0.0.1:8080"
@@ -95,6 +99,25 @@ MODEL_ROOT_RE = re.compile(r"^(?:(?P<name>[A-Za-z0-9][A-Za-z0-9._-]{0,63})@)?(?P
 # Host names / web origins an operator may list (each at most MAX_NAME_CHARS).
 MAX_API_NAMES = 32
 MAX_NAME_CHARS = 253
+
+
+def parse_verify_rate(value: object) -> float:
+    """``--verify``: a rate in [0, 1], a percentage ("3%") or "all" (1.0); ConfigError otherwise."""
+    if isinstance(value, bool):
+        raise ConfigError(f"verify must be a rate in [0, 1], a percentage or \"all\", not {value!r}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        try:
+            rate = 1.0 if text == "all" else float(text[:-1]) / 100 if text.endswith("%") else float(text)
+        except ValueError:
+            raise ConfigError(f"verify must be a rate in [0, 1], a percentage or \"all\", not {value!r}") from None
+    elif isinstance(value, (int, float)):
+        rate = float(value)
+    else:
+        raise ConfigError(f"verify must be a rate in [0, 1], a percentage or \"all\", not {value!r}")
+    if not 0.0 <= rate <= 1.0:      # (NaN fails this too)
+        raise ConfigError(f"verify must be a rate in [0, 1], a percentage or \"all\", not {value!r}")
+    return rate
 
 
 def split_host_port(text: str) -> tuple[str, int]:
@@ -234,6 +257,9 @@ class DaemonConfig:
     # push (hops + 1 legs per token); "star" keeps the entry carrying every boundary. Routes push
     # cannot serve (a relayed hop, no certificate pin) run as a star either way (generate/push.py).
     route_topology: str = "push"
+    # `--verify RATE|all` (a float in [0, 1], "N%" or "all"): audits of the star routes this node
+    # drives (meshd/generate/audit.py); 0 turns them off.
+    verify_rate: float = DEFAULT_VERIFY_RATE
     # MoE (meshd/daemon/experts_part.py): the experts held ("L:E0-E7,..." or "auto"), the holder's row format.
     experts: str | None = None
     expert_act: str = "f32"
@@ -261,6 +287,7 @@ class DaemonConfig:
                               f"not {self.reachability!r}")
         if self.route_topology not in ROUTE_TOPOLOGIES:
             raise ConfigError(f"route_topology must be one of {', '.join(ROUTE_TOPOLOGIES)}")
+        object.__setattr__(self, "verify_rate", parse_verify_rate(self.verify_rate))
         object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
         if self.model is not None:
             named = MODEL_ROOT_RE.match(str(self.model))

@@ -45,11 +45,13 @@ our own bad arguments.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat
 from google.protobuf.message import DecodeError
 
 from proto import shard_runtime_pb2 as pb
@@ -80,6 +82,8 @@ MAX_DELEGATION_BYTES = 512
 # How long a worker's receipt key is certified for: a run is re-certified by the
 # daemon on restart; a day bounds what a key leaked from a dead run is worth.
 DELEGATION_TTL_MS = 24 * 3600 * 1000
+# The worker's key file (see the module doc): this tag, the 32-byte seed, then the certificate.
+KEY_FILE_MAGIC = b"meshd-receipt-key-v1\n"
 
 
 def rows_digest(rows: np.ndarray) -> bytes:
@@ -290,3 +294,21 @@ class ReceiptSigner:
              input_sha256: bytes, output_sha256: bytes) -> bytes:
         return sign_receipt(Receipt(session_id, epoch, start, end, first_position, count, input_sha256,
                                     output_sha256, self.peer_id), self._key)
+
+    def key_file_bytes(self) -> bytes:
+        """What the daemon writes for its worker: KEY_FILE_MAGIC, the 32-byte seed, the certificate."""
+        seed = self._key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+        return KEY_FILE_MAGIC + seed + self.delegation.to_pb().SerializeToString()
+
+    @classmethod
+    def from_key_file(cls, data: bytes, peer_id_of: Callable[[bytes], str]) -> ReceiptSigner:
+        """The worker's side of ``key_file_bytes`` (``peer_id_of``: the node key's peer id); a
+        PayloadCorrupt for anything else."""
+        head = len(KEY_FILE_MAGIC) + ED25519_KEY_BYTES
+        if len(data) > head + MAX_DELEGATION_BYTES or not data.startswith(KEY_FILE_MAGIC) or len(data) <= head:
+            raise PayloadCorrupt("not a receipt key file")
+        key = Ed25519PrivateKey.from_private_bytes(data[len(KEY_FILE_MAGIC):head])
+        delegation = parse_delegation(data[head:])
+        if public_key_bytes(key) != delegation.delegate_public_key:
+            raise PayloadCorrupt("the receipt key file's key is not the one its certificate names")
+        return cls(peer_id_of(delegation.node_public_key), key, delegation)

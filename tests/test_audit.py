@@ -168,3 +168,24 @@ def test_at_the_default_rate_a_liar_is_caught_within_3_over_rate_of_its_steps(li
     within = [n for n in caught_at if n <= bound]
     assert len(within) >= math.ceil(0.95 * TRIALS), caught_at
     assert len(set(caught_at)) > 5        # the steps audited differ from seed to seed
+
+
+def test_the_verify_setting_reaches_the_config_from_the_flag_and_the_file(tmp_path):
+    import argparse
+
+    from meshd.cli import join
+    from meshd.config import DaemonConfig, load_config
+    from meshd.errors import ConfigError
+
+    parser = argparse.ArgumentParser()
+    join.add_arguments(parser)
+    assert parser.parse_args([]).verify_rate is None
+    assert DaemonConfig().verify_rate == DEFAULT_VERIFY_RATE
+    assert load_config(None, {"verify_rate": parser.parse_args(["--verify", "all"]).verify_rate}).verify_rate == 1.0
+    assert load_config(None, {"verify_rate": "2%"}).verify_rate == pytest.approx(0.02)
+    file = tmp_path / "meshd.toml"
+    file.write_text('verify_rate = 0\n')
+    assert load_config(file, {}).verify_rate == 0.0
+    for bad in ("sometimes", 1.5, True, "nan"):
+        with pytest.raises(ConfigError, match="verify"):
+            DaemonConfig(verify_rate=bad)

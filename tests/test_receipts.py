@@ -156,3 +156,60 @@ def test_fuzz_receipt_fields(epoch, start, end, first, count, peer, digest):
 def test_signing_a_receipt_needs_an_ed25519_key():
     with pytest.raises(LocalError):
         sign_receipt(receipt(), object())  # type: ignore[arg-type]
+
+
+# -- the worker's key: from the daemon to its worker (meshd/daemon/worker_process.py, meshd/cli/worker.py) --
+def _spec(tmp_path, node_key=NODE):
+    from meshd.daemon.worker_process import WorkerSpec
+    from meshd.reach.tls import TlsMaterial
+
+    tls = TlsMaterial(tmp_path / "c.pem", tmp_path / "k.pem", b"", bytes(32))
+    return WorkerSpec(model=tmp_path, layers=(0, 2), run_dir=tmp_path, tls=tls, node_key=node_key)
+
+
+def test_the_worker_key_travels_in_a_0600_file_read_once(tmp_path):
+    import os
+    import stat
+
+    from dht.identity import peer_id_from_public_key
+    from meshd.cli.worker import read_receipt_key
+
+    spec = _spec(tmp_path)
+    path = spec.write_receipt_key(NOW_MS)
+    assert path is not None and stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    cmd, env = spec.command(tmp_path / "ready", path), spec.env()
+    secret = path.read_bytes()
+    assert cmd[cmd.index("--receipt-key") + 1] == str(path)
+    seed_hex = secret[len(b"meshd-receipt-key-v1\n"):][:32].hex()
+    assert not any(seed_hex in part for part in cmd) and not any(seed_hex in v for v in env.values())
+    signer = read_receipt_key(path)
+    assert not path.exists()                                 # read once, then gone
+    node_pub = public_key_bytes(NODE)
+    verify_delegation(signer.delegation, NOW_MS, node_pub)
+    assert signer.peer_id == peer_id_from_public_key(node_pub)
+    data = signer.sign("s" * 32, 0, 0, 2, 0, 1, D_IN, D_OUT)
+    assert verify_receipt(parse_signed_receipt(data), signer.delegation).peer_id == signer.peer_id
+    # each run gets a fresh key
+    again = read_receipt_key(spec.write_receipt_key(NOW_MS))
+    assert again.delegation.delegate_public_key != signer.delegation.delegate_public_key
+    assert _spec(tmp_path, node_key=None).write_receipt_key(NOW_MS) is None
+    assert "--receipt-key" not in _spec(tmp_path, node_key=None).command(tmp_path / "ready")
+
+
+def test_a_key_file_others_can_read_or_a_foreign_one_is_refused(tmp_path):
+    import os
+
+    from meshd.cli.worker import read_receipt_key
+
+    path = _spec(tmp_path).write_receipt_key(NOW_MS)
+    assert path is not None
+    os.chmod(path, 0o644)
+    with pytest.raises(OSError, match="0600"):
+        read_receipt_key(path)
+    assert not path.exists()                                 # refused and removed all the same
+    bad = tmp_path / "bad.key"
+    fd = os.open(bad, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"meshd-receipt-key-v1\n" + b"\x00" * 40)
+    os.close(fd)
+    with pytest.raises(ProtocolError):
+        read_receipt_key(bad)

@@ -124,3 +124,41 @@ def test_libp2p_peer_ids_bind_their_own_key_only():
     assert not peer_id_binds(peer_id_from_public_key(key), public_key_bytes(NODE_KEYS["peer-b"]))
     assert not peer_id_binds("peer-a", b"short")
     assert rows_digest(np.zeros(1)) != rows_digest(np.zeros(2))
+
+
+def test_a_real_worker_signs_with_the_key_its_daemon_handed_it(tmp_path, model):
+    """``meshd worker --receipt-key FILE`` in its own process, over loopback gRPC: every answer
+    carries a receipt under the key the daemon's WorkerSpec certified; the file is gone once read."""
+    from meshd.daemon.worker_process import WorkerSpec
+    from meshd.generate.driver import GenerationRequest, SwarmDriver
+    from meshd.generate.routes import PeerConnector, discover_fingerprint, fixed_route
+    from meshd.reach.tls import TlsMaterial
+    from meshd.testing.procs import spawn_worker
+
+    node = NODE_KEYS["peer-a"]
+    spec = WorkerSpec(model=model, layers=(0, 6), run_dir=tmp_path, node_key=node,
+                      tls=TlsMaterial(tmp_path / "c.pem", tmp_path / "k.pem", b"", bytes(32)))
+    key_file = spec.write_receipt_key(time_ms())
+    assert key_file is not None
+    worker = spawn_worker(model, "0:6", threads=1, extra=["--receipt-key", str(key_file)])
+    try:
+        assert not key_file.exists()
+        source = fixed_route([(worker.endpoint, 0, 6)], 6)
+        connector = PeerConnector(insecure_loopback=True)
+        check = ReceiptCheck(binds=lambda peer, key: key == public_key_bytes(node), required=True)
+        driver = SwarmDriver(source, connector, fingerprint=discover_fingerprint(connector, source.route),
+                             receipts=check)
+        tokens = []
+        for token in driver.generate(GenerationRequest(tuple(range(5, 45)), 4, chunk_tokens=16)):
+            tokens.append(token.id)
+            (link,) = driver._links
+            assert link.receipts and link.delegation is not None
+        assert tokens == whole_tokens(4)
+    finally:
+        worker.stop()
+
+
+def time_ms() -> int:
+    import time
+
+    return time.time_ns() // 1_000_000

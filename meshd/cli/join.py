@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", choices=("push", "star"), dest="route_topology",
                         help="push (default): each hop sends its rows to the next (hops + 1 legs per token); "
                              "star: the entry carries every boundary (2 x hops)")
+    parser.add_argument("--verify", metavar="RATE|all", dest="verify_rate",
+                        help="re-run this share of each hop's steps on another replica and exclude a peer "
+                             "that answered otherwise (default 0.03; all: every step, before its token is "
+                             "streamed; 0: off). Star routes only for now")
     parser.add_argument("--api-listen", metavar="HOST:PORT|off",
                         help="the HTTP API, metrics and dashboard (default 127.0.0.1:8080; port 0: any free port); "
                              "beyond loopback it needs a key (--api-key-file or MESHD_API_KEY)")
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             "swarm": args.swarm, "mdns": args.mdns,
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "refill_wait_s": args.refill_wait_s,
-            "route_topology": args.route_topology,
+            "route_topology": args.route_topology, "verify_rate": args.verify_rate,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,
             "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,

@@ -54,6 +54,7 @@ import ipaddress
 import json
 import logging
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -96,6 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--frames-listen", help="HOST:PORT of the framed fast path (Session frames over TLS, "
                         "the --tls-cert certificate; shard/edges/frame_server.py)")
     parser.add_argument("--ready-file", help="write {listen, tls_listen, unix, pid} JSON here once validated")
+    parser.add_argument("--receipt-key", metavar="FILE",
+                        help="sign step receipts with the key in FILE (written 0600 by the daemon; read, then "
+                             "deleted)")
     parser.add_argument("--llama-kv-streams", type=_kv_streams, default="auto", metavar="N|auto",
                         help="llama.cpp KV layout: N = one stream of kv-budget/N tokens per session, at most N "
                              "sessions (bit-exact under concurrency); auto (default) = kv-budget/512 streams, at "
@@ -202,6 +206,28 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())[:500] or type(exc).__name__
 
 
+# A key file is ~200 bytes (proto/receipts.py); anything much larger is not one.
+MAX_RECEIPT_KEY_FILE_BYTES = 4096
+
+
+def read_receipt_key(path: Path):
+    """The daemon's receipt key for this run (proto.receipts.ReceiptSigner): read once and unlinked;
+    refused unless it is a regular file of ours that only we can read."""
+    from dht.identity import peer_id_from_public_key
+    from proto.receipts import ReceiptSigner
+
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise OSError(f"{path} must be a regular file of this user, mode 0600")
+        data = os.read(fd, MAX_RECEIPT_KEY_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return ReceiptSigner.from_key_file(data, peer_id_from_public_key)
+
+
 def _load_and_validate(args: argparse.Namespace):
     """(service, router, None) once validated, or (None, None, the one-line reason it cannot serve)."""
     from meshd.cli import expert_worker
@@ -297,6 +323,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"cannot load {args.model} layers {args.layers}: {failure}", file=sys.stderr, flush=True)
         return 1
     service.push_dialer = push_dialer
+    if args.receipt_key:
+        try:
+            service.receipts = read_receipt_key(Path(args.receipt_key))
+        except (OSError, MeshdError) as exc:
+            print(f"cannot use the receipt key {args.receipt_key}: {exc}", file=sys.stderr, flush=True)
+            return 1
     edges = WorkerEdges(service, listen=args.listen, tls_listen=args.tls_listen, tls_cert=args.tls_cert,
                         tls_key=args.tls_key, unix_listen=args.unix_listen, frames_listen=args.frames_listen)
     from meshd.cli.common import ready_to_exit, stop_on_signals

@@ -452,6 +452,7 @@ async def run_daemon(config: DaemonConfig, progress: Progress, *, handle_signals
                     w = config.worker
                     moe = node.experts if node.experts is not None and node.experts.holder else None
                     spec = WorkerSpec.of_node(config, config.layers, tls=tls, tls_host=node.tls_bind_host,
+                                              node_key=identity.signing_key,
                                               experts=config.experts if moe else None,
                                               expert_peers=moe.peers_file if moe else None,
                                               expert_act=config.expert_act, offload_experts=config.offload_experts)

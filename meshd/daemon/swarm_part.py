@@ -60,6 +60,7 @@ import trio
 
 from meshd.daemon.worker_slot import WorkerSlot
 from meshd.errors import DaemonError
+from meshd.generate.audit import AuditBook
 from meshd.generate.entry_view import OwnWorker
 from meshd.generate.routes import LoadBook
 from meshd.plan.adverts import CoverageMap, Span
@@ -120,6 +121,7 @@ class Swarm:
         self._tokenizer_known = trio.Event()
         self.context_tokens = 0   # the model's trained context (set with the model's description)
         self.load = LoadBook()   # our running generations' sessions per peer (routes spread by it)
+        self.audit_book = AuditBook()   # our audits' figures and the peers they caught (generate/audit.py)
         self.started = time.monotonic()
 
     # ------------------------------------------------------------------ setup

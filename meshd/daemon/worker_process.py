@@ -23,16 +23,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from meshd.config import DEFAULT_KV_BUDGET_TOKENS
 from meshd.daemon.supervisor import OnReady, WorkerReady, WorkerState
 from meshd.errors import WorkerFailed
 from meshd.reach.tls import TlsMaterial, loopback_channel
 from proto import shard_runtime_pb2 as pb
+from proto.receipts import ReceiptSigner
 from shard.session.worklog import is_trace_line
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,8 @@ MAX_LINE_CHARS = 2000
 
 # sun_path is 108 bytes on Linux, with its terminating NUL.
 MAX_UNIX_PATH_BYTES = 100
+# The worker's receipt key for one run (WorkerSpec.write_receipt_key), in the private run dir.
+RECEIPT_KEY_FILE = "worker-receipt.key"
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +80,37 @@ class WorkerSpec:
     batching: bool = True
     llama_kv_streams: int | str = "auto"   # WorkerConfig.llama_kv_streams
     model_root: str | None = None   # --model ROOT: the root the worker's report must name
+    # The node's key: each run of the worker gets a fresh receipt key it certifies (proto/receipts.py),
+    # handed over in a 0600 file of the private run dir that the worker unlinks (never argv or env).
+    node_key: Ed25519PrivateKey | None = field(default=None, repr=False, compare=False)
 
     @classmethod
-    def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str, **moe) -> WorkerSpec:
+    def of_node(cls, config, layers: tuple[int, int], *, tls: TlsMaterial, tls_host: str,
+                node_key: Ed25519PrivateKey | None = None, **moe) -> WorkerSpec:
         """The spec a daemon with ``config`` (meshd.config.Config) starts for ``layers``: the
         ``[worker]`` settings, one place for the fixed-range worker and the assigned slot."""
         w = config.worker
         return cls(model=config.model, layers=layers, run_dir=config.data_dir, tls=tls, tls_host=tls_host,
                    dtype=w.dtype, backend=w.backend, kv_budget_tokens=w.kv_budget_tokens,
                    torch_threads=w.torch_threads, batching=w.batching, llama_kv_streams=w.llama_kv_streams,
-                   ready_timeout_s=w.ready_timeout_s, model_root=config.model_root, **moe)
+                   ready_timeout_s=w.ready_timeout_s, model_root=config.model_root, node_key=node_key, **moe)
 
-    def command(self, ready_file: Path) -> list[str]:
+    def write_receipt_key(self, now_ms: int) -> Path | None:
+        """A fresh receipt key for the next run, certified by the node key, in a new 0600 file of
+        the private run dir (None without a node key)."""
+        if self.node_key is None:
+            return None
+        path = self.run_dir / RECEIPT_KEY_FILE
+        path.unlink(missing_ok=True)
+        signer = ReceiptSigner.fresh("self", self.node_key, now_ms)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, signer.key_file_bytes())
+        finally:
+            os.close(fd)
+        return path
+
+    def command(self, ready_file: Path, receipt_key: Path | None = None) -> list[str]:
         cmd = [sys.executable, "-m", "meshd", "worker", "--model", str(self.model),
                "--layers", f"{self.layers[0]}:{self.layers[1]}", "--listen", "127.0.0.1:0",
                "--dtype", self.dtype, "--backend", self.backend,
@@ -107,6 +130,7 @@ class WorkerSpec:
             cmd += ["--expert-act", self.expert_act] + (["--experts", self.experts] if self.experts else [])
             cmd += ["--expert-peers", str(self.expert_peers)] if self.expert_peers else []
             cmd += ["--offload-experts"] if self.offload_experts else []
+        cmd += ["--receipt-key", str(receipt_key)] if receipt_key is not None else []
         return cmd + ["--unix-listen", str(self.socket_path())]
 
     def socket_path(self) -> Path:
@@ -186,7 +210,13 @@ class WorkerProcess:
         log_path = spec.run_dir / "worker.log"
         state.log_path = str(log_path)
         ready_line = trio.Event()
-        proc = ChildProcess.spawn(spec.command(ready_file), spec.env())
+        receipt_key = spec.write_receipt_key(time.time_ns() // 1_000_000)
+        try:
+            proc = ChildProcess.spawn(spec.command(ready_file, receipt_key), spec.env())
+        except BaseException:
+            if receipt_key is not None:
+                receipt_key.unlink(missing_ok=True)
+            raise
         state.pid = proc.pid
         try:
             async with trio.open_nursery() as nursery:
@@ -209,6 +239,8 @@ class WorkerProcess:
                 nursery.cancel_scope.cancel()
                 return code
         finally:
+            if receipt_key is not None:
+                receipt_key.unlink(missing_ok=True)   # the worker unlinks it once read; a failed start may not
             with trio.CancelScope(shield=True):
                 await self.stop_and_drain(proc, log_path, state)
 

@@ -54,7 +54,8 @@ class WorkerSlot:
             await trio.sleep_forever()
 
     def spec(self, layers: tuple[int, int], model: Path | None = None) -> WorkerSpec:
-        spec = WorkerSpec.of_node(self.node.config, layers, tls=self.node.tls, tls_host=self.node.tls_bind_host)
+        spec = WorkerSpec.of_node(self.node.config, layers, tls=self.node.tls, tls_host=self.node.tls_bind_host,
+                                  node_key=self.node.identity.signing_key)
         return spec if model is None else replace(spec, model=model)
 
     async def drop(self) -> None:

@@ -50,15 +50,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from meshd.errors import HopFailure
+from meshd.config import DEFAULT_VERIFY_RATE, parse_verify_rate
+from meshd.errors import ConfigError, HopFailure
 from meshd.generate.hop_link import HopLink, StepCounter, TailOut
 from meshd.plan.routing import Hop
 from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError
 
-# A few percent of each hop's steps: a hop that lies on every step is caught
-# within 2/rate of its steps (67 at 3 %), for about 3 % more compute.
-DEFAULT_VERIFY_RATE = 0.03
 VERIFY_ALL = "all"
 # Audit links kept open at once (one per audited hop range, normally a handful).
 MAX_AUDIT_LINKS = 16
@@ -86,15 +84,11 @@ class VerifyPolicy:
 
     @classmethod
     def parse(cls, text: str, **kw) -> VerifyPolicy:
-        """``--verify RATE|all``: a fraction (0.03), a percentage (3%), or all."""
-        t = text.strip().lower()
-        if t == VERIFY_ALL:
-            return cls(1.0, **kw)
+        """``--verify RATE|all``: a fraction (0.03), a percentage (3%), or all (meshd.config)."""
         try:
-            rate = float(t[:-1]) / 100 if t.endswith("%") else float(t)
-        except ValueError:
-            raise LocalError(f"--verify takes a rate in [0, 1], a percentage or {VERIFY_ALL!r}, got {text!r}") from None
-        return cls(rate, **kw)
+            return cls(parse_verify_rate(text), **kw)
+        except ConfigError as exc:
+            raise LocalError(str(exc)) from None
 
     @property
     def enabled(self) -> bool:

@@ -86,10 +86,14 @@ class ReceiptCheck:
             raise ProtocolViolation("the hop certified a receipt key but sent no receipt for a step")
         signed = parse_signed_receipt(data)
         r: Receipt = verify_receipt(signed, delegation)
-        want = (session_id, epoch, start, end, first, int(inputs.shape[0]), peer_id)
-        got = (r.session_id, r.epoch, r.start, r.end, r.first_position, r.count, r.peer_id)
+        want = (session_id, epoch, start, end, first, int(inputs.shape[0]))
+        got = (r.session_id, r.epoch, r.start, r.end, r.first_position, r.count)
         if got != want:
             raise PayloadCorrupt(f"the step receipt names {got}, the step was {want}")
+        # the signer names itself by the peer id the entry dialled or by its node key's own id
+        # (a fixed route's hops are named by their endpoints)
+        if r.peer_id != peer_id and not peer_id_binds(r.peer_id, delegation.node_public_key):
+            raise PayloadCorrupt(f"the step receipt names peer {r.peer_id[:60]!r}, not the one that signed it")
         if r.input_sha256 != rows_digest(inputs):
             raise PayloadCorrupt("the step receipt's input digest is not the rows this entry sent")
         if output is not None and r.output_sha256 != rows_digest(output):

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 import trio
 
+from meshd.generate.audit import VerifyPolicy
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, PromptTooLarge, SampledToken, SwarmDriver
 from meshd.generate.entry_view import EntryView
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
@@ -218,6 +219,8 @@ def swarm_driver(swarm: EntryView, observer: HopObserver | None = None,
                         topology=topology or swarm.config.route_topology,
                         fingerprint=fingerprint, context_tokens=swarm.context_tokens,
                         replan_wait_s=swarm.config.refill_wait,
+                        verify=VerifyPolicy(swarm.config.verify_rate),
+                        audit_book=getattr(swarm, "audit_book", None),   # the node's: exclusions outlive a generation
                         on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
