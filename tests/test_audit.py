@@ -189,3 +189,24 @@ def test_the_verify_setting_reaches_the_config_from_the_flag_and_the_file(tmp_pa
     for bad in ("sometimes", 1.5, True, "nan"):
         with pytest.raises(ConfigError, match="verify"):
             DaemonConfig(verify_rate=bad)
+
+
+def test_metrics_and_status_show_audits_mismatches_and_excluded_peers():
+    from meshd.api.metrics import ApiMetrics
+    from meshd.cli.status_view import render_audits
+
+    book = AuditBook()
+    book.count(audits=7, unaudited=2)
+    book.exclude("peer-l", "rows differ")
+    book.exclude("peer-l", "again")                 # one peer, two mismatches
+    metrics = ApiMetrics(probe=lambda: {"audits": book.snapshot()})
+    text = metrics.render().decode()
+    for line in ("meshd_audits_total 7.0", "meshd_audit_mismatches_total 2.0", "meshd_audits_skipped_total 2.0",
+                 "meshd_excluded_peers 1.0"):
+        assert line in text
+    assert "meshd_audits_total 0.0" in ApiMetrics(probe=lambda: {}).render().decode()
+    lines = render_audits({"verify_rate": 0.03, **book.snapshot()})
+    assert lines[0] == "audits     3.0% of each hop's steps: 7 run, 2 mismatches, 2 skipped (no replica)"
+    assert lines[1:] == ["  excluded peer-l"]
+    assert render_audits({"verify_rate": 1.0})[0].startswith("audits     every step")
+    assert render_audits({"verify_rate": 0.0})[0].startswith("audits     off")

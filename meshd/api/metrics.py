@@ -25,6 +25,10 @@ and the mesh's own:
     meshd_failovers_total                  hop failures the driver routed around
     meshd_layer_coverage{layer}            peers serving each layer (0: a gap)
     meshd_tracker_role                     1 while this node has tracker duty
+    meshd_audits_total                     steps re-run on another replica and compared (generate/audit.py)
+    meshd_audit_mismatches_total           audits whose replica disagreed (the peer was excluded)
+    meshd_audits_skipped_total             steps picked for an audit that no replica could re-run
+    meshd_excluded_peers                   peers this entry's routes avoid after a mismatch
 
 State: the registry and its metrics. Counters are updated from trio and
 from the driver's thread (prometheus_client is thread-safe); the gauges
@@ -37,7 +41,7 @@ import threading
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Distinct peer label values we keep; more peers than this share "other"
 # (the model index holds at most 128 peers per model).
@@ -46,7 +50,8 @@ STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-NodeProbe = Callable[[], dict]   # {"kv_ratio", "kv_tokens", "coverage": [n per layer], "on_duty": bool}
+# {"kv_ratio", "kv_tokens", "coverage": [n per layer], "on_duty": bool, "audits": AuditBook.snapshot()}
+NodeProbe = Callable[[], dict]
 
 
 class _NodeCollector:
@@ -68,7 +73,14 @@ class _NodeCollector:
             coverage.add_metric([str(layer)], float(count))
         duty = GaugeMetricFamily("meshd_tracker_role", "1 while this node has tracker duty")
         duty.add_metric([], 1.0 if state.get("on_duty") else 0.0)
-        return [kv, kv_tokens, coverage, duty]
+        audits = state.get("audits") or {}
+        counts = [CounterMetricFamily(name, doc, value=float(audits.get(key) or 0)) for name, doc, key in (
+            ("meshd_audits", "Steps re-run on another replica and compared", "audits"),
+            ("meshd_audit_mismatches", "Audits whose replica disagreed (the peer was excluded)", "mismatches"),
+            ("meshd_audits_skipped", "Steps picked for an audit that no replica could re-run", "unaudited"))]
+        excluded = GaugeMetricFamily("meshd_excluded_peers", "Peers this entry's routes avoid after a mismatch",
+                                     value=float(len(audits.get("excluded") or ())))
+        return [kv, kv_tokens, coverage, duty, *counts, excluded]
 
 
 class ApiMetrics:

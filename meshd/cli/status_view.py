@@ -150,6 +150,18 @@ def render_discovery(d: dict | None) -> list[str]:
     return lines
 
 
+def render_audits(a: dict | None) -> list[str]:
+    """Our audits of the routes we drive (meshd/generate/audit.py) and the peers they excluded."""
+    if not a:
+        return []
+    rate = a.get("verify_rate", 0.0)
+    head = "off" if not rate else "every step" if rate >= 1 else f"{rate:.1%} of each hop's steps"
+    lines = [f"audits     {head}: {a.get('audits', 0)} run, {a.get('mismatches', 0)} mismatches, "
+             f"{a.get('unaudited', 0)} skipped (no replica)"]
+    lines += [f"  excluded {peer}" for peer in a.get("excluded", [])[:MAX_PEERS_LISTED]]
+    return lines
+
+
 def render_status(s: dict) -> str:
     own, worker = s["own"], s["worker"]
     lines = [f"peer id    {s['peer_id']}"]
@@ -208,6 +220,7 @@ def render_status(s: dict) -> str:
         if moe:
             lines.append(f"experts    exchange {moe['bytes_sent_per_position']:.0f} B/position sent, "
                          f"{moe['bytes_received_per_position']:.0f} received, {moe['failovers']} failovers")
+    lines += render_audits(s.get("audits"))
     lines += render_library(s.get("libp2p"))
     lines += render_http(s.get("http"))
     lines += render_fetch(s.get("fetch"))

@@ -161,8 +161,10 @@ class ApiPart:
         sup = self.node.supervisor
         health = sup.state.health if sup is not None else {}
         cmap = self._coverage()
+        swarm = self.node.swarm
         return {"kv_ratio": health.get("kv_pressure", 0.0), "kv_tokens": health.get("kv_tokens_used", 0),
-                "coverage": list(cmap.counts) if cmap is not None else [], "on_duty": self._on_duty()[1]}
+                "coverage": list(cmap.counts) if cmap is not None else [], "on_duty": self._on_duty()[1],
+                "audits": swarm.audit_book.snapshot() if swarm is not None else {}}
 
     def _peer_view(self, ad, me: str, now: int, snap) -> dict:
         """One peer as the dashboard shows it: its record's claims beside what its worker says now."""

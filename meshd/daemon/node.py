@@ -378,6 +378,9 @@ class Node:
                          for d, v in coverage.items()},
             # layers of our model without a server, and what closes them (meshd/swarm/view.py pool_status)
             "pool": self.swarm.pool_status() if self.swarm is not None else None,
+            # our audits of the routes we drive (meshd/generate/audit.py): figures and the peers caught
+            "audits": {"verify_rate": self.config.verify_rate,
+                       **(self.swarm.audit_book.snapshot() if self.swarm is not None else {})},
         }
 
 
