@@ -210,3 +210,75 @@ def test_metrics_and_status_show_audits_mismatches_and_excluded_peers():
     assert lines[1:] == ["  excluded peer-l"]
     assert render_audits({"verify_rate": 1.0})[0].startswith("audits     every step")
     assert render_audits({"verify_rate": 0.0})[0].startswith("audits     off")
+
+
+# -- the torch lane with batching on: a bound measured from its own drift ---------------------------
+def _batch_drift(backend, start: int, sessions: int = 8, steps: int = 24) -> float:
+    """The largest relative difference between a decode row computed in a batch of ``sessions``
+    and the same row computed alone, over ``steps`` decode steps (the KV drifts along)."""
+    rng = np.random.default_rng(start)
+    prompts = [rng.integers(0, backend.vocab_size, 12 + steps) if start == 0 else
+               rng.normal(0, 1, (12 + steps, backend.hidden_size)).astype(backend.boundary_dtype)
+               for _ in range(sessions)]
+    alone, batched = [backend.new_cache(64) for _ in prompts], [backend.new_cache(64) for _ in prompts]
+    for p, a, b in zip(prompts, alone, batched):
+        backend.forward(a, p[:12], effective_start=start)
+        backend.forward(b, p[:12], effective_start=start)
+    worst = 0.0
+    for step in range(steps):
+        rows = [p[12 + step:13 + step] for p in prompts]
+        together = backend.forward_batch(batched, rows, effective_start=start)
+        for cache, row, got in zip(alone, rows, together):
+            assert isinstance(got, np.ndarray)
+            one = backend.forward(cache, row, effective_start=start)
+            worst = max(worst, float(np.abs(one.astype(np.float64) - got).max() / np.abs(one).max()))
+    return worst
+
+
+def test_the_torch_batch_drift_is_far_inside_the_tolerance_and_a_lie_far_outside(model):
+    from meshd.generate.audit import TORCH_BATCH_TOLERANCE
+
+    drifts = {}
+    for start, end in ((0, 2), (2, 4), (4, 6)):
+        drifts[(start, end)] = _batch_drift(TorchRangeBackend.load(model, start, end), start)
+    print("torch batch drift (relative, worst row of 8 sessions x 24 steps):", drifts)
+    assert 0 < max(drifts.values()) < TORCH_BATCH_TOLERANCE / 10
+    # the mildest lie the test liar tells is orders of magnitude above the bound
+    middle = TorchRangeBackend.load(model, 2, 4)
+    rows = np.random.default_rng(3).normal(0, 1, (4, middle.hidden_size)).astype(np.float32)
+    honest = middle.forward(middle.new_cache(8), rows, effective_start=2)
+    liar = LyingBackend(middle, Perturb(share=1.0, scale=1e-3))
+    lied = liar.forward(liar.new_cache(8), rows, effective_start=2)
+    assert answers_agree(lied, honest, TORCH_BATCH_TOLERANCE)
+    assert answers_agree(honest + np.float32(0), honest, TORCH_BATCH_TOLERANCE) == ""
+
+
+def test_eight_concurrent_audited_generations_on_batching_workers_accuse_no_one(reference):
+    """c=8 through the same batching workers, every step audited within the torch bound."""
+    import threading
+
+    from meshd.generate.audit import TORCH_BATCH_TOLERANCE
+
+    swarm, _ = swarm_with(None)
+    book = AuditBook()
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            driver = swarm.driver(verify=VerifyPolicy(1.0, seed=i, tolerance=TORCH_BATCH_TOLERANCE),
+                                  audit_book=book)
+            results[i] = collect(driver, make_request(NEW_TOKENS))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=110)
+    assert not errors and len(results) == 8
+    print("rows batched with others:", {p: s.service.batcher.batched_rows for p, s in swarm.shards.items()})
+    assert book.mismatches == 0 and not book.excluded
+    assert book.audits == 8 * NEW_TOKENS
+    assert swarm.idle()

@@ -58,6 +58,12 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import LocalError
 
 VERIFY_ALL = "all"
+# The torch lane's batched forwards differ from single-row ones by rounding: measured on the
+# test Llama, a decode row computed in a batch of 8 sessions differs from the same row alone by at
+# most ~1e-6 of the rows' largest magnitude per hop (tests/test_audit.py measures it each run and
+# requires 10x headroom below this bound). 1e-4 leaves that margin for longer KV histories, while a
+# lie -- noise at 1 % of the rows' spread, a skipped layer, another dtype -- lands orders above it.
+TORCH_BATCH_TOLERANCE = 1e-4
 # Audit links kept open at once (one per audited hop range, normally a handful).
 MAX_AUDIT_LINKS = 16
 
@@ -93,6 +99,12 @@ class VerifyPolicy:
     @property
     def enabled(self) -> bool:
         return self.rate > 0
+
+    @classmethod
+    def for_lane(cls, rate: float, backend: str, **kw) -> VerifyPolicy:
+        """Exact on the llama.cpp lane (per-session KV streams); the torch lane's batch drift bound
+        otherwise (peers may batch even when this node does not)."""
+        return cls(rate, tolerance=0.0 if backend == "llama.cpp" else TORCH_BATCH_TOLERANCE, **kw)
 
 
 class AuditSampler:

@@ -219,7 +219,7 @@ def swarm_driver(swarm: EntryView, observer: HopObserver | None = None,
                         topology=topology or swarm.config.route_topology,
                         fingerprint=fingerprint, context_tokens=swarm.context_tokens,
                         replan_wait_s=swarm.config.refill_wait,
-                        verify=VerifyPolicy(swarm.config.verify_rate),
+                        verify=VerifyPolicy.for_lane(swarm.config.verify_rate, swarm.config.worker.backend),
                         audit_book=getattr(swarm, "audit_book", None),   # the node's: exclusions outlive a generation
                         on_failover=lambda e: failovers.append(
         {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
