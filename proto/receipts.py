@@ -8,7 +8,9 @@ too, instead of taking the accuser's word.
 
     Receipt          (session, epoch, [start, end) layers, first position, count,
                       sha256 of the input rows, sha256 of the output rows -- or of a
-                      tail's token and logits --, the serving node's peer id)
+                      tail's token and logits --, the serving node's peer id, and the
+                      chain of every input digest of the session so far: an output
+                      depends on the whole KV history, so a receipt pins all of it)
     SignedReceipt    {body: serialized StepReceipt, signature: delegate key over
                       RECEIPT_DOMAIN || body}; the entry keeps the bytes it got, so
                       no canonical re-encoding is ever needed to verify
@@ -58,7 +60,8 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import LimitExceeded, LocalError, PayloadCorrupt, ProtocolViolation
 from proto.records import ED25519_KEY_BYTES, ED25519_SIGNATURE_BYTES, public_key_bytes
 
-__all__ = ["Receipt", "Delegation", "sign_receipt", "parse_signed_receipt", "verify_receipt", "certify",
+__all__ = ["HISTORY_START", "chain_history",
+           "Receipt", "Delegation", "sign_receipt", "parse_signed_receipt", "verify_receipt", "certify",
            "parse_delegation", "verify_delegation", "rows_digest", "tail_digest", "RECEIPT_DOMAIN",
            "DELEGATION_DOMAIN", "DIGEST_BYTES", "MAX_RECEIPT_BYTES", "MAX_DELEGATION_BYTES", "ReceiptSigner"]
 
@@ -98,6 +101,15 @@ def rows_digest(rows: np.ndarray) -> bytes:
     return h.digest()
 
 
+# The history chain of a session before its first step.
+HISTORY_START = bytes(DIGEST_BYTES)
+
+
+def chain_history(previous: bytes, input_sha256: bytes) -> bytes:
+    """The session's input history after one more step: sha256(previous || this step's input digest)."""
+    return hashlib.sha256(b"history|" + previous + input_sha256).digest()
+
+
 def tail_digest(token: int | None, logits: np.ndarray | None) -> bytes:
     """sha256 of a tail's answer: its drawn token (None: no draw) and its logits rows' digest."""
     t = -1 if token is None else int(token)
@@ -118,6 +130,7 @@ class Receipt:
     input_sha256: bytes
     output_sha256: bytes
     peer_id: str
+    history_sha256: bytes
 
     def __post_init__(self) -> None:
         if not isinstance(self.session_id, str) or not 0 < len(self.session_id) <= MAX_SESSION_ID_LEN:
@@ -130,7 +143,7 @@ class Receipt:
             raise ProtocolViolation(f"a receipt's layers must satisfy 0 <= start < end <= {MAX_LAYERS}")
         if not (0 <= self.first_position < MAX_POSITION and 0 < self.count <= MAX_POSITION - self.first_position):
             raise ProtocolViolation("a receipt's positions are out of range")
-        for name in ("input_sha256", "output_sha256"):
+        for name in ("input_sha256", "output_sha256", "history_sha256"):
             value = getattr(self, name)
             if not isinstance(value, bytes) or len(value) != DIGEST_BYTES:
                 raise ProtocolViolation(f"a receipt's {name} must be {DIGEST_BYTES} bytes")
@@ -143,12 +156,13 @@ class Receipt:
         return pb.StepReceipt(route_session_id=self.session_id, route_epoch=self.epoch, start_layer=self.start,
                               end_layer=self.end, first_position=self.first_position, count=self.count,
                               input_sha256=self.input_sha256, output_sha256=self.output_sha256,
-                              peer_id=self.peer_id)
+                              peer_id=self.peer_id, history_sha256=self.history_sha256)
 
     @classmethod
     def from_pb(cls, m: pb.StepReceipt) -> Receipt:
         return cls(m.route_session_id, int(m.route_epoch), int(m.start_layer), int(m.end_layer),
-                   int(m.first_position), int(m.count), bytes(m.input_sha256), bytes(m.output_sha256), m.peer_id)
+                   int(m.first_position), int(m.count), bytes(m.input_sha256), bytes(m.output_sha256), m.peer_id,
+                   bytes(m.history_sha256))
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,9 +305,9 @@ class ReceiptSigner:
         return cls(peer_id, key, certify(node_key, public_key_bytes(key), now_ms + ttl_ms))
 
     def sign(self, session_id: str, epoch: int, start: int, end: int, first_position: int, count: int,
-             input_sha256: bytes, output_sha256: bytes) -> bytes:
+             input_sha256: bytes, output_sha256: bytes, history_sha256: bytes) -> bytes:
         return sign_receipt(Receipt(session_id, epoch, start, end, first_position, count, input_sha256,
-                                    output_sha256, self.peer_id), self._key)
+                                    output_sha256, self.peer_id, history_sha256), self._key)
 
     def key_file_bytes(self) -> bytes:
         """What the daemon writes for its worker: KEY_FILE_MAGIC, the 32-byte seed, the certificate."""

@@ -983,7 +983,7 @@ class DirectiveAck(_message.Message):
     def __init__(self, accepted: bool = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class StepReceipt(_message.Message):
-    __slots__ = ("route_session_id", "route_epoch", "start_layer", "end_layer", "first_position", "count", "input_sha256", "output_sha256", "peer_id")
+    __slots__ = ("route_session_id", "route_epoch", "start_layer", "end_layer", "first_position", "count", "input_sha256", "output_sha256", "peer_id", "history_sha256")
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     START_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -993,6 +993,7 @@ class StepReceipt(_message.Message):
     INPUT_SHA256_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_SHA256_FIELD_NUMBER: _ClassVar[int]
     PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_SHA256_FIELD_NUMBER: _ClassVar[int]
     route_session_id: str
     route_epoch: int
     start_layer: int
@@ -1002,7 +1003,8 @@ class StepReceipt(_message.Message):
     input_sha256: bytes
     output_sha256: bytes
     peer_id: str
-    def __init__(self, route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., first_position: _Optional[int] = ..., count: _Optional[int] = ..., input_sha256: _Optional[bytes] = ..., output_sha256: _Optional[bytes] = ..., peer_id: _Optional[str] = ...) -> None: ...
+    history_sha256: bytes
+    def __init__(self, route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., start_layer: _Optional[int] = ..., end_layer: _Optional[int] = ..., first_position: _Optional[int] = ..., count: _Optional[int] = ..., input_sha256: _Optional[bytes] = ..., output_sha256: _Optional[bytes] = ..., peer_id: _Optional[str] = ..., history_sha256: _Optional[bytes] = ...) -> None: ...
 
 class KeyDelegation(_message.Message):
     __slots__ = ("node_public_key", "delegate_public_key", "not_after_unix_ms", "signature")

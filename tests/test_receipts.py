@@ -35,7 +35,7 @@ D_IN, D_OUT = rows_digest(np.zeros((2, 4), np.float32)), rows_digest(np.ones((2,
 
 def receipt(**kw) -> Receipt:
     fields = dict(session_id="s" * 32, epoch=1, start=3, end=6, first_position=40, count=2,
-                  input_sha256=D_IN, output_sha256=D_OUT, peer_id="peer-b")
+                  input_sha256=D_IN, output_sha256=D_OUT, peer_id="peer-b", history_sha256=D_IN)
     fields.update(kw)
     return Receipt(**fields)  # type: ignore[arg-type]
 
@@ -43,7 +43,7 @@ def receipt(**kw) -> Receipt:
 def test_a_signed_receipt_verifies_under_its_certified_key():
     signer = ReceiptSigner.fresh("peer-b", NODE, NOW_MS)
     verify_delegation(signer.delegation, NOW_MS, public_key_bytes(NODE))
-    data = signer.sign("s" * 32, 1, 3, 6, 40, 2, D_IN, D_OUT)
+    data = signer.sign("s" * 32, 1, 3, 6, 40, 2, D_IN, D_OUT, D_IN)
     assert len(data) < 260   # the per-step cost on the wire
     got = verify_receipt(parse_signed_receipt(data), signer.delegation)
     assert got == receipt()
@@ -56,7 +56,7 @@ def test_a_signed_receipt_verifies_under_its_certified_key():
 def test_a_receipt_under_another_key_or_altered_is_refused():
     signer = ReceiptSigner.fresh("peer-b", NODE, NOW_MS)
     other = ReceiptSigner.fresh("peer-b", NODE, NOW_MS)
-    data = signer.sign("s" * 32, 1, 3, 6, 40, 2, D_IN, D_OUT)
+    data = signer.sign("s" * 32, 1, 3, 6, 40, 2, D_IN, D_OUT, D_IN)
     with pytest.raises(PayloadCorrupt, match="signature"):
         verify_receipt(parse_signed_receipt(data), other.delegation)
     outer = pb.SignedReceipt.FromString(data)
@@ -144,7 +144,7 @@ def test_fuzz_receipt_fields(epoch, start, end, first, count, peer, digest):
     """Any field values in a well-formed message: a valid Receipt or a ProtocolError."""
     m = pb.StepReceipt(route_session_id="s", route_epoch=epoch, start_layer=start, end_layer=end,
                        first_position=first, count=min(count, 2**32 - 1), input_sha256=digest,
-                       output_sha256=D_OUT, peer_id=peer)
+                       output_sha256=D_OUT, peer_id=peer, history_sha256=D_IN)
     data = pb.SignedReceipt(body=m.SerializeToString(), signature=b"\x00" * 64).SerializeToString()
     try:
         got = parse_signed_receipt(data).receipt
@@ -187,7 +187,7 @@ def test_the_worker_key_travels_in_a_0600_file_read_once(tmp_path):
     node_pub = public_key_bytes(NODE)
     verify_delegation(signer.delegation, NOW_MS, node_pub)
     assert signer.peer_id == peer_id_from_public_key(node_pub)
-    data = signer.sign("s" * 32, 0, 0, 2, 0, 1, D_IN, D_OUT)
+    data = signer.sign("s" * 32, 0, 0, 2, 0, 1, D_IN, D_OUT, D_IN)
     assert verify_receipt(parse_signed_receipt(data), signer.delegation).peer_id == signer.peer_id
     # each run gets a fresh key
     again = read_receipt_key(spec.write_receipt_key(NOW_MS))

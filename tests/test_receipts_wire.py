@@ -35,8 +35,9 @@ CHECK = ReceiptCheck(binds=binds, now_ms=lambda: NOW_MS, required=True)
 class WrongOutputSigner(ReceiptSigner):
     """Signs a receipt whose output digest is not the rows it sends (a hop lying in its receipt)."""
 
-    def sign(self, session_id, epoch, start, end, first_position, count, input_sha256, output_sha256):
-        return super().sign(session_id, epoch, start, end, first_position, count, input_sha256, b"\x00" * 32)
+    def sign(self, session_id, epoch, start, end, first_position, count, input_sha256, output_sha256, history):
+        return super().sign(session_id, epoch, start, end, first_position, count, input_sha256, b"\x00" * 32,
+                            history)
 
 
 @pytest.fixture
@@ -162,3 +163,39 @@ def time_ms() -> int:
     import time
 
     return time.time_ns() // 1_000_000
+
+
+def test_each_receipt_pins_the_whole_input_history(swarm):
+    """A hop's receipt chains every input digest of its session: the entry recomputes the chain."""
+    from proto.receipts import HISTORY_START, chain_history
+
+    driver = swarm.driver(receipts=CHECK)
+    chains: list[bytes] = []
+    history = HISTORY_START
+    for _ in driver.generate(make_request(NEW_TOKENS)):
+        tail = driver._links[1]
+        for signed in tail.receipts:
+            history = chain_history(history, signed.receipt.input_sha256)
+            assert signed.receipt.history_sha256 == history
+            chains.append(history)
+    assert len(set(chains)) == len(chains) == 3 + NEW_TOKENS - 1
+
+
+class ForgetfulSigner(ReceiptSigner):
+    """Signs each step as if its session had no history (a hop hiding what its KV holds)."""
+
+    def sign(self, session_id, epoch, start, end, first_position, count, input_sha256, output_sha256, history):
+        from proto.receipts import HISTORY_START, chain_history
+
+        return super().sign(session_id, epoch, start, end, first_position, count, input_sha256, output_sha256,
+                            chain_history(HISTORY_START, input_sha256))
+
+
+def test_a_receipt_that_misstates_the_input_history_fails_over(swarm):
+    b = swarm["peer-b"].service
+    assert b.receipts is not None
+    b.receipts = ForgetfulSigner("peer-b", b.receipts._key, b.receipts.delegation)
+    driver = swarm.driver(receipts=CHECK)
+    assert collect(driver, make_request(NEW_TOKENS)) == whole_tokens(NEW_TOKENS)
+    (event,) = driver.stats.failovers
+    assert event.failed_peer == "peer-b" and "history" in event.detail

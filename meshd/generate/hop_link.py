@@ -44,7 +44,7 @@ from proto.fastpath import read_decode_response
 from proto.flow import CreditWindow
 from proto.frames import SCHEMA_VERSION, parse_response
 from proto.hop_transport import HopStream, HopTransport, TransportError, Unary
-from proto.receipts import Delegation, SignedReceipt
+from proto.receipts import HISTORY_START, Delegation, SignedReceipt
 from proto.tensors import decode_bundle
 from proto.threads import ThreadGroup
 from proto.zerocopy import read_response
@@ -110,6 +110,7 @@ class HopLink:
         self.receipt_check: ReceiptCheck | None = None
         self.delegation: Delegation | None = None
         self.receipts: list[SignedReceipt] = []
+        self.history = HISTORY_START        # the chain of this session's input digests, as receipted
         self._receipting = False
 
     # ------------------------------------------------------------------ helpers
@@ -193,11 +194,12 @@ class HopLink:
             signed = self.receipt_check.receipt(
                 self.delegation, bytes(getattr(holder, "receipt", b"")), peer_id=s.peer_id, session_id=s.session_id,
                 epoch=s.epoch, start=s.effective_start, end=s.end, first=first, inputs=inputs,
-                output=output)
+                output=output, history=self.history)
         except MeshdError as exc:
             raise self.fail(f"step receipt: {exc}", pb.ERROR_CODE_PAYLOAD_CORRUPT) from exc
         if signed is not None:
             self.receipts.append(signed)
+            self.history = signed.receipt.history_sha256
 
     def _open_session(self, **extra) -> pb.SessionResponse:
         """Connect, start the Session stream and open this hop's session (``extra``: more SessionOpen

@@ -37,6 +37,7 @@ from proto.receipts import (
     Delegation,
     Receipt,
     SignedReceipt,
+    chain_history,
     parse_delegation,
     parse_signed_receipt,
     rows_digest,
@@ -74,10 +75,11 @@ class ReceiptCheck:
         return d
 
     def receipt(self, delegation: Delegation | None, data: bytes, *, peer_id: str, session_id: str, epoch: int,
-                start: int, end: int, first: int, inputs: np.ndarray,
-                output: np.ndarray | None) -> SignedReceipt | None:
+                start: int, end: int, first: int, inputs: np.ndarray, output: np.ndarray | None,
+                history: bytes) -> SignedReceipt | None:
         """The verified receipt of one answer (``output``: the rows it returned, None for a tail's
-        token); PayloadCorrupt/ProtocolViolation when it lies or is missing where one is due."""
+        token; ``history``: the session's input chain before this step); PayloadCorrupt or
+        ProtocolViolation when it lies or is missing where one is due."""
         if delegation is None:
             if data:
                 raise ProtocolViolation("a step receipt from a hop that certified no receipt key")
@@ -96,6 +98,8 @@ class ReceiptCheck:
             raise PayloadCorrupt(f"the step receipt names peer {r.peer_id[:60]!r}, not the one that signed it")
         if r.input_sha256 != rows_digest(inputs):
             raise PayloadCorrupt("the step receipt's input digest is not the rows this entry sent")
+        if r.history_sha256 != chain_history(history, r.input_sha256):
+            raise PayloadCorrupt("the step receipt's input history is not the session's")
         if output is not None and r.output_sha256 != rows_digest(output):
             raise PayloadCorrupt("the step receipt's output digest is not the rows the hop sent back")
         return signed

@@ -82,7 +82,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError, PayloadCorrupt, ProtocolError, ProtocolViolation
 from proto.flow import CreditLedger, negotiate
 from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
-from proto.receipts import rows_digest, tail_digest
+from proto.receipts import HISTORY_START, chain_history, rows_digest, tail_digest
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
 from shard.errors import (
@@ -279,6 +279,7 @@ class SessionStream:
         self.push: object | None = None   # what the edge registered for a pushed session (opaque here)
         self.push_role = ""               # CONTROL (the entry's stream), FEED (the upstream hop's) or ""
         self._signed: bytes | None = None  # the last step's signed receipt (service.receipts set)
+        self._history = HISTORY_START      # the chain of the session's input digests (receipts)
 
     @property
     def closed(self) -> bool:
@@ -452,8 +453,10 @@ class SessionStream:
         def signed(output: np.ndarray):
             answer = post(output)
             digest = (tail_digest(answer.token, output) if isinstance(answer, TailAnswer) else rows_digest(output))
-            self._signed = signer.sign(key.session_id, key.epoch, start, end, position, count,
-                                       rows_digest(inputs), digest)
+            into = rows_digest(inputs)
+            self._history = chain_history(self._history, into)
+            self._signed = signer.sign(key.session_id, key.epoch, start, end, position, count, into, digest,
+                                       self._history)
             return answer
         return signed
 
