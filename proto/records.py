@@ -27,7 +27,7 @@ __all__ = ["RECORD_DOMAIN", "signed_message", "sign_record", "verify_record_sign
 
 RECORD_DOMAIN = b"meshd-record-v1\x00"
 _KINDS = frozenset({pb.RECORD_KIND_CAPABILITY, pb.RECORD_KIND_DIRECTIVE, pb.RECORD_KIND_RELAY,
-                    pb.RECORD_KIND_EXPERTS})
+                    pb.RECORD_KIND_EXPERTS, pb.RECORD_KIND_EVIDENCE})
 ED25519_KEY_BYTES = 32
 ED25519_SIGNATURE_BYTES = 64
 
@@ -46,7 +46,7 @@ def public_key_bytes(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
 def sign_record(kind: pb.RecordKind, payload: bytes, key: Ed25519PrivateKey) -> pb.SignedRecord:
     """Sign ``payload`` (a serialized CapabilityPayload or RebalanceDirective)."""
     if kind not in _KINDS:
-        raise LocalError(f"record kind must be CAPABILITY, DIRECTIVE, RELAY or EXPERTS, got {kind}")
+        raise LocalError(f"record kind must be CAPABILITY, DIRECTIVE, RELAY, EXPERTS or EVIDENCE, got {kind}")
     if not isinstance(payload, bytes):
         raise LocalError("record payload must be bytes (a serialized message)")
     if len(payload) > DEFAULT_LIMITS.max_record_bytes:

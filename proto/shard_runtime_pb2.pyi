@@ -95,6 +95,7 @@ class RecordKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RECORD_KIND_DIRECTIVE: _ClassVar[RecordKind]
     RECORD_KIND_RELAY: _ClassVar[RecordKind]
     RECORD_KIND_EXPERTS: _ClassVar[RecordKind]
+    RECORD_KIND_EVIDENCE: _ClassVar[RecordKind]
 
 class Backend(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -163,6 +164,7 @@ RECORD_KIND_CAPABILITY: RecordKind
 RECORD_KIND_DIRECTIVE: RecordKind
 RECORD_KIND_RELAY: RecordKind
 RECORD_KIND_EXPERTS: RecordKind
+RECORD_KIND_EVIDENCE: RecordKind
 BACKEND_UNSPECIFIED: Backend
 BACKEND_TORCH: Backend
 BACKEND_LLAMA_CPP: Backend
@@ -1025,3 +1027,39 @@ class SignedReceipt(_message.Message):
     body: bytes
     signature: bytes
     def __init__(self, body: _Optional[bytes] = ..., signature: _Optional[bytes] = ...) -> None: ...
+
+class EvidencePayload(_message.Message):
+    __slots__ = ("schema_version", "peer_id", "accused_peer_id", "model_artifact_digest", "recipe_digest", "num_layers", "accused_receipt", "accused_key", "auditor_receipt", "auditor_key", "token_ids", "prompt_tokens", "chunk_tokens", "sampling", "issued_at_unix_ms", "expires_at_unix_ms")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCUSED_PEER_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ARTIFACT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    RECIPE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ACCUSED_RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    ACCUSED_KEY_FIELD_NUMBER: _ClassVar[int]
+    AUDITOR_RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    AUDITOR_KEY_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ISSUED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    schema_version: SchemaVersion
+    peer_id: str
+    accused_peer_id: str
+    model_artifact_digest: str
+    recipe_digest: str
+    num_layers: int
+    accused_receipt: bytes
+    accused_key: KeyDelegation
+    auditor_receipt: bytes
+    auditor_key: KeyDelegation
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_tokens: int
+    chunk_tokens: int
+    sampling: SamplingParams
+    issued_at_unix_ms: int
+    expires_at_unix_ms: int
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., peer_id: _Optional[str] = ..., accused_peer_id: _Optional[str] = ..., model_artifact_digest: _Optional[str] = ..., recipe_digest: _Optional[str] = ..., num_layers: _Optional[int] = ..., accused_receipt: _Optional[bytes] = ..., accused_key: _Optional[_Union[KeyDelegation, _Mapping]] = ..., auditor_receipt: _Optional[bytes] = ..., auditor_key: _Optional[_Union[KeyDelegation, _Mapping]] = ..., token_ids: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., chunk_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., issued_at_unix_ms: _Optional[int] = ..., expires_at_unix_ms: _Optional[int] = ...) -> None: ...

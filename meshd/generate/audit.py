@@ -45,13 +45,14 @@ from __future__ import annotations
 import math
 import random
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from meshd.config import DEFAULT_VERIFY_RATE, parse_verify_rate
 from meshd.errors import ConfigError, HopFailure
+from meshd.generate.evidence import Accusation
 from meshd.generate.hop_link import HopLink, StepCounter, TailOut
 from meshd.plan.routing import Hop
 from proto import shard_runtime_pb2 as pb
@@ -66,6 +67,12 @@ VERIFY_ALL = "all"
 TORCH_BATCH_TOLERANCE = 1e-4
 # Audit links kept open at once (one per audited hop range, normally a handful).
 MAX_AUDIT_LINKS = 16
+# Accusations an entry keeps for evidence records (a liar is excluded after its first).
+MAX_ACCUSATIONS = 64
+
+
+# (token ids of positions 0.., prompt length, chunk tokens, a tail's sampling): what evidence needs
+EvidenceRecipe = tuple[Sequence[int], int, int, pb.SamplingParams]
 
 
 class AuditMismatch(HopFailure):
@@ -135,6 +142,8 @@ class AuditBook:
     mismatches: int = 0
     unaudited: int = 0       # steps picked but not audited (no replica, or the auditor failed)
     excluded: dict[str, str] = field(default_factory=dict)    # peer -> why
+    # mismatches both peers signed receipts for (evidence.py), newest last, at most MAX_ACCUSATIONS
+    accusations: list[Accusation] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, *, audits: int = 0, unaudited: int = 0) -> None:
@@ -142,10 +151,12 @@ class AuditBook:
             self.audits += audits
             self.unaudited += unaudited
 
-    def exclude(self, peer_id: str, detail: str) -> None:
+    def exclude(self, peer_id: str, detail: str, accusation: Accusation | None = None) -> None:
         with self._lock:
             self.mismatches += 1
             self.excluded.setdefault(peer_id, detail)
+            if accusation is not None:
+                self.accusations = [*self.accusations[-(MAX_ACCUSATIONS - 1):], accusation]
 
     def excluded_peers(self) -> frozenset[str]:
         with self._lock:
@@ -210,7 +221,8 @@ class StepAuditor:
 
     def check(self, link: HopLink, hop: Hop, first: int, end: int, answer: np.ndarray | TailOut, *,
               candidates: Callable[[Hop], tuple[Hop, ...]], open_link: Callable[[Hop, str], HopLink],
-              inputs: Callable[[int, int], np.ndarray], replay: Callable[[int, int], list[tuple[int, int]]]) -> None:
+              inputs: Callable[[int, int], np.ndarray], replay: Callable[[int, int], list[tuple[int, int]]],
+              history: Callable[[], EvidenceRecipe] | None = None) -> None:
         """Audit the step [first, end) ``link`` just answered with ``answer`` when the sampler
         picks it; AuditMismatch (after excluding the peer) when an auditor disagrees."""
         spec = link.spec
@@ -218,23 +230,30 @@ class StepAuditor:
             return
         self.picked_steps += 1
         for auditor in candidates(hop):
-            got = self._recompute(auditor, first, end, open_link=open_link, inputs=inputs, replay=replay)
-            if got is None:
+            done = self._recompute(auditor, first, end, open_link=open_link, inputs=inputs, replay=replay)
+            if done is None:
                 continue                  # that auditor failed: try the next one
+            got, audit_link = done
             self.audited_steps += 1
             self.book.count(audits=1)
             differs = answers_agree(answer, got, self.policy.tolerance)
             if differs:
                 detail = (f"audit of positions [{first}, {end}) of layers [{spec.effective_start}, {spec.end}) "
                           f"on {auditor.peer_id[:16]}: {differs}")
-                self.book.exclude(spec.peer_id, detail)
+                accusation = None
+                if history is not None:
+                    tokens, prompt, chunk, sampling = history()
+                    accusation = Accusation.of(link, audit_link, token_ids=tokens, prompt_tokens=prompt,
+                                               chunk_tokens=chunk, sampling=sampling)
+                self.book.exclude(spec.peer_id, detail, accusation)
                 raise AuditMismatch(link.index, spec.peer_id, detail, pb.ERROR_CODE_PAYLOAD_CORRUPT)
             return
         self.book.count(unaudited=1)
 
     def _recompute(self, auditor: Hop, first: int, end: int, *, open_link: Callable[[Hop, str], HopLink],
                    inputs: Callable[[int, int], np.ndarray],
-                   replay: Callable[[int, int], list[tuple[int, int]]]) -> np.ndarray | TailOut | None:
+                   replay: Callable[[int, int], list[tuple[int, int]]]
+                   ) -> tuple[np.ndarray | TailOut, HopLink] | None:
         key = (auditor.peer_id, auditor.effective_start, auditor.end)
         link = self._links.get(key)
         if link is not None and link.past_len > first:
@@ -251,7 +270,7 @@ class StepAuditor:
             got: np.ndarray | TailOut | None = None
             for a, b in replay(link.past_len, end):
                 got = link.run(inputs(a, b), self._steps)
-            return got
+            return (got, link) if got is not None else None
         except HopFailure:
             self._links.pop(key, None)
             link.close(release=False)

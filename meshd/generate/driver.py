@@ -571,8 +571,13 @@ class SwarmDriver:
             audit.receipt_check = self.receipt_check
             return audit
 
+        def history() -> tuple[Sequence[int], int, int, pb.SamplingParams]:
+            tokens = self._rows[0]
+            return ([int(t) for t in tokens.read(0, tokens.n)], getattr(self, "_prompt_len", 0), self._chunk_tokens,
+                    self._tail.sampling)
+
         self.auditor.check(link, hop, first, end, out, candidates=candidates, open_link=open_link,
-                           inputs=rows.read, replay=self._replay)
+                           inputs=rows.read, replay=self._replay, history=history)
 
     def _replay(self, past: int, target: int) -> list[tuple[int, int]]:
         """Position batches that repeat how the route first ran [past, target): the prompt as one
