@@ -15,6 +15,7 @@
     peer_health.py  pure per-peer bookkeeping: runs of misses, congestion, unreachable peers
     relay_records.py  signed relay records (a public relay announces itself)
     expert_records.py signed expert placement records (experts a peer serves without their layers)
+    evidence.py       signed evidence that a peer answered a step otherwise than a replica (model-free rules)
     identity.py   the node's persistent Ed25519 identity and peer ids
     errors.py     RecordRejected, IdentityError
 

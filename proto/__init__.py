@@ -30,6 +30,7 @@ Files and roles:
     flow.py                  flow-control negotiation (strictest wins) and credit accounting
     chunking.py              token-aligned prefill chunk plans (default 128 tokens)
     records.py               Ed25519-signed DHT records and directives (sign, verify, parse)
+    receipts.py              step receipts: a hop's signed statement of one step (digests, history), key certificates
     threads.py               ThreadGroup: how every process of the house starts, stops and joins its
                              threads (here because every folder may import proto; the codec
                              modules never import it, and it opens no socket)

@@ -8,6 +8,9 @@
     push.py           PushDriver: the driver with the push topology (hops + 1 legs per token), star kept
     hop_link.py       one hop's Session stream (over any proto.hop_transport.HopTransport; credits, past length)
     deadlines.py      each hop's step deadlines from its own measured step times (silent hops)
+    audit.py          audits: a seeded share of each hop's steps re-run on a replica; liars excluded
+    receipt_check.py  each hop's signed step receipts checked as they arrive (digests chained)
+    evidence.py       an audit mismatch as evidence, and a second entry's re-verification of it
     transports.py     the hop transports the entry dials: gRPC (pinned TLS, loopback), a peer's framed
                       TLS fast path (gRPC as fallback), the own worker's Unix socket
     routes.py         route sources (DHT ads, a fixed route) and the peer connector
