@@ -81,9 +81,18 @@ def request_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | Prep
 
 
 def response_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | PreparedTensor], *,
-                   sample: pb.TailSample | None = None, framed: bool = False, **encode_kwargs) -> bytes:
-    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle, sample}}."""
-    return _finish(b"\x12", *_chunk(envelope, tensors, encode_kwargs, sample), framed)
+                   sample: pb.TailSample | None = None, framed: bool = False,
+                   verify: pb.VerifyResult | None = None, **encode_kwargs) -> bytes:
+    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle, sample, verify}}."""
+    pieces, size = _chunk(envelope, tensors, encode_kwargs, sample)
+    if verify is not None:   # a verify chunk's verdict (speculative decoding): a few bytes
+        if not isinstance(verify, pb.VerifyResult):
+            raise LocalError("verify must be a pb.VerifyResult")
+        body = verify.SerializeToString()
+        field = b"\x22" + varint(len(body)) + body
+        pieces.append(field)
+        size += len(field)
+    return _finish(b"\x12", pieces, size, framed)
 
 
 def request_decode(step: pb.DecodeStep, name: str, array: np.ndarray | PreparedTensor, *,
