@@ -74,6 +74,9 @@ MAX_LLAMA_KV_STREAMS = 256
 REACHABILITY_MODES = ("auto", "public", "private")
 # How the entry drives a route (meshd/generate/push.py); push is the default: fewer network legs.
 ROUTE_TOPOLOGIES = ("push", "star")
+# Speculative decoding at this entry (meshd/generate/speculative.py): off, or drafting by prompt
+# lookup (no model). On, a generation runs on a star route (verify chunks are not pushed yet).
+SPECULATIVE_MODES = ("off", "prompt-lookup")
 EXPERT_ACTS = ("f32", "q8")
 # The HTTP API listens on loopback unless told otherwise (secure by default).
 DEFAULT_API_LISTEN = "127.0.0.1:8080"
@@ -234,6 +237,7 @@ class DaemonConfig:
     # push (hops + 1 legs per token); "star" keeps the entry carrying every boundary. Routes push
     # cannot serve (a relayed hop, no certificate pin) run as a star either way (generate/push.py).
     route_topology: str = "push"
+    speculative: str = "off"          # SPECULATIVE_MODES; a request may override it ("speculative")
     # MoE (meshd/daemon/experts_part.py): the experts held ("L:E0-E7,..." or "auto"), the holder's row format.
     experts: str | None = None
     expert_act: str = "f32"
@@ -261,6 +265,8 @@ class DaemonConfig:
                               f"not {self.reachability!r}")
         if self.route_topology not in ROUTE_TOPOLOGIES:
             raise ConfigError(f"route_topology must be one of {', '.join(ROUTE_TOPOLOGIES)}")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}")
         object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
         if self.model is not None:
             named = MODEL_ROOT_RE.match(str(self.model))

@@ -66,7 +66,8 @@ MIN_GAIN = 1.05
 class Drafter(Protocol):
     """Guesses the tokens after ``history`` (see the module doc)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def draft(self, history: Sequence[int], k: int) -> tuple[int, ...]: ...
 
