@@ -134,3 +134,31 @@ def test_logprobs_fall_back_to_plain_steps(swarm):
     driver = spec_driver(swarm, Scripted(reference))
     assert [t.id for t in driver.generate(make_request(NEW_TOKENS, logprobs=True))] == reference
     assert driver.spec.verify_steps == 0
+
+
+def test_concurrent_speculative_generations_equal_each_alone():
+    """Batching on (the workers' default): verify chunks of several routes share forwards with each
+    other's rows; every generation's tokens still equal the same request run alone."""
+    import threading
+
+    swarm = MemorySwarm()
+    swarm.start("peer-a", 0, 3)
+    swarm.start("peer-b", 3, 6)
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[:20] * 2, tuple(range(100, 130))]
+    alone = [collect(spec_driver(swarm, PromptLookup(), k=3), make_request(NEW_TOKENS, prompt=p)) for p in prompts]
+    together: list[list[int] | None] = [None] * len(prompts)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            together[i] = collect(spec_driver(swarm, PromptLookup(), k=3), make_request(NEW_TOKENS, prompt=prompts[i]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and together == alone
+    assert swarm.idle()
