@@ -19,6 +19,7 @@ from meshd.generate.driver import GenerationRequest, SwarmDriver
 from meshd.generate.gguf_tokenizer import gguf_tokenizer
 from meshd.generate.routes import FactoryConnector, fixed_route
 from meshd.generate.speculative import SpeculativeDriver
+from native.draft_model import LlamaDrafter
 from native.llama_backend import LlamaBackendConfig, LlamaRangeBackend
 from native.packaged import smollm2_gguf_path
 from shard.edges.memory import MemoryNetwork
@@ -99,3 +100,38 @@ def test_greedy_speculative_tokens_equal_plain_or_diverge_at_a_near_tie(lane):
         gap = top2_gap(plain_driver.stats.logits[at])
         print(f"divergence at token {at} (position {len(prompt) + at}): top-2 gap {gap:.3g}")
         assert gap <= drift
+
+
+def test_draft_model_reuses_its_kv_and_drafts_what_it_would_alone(lane):
+    _, _, _, prompt = lane
+    drafter, fresh = LlamaDrafter(smollm2_gguf_path()), LlamaDrafter(smollm2_gguf_path())
+    try:
+        first = drafter.draft(prompt, 4)
+        assert len(first) == 4 and drafter.draft(prompt, 4) == first
+        longer = (*prompt, *first[:2], 7)            # two drafts kept, then another token
+        assert drafter.draft(longer, 3) == fresh.draft(longer, 3)
+        assert drafter.draft(prompt[:5], 2) == fresh.draft(prompt[:5], 2)   # rolled far back
+        assert drafter.draft(prompt, 0) == ()
+    finally:
+        drafter.close()
+        fresh.close()
+
+
+def test_draft_model_on_the_same_model_is_accepted_with_the_plain_tokens(lane):
+    backends, network, source, prompt = lane
+    connector = FactoryConnector(network.transport)
+    fingerprint = backends[0].fingerprint
+    plain = [t.id for t in SwarmDriver(source, connector, fingerprint=fingerprint).generate(
+        GenerationRequest(prompt, NEW_TOKENS, chunk_tokens=64))]
+    drafter = LlamaDrafter(smollm2_gguf_path())
+    try:
+        driver = SpeculativeDriver(source, connector, fingerprint=fingerprint, drafter=drafter,
+                                   policy=FixedDraftLength(4))
+        spec = [t.id for t in driver.generate(GenerationRequest(prompt, NEW_TOKENS, chunk_tokens=64))]
+    finally:
+        drafter.close()
+    s = driver.spec
+    print(f"draft model = target (Q4_1): acceptance {s.acceptance_rate:.2f}, "
+          f"tokens per round trip {s.tokens_per_round_trip:.2f}")
+    assert spec == plain
+    assert s.acceptance_rate > 0.8
