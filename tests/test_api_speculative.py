@@ -89,7 +89,13 @@ def test_the_switches_are_checked(tmp_path):
     config.write_text('speculative = "prompt-lookup"\n')
     assert load_config(config).speculative == "prompt-lookup"
     with pytest.raises(ConfigError):
-        DaemonConfig(data_dir=tmp_path, speculative="draft-model")
+        DaemonConfig(data_dir=tmp_path, speculative="draft-model")      # no draft model given
+    with pytest.raises(ConfigError):
+        DaemonConfig(data_dir=tmp_path, draft_model=tmp_path / "missing.gguf")
+    (tmp_path / "draft.gguf").write_bytes(b"GGUF")
+    assert DaemonConfig(data_dir=tmp_path, draft_model=tmp_path / "draft.gguf").speculative == "draft-model"
+    with pytest.raises(ConfigError):
+        DaemonConfig(data_dir=tmp_path, speculative="n-gram")
     assert GenerateParams.from_request({"prompt": "x", "speculative": True}).speculative is True
     with pytest.raises(LocalError):
         GenerateParams(prompt="x", speculative="yes")  # type: ignore[arg-type]

@@ -93,3 +93,21 @@ def test_policy_rejects_nonsense():
         DraftPolicy().observe_verify(2, 3, 0.1)
     with pytest.raises(LocalError):
         FixedDraftLength(-1)
+
+
+def test_drafter_pool_leases_one_per_generation_and_falls_back_to_prompt_lookup(tmp_path):
+    from meshd.generate.draft import DrafterPool
+
+    made = []
+
+    def make(path):
+        made.append(PromptLookup(max_ngram=2, name=f"model-{len(made)}"))
+        return made[-1]
+
+    pool = DrafterPool(tmp_path / "draft.gguf", size=2, make=make)
+    with pool.lease() as a, pool.lease() as b, pool.lease() as c:
+        assert {a.name, b.name} == {"model-0", "model-1"} and c.name == "prompt-lookup"
+    with pool.lease() as again:
+        assert again.name in {"model-0", "model-1"} and len(made) == 2   # reused, not rebuilt
+    with pytest.raises(LocalError):
+        DrafterPool(tmp_path, size=0)

@@ -33,11 +33,19 @@ numbers.
                     again every ``probe_every`` plain steps (the text may have
                     reached a passage the drafter knows).
     FixedDraftLength always k (tests, benchmarks that pin the shapes).
+    DrafterPool     the entry's draft models (native/draft_model.py): each
+                    generation leases one for its whole run (a drafter keeps
+                    one sequence's KV), at most ``size`` exist, each loaded on
+                    its first draft (in the driver's thread, never the
+                    daemon's loop); with none free, prompt lookup drafts.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -58,6 +66,9 @@ DEFAULT_MAX_K = 8
 DEFAULT_PROBE_EVERY = 16
 # Weight of a new measurement in the policy's moving averages.
 EWMA_WEIGHT = 0.2
+# Draft models one entry keeps (each a llama.cpp context with its own KV): generations that enter
+# at once beyond this draft by prompt lookup; the entry's cores are shared with its worker anyway.
+DEFAULT_DRAFT_MODELS = 2
 # Speculation must promise this much more throughput than plain decoding to
 # run: below it the estimate's noise could make it a loss.
 MIN_GAIN = 1.05
@@ -187,3 +198,50 @@ class DraftPolicy:
         if self.plain_s and drafted:
             extra = (wall_s - self.plain_s) / drafted
             self.extra_s = extra if self.extra_s is None else (1 - EWMA_WEIGHT) * self.extra_s + EWMA_WEIGHT * extra
+
+
+class _LazyDrafter:
+    """A draft model loaded on its first draft (native/draft_model.py), in the caller's thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._drafter: Drafter | None = None
+        self.name = f"draft-model:{path.name}"
+
+    def draft(self, history: Sequence[int], k: int) -> tuple[int, ...]:
+        if self._drafter is None:
+            from native.draft_model import LlamaDrafter  # llama.cpp only where a draft model is asked for
+
+            self._drafter = LlamaDrafter(self.path)
+        return self._drafter.draft(history, k)
+
+
+
+class DrafterPool:
+    """Draft models leased one per generation (module doc); ``make`` builds one (tests pass theirs)."""
+
+    def __init__(self, path: Path, size: int = DEFAULT_DRAFT_MODELS,
+                 make: Callable[[Path], Drafter] | None = None) -> None:
+        if size < 1:
+            raise LocalError("a drafter pool holds at least one draft model")
+        self.path, self.size = path, size
+        self._make = make or _LazyDrafter
+        self._lock = threading.Lock()
+        self._free: list[Drafter] = []
+        self._made = 0
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Drafter]:
+        with self._lock:
+            drafter: Drafter | None = self._free.pop() if self._free else None
+            if drafter is None and self._made < self.size:
+                drafter = self._make(self.path)
+                self._made += 1
+        if drafter is None:
+            yield PromptLookup()
+            return
+        try:
+            yield drafter
+        finally:
+            with self._lock:
+                self._free.append(drafter)

@@ -56,14 +56,17 @@ generation the same way. The daemon never abandons the thread.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import trio
 
-from meshd.generate.draft import PromptLookup
+from meshd.generate.draft import Drafter, DrafterPool, PromptLookup
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, PromptTooLarge, SampledToken, SwarmDriver
 from meshd.generate.entry_view import EntryView
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
@@ -177,7 +180,8 @@ def swarm_recipe(swarm, ads, me: str) -> str:
 
 
 def swarm_driver(swarm: EntryView, observer: HopObserver | None = None,
-                 topology: str = "", speculative: bool = False) -> tuple[SwarmDriver, list[dict]]:
+                 topology: str = "", speculative: bool = False,
+                 drafter: Drafter | None = None) -> tuple[SwarmDriver, list[dict]]:
     """A route driver over the swarm as this node sees it, and the list its failovers are noted in.
 
     A serving node pins the fingerprint its own worker validated and reaches its own hop over its
@@ -225,7 +229,7 @@ def swarm_driver(swarm: EntryView, observer: HopObserver | None = None,
     hops = MeteredConnector(connector, observer, me) if observer else connector
     driver: SwarmDriver
     if speculative:   # a star route: verify chunks are not pushed (speculative.py)
-        driver = SpeculativeDriver(source, hops, drafter=PromptLookup(), fingerprint=fingerprint,
+        driver = SpeculativeDriver(source, hops, drafter=drafter or PromptLookup(), fingerprint=fingerprint,
                                    context_tokens=swarm.context_tokens, replan_wait_s=swarm.config.refill_wait,
                                    on_failover=on_failover)
     else:
@@ -240,9 +244,19 @@ async def generate(swarm: EntryView, params: GenerateParams, send: Send, *,
     """The core on the daemon's swarm: check readiness, then ``drive`` (raises NotReady, LocalError)."""
     await check_ready(swarm)
     tokenizer = await entry_tokenizer(swarm)
-    speculative = params.speculative if params.speculative is not None else swarm.config.speculative != "off"
-    driver, failovers = swarm_driver(swarm, observer, params.topology, speculative)
-    await drive(driver, tokenizer, params, send, failovers=failovers)
+    mode = swarm.config.speculative
+    speculative = params.speculative if params.speculative is not None else mode != "off"
+    draft_path = swarm.config.draft_model if mode == "draft-model" else None
+    with _drafters(draft_path).lease() if speculative and draft_path is not None \
+            else contextlib.nullcontext(None) as drafter:
+        driver, failovers = swarm_driver(swarm, observer, params.topology, speculative, drafter)
+        await drive(driver, tokenizer, params, send, failovers=failovers)
+
+
+@functools.cache
+def _drafters(path: Path) -> DrafterPool:
+    """The entry's draft models for ``path`` (one pool per file, for the daemon's life)."""
+    return DrafterPool(path)
 
 
 # Marks the worker's refusal of TailOptions.return_hidden (shard/sessions.py) in a route failure.
