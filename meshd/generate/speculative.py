@@ -144,24 +144,27 @@ class SpeculativeDriver(SwarmDriver):
                         return
                 n = len(history)              # the last token sits at n - 1, not fed yet
                 k = min(self.policy.next_k(), self.k_max, budget - 1, self._max_tokens - n)
+                t0 = time.perf_counter()
                 drafts = self.drafter.draft(history, k)[:k] if k > 0 else ()
                 self._rows[0].write(n - 1, np.array([history[-1], *drafts], dtype=np.int64))
-                pending = self._step_with_failover(n - 1, drafts)
+                pending = self._step_with_failover(n - 1, drafts, time.perf_counter() - t0)
         finally:
             done.set()
             self._close_all()
             self._end_threads()
 
     # ------------------------------------------------------------------ one step
-    def _step_with_failover(self, start: int, drafts: tuple[int, ...]) -> list[int]:
-        """Run position ``start`` (plain) or ``start`` plus drafts (verify); the tokens it yields."""
+    def _step_with_failover(self, start: int, drafts: tuple[int, ...], draft_s: float = 0.0) -> list[int]:
+        """Run position ``start`` (plain) or ``start`` plus drafts (verify); the tokens it yields.
+        ``draft_s``: what drafting them took, counted in the step's cost for the policy (a draft
+        model's k sequential forwards are part of what a verify step costs)."""
         fed = start + 1 + len(drafts)
         while True:
             self._check_cancel()
             try:
                 t0 = time.perf_counter()
                 out = self._step(start, fed, drafts)
-                wall = time.perf_counter() - t0
+                wall = time.perf_counter() - t0 + draft_s
                 break
             except HopFailure as failure:
                 self._check_cancel()
