@@ -82,6 +82,15 @@ def test_policy_turns_itself_off_where_compute_dominates_and_probes_again():
     assert policy.next_k() == policy.k_start    # the probe
     policy.observe_verify(4, 0, 0.050)
     assert policy.next_k() == 0
+    probes = []
+    for step in range(200):                     # the gap doubles after each probe that did not pay
+        k = policy.next_k()
+        if k:
+            probes.append(step)
+            policy.observe_verify(k, 0, 0.050)
+        else:
+            policy.observe_plain(0.010)
+    assert [b - a for a, b in zip(probes, probes[1:])] == [13, 25, 49, 97][:len(probes) - 1]
 
 
 def test_policy_rejects_nonsense():

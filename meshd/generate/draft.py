@@ -30,8 +30,10 @@ numbers.
                     most tokens per second; k = 0 is plain decoding. Where
                     compute dominates (a LAN, loopback), c is close to t1 and
                     k = 0 wins: speculation turns itself off, and is probed
-                    again every ``probe_every`` plain steps (the text may have
-                    reached a passage the drafter knows).
+                    again after ``probe_every`` plain steps (the text may have
+                    reached a passage the drafter knows), the gap doubling
+                    after each probe that did not pay (up to MAX_PROBE_GAP),
+                    so a route where it never pays loses a vanishing share.
     FixedDraftLength always k (tests, benchmarks that pin the shapes).
     DrafterPool     the entry's draft models (native/draft_model.py): each
                     generation leases one for its whole run (a drafter keeps
@@ -64,6 +66,8 @@ DEFAULT_START_K = 4
 DEFAULT_MAX_K = 8
 # Plain steps between two probes while speculation is off.
 DEFAULT_PROBE_EVERY = 16
+# Longest gap between two probes while speculation stays off.
+MAX_PROBE_GAP = 256
 # Weight of a new measurement in the policy's moving averages.
 EWMA_WEIGHT = 0.2
 # Draft models one entry keeps (each a llama.cpp context with its own KV): generations that enter
@@ -154,6 +158,7 @@ class DraftPolicy:
     plain_s: float = 0.0         # moving average of a plain step's wall time (0: none measured yet)
     extra_s: float | None = None  # moving average of one more position's cost in a verify step
     off_steps: int = 0           # plain steps since speculation last ran
+    probe_gap: int = 0           # plain steps before the next probe (0: probe_every)
     _chosen: int = field(default=0)
 
     def __post_init__(self) -> None:
@@ -180,8 +185,11 @@ class DraftPolicy:
             self._chosen = 0                    # measure one plain step first
         else:
             best = self.best_k()
-            if best == 0 and self.off_steps >= self.probe_every:
+            if best:
+                self.probe_gap = self.probe_every
+            elif self.off_steps >= (self.probe_gap or self.probe_every):
                 best = self.k_start             # probe: the text may have changed
+                self.probe_gap = min(2 * (self.probe_gap or self.probe_every), MAX_PROBE_GAP)
             self._chosen = best
         return self._chosen
 
