@@ -48,7 +48,7 @@ import numpy as np
 
 from meshd.errors import HopFailure
 from meshd.generate.draft import Drafter, DraftPolicy
-from meshd.generate.driver import GenerationRequest, SampledToken, SwarmDriver, _Rows
+from meshd.generate.driver import BoundaryRows, GenerationRequest, SampledToken, SwarmDriver
 from meshd.generate.hop_link import HopLink, TailOut
 from proto.errors import LocalError
 from proto.limits import MAX_DRAFT_TOKENS
@@ -126,7 +126,7 @@ class SpeculativeDriver(SwarmDriver):
         self._start_threads()
         try:
             self._set_route(self._plan_first())
-            self._rows[0] = _Rows(np.asarray(request.prompt_ids, dtype=np.int64))
+            self._rows[0] = BoundaryRows(np.asarray(request.prompt_ids, dtype=np.int64))
             self._prompt_len = len(request.prompt_ids)
             out = self._advance_with_failover(self._prompt_len)   # the prefill: no verify history yet
             if not isinstance(out, TailOut):
@@ -220,7 +220,7 @@ class SpeculativeDriver(SwarmDriver):
         if boundary in self._rows:
             self._rows[boundary].write(at, out)
         elif at == 0:
-            self._rows[boundary] = _Rows(out)
+            self._rows[boundary] = BoundaryRows(out)
         else:
             raise LocalError(f"boundary {boundary} first written at position {at}")
 
