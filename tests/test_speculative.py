@@ -162,3 +162,21 @@ def test_concurrent_speculative_generations_equal_each_alone():
         t.join(60)
     assert not errors and together == alone
     assert swarm.idle()
+
+
+def test_two_fresh_hops_over_a_new_boundary_replay_the_verify_chunks_exactly():
+    """B [3,6) dies mid-verify; its replacement is D [2,4) entering at 3 and E [4,6): boundary 4 never
+    existed, so D's replay of every verify chunk (rejected drafts too) must feed E."""
+    swarm = MemorySwarm()
+    swarm.start("peer-a", 0, 3)
+    swarm.start("peer-b", 3, 6)
+    swarm.start("peer-d", 2, 4)
+    swarm.start("peer-e", 4, 6)
+    reference = whole_tokens(NEW_TOKENS)
+    driver = spec_driver(swarm, Scripted(reference, 1), k=3)
+    swarm["peer-b"].hop.kill_on(_verify_chunk_at(len(PROMPT) + 3 * 2))
+    assert collect(driver, make_request(NEW_TOKENS)) == reference
+    (event,) = driver.stats.failovers
+    assert [(h.peer_id, h.effective_start) for h in driver.stats.routes[-1].hops] == [
+        ("peer-a", 0), ("peer-d", 3), ("peer-e", 4)]
+    assert swarm.idle("peer-a", "peer-d", "peer-e")

@@ -15,8 +15,11 @@ State on top of the plain driver's (driver.py):
     boundary rows   as in the plain driver, for the kept positions only: after
                     a verdict every boundary is cut back to L
     verify log      start -> (fed end, kept L, drafts, every boundary's input
-                    rows of the whole chunk, rejected rows included): the chunk
-                    exactly as the route first ran it
+                    rows of the rejected positions): with the kept rows above,
+                    the chunk exactly as the route first ran it. It holds one
+                    row per boundary for each rejected draft, so it stays
+                    within k_max times the boundary rows (the policy shortens
+                    k when drafts are rejected)
     replay          a fresh hop after a failover is fed its history in the
                     route's original shapes: the prompt as one prefill, then
                     per step either one position or the whole verify chunk
@@ -72,7 +75,7 @@ class _Verify:
     fed: int
     kept: int
     drafts: tuple[int, ...]
-    rows: dict[int, np.ndarray]   # boundary layer -> the chunk's input rows there (fed - start of them)
+    rejected: dict[int, np.ndarray]   # boundary layer -> the input rows of positions [kept, fed) there
 
 
 @dataclass(slots=True)
@@ -177,7 +180,7 @@ class SpeculativeDriver(SwarmDriver):
         accepted = out.accepted or 0
         kept = start + 1 + accepted
         self._log[start] = _Verify(start, fed, kept, drafts,
-                                   {b: rows.read(start, fed).copy() for b, rows in self._rows.items() if rows.n >= fed})
+                                   {b: rows.read(kept, fed).copy() for b, rows in self._rows.items() if rows.n >= fed})
         for rows in self._rows.values():
             rows.n = min(rows.n, kept)
         for link in self._links:
@@ -238,15 +241,17 @@ class SpeculativeDriver(SwarmDriver):
                 out = link.run(self._rows[spec.effective_start].read(past, past + 1), self._steps)
                 self._replayed(link, past, out)
                 continue
-            inputs = entry.rows.get(spec.effective_start)
-            if inputs is None:
+            rejected = entry.rejected.get(spec.effective_start)
+            if rejected is None:
                 raise LocalError(f"the verify step at {past} kept no rows at layer {spec.effective_start}")
-            out = link.verify(inputs, entry.drafts, self._steps)
+            kept_rows = self._rows[spec.effective_start].read(past, entry.kept)
+            out = link.verify(np.concatenate([kept_rows, rejected]), entry.drafts, self._steps)
             if not spec.is_tail:
                 if not isinstance(out, np.ndarray):
                     raise LocalError("a hop before the tail returned a token, not rows")
-                entry.rows[spec.end] = out.copy()      # a fresh hop further on may start at this boundary
-                self._write(spec.end, past, out[:entry.kept - past])
+                split = entry.kept - past
+                entry.rejected[spec.end] = out[split:].copy()   # a fresh hop further on may start there
+                self._write(spec.end, past, out[:split])
             link.roll_back(entry.kept)
 
     def _replayed(self, link: HopLink, at: int, out: object) -> None:
