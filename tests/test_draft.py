@@ -70,6 +70,15 @@ def test_policy_measures_a_plain_step_first_then_drafts_where_round_trips_domina
     assert policy.next_k() == policy.k_max
 
 
+def test_policy_starts_off_where_the_hops_compute_most_of_a_step():
+    policy = DraftPolicy(probe_every=4)
+    policy.observe_plain(0.010, compute_s=0.008)    # loopback: 80 % of the step is the hops' forward
+    assert policy.next_k() == 0
+    for _ in range(4):
+        policy.observe_plain(0.010, compute_s=0.008)
+    assert policy.next_k() == policy.k_start       # the probe measures what a verify step costs
+
+
 def test_policy_turns_itself_off_where_compute_dominates_and_probes_again():
     policy = DraftPolicy(probe_every=3)
     policy.observe_plain(0.010)                 # loopback: the step is all compute

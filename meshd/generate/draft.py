@@ -26,7 +26,9 @@ numbers.
                     E(k) = (1 - a^(k+1)) / (1 - a) tokens and costs
                     t(k) = t1 + c * k (t1: a plain step's wall time -- round
                     trips plus one position's compute --, c: the measured cost
-                    of one more position). It picks the k in 0..k_max with the
+                    of one more position, drafting included). Before any
+                    verify step it starts with k_start, or with 0 when the
+                    hops' compute is most of a plain step (a LAN, loopback). It picks the k in 0..k_max with the
                     most tokens per second; k = 0 is plain decoding. Where
                     compute dominates (a LAN, loopback), c is close to t1 and
                     k = 0 wins: speculation turns itself off, and is probed
@@ -73,6 +75,9 @@ EWMA_WEIGHT = 0.2
 # Draft models one entry keeps (each a llama.cpp context with its own KV): generations that enter
 # at once beyond this draft by prompt lookup; the entry's cores are shared with its worker anyway.
 DEFAULT_DRAFT_MODELS = 2
+# Share of a plain step spent in the hops' compute above which the first verify step waits for a
+# probe: the route's round trips are then a small part of a token, and a wider step mostly adds compute.
+COMPUTE_SHARE_OFF = 0.5
 # Speculation must promise this much more throughput than plain decoding to
 # run: below it the estimate's noise could make it a loss.
 MIN_GAIN = 1.05
@@ -131,11 +136,16 @@ class FixedDraftLength:
     def next_k(self) -> int:
         return self.k
 
-    def observe_plain(self, wall_s: float) -> None:
+    def observe_plain(self, wall_s: float, compute_s: float = 0.0) -> None:
         pass
 
     def observe_verify(self, drafted: int, accepted: int, wall_s: float) -> None:
         pass
+
+
+def _ewma(average: float, value: float) -> float:
+    """The moving average after ``value`` (the first value when the average is still 0)."""
+    return value if not average else (1 - EWMA_WEIGHT) * average + EWMA_WEIGHT * value
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -156,6 +166,7 @@ class DraftPolicy:
     accepted: int = 0            # drafted tokens accepted, over the generation
     rejected: int = 0            # verify steps that stopped at a rejection
     plain_s: float = 0.0         # moving average of a plain step's wall time (0: none measured yet)
+    compute_s: float = 0.0       # moving average of the hops' own compute in those steps
     extra_s: float | None = None  # moving average of one more position's cost in a verify step
     off_steps: int = 0           # plain steps since speculation last ran
     probe_gap: int = 0           # plain steps before the next probe (0: probe_every)
@@ -174,7 +185,9 @@ class DraftPolicy:
     def best_k(self) -> int:
         """The k in 0..k_max with the most expected tokens per second (0: plain is best)."""
         if not self.plain_s or self.extra_s is None:
-            return self.k_start
+            # Nothing measured of a verify step yet: try one, unless the plain step is mostly the
+            # hops' compute (a LAN, loopback), where a wider step costs about what it could save.
+            return 0 if self.compute_s > COMPUTE_SHARE_OFF * self.plain_s else self.k_start
         a, t1, c = self.acceptance, self.plain_s, max(self.extra_s, 0.0)
         rates = [expected_tokens(a, k) / (t1 + c * k) for k in range(self.k_max + 1)]
         best = int(np.argmax(rates))
@@ -193,8 +206,10 @@ class DraftPolicy:
             self._chosen = best
         return self._chosen
 
-    def observe_plain(self, wall_s: float) -> None:
-        self.plain_s = wall_s if not self.plain_s else (1 - EWMA_WEIGHT) * self.plain_s + EWMA_WEIGHT * wall_s
+    def observe_plain(self, wall_s: float, compute_s: float = 0.0) -> None:
+        """A plain step took ``wall_s``, of which the hops computed ``compute_s`` (0: unknown)."""
+        self.plain_s = _ewma(self.plain_s, wall_s)
+        self.compute_s = _ewma(self.compute_s, compute_s)
         self.off_steps += 1
 
     def observe_verify(self, drafted: int, accepted: int, wall_s: float) -> None:
@@ -205,7 +220,7 @@ class DraftPolicy:
         self.rejected += accepted < drafted
         if self.plain_s and drafted:
             extra = (wall_s - self.plain_s) / drafted
-            self.extra_s = extra if self.extra_s is None else (1 - EWMA_WEIGHT) * self.extra_s + EWMA_WEIGHT * extra
+            self.extra_s = extra if self.extra_s is None else _ewma(self.extra_s, extra)
 
 
 class _LazyDrafter:

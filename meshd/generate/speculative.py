@@ -62,7 +62,7 @@ class LengthPolicy(Protocol):
 
     def next_k(self) -> int: ...
 
-    def observe_plain(self, wall_s: float) -> None: ...
+    def observe_plain(self, wall_s: float, compute_s: float = 0.0) -> None: ...
 
     def observe_verify(self, drafted: int, accepted: int, wall_s: float) -> None: ...
 
@@ -175,7 +175,7 @@ class SpeculativeDriver(SwarmDriver):
         token = int(out.sample.token_id)
         if not drafts:
             self.spec.plain_steps += 1
-            self.policy.observe_plain(wall)
+            self.policy.observe_plain(wall, sum(link.execution_ns for link in self._links) / 1e9)
             return [token]
         accepted = out.accepted or 0
         kept = start + 1 + accepted
