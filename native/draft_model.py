@@ -59,6 +59,23 @@ class LlamaDrafter:
             return ()
         if max(history) >= self.vocab_size:
             return ()       # text the draft model cannot read: another tokenizer
+        logits = self._feed(history)
+        drafts = [int(np.argmax(logits))]
+        while len(drafts) < k:
+            logits = self._engine.decode(0, len(self._fed), np.asarray(drafts[-1:], np.int32), want_hidden=False,
+                                         lend=True)
+            self._fed.append(drafts[-1])
+            drafts.append(int(np.argmax(logits)))
+        return tuple(drafts)
+
+    def prepare(self, history: Sequence[int]) -> None:
+        """Feed ``history`` ahead of the first draft (the entry does it while the route runs the
+        prompt, so the first verify step does not pay the draft model's prefill)."""
+        if history and len(history) < self.n_ctx and max(history) < self.vocab_size:
+            self._feed(history)
+
+    def _feed(self, history: Sequence[int]) -> np.ndarray:
+        """Sync the sequence with ``history`` (module doc); the last position's logits (lent)."""
         keep = 0
         limit = min(len(self._fed), len(history) - 1)   # the last token is always fed: its logits are the guess
         while keep < limit and self._fed[keep] == history[keep]:
@@ -71,12 +88,7 @@ class LlamaDrafter:
         for first in range(0, ids.size, MAX_BATCH_TOKENS):
             logits = engine.decode(0, keep + first, ids[first:first + MAX_BATCH_TOKENS], want_hidden=False, lend=True)
         self._fed.extend(int(t) for t in ids)
-        drafts = [int(np.argmax(logits))]
-        while len(drafts) < k:
-            logits = engine.decode(0, len(self._fed), np.asarray(drafts[-1:], np.int32), want_hidden=False, lend=True)
-            self._fed.append(drafts[-1])
-            drafts.append(int(np.argmax(logits)))
-        return tuple(drafts)
+        return logits
 
     def close(self) -> None:
         self._engine.close()

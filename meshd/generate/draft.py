@@ -12,7 +12,9 @@ numbers.
                     tuple means "no guess": the driver runs a plain decode
                     step instead. A draft never changes the output (the tail
                     keeps only what it would have drawn itself); a good one
-                    saves round trips.
+                    saves round trips. A drafter with a model may also offer
+                    ``prepare(history)``: the driver calls it in a thread of
+                    its own while the route runs the prompt.
     PromptLookup    no model: the longest n-gram (``max_ngram`` down to
                     ``min_ngram`` tokens) that ends the history and occurred
                     before in it (prompt + generated text); the tokens that
@@ -228,16 +230,21 @@ class _LazyDrafter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._drafter: Drafter | None = None
+        self._drafter = None
         self.name = f"draft-model:{path.name}"
 
-    def draft(self, history: Sequence[int], k: int) -> tuple[int, ...]:
+    def _loaded(self):
         if self._drafter is None:
             from native.draft_model import LlamaDrafter  # llama.cpp only where a draft model is asked for
 
             self._drafter = LlamaDrafter(self.path)
-        return self._drafter.draft(history, k)
+        return self._drafter
 
+    def draft(self, history: Sequence[int], k: int) -> tuple[int, ...]:
+        return self._loaded().draft(history, k)
+
+    def prepare(self, history: Sequence[int]) -> None:
+        self._loaded().prepare(history)
 
 
 class DrafterPool:

@@ -41,6 +41,7 @@ accepted count.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Generator
@@ -55,6 +56,8 @@ from meshd.generate.driver import BoundaryRows, GenerationRequest, SampledToken,
 from meshd.generate.hop_link import HopLink, TailOut
 from proto.errors import LocalError
 from proto.limits import MAX_DRAFT_TOKENS
+
+log = logging.getLogger(__name__)
 
 
 class LengthPolicy(Protocol):
@@ -131,7 +134,10 @@ class SpeculativeDriver(SwarmDriver):
             self._set_route(self._plan_first())
             self._rows[0] = BoundaryRows(np.asarray(request.prompt_ids, dtype=np.int64))
             self._prompt_len = len(request.prompt_ids)
+            warm = self._warm_drafter(request.prompt_ids)
             out = self._advance_with_failover(self._prompt_len)   # the prefill: no verify history yet
+            if warm is not None:
+                warm.join()
             if not isinstance(out, TailOut):
                 raise LocalError("the tail returned rows, not a token (a route built for embeddings)")
             history = list(request.prompt_ids)
@@ -155,6 +161,21 @@ class SpeculativeDriver(SwarmDriver):
             done.set()
             self._close_all()
             self._end_threads()
+
+    def _warm_drafter(self, prompt: tuple[int, ...]) -> threading.Thread | None:
+        """Let a draft model read the prompt while the route runs it (its ``prepare``), in this
+        generation's ThreadGroup; the caller joins it before the first draft. A failure here is
+        logged: the first draft meets it again, in the driver's thread."""
+        prepare = getattr(self.drafter, "prepare", None)
+        if prepare is None:
+            return None
+
+        def run() -> None:
+            try:
+                prepare(prompt)
+            except Exception:
+                log.warning("the draft model could not read the prompt", exc_info=True)
+        return self.threads.start(run, name="draft-prepare")
 
     # ------------------------------------------------------------------ one step
     def _step_with_failover(self, start: int, drafts: tuple[int, ...], draft_s: float = 0.0) -> list[int]:
