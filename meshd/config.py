@@ -78,6 +78,12 @@ ROUTE_TOPOLOGIES = ("push", "star")
 # replica. A few percent catches a hop that lies on every step within 2/rate of its steps for
 # about that much more compute; "all" (1.0) checks every step before its token is streamed.
 DEFAULT_VERIFY_RATE = 0.03
+
+# Speculative decoding at this entry (meshd/generate/speculative.py): off, drafting by prompt
+# lookup (no model), or by a local draft model (``draft_model``: a GGUF with the model's tokenizer,
+# run by llama.cpp at the entry). On, a generation runs on a star route (verify chunks are not
+# pushed yet).
+SPECULATIVE_MODES = ("off", "prompt-lookup", "draft-model")
 EXPERT_ACTS = ("f32", "q8")
 # The HTTP API listens on loopback unless told otherwise (secure by default).
 DEFAULT_API_LISTEN = "127.0.0.1:8080"
@@ -260,6 +266,8 @@ class DaemonConfig:
     # `--verify RATE|all` (a float in [0, 1], "N%" or "all"): audits of the star routes this node
     # drives (meshd/generate/audit.py); 0 turns them off.
     verify_rate: float = DEFAULT_VERIFY_RATE
+    speculative: str = "off"          # SPECULATIVE_MODES; a request may override it ("speculative")
+    draft_model: Path | None = None   # `--draft MODEL`: the GGUF the entry drafts with (speculative = draft-model)
     # MoE (meshd/daemon/experts_part.py): the experts held ("L:E0-E7,..." or "auto"), the holder's row format.
     experts: str | None = None
     expert_act: str = "f32"
@@ -288,6 +296,15 @@ class DaemonConfig:
         if self.route_topology not in ROUTE_TOPOLOGIES:
             raise ConfigError(f"route_topology must be one of {', '.join(ROUTE_TOPOLOGIES)}")
         object.__setattr__(self, "verify_rate", parse_verify_rate(self.verify_rate))
+        if self.draft_model is not None:
+            object.__setattr__(self, "draft_model", Path(os.path.expanduser(str(self.draft_model))))
+            if self.speculative == "off":
+                object.__setattr__(self, "speculative", "draft-model")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(f"speculative must be one of {', '.join(SPECULATIVE_MODES)}")
+        if self.speculative == "draft-model" and (self.draft_model is None or not self.draft_model.is_file()):
+            raise ConfigError("speculative = draft-model needs draft_model (--draft FILE.gguf), an existing GGUF "
+                              "with the served model's tokenizer")
         object.__setattr__(self, "data_dir", Path(os.path.expanduser(str(self.data_dir))).resolve())
         if self.model is not None:
             named = MODEL_ROOT_RE.match(str(self.model))

@@ -85,9 +85,10 @@ class LlamaBackendConfig:
 class LlamaSeqCache:
     """One session's llama.cpp sequence: its id, length and reserved KV room."""
 
-    __slots__ = ("past_len", "seq_id", "max_tokens", "_owner", "_engine_start", "broken", "released")
+    __slots__ = ("past_len", "seq_id", "max_tokens", "_owner", "_engine_start", "broken", "released", "logits_rows")
 
     def __init__(self, owner: LlamaRangeBackend, seq_id: int, max_tokens: int) -> None:
+        self.logits_rows = False   # a tail's verify step: every position's logits (set by the session manager)
         self.past_len = 0
         self.seq_id = seq_id
         self.max_tokens = max_tokens
@@ -98,6 +99,14 @@ class LlamaSeqCache:
 
     def release(self) -> None:
         self._owner._release(self)
+
+    def truncate(self, length: int) -> None:
+        """Drop every position from ``length`` on (llama.cpp sequence position removal)."""
+        if not 0 <= length <= self.past_len or self.released or self.broken:
+            raise LocalError(f"cannot truncate {self.past_len} cached positions to {length}")
+        if length < self.past_len and self._engine_start is not None:
+            self._owner.engine.truncate(self.seq_id, length)
+        self.past_len = length
 
 
 class LlamaRangeBackend:
@@ -262,8 +271,10 @@ class LlamaRangeBackend:
         engine = self._engine(effective_start)
         cache._engine_start = effective_start
         try:
-            out = engine.decode(cache.seq_id, cache.past_len, data, want_hidden=not self.layer_range.is_tail,
-                                lend=lend, inject_layer=effective_start - self.layer_range.start)
+            every = frozenset({0}) if cache.logits_rows and self.layer_range.is_tail else frozenset()
+            out = engine.decode_many([(cache.seq_id, cache.past_len, data)], want_hidden=not self.layer_range.is_tail,
+                                     lend=lend, inject_layer=effective_start - self.layer_range.start,
+                                     every=every)[0]
         except (RuntimeUnavailable, ValueError) as exc:
             mapped = self._failed(engine, [cache], exc)
             if mapped is exc:
@@ -299,8 +310,10 @@ class LlamaRangeBackend:
         for i in live:
             caches[i]._engine_start = effective_start
         try:
+            every = frozenset(j for j, i in enumerate(live) if caches[i].logits_rows) \
+                if self.layer_range.is_tail else frozenset()
             outs = engine.decode_many(rows, want_hidden=not self.layer_range.is_tail,
-                                      inject_layer=effective_start - self.layer_range.start)
+                                      inject_layer=effective_start - self.layer_range.start, every=every)
         except (RuntimeUnavailable, ValueError) as exc:
             failed = [caches[i] for i in live]
             mapped = self._failed(engine, failed, exc)

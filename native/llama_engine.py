@@ -331,7 +331,8 @@ class LlamaEngine:
                                 inject_layer=inject_layer)[0]
 
     def decode_many(self, rows: list[tuple[int, int, np.ndarray]], *, want_hidden: bool,
-                    lend: bool = False, inject_layer: int = 0) -> list[np.ndarray]:
+                    lend: bool = False, inject_layer: int = 0,
+                    every: frozenset[int] = frozenset()) -> list[np.ndarray]:
         """One ``llama_decode`` over several sequences: ``rows`` = [(seq_id, first_pos, inputs)].
 
         All inputs are token ids, or all embeddings (one batch has one effective start:
@@ -340,6 +341,8 @@ class LlamaEngine:
         Errors as ``decode``; a failure leaves every row's sequence in an unknown state.
         With per-sequence KV streams (``kv_unified`` off) the rows run as ``stream_groups``.
         ``lend``: logits as llama.cpp's own buffer (see ``decode``; one llama_decode only).
+        ``every``: indices of rows that get the logits of every position, [T, n_vocab] (a verify
+        step of speculative decoding), not only the last.
         """
         counts = [int(inputs.shape[0]) for _, _, inputs in rows]
         n = sum(counts)
@@ -358,14 +361,16 @@ class LlamaEngine:
             # Per-sequence streams: one llama_decode per group llama.cpp keeps whole and in order.
             out: list = [None] * len(rows)
             for group in stream_groups(rows, self.config.n_ubatch):
-                results = self._decode_rows([rows[i] for i in group], want_hidden, inject_layer=inject_layer)
+                results = self._decode_rows([rows[i] for i in group], want_hidden, inject_layer=inject_layer,
+                                            every=frozenset(j for j, i in enumerate(group) if i in every))
                 for index, result in zip(group, results):
                     out[index] = result
             return out
-        return self._decode_rows(rows, want_hidden, lend=lend, inject_layer=inject_layer)
+        return self._decode_rows(rows, want_hidden, lend=lend, inject_layer=inject_layer, every=every)
 
     def _decode_rows(self, rows: list[tuple[int, int, np.ndarray]], want_hidden: bool,
-                     lend: bool = False, inject_layer: int = 0) -> list[np.ndarray]:
+                     lend: bool = False, inject_layer: int = 0,
+                     every: frozenset[int] = frozenset()) -> list[np.ndarray]:
         """One ``llama_decode`` over ``rows`` (checked by decode_many); results in ``rows`` order."""
         counts = [int(inputs.shape[0]) for _, _, inputs in rows]
         n = sum(counts)
@@ -392,12 +397,13 @@ class LlamaEngine:
             batch.n_tokens = n
             last: list[int] = []
             i = 0
-            for (seq_id, first_pos, _), count in zip(rows, counts):
+            for row, ((seq_id, first_pos, _), count) in enumerate(zip(rows, counts)):
+                all_rows = row in every
                 for j in range(count):
                     batch.pos[i] = first_pos + j
                     batch.n_seq_id[i] = 1
                     batch.seq_id[i][0] = seq_id
-                    batch.logits[i] = 1 if (want_hidden or j == count - 1) else 0
+                    batch.logits[i] = 1 if (want_hidden or all_rows or j == count - 1) else 0
                     i += 1
                 last.append(i - 1)
             state = self._cstate
@@ -437,13 +443,28 @@ class LlamaEngine:
                 bounds = np.cumsum([0, *counts])
                 return [hidden[bounds[k]:bounds[k + 1]] for k in range(len(rows))]
             out = []
-            for index in last:
-                logits = ll.llama_get_logits_ith(self._ctx, index)
-                if not logits:
-                    raise RuntimeUnavailable("llama.cpp returned no logits")
-                view = np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+            for row, (index, count) in enumerate(zip(last, counts)):
+                if row in every:
+                    out.append(np.stack([self._logits_at(i) for i in range(index - count + 1, index + 1)]))
+                    continue
+                view = self._logits_at(index)
                 out.append(view if lend else view.copy())
             return out
+
+    def _logits_at(self, index: int) -> np.ndarray:
+        """The logits row of batch position ``index`` as llama.cpp's own buffer (lock held)."""
+        logits = self._ll.llama_get_logits_ith(self._ctx, index)
+        if not logits:
+            raise RuntimeUnavailable("llama.cpp returned no logits")
+        return np.ctypeslib.as_array(logits, shape=(self.n_vocab,))
+
+    def truncate(self, seq_id: int, length: int) -> None:
+        """Drop the KV cells of ``seq_id`` from position ``length`` on (a verify step's rejected drafts)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeUnavailable("llama.cpp engine is closed")
+            if not self._ll.llama_memory_seq_rm(self._memory, seq_id, length, -1):
+                raise RuntimeUnavailable(f"llama.cpp could not drop sequence {seq_id}'s positions from {length}")
 
     def forget(self, seq_id: int) -> None:
         """Drop every KV cell of ``seq_id`` (release, or a failed forward)."""

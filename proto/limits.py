@@ -141,3 +141,9 @@ MAX_STOP_TOKENS = 64
 # A pushed head's decode inputs are numbered DECODE_STEP_BASE + position (by the entry
 # and by a looped tail alike): above any step a generation's counter reaches before them.
 DECODE_STEP_BASE = 1 << 40
+
+# Drafted tokens one verify chunk may carry (Envelope.verify): the tail draws
+# one token per position, every hop computes 1 + this many positions, and the
+# acceptance of a draft decays geometrically with its depth (a draft 16 deep
+# is rarely all accepted), so longer drafts only add compute that is thrown away.
+MAX_DRAFT_TOKENS = 16

@@ -283,7 +283,7 @@ class CacheResult(_message.Message):
     def __init__(self, mode: _Optional[_Union[CacheMode, str]] = ..., past_len: _Optional[int] = ..., cache_hit: bool = ...) -> None: ...
 
 class Envelope(_message.Message):
-    __slots__ = ("schema_version", "work_id", "route_session_id", "route_epoch", "fingerprint", "shard_range", "phase", "position", "idempotency_step", "cache_expectation", "deadline_unix_nanos", "chunk")
+    __slots__ = ("schema_version", "work_id", "route_session_id", "route_epoch", "fingerprint", "shard_range", "phase", "position", "idempotency_step", "cache_expectation", "deadline_unix_nanos", "chunk", "verify")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORK_ID_FIELD_NUMBER: _ClassVar[int]
     ROUTE_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +296,7 @@ class Envelope(_message.Message):
     CACHE_EXPECTATION_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_NANOS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     schema_version: SchemaVersion
     work_id: str
     route_session_id: str
@@ -308,7 +309,20 @@ class Envelope(_message.Message):
     cache_expectation: CacheExpectation
     deadline_unix_nanos: int
     chunk: ChunkInfo
-    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., idempotency_step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., deadline_unix_nanos: _Optional[int] = ..., chunk: _Optional[_Union[ChunkInfo, _Mapping]] = ...) -> None: ...
+    verify: VerifyDrafts
+    def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., work_id: _Optional[str] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., shard_range: _Optional[_Union[ShardRange, _Mapping]] = ..., phase: _Optional[_Union[Phase, str]] = ..., position: _Optional[_Union[PositionSpan, _Mapping]] = ..., idempotency_step: _Optional[int] = ..., cache_expectation: _Optional[_Union[CacheExpectation, _Mapping]] = ..., deadline_unix_nanos: _Optional[int] = ..., chunk: _Optional[_Union[ChunkInfo, _Mapping]] = ..., verify: _Optional[_Union[VerifyDrafts, _Mapping]] = ...) -> None: ...
+
+class VerifyDrafts(_message.Message):
+    __slots__ = ("draft_token_ids",)
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class VerifyResult(_message.Message):
+    __slots__ = ("accepted",)
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    def __init__(self, accepted: _Optional[int] = ...) -> None: ...
 
 class ShardError(_message.Message):
     __slots__ = ("code", "detail", "retryable", "actual_past_len", "retry_after_ms")
@@ -459,16 +473,18 @@ class SessionAccepted(_message.Message):
     def __init__(self, schema_version: _Optional[_Union[SchemaVersion, str]] = ..., route_session_id: _Optional[str] = ..., route_epoch: _Optional[int] = ..., flow_control: _Optional[_Union[FlowControl, _Mapping]] = ..., accepted_compression: _Optional[_Iterable[_Union[Compression, str]]] = ..., fingerprint: _Optional[_Union[Fingerprint, _Mapping]] = ..., past_len: _Optional[int] = ..., receipt_key: _Optional[_Union[KeyDelegation, _Mapping]] = ...) -> None: ...
 
 class ActivationChunk(_message.Message):
-    __slots__ = ("envelope", "bundle", "sample", "receipt")
+    __slots__ = ("envelope", "bundle", "sample", "receipt", "verify")
     ENVELOPE_FIELD_NUMBER: _ClassVar[int]
     BUNDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     RECEIPT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
     envelope: Envelope
     bundle: TensorBundle
     sample: TailSample
     receipt: bytes
-    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ..., receipt: _Optional[bytes] = ...) -> None: ...
+    verify: VerifyResult
+    def __init__(self, envelope: _Optional[_Union[Envelope, _Mapping]] = ..., bundle: _Optional[_Union[TensorBundle, _Mapping]] = ..., sample: _Optional[_Union[TailSample, _Mapping]] = ..., receipt: _Optional[bytes] = ..., verify: _Optional[_Union[VerifyResult, _Mapping]] = ...) -> None: ...
 
 class DecodeStep(_message.Message):
     __slots__ = ("idempotency_step", "position", "expected_past_len", "tensor", "work_id", "deadline_unix_nanos", "legs", "route_execution_nanos")

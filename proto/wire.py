@@ -82,11 +82,18 @@ def request_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | Prep
 
 def response_chunk(envelope: pb.Envelope, tensors: Mapping[str, np.ndarray | PreparedTensor], *,
                    sample: pb.TailSample | None = None, framed: bool = False, receipt: bytes = b"",
-                   **encode_kwargs) -> bytes:
-    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle, sample, receipt}}."""
+                   verify: pb.VerifyResult | None = None, **encode_kwargs) -> bytes:
+    """Serialized SessionResponse{chunk: ActivationChunk{envelope, bundle, sample, receipt, verify}}."""
     out, size = _chunk(envelope, tensors, encode_kwargs, sample)
     if receipt:
         field = b"\x22" + varint(len(receipt)) + receipt
+        out.append(field)
+        size += len(field)
+    if verify is not None:   # a verify chunk's verdict (speculative decoding): a few bytes
+        if not isinstance(verify, pb.VerifyResult):
+            raise LocalError("verify must be a pb.VerifyResult")
+        body = verify.SerializeToString()
+        field = b"\x2a" + varint(len(body)) + body
         out.append(field)
         size += len(field)
     return _finish(b"\x12", out, size, framed)

@@ -70,6 +70,7 @@ class _Record:
         self.started = time.monotonic()
         self.first = self.last = 0.0
         self.prompt_tokens = self.tokens = self.failovers = 0
+        self.drafted = self.accepted = 0      # speculative decoding's drafted and accepted tokens
         self.route: list[str] = []
         self.finish_reason = ""
 
@@ -86,6 +87,8 @@ class _Record:
                 self.route = list(event["route"])
         elif event.get("done"):
             self.failovers = len(event.get("failovers") or ())
+            self.drafted = int(event.get("drafted_tokens", 0))
+            self.accepted = int(event.get("accepted_tokens", 0))
             self.finish_reason = str(event.get("finish_reason", ""))
 
     def summary(self) -> dict:
@@ -172,7 +175,8 @@ class Entry:
                 self.metrics.generation(prompt_tokens=record.prompt_tokens if record.tokens else 0,
                                         prompt_s=prompt_s, predicted=record.tokens,
                                         predicted_s=max(record.last - record.first, 0.0),
-                                        failovers=record.failovers)
+                                        failovers=record.failovers, drafted=record.drafted,
+                                        accepted=record.accepted)
         except BaseException as exc:
             outcome = _outcome(first_leaf(exc))
             raise

@@ -23,6 +23,8 @@ and the mesh's own:
     meshd_hop_sessions_total{transport}    hop sessions opened (own worker, direct, relayed)
     meshd_relayed_hops_ratio               share of those sessions that went through a relay
     meshd_failovers_total                  hop failures the driver routed around
+    meshd_draft_tokens_total               tokens drafted for speculative decoding
+    meshd_draft_accepted_tokens_total      drafted tokens the route's tail accepted
     meshd_layer_coverage{layer}            peers serving each layer (0: a gap)
     meshd_tracker_role                     1 while this node has tracker duty
     meshd_audits_total                     steps re-run on another replica and compared (generate/audit.py)
@@ -110,6 +112,9 @@ class ApiMetrics:
         self.hop_sessions = Counter("meshd_hop_sessions", "Hop sessions opened", ["transport"], registry=r)
         self.relayed_ratio = Gauge("meshd_relayed_hops_ratio", "Share of hop sessions through a relay", registry=r)
         self.failovers = Counter("meshd_failovers", "Hop failures the driver routed around", registry=r)
+        self.drafted = Counter("meshd_draft_tokens", "Tokens drafted for speculative decoding", registry=r)
+        self.accepted = Counter("meshd_draft_accepted_tokens", "Drafted tokens the route's tail accepted",
+                                registry=r)
         if probe is not None:
             r.register(_NodeCollector(probe))
         self._lock = threading.Lock()
@@ -130,7 +135,7 @@ class ApiMetrics:
 
     # ------------------------------------------------------------------ generations
     def generation(self, *, prompt_tokens: int, prompt_s: float, predicted: int, predicted_s: float,
-                   failovers: int) -> None:
+                   failovers: int, drafted: int = 0, accepted: int = 0) -> None:
         with self._lock:
             s = self._sums
             s[0] += prompt_tokens
@@ -147,6 +152,9 @@ class ApiMetrics:
         self.predicted_rate.set(predicted_rate)
         if failovers:
             self.failovers.inc(failovers)
+        if drafted:
+            self.drafted.inc(drafted)
+            self.accepted.inc(accepted)
 
     # ------------------------------------------------------------------ HopObserver
     def _peer(self, peer_id: str) -> str:

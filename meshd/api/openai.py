@@ -208,8 +208,14 @@ def parse_completion(body: dict, served_model: str) -> tuple[GenerateParams, Ans
 
 # ---------------------------------------------------------------------------------------- responses
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, done: dict | None = None) -> dict:
+    usage: dict = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    drafted = int((done or {}).get("drafted_tokens", 0))
+    if drafted:   # speculative decoding: OpenAI's names for predicted tokens kept and thrown away
+        accepted = int((done or {}).get("accepted_tokens", 0))
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                              "rejected_prediction_tokens": drafted - accepted}
+    return usage
 
 
 def _bytes(text: str) -> list[int]:
@@ -259,14 +265,14 @@ class _Format:
     def finish(self) -> list[dict]:
         done = self.done or {}
         reason = done.get("finish_reason", "length")
-        usage = _usage(self.prompt_tokens, int(done.get("completion_tokens", 0)))
+        usage = _usage(self.prompt_tokens, int(done.get("completion_tokens", 0)), done)
         out = [self._chunk(self._final_choice(self._tail, reason))]
         if self.answer.include_usage:
             out.append(self._chunk(None, usage))
         return out
 
     def usage(self) -> dict:
-        return _usage(self.prompt_tokens, int((self.done or {}).get("completion_tokens", 0)))
+        return _usage(self.prompt_tokens, int((self.done or {}).get("completion_tokens", 0)), self.done)
 
     # -- what each format says its own way
     def _logprob(self, event: dict) -> dict:

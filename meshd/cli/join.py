@@ -43,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="re-run this share of each hop's steps on another replica and exclude a peer "
                              "that answered otherwise (default 0.03; all: every step, before its token is "
                              "streamed; 0: off). Star routes only for now")
+    parser.add_argument("--speculative", choices=("off", "prompt-lookup", "draft-model"),
+                        help="speculative decoding for generations entering here (star routes): prompt-lookup "
+                             "drafts from the prompt and text so far, draft-model with --draft (default off)")
+    parser.add_argument("--draft", metavar="MODEL.gguf", dest="draft_model",
+                        help="a small GGUF with the served model's tokenizer that drafts tokens at this entry "
+                             "(implies --speculative draft-model)")
     parser.add_argument("--api-listen", metavar="HOST:PORT|off",
                         help="the HTTP API, metrics and dashboard (default 127.0.0.1:8080; port 0: any free port); "
                              "beyond loopback it needs a key (--api-key-file or MESHD_API_KEY)")
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
             "advertise_host": args.advertise_host, "reachability": args.reachability, "record_ttl_s": args.record_ttl_s,
             "refill_wait_s": args.refill_wait_s,
             "route_topology": args.route_topology, "verify_rate": args.verify_rate,
+            "speculative": args.speculative, "draft_model": args.draft_model,
             "worker.dtype": args.dtype, "worker.backend": args.backend,
             "worker.kv_budget_tokens": args.kv_budget_tokens, "worker.torch_threads": args.threads,
             "experts": args.experts, "expert_act": args.expert_act, "offload_experts": args.offload_experts,

@@ -318,6 +318,9 @@ class _Rows:
         return self.data[start:end]
 
 
+BoundaryRows = _Rows   # the public name: the speculative driver (speculative.py) keeps these too
+
+
 class SwarmDriver:
     def __init__(self, source: RouteSource, connector: HopConnector, *, fingerprint: pb.Fingerprint,
                  replan_wait_s: float = REPLAN_WAIT_S, session_id: str | None = None,

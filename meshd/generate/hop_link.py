@@ -87,6 +87,7 @@ class TailOut:
 
     sample: pb.TailSample
     logits: np.ndarray | None
+    accepted: int | None = None   # a verify step's verdict: drafted tokens accepted before ``sample``
 
 
 class HopLink:
@@ -278,6 +279,43 @@ class HopLink:
                               rows if isinstance(rows, np.ndarray) else None)
         # returns_rows: every output is an array of rows (_output)
         return np.concatenate(cast(list[np.ndarray], outs), axis=0) if self.spec.returns_rows else outs[-1]
+
+    def verify(self, inputs: np.ndarray, drafts: tuple[int, ...], step: StepCounter) -> np.ndarray | TailOut:
+        """Feed the last token and ``drafts`` (``inputs``: their 1 + len(drafts) rows) as one verify
+        chunk (speculative decoding); returns hidden rows, or the tail's verdict and next token.
+        The hop keeps every position until ``roll_back`` names how many the tail accepted."""
+        first, n = self.past_len, int(inputs.shape[0])
+        if n != len(drafts) + 1 or first == 0:
+            raise LocalError(f"a verify step carries 1 + {len(drafts)} positions after the prompt, got {n} at {first}")
+        s, idem = self.spec, step.next()
+        env = pb.Envelope(
+            schema_version=SCHEMA_VERSION, work_id=f"{s.session_id}:{s.epoch}:{idem}",
+            route_session_id=s.session_id, route_epoch=s.epoch, fingerprint=s.fingerprint,
+            shard_range=pb.ShardRange(start_layer=s.start, end_layer=s.end, effective_start_layer=s.effective_start),
+            phase=pb.PHASE_DECODE, position=pb.PositionSpan(first_position=first, token_count=n),
+            idempotency_step=idem,
+            cache_expectation=pb.CacheExpectation(mode=pb.CACHE_MODE_DECODE, expected_past_len=first),
+            verify=pb.VerifyDrafts(draft_token_ids=drafts))
+        name = TOKEN_IDS if s.effective_start == 0 else HIDDEN
+        self._send(wire.request_chunk(env, {name: inputs}))
+        t0 = time.monotonic()
+        resp, tensors = self._recv(self.deadlines.chunk_s(n))
+        self.deadlines.chunk_done(n, time.monotonic() - t0)
+        self.execution_ns = 0
+        self.past_len = first + n
+        out = self._output(resp.chunk, tensors, n)
+        if isinstance(out, TailOut):
+            if not resp.chunk.HasField("verify") or resp.chunk.verify.accepted > len(drafts):
+                raise self.fail("the tail sent no valid verdict on a verify step", pb.ERROR_CODE_PROTOCOL_VIOLATION)
+            out = TailOut(out.sample, out.logits, int(resp.chunk.verify.accepted))
+        return out
+
+    def roll_back(self, length: int) -> None:
+        """The route kept ``length`` positions of the last verify step: the next step says so (its
+        expected past length), and the hop drops the rest before it runs (no round trip here)."""
+        if not 0 < length <= self.past_len:
+            raise LocalError(f"hop {self.index}: cannot roll {self.past_len} positions back to {length}")
+        self.past_len = length
 
     def _output(self, holder, tensors: dict[str, np.ndarray], rows: int) -> np.ndarray | TailOut:
         if self.spec.returns_rows:

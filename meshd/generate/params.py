@@ -46,6 +46,7 @@ class GenerateParams:
     logprobs: bool = False          # report each chosen token's log-probability
     top_logprobs: int = 0           # and this many alternatives per position
     topology: str = ""              # "push" | "star" for this request; "": the node's route_topology
+    speculative: bool | None = None  # speculative decoding for this request; None: the node's setting
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -89,12 +90,14 @@ class GenerateParams:
         check_stops(self.stop)
         if self.topology not in ("", "push", "star"):
             raise LocalError("topology must be push or star")
+        if self.speculative is not None and not isinstance(self.speculative, bool):
+            raise LocalError("speculative must be a boolean")
 
     @classmethod
     def from_request(cls, request: dict) -> GenerateParams:
         """A control-socket request (``{"op": "generate", ...}``); unknown keys are ignored."""
         known = {"prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "raw", "logprobs",
-                 "top_logprobs", "topology"}
+                 "top_logprobs", "topology", "speculative"}
         fields = {k: v for k, v in request.items() if k in known}
         if "stop" in request:
             stop = request["stop"]

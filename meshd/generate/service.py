@@ -56,20 +56,25 @@ generation the same way. The daemon never abandons the thread.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import trio
 
 from meshd.generate.audit import VerifyPolicy
+from meshd.generate.draft import Drafter, DrafterPool, PromptLookup
 from meshd.generate.driver import GenerationCancelled, GenerationRequest, PromptTooLarge, SampledToken, SwarmDriver
 from meshd.generate.entry_view import EntryView
 from meshd.generate.hop_meter import HopObserver, MeteredConnector
 from meshd.generate.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, GenerateParams  # noqa: F401 - re-exported
 from meshd.generate.push import PushDriver
 from meshd.generate.routes import AdsRouteSource, PeerConnector
+from meshd.generate.speculative import SpeculativeDriver
 from meshd.generate.textstream import TextStream
 from meshd.plan.adverts import CoverageMap
 from meshd.plan.errors import MissingLayersError
@@ -176,7 +181,8 @@ def swarm_recipe(swarm, ads, me: str) -> str:
 
 
 def swarm_driver(swarm: EntryView, observer: HopObserver | None = None,
-                 topology: str = "") -> tuple[SwarmDriver, list[dict]]:
+                 topology: str = "", speculative: bool = False,
+                 drafter: Drafter | None = None) -> tuple[SwarmDriver, list[dict]]:
     """A route driver over the swarm as this node sees it, and the list its failovers are noted in.
 
     A serving node pins the fingerprint its own worker validated and reaches its own hop over its
@@ -215,16 +221,26 @@ def swarm_driver(swarm: EntryView, observer: HopObserver | None = None,
                               frames=swarm.frames, own_dialable=swarm.own_dialable and bool(own_unix or own_endpoint),
                               relay_dialer=swarm.relay_dialer, relayed_addrs=lambda peer: _relayed_of(swarm, peer))
     failovers: list[dict] = []
-    driver = PushDriver(source, MeteredConnector(connector, observer, me) if observer else connector,
-                        topology=topology or swarm.config.route_topology,
-                        fingerprint=fingerprint, context_tokens=swarm.context_tokens,
-                        replan_wait_s=swarm.config.refill_wait,
-                        verify=VerifyPolicy.for_lane(swarm.config.verify_rate, swarm.config.worker.backend),
-                        audit_book=getattr(swarm, "audit_book", None),   # the node's: exclusions outlive a generation
-                        on_failover=lambda e: failovers.append(
-        {"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
-         "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
-         "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]}))
+
+    def on_failover(e) -> None:
+        failovers.append({"failed_peer": e.failed_peer, "position": e.position, "detail": e.detail[:300],
+                          "failed_at": e.failed_at, "reprefilled": list(e.reprefilled),
+                          "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in e.route.hops]})
+
+    hops = MeteredConnector(connector, observer, me) if observer else connector
+    # the node's audit book: exclusions outlive a generation, whichever driver runs it
+    book = getattr(swarm, "audit_book", None)
+    driver: SwarmDriver
+    if speculative:   # a star route: verify chunks are not pushed (speculative.py); not audited yet
+        driver = SpeculativeDriver(source, hops, drafter=drafter or PromptLookup(), fingerprint=fingerprint,
+                                   context_tokens=swarm.context_tokens, replan_wait_s=swarm.config.refill_wait,
+                                   audit_book=book, on_failover=on_failover)
+    else:
+        driver = PushDriver(source, hops, topology=topology or swarm.config.route_topology,
+                            fingerprint=fingerprint, context_tokens=swarm.context_tokens,
+                            replan_wait_s=swarm.config.refill_wait,
+                            verify=VerifyPolicy.for_lane(swarm.config.verify_rate, swarm.config.worker.backend),
+                            audit_book=book, on_failover=on_failover)
     return driver, failovers
 
 
@@ -233,8 +249,19 @@ async def generate(swarm: EntryView, params: GenerateParams, send: Send, *,
     """The core on the daemon's swarm: check readiness, then ``drive`` (raises NotReady, LocalError)."""
     await check_ready(swarm)
     tokenizer = await entry_tokenizer(swarm)
-    driver, failovers = swarm_driver(swarm, observer, params.topology)
-    await drive(driver, tokenizer, params, send, failovers=failovers)
+    mode = swarm.config.speculative
+    speculative = params.speculative if params.speculative is not None else mode != "off"
+    draft_path = swarm.config.draft_model if mode == "draft-model" else None
+    with _drafters(draft_path).lease() if speculative and draft_path is not None \
+            else contextlib.nullcontext(None) as drafter:
+        driver, failovers = swarm_driver(swarm, observer, params.topology, speculative, drafter)
+        await drive(driver, tokenizer, params, send, failovers=failovers)
+
+
+@functools.cache
+def _drafters(path: Path) -> DrafterPool:
+    """The entry's draft models for ``path`` (one pool per file, for the daemon's life)."""
+    return DrafterPool(path)
 
 
 # Marks the worker's refusal of TailOptions.return_hidden (shard/sessions.py) in a route failure.
@@ -288,6 +315,15 @@ async def embed(swarm: EntryView, texts: list[str], *, truncate: bool = True, no
         vectors.append([float(v) for v in vector])
         total += len(ids)
     return Embeddings(vectors, total)
+
+
+def _speculation(driver: SwarmDriver) -> dict:
+    """The done event's speculative-decoding figures: drafted tokens, accepted ones, tokens per round trip."""
+    spec = driver.spec if isinstance(driver, SpeculativeDriver) else None
+    if spec is None:
+        return {"drafted_tokens": 0, "accepted_tokens": 0}
+    return {"drafted_tokens": spec.drafted, "accepted_tokens": spec.accepted,
+            "tokens_per_round_trip": round(spec.tokens_per_round_trip, 3)}
 
 
 def _token_event(tokenizer, params: GenerateParams, delta: str, item: SampledToken) -> dict:
@@ -389,4 +425,5 @@ async def drive(driver: SwarmDriver, tokenizer, params: GenerateParams, send: Se
                 "step_legs": list(stats.step_legs),
                 "topology": "push" if isinstance(driver, PushDriver) and driver.pushing else "star",
                 "looped": isinstance(driver, PushDriver) and driver.looped,   # push: the tail feeds the head itself
+                **_speculation(driver),
                 "route": [f"{h.peer_id}:{h.effective_start}:{h.end}" for h in route.hops] if route else []})

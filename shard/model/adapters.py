@@ -284,11 +284,11 @@ class LlamaFamily:
             )
         return hidden
 
-    def logits(self, modules: RangeModules, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, modules: RangeModules, hidden: torch.Tensor, *, every: bool = False) -> torch.Tensor:
         # Norm over every position, then the head on the last one: the order of
-        # XForCausalLM.forward(logits_to_keep=1).
+        # XForCausalLM.forward(logits_to_keep=1). ``every``: the head on every position (a verify step).
         hidden = modules.norm(hidden)
-        return modules.lm_head(hidden[:, -1:, :])
+        return modules.lm_head(hidden if every else hidden[:, -1:, :])
 
 
 @register_family
@@ -333,8 +333,8 @@ class Gemma3Family(LlamaFamily):
             )
         return hidden
 
-    def logits(self, modules: RangeModules, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().logits(modules, hidden)
+    def logits(self, modules: RangeModules, hidden: torch.Tensor, *, every: bool = False) -> torch.Tensor:
+        logits = super().logits(modules, hidden, every=every)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -55,10 +55,13 @@ class BackendInputError(ValueError):
 class TorchCache:
     """One session's KV for the layers [effective_start, end) of a range."""
 
-    __slots__ = ("past_len", "max_tokens", "effective_start", "dynamic", "hidden_out")
+    __slots__ = ("past_len", "max_tokens", "effective_start", "dynamic", "hidden_out", "logits_rows")
 
     def __init__(self, max_tokens: int) -> None:
         self.hidden_out = False   # a tail's session for embeddings: normed rows, not logits (TailOptions.return_hidden)
+        # A tail's verify step (speculative decoding): the logits of every position, [T, vocab]; the
+        # session manager sets it for that one forward.
+        self.logits_rows = False
         self.past_len = 0
         self.max_tokens = max_tokens
         self.effective_start: int | None = None
@@ -67,6 +70,15 @@ class TorchCache:
     def release(self) -> None:
         self.dynamic = None
         self.effective_start = None
+
+    def truncate(self, length: int) -> None:
+        """Drop every position from ``length`` on (rejected drafts): the KV of the first ``length``
+        positions is untouched, so the next forward continues exactly as if they had been the last."""
+        if not 0 <= length <= self.past_len:
+            raise BackendInputError(f"cannot truncate {self.past_len} cached positions to {length}")
+        if length < self.past_len and self.dynamic is not None:
+            self.dynamic.crop(length - self.past_len)   # transformers: a negative count removes positions
+        self.past_len = length
 
 
 def _to_torch(array: np.ndarray) -> torch.Tensor:
@@ -267,6 +279,8 @@ class TorchRangeBackend:
                 self.exchange.note_positions(count)
             if self.layer_range.is_tail and cache.hidden_out:
                 return modules.norm(hidden)[0].float().numpy()
+            if self.layer_range.is_tail and cache.logits_rows:
+                return self.adapter.logits(modules, hidden, every=True)[0].float().numpy()
             if self.layer_range.is_tail:
                 return self.adapter.logits(modules, hidden)[0, -1].float().numpy()
             return _to_numpy(hidden[0])

@@ -115,6 +115,10 @@ def forward_rows(backend, caches, inputs_list, effective_start: int, to_torch, t
             logits = modules.lm_head(last)[0].float()
             for j, i in enumerate(live):
                 hidden_rows = getattr(caches[i], "hidden_out", False)   # embeddings: normed rows, not logits
+                if getattr(caches[i], "logits_rows", False):   # a verify step: every position's logits
+                    rows = normed[:, bounds[j]:bounds[j + 1]]
+                    results[i] = modules.lm_head(rows)[0].float().numpy().copy()
+                    continue
                 results[i] = (normed[0, bounds[j]:bounds[j + 1]].float().numpy().copy() if hidden_rows
                               else logits[j].numpy().copy())
         else:

@@ -13,7 +13,11 @@ Rules, checked in this order on every ``step``:
   3. idempotency_step <= last step -> acknowledged as a duplicate, not
      re-applied (the last step's result is replayed, older ones are not kept);
   4. position != expected_past_len -> ProtocolViolation;
-     expected_past_len != the cache's real length -> CacheMiss(actual);
+     expected_past_len below the cache's real length, right after a verify
+     step and not below its first position + 1 -> the drafted positions past
+     it are dropped (speculative decoding: the next step carries how many the
+     tail accepted); otherwise expected_past_len != the cache's real length
+     -> CacheMiss(actual);
   5. inputs are validated against the backend (dtype, shape, room in the
      reservation) before the backend is called; a backend failure drops the
      cache (the session restarts at past_len 0) and raises a typed error
@@ -148,7 +152,8 @@ class ManagerStats:
 
 
 class _Session:
-    __slots__ = ("key", "owner", "cache", "max_tokens", "last_step", "last_payload", "last_used", "hidden_out")
+    __slots__ = ("key", "owner", "cache", "max_tokens", "last_step", "last_payload", "last_used", "hidden_out",
+                 "rollback_floor")
 
     def __init__(self, key: SessionKey, owner: Owner, cache, max_tokens: int, now: float,
                  hidden_out: bool = False) -> None:
@@ -160,6 +165,9 @@ class _Session:
         self.last_step: int | None = None
         self.last_payload: object = None
         self.last_used = now
+        # After a verify step: the shortest length the next step may roll the cache back to (the
+        # verify's first position + 1: its input token was real, the rest were drafts). None otherwise.
+        self.rollback_floor: int | None = None
 
 
 class SessionManager:
@@ -343,9 +351,12 @@ class SessionManager:
 
     def step(self, key: SessionKey, *, step: int, position: int, expected_past_len: int,
              inputs: np.ndarray, effective_start: int,
-             post: Callable[[np.ndarray], object] | None = None, lend: bool = False) -> StepResult:
+             post: Callable[[np.ndarray], object] | None = None, lend: bool = False,
+             verify: bool = False) -> StepResult:
         """Apply one prefill chunk or decode step (rules in the module docstring). ``lend``: ``post``
-        keeps nothing of the output, so the backend may lend it (shard/session/batching.py)."""
+        keeps nothing of the output, so the backend may lend it (shard/session/batching.py).
+        ``verify``: a verify step (speculative decoding) -- a tail returns every position's logits
+        [T, vocab], and the next step may drop the positions after the first."""
         now = self.clock()
         if now >= self._next_expiry_check:     # idle TTLs are minutes: no need to sweep every token
             self._next_expiry_check = now + min(EXPIRE_CHECK_S, self.policy.ttl_s / 4)
@@ -362,15 +373,30 @@ class SessionManager:
         if position != expected_past_len:
             raise ProtocolViolation(f"position {position} differs from expected_past_len {expected_past_len}")
         actual = session.cache.past_len
+        floor = session.rollback_floor
+        if floor is not None and floor <= expected_past_len < actual:
+            self._roll_back(session, expected_past_len)
+            actual = expected_past_len
         if expected_past_len != actual:
             raise CacheMiss(f"expected past length {expected_past_len}, cache holds {actual}",
                             actual_past_len=actual)
         self._validate(session, inputs, effective_start)
+        inner = getattr(session.cache, "inner", session.cache)   # under the batching wrapper
+        if verify and not (hasattr(inner, "truncate") and hasattr(inner, "logits_rows")):
+            raise ProtocolViolation(f"this {self.backend.backend_name} shard cannot roll its KV back: "
+                                    "no speculative decoding through it")
+        session.rollback_floor = None
         t0 = time.perf_counter_ns()
         try:
-            output = self.backend.forward(session.cache, inputs, effective_start=effective_start,
-                                          **({"lend": True} if lend and post is not None
-                                             and getattr(self.backend, "lends_outputs", False) else {}))
+            if verify:
+                inner.logits_rows = True
+            try:
+                output = self.backend.forward(session.cache, inputs, effective_start=effective_start,
+                                              **({"lend": True} if lend and post is not None
+                                                 and getattr(self.backend, "lends_outputs", False) else {}))
+            finally:
+                if verify:
+                    inner.logits_rows = False
             payload = post(output) if post is not None else output
         except Exception as exc:
             doing = f"running {inputs.shape[0]} positions at {actual} (session cache reset to 0)"
@@ -388,7 +414,14 @@ class SessionManager:
         elapsed = time.perf_counter_ns() - t0
         self.meter.observe(int(inputs.shape[0]), self.backend.layer_range.end - effective_start, elapsed / 1e9)
         session.last_step, session.last_payload = step, payload
+        if verify:
+            session.rollback_floor = position + 1
         return StepResult(payload, session.cache.past_len, False, elapsed)
+
+    def _roll_back(self, session: _Session, length: int) -> None:
+        """Drop the cache's positions from ``length`` on (a verify step's rejected drafts)."""
+        session.rollback_floor = None
+        getattr(session.cache, "inner", session.cache).truncate(length)
 
     def release(self, key: SessionKey, owner: Owner = LOCAL_OWNER) -> bool:
         """Free the session at once; idempotent (False when nothing was there); its owner only."""

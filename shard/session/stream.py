@@ -64,6 +64,18 @@ final chunk, and answers with a ``TailSample`` (plus logprobs, top
 alternatives or the logits row only when the open asked for them); a tail
 that does not sample answers with the logits row.
 
+Verify (speculative decoding): a chunk whose envelope carries ``verify`` holds
+the last token plus drafted tokens. Every hop runs all of its positions as one
+step and remembers that the positions after the first may be dropped: the next
+step's expected_past_len says how many survived (shard/session/sessions.py
+rolls the cache back), so no hop needs a round trip of its own. The tail draws
+its token at every position exactly as a decode step would (the draw for
+position p, from that position's logits row), accepts the drafted tokens while
+they equal its draws, and answers with the count (``VerifyResult``) and the
+token after them: the accepted tokens are the ones plain decoding would have
+drawn. Tokens only: a verify chunk on a tail asked for logprobs or logits, or
+on a pushed session, is refused (PROTOCOL_VIOLATION, the stream stays usable).
+
 Flow control: each chunk/decode consumes one credit granted in
 SessionAccepted; credits are returned in batches (a FlowControl response when
 the peer's outstanding credit falls to half the window).
@@ -82,6 +94,7 @@ from proto import shard_runtime_pb2 as pb
 from proto.errors import MeshdError, PayloadCorrupt, ProtocolError, ProtocolViolation
 from proto.flow import CreditLedger, negotiate
 from proto.frames import SCHEMA_VERSION, check_schema_version, parse_request
+from proto.limits import MAX_DRAFT_TOKENS
 from proto.receipts import HISTORY_START, chain_history, rows_digest, tail_digest
 from proto.tensors import decode_bundle, decode_tensor
 from proto.zerocopy import read_request
@@ -155,11 +168,12 @@ class TailAnswer:
     """A tail step's payload: tensors to send (the logits row, when asked) and the drawn token
     (``token``; ``sample`` is the full TailSample only when logprobs were asked for)."""
 
-    __slots__ = ("tensors", "token", "_sample")
+    __slots__ = ("tensors", "token", "_sample", "accepted")
 
     def __init__(self, tensors: dict[str, np.ndarray], token: int | None,
-                 sample: pb.TailSample | None = None) -> None:
+                 sample: pb.TailSample | None = None, accepted: int | None = None) -> None:
         self.tensors, self.token, self._sample = tensors, token, sample
+        self.accepted = accepted   # a verify step's verdict: the drafted tokens accepted before ``token``
 
     @property
     def sample(self) -> pb.TailSample | None:
@@ -423,20 +437,42 @@ class SessionStream:
             return TailAnswer({LOGITS: output} if tail.return_logits or spec is None else {}, token, sample)
         return post
 
-    def _run(self, *, step: int, position: int, expected: int, tensors, deadline: int, draw_at: int | None):
+    def _verifier(self, first: int,
+                  drafts: Sequence[int]) -> Callable[[np.ndarray], TailAnswer | dict[str, np.ndarray]]:
+        """A verify step's answer (module doc): hidden rows before the tail; at the tail, the count of
+        drafted tokens equal to the draws at their positions, and the draw after them."""
+        if not self.service.backend.layer_range.is_tail:
+            return lambda output: {HIDDEN: output}
+        spec = self.sampling
+        if spec is None or self.tail.return_logits or self.tail.logprobs or self.tail.top_logprobs:
+            raise ProtocolViolation("a verify chunk needs a sampling tail that returns tokens only")
+
+        def post(rows: np.ndarray) -> TailAnswer:
+            if rows.ndim != 2 or rows.shape[0] != len(drafts) + 1:
+                raise ProtocolViolation(f"the backend gave logits of shape {rows.shape} for a verify step")
+            accepted = 0
+            token = sample_token(rows[0], spec, first + 1)
+            while accepted < len(drafts) and token == drafts[accepted]:
+                accepted += 1
+                token = sample_token(rows[accepted], spec, first + accepted + 1)
+            return TailAnswer({}, token, accepted=accepted)
+        return post
+
+    def _run(self, *, step: int, position: int, expected: int, tensors, deadline: int, draw_at: int | None,
+             drafts: Sequence[int] | None = None):
         if deadline and self.wall_ns() > deadline:
             raise DeadlineExceeded("the work's deadline passed before it ran")
         inputs = self._input(tensors)
         # A sampling tail that returns no logits only reads them to draw: the backend may lend them.
         lend = self.sampling is not None and not self.tail.return_logits
-        post = self._poster(draw_at)
+        post = self._poster(draw_at) if drafts is None else self._verifier(position, drafts)
         self._signed = None
         if self.service.receipts is not None and self.push is None:   # a pushed answer carries none (yet)
             post = self._digesting(post, inputs, position)
         with self.service.lock:
             return self.service.manager.step(
                 self.open_key, step=step, position=position, expected_past_len=expected, inputs=inputs,
-                effective_start=self.effective_start, post=post, lend=lend)
+                effective_start=self.effective_start, post=post, lend=lend, verify=drafts is not None)
 
     # -- step receipts (proto/receipts.py) ---------------------------------------------------
     def _receipt_key(self) -> pb.KeyDelegation | None:
@@ -492,10 +528,11 @@ class SessionStream:
             if self._input(tensors).shape[0] != span.token_count:
                 raise PayloadCorrupt("position.token_count disagrees with the tensor")
             final = env.chunk.final_chunk if env.HasField("chunk") else True
+            drafts = self._drafts(env) if env.HasField("verify") else None
             result = self._run(step=env.idempotency_step, position=span.first_position,
                                expected=env.cache_expectation.expected_past_len, tensors=tensors,
                                deadline=env.deadline_unix_nanos,
-                               draw_at=span.first_position + span.token_count if final else None)
+                               draw_at=span.first_position + span.token_count if final else None, drafts=drafts)
         except (ProtocolError, ShardRefusal) as exc:
             return self._work_error(exc, env.work_id, env.idempotency_step)
         if result.payload is None:  # an older duplicate: acknowledged, nothing to replay
@@ -509,7 +546,21 @@ class SessionStream:
         tensors, sample = _parts(result.payload)
         if self.push is not None:
             return [PushChunk(out_env, tensors, sample), *self._grant()]
-        return [wire.response_chunk(out_env, tensors, sample=sample, receipt=self._take_receipt()), *self._grant()]
+        accepted = getattr(result.payload, "accepted", None)
+        verdict = pb.VerifyResult(accepted=accepted) if accepted is not None else None
+        return [wire.response_chunk(out_env, tensors, sample=sample, receipt=self._take_receipt(), verify=verdict),
+                *self._grant()]
+
+    def _drafts(self, env: pb.Envelope) -> tuple[int, ...]:
+        """A verify chunk's drafted tokens, checked against its span (module doc)."""
+        drafts = tuple(int(t) for t in env.verify.draft_token_ids)
+        if len(drafts) > MAX_DRAFT_TOKENS:
+            raise ProtocolViolation(f"a verify chunk carries at most {MAX_DRAFT_TOKENS} drafted tokens")
+        if env.position.token_count != len(drafts) + 1:
+            raise ProtocolViolation("a verify chunk's token_count must be 1 + its drafted tokens")
+        if self.push is not None:
+            raise ProtocolViolation("verify chunks run on star routes only (not on a pushed session)")
+        return drafts
 
     def _on_decode(self, req: pb.SessionRequest, tensors) -> Sequence[Output]:
         d = req.decode
