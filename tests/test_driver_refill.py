@@ -113,10 +113,13 @@ def test_a_gap_never_refilled_is_a_coverage_gap_after_the_bound(shards, topology
     driver = driver_for(shards, swarm, topology, wait_s=wait_s)
     swarm.kill_b_after(KILL_AT)
     gen = driver.generate(request())
-    for _ in range(KILL_AT):
-        next(gen)
+    taken = []
     with pytest.raises(CoverageGap) as info:
-        list(gen)
+        for token in gen:
+            taken.append(token)
+    # Pushed, the entry may notice B's death before or after it takes the token B's step carried
+    # (two threads of the in-memory transport): the gap is raised after that token or the one before.
+    assert len(taken) in ((KILL_AT,) if topology == "star" else (KILL_AT - 1, KILL_AT))
     gap = info.value
     assert isinstance(gap, RouteFailed)                         # the API's 503, the control socket's error
     assert gap.spans == (Span(2, 4),) and gap.waited_s >= wait_s

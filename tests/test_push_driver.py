@@ -65,9 +65,10 @@ def test_pushed_tokens_equal_the_whole_model_with_hops_plus_one_legs(swarm, refe
     assert driver.stats.step_legs and set(driver.stats.step_legs) == {3 + 1}   # counted by the hops
     if loop:   # the tail sent every token but the last straight to the head: the entry fed only the prompt
         assert driver.looped and driver.stats.looped_steps == NEW_TOKENS - 1 and driver.stats.continued_steps == 0
-    else:      # every decode input after the first went to the head from the tail's reader thread (the
-        # continuation), before the driver thread woke up: the first follows the prompt's chunk
-        assert not driver.looped and driver.stats.continued_steps == NEW_TOKENS - 2
+    else:      # decode inputs after the first go to the head from the tail's reader thread (the
+        # continuation) when it beats the driver thread -- a race between two threads, so the count is
+        # bounded, not exact: the driver sends what the continuation did not (the tokens prove it)
+        assert not driver.looped and 0 < driver.stats.continued_steps <= NEW_TOKENS - 2
     assert swarm.idle()                                   # released everywhere
     assert swarm.no_pushed_sessions()
 
@@ -81,8 +82,8 @@ def test_inputs_sent_ahead_stop_at_a_stop_id_and_at_the_last_token(swarm, refere
     assert tokens == reference[:stop_at + 1]
     if loop:   # looped: tokens 1..7 went to the head, never the stop token
         assert driver.stats.looped_steps == stop_at
-    else:      # sent ahead by the continuation: after tokens 2..7
-        assert driver.stats.continued_steps == stop_at - 1
+    else:      # sent ahead by the continuation (when it beats the driver thread): after tokens 2..7 at most
+        assert 0 < driver.stats.continued_steps <= stop_at - 1
     assert swarm.idle()
 
 

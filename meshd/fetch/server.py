@@ -264,7 +264,8 @@ class ChunkServer:
         for view in views:
             self.limit.acquire(len(view), self._stop)
             sock.sendall(view)
-            self.bytes_sent += len(view)
+            with self._lock:            # connection threads add at once: += alone loses counts
+                self.bytes_sent += len(view)
         return True
 
     def status(self) -> dict:
