@@ -102,7 +102,9 @@ def test_killed_middle_hop_mid_decode_recovers_from_rows_held_upstream(swarm, re
     tokens = collect(driver, request())
     assert tokens == reference
     (event,) = driver.stats.failovers
-    assert event.failed_peer == "peer-b" and event.position == len(PROMPT) + 7
+    # the entry notices B's death while it awaits the token B's step carried or, when its reader had
+    # not yet handed over the one before (two threads of the in-memory transport), that one
+    assert event.failed_peer == "peer-b" and event.position in (len(PROMPT) + 6, len(PROMPT) + 7)
     hops = driver.stats.routes[-1].hops
     assert [(h.peer_id, h.effective_start) for h in hops] == [("peer-a", 0), ("peer-d", 2)]
     assert event.reprefilled == (1,)          # the head kept its KV: only D was re-prefilled (from A's rows)
