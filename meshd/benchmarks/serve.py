@@ -341,7 +341,7 @@ def _floor(backend, rounds: int) -> float:
             cache.release()
 
 
-def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
+def _floors(gguf: Path, artifact: Path, quick: bool, names: tuple[str, ...] = ()) -> dict[str, float]:
     import torch
 
     from native.gguf_range import model_info, open_reader
@@ -353,6 +353,8 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
     layers = model_info(open_reader(gguf)).num_layers
     floors = {}
     for name, streams in (("llama.cpp", STREAMS), ("llama.cpp-shared", 0)):
+        if names and name not in names:
+            continue
         config = LlamaBackendConfig(n_threads=FLOOR_THREADS, kv_budget_tokens=KV_TOKENS,
                                     max_sessions=streams or 16, kv_unified=not streams)
         llama = LlamaRangeBackend(gguf, LayerRange(0, layers, layers), config, progress=None)
@@ -360,6 +362,8 @@ def _floors(gguf: Path, artifact: Path, quick: bool) -> dict[str, float]:
             floors[name] = _floor(llama, rounds)
         finally:
             llama.close()
+    if names and "torch" not in names:
+        return floors
     threads = torch.get_num_threads()
     torch.set_num_threads(FLOOR_THREADS)
     try:
@@ -382,19 +386,23 @@ def run(quick: bool = False, progress: TextIO | None = None, options=None) -> di
     from native.packaged import smollm2_artifact, smollm2_gguf_path
 
     gguf, artifact = smollm2_gguf_path(), smollm2_artifact()
+    every = (("llama.cpp", gguf, "llama.cpp", STREAMS_TOML), ("torch", artifact, "torch", ""),
+             ("llama.cpp-shared", gguf, "llama.cpp", SHARED_TOML))
+    only = getattr(options, "lane", None)    # --lane: one lane of the three (a shorter run)
+    chosen = tuple(lane for lane in every if only in (None, lane[0]))   # the CLI checks the name
     _say(progress, "in-process floor: 8 rows in one batched forward vs 1 row")
-    floors = _floors(gguf, artifact, quick)
+    floors = _floors(gguf, artifact, quick, tuple(lane[0] for lane in chosen))
     lanes = {}
-    for name, model, backend, worker_toml in (
-            ("llama.cpp", gguf, "llama.cpp", STREAMS_TOML), ("torch", artifact, "torch", ""),
-            ("llama.cpp-shared", gguf, "llama.cpp", SHARED_TOML)):
+    for name, model, backend, worker_toml in chosen:
         lanes[name] = _lane(name, model, backend, quick, progress, worker_toml)
         lanes[name]["floor_batch8_throughput_ratio"] = floors[name]
         lanes[name].update(bounds(floors[name], len(CUTS)))
         lanes[name]["cpu_bound_aggregate_ratio_c8"] = round(
             lanes[name]["machine_cores"] / lanes[name]["cpu_cores_busy_c1"] * floors[name], 3)
-    lanes["llama.cpp"]["llama_kv_streams"] = STREAMS
-    lanes["llama.cpp-shared"]["llama_kv_streams"] = 0
+    if "llama.cpp" in lanes:
+        lanes["llama.cpp"]["llama_kv_streams"] = STREAMS
+    if "llama.cpp-shared" in lanes:
+        lanes["llama.cpp-shared"]["llama_kv_streams"] = 0
     return {"lanes": lanes, "nodes": len(CUTS), "layers": list(CUTS), "prompts": len(PROMPTS),
             "load_average": round(os.getloadavg()[0], 2),
             "targets": {"aggregate_ratio_c8": {"llama.cpp": 3.0, "torch": 2.0}, "p95_itl_ratio_c8": 2.5}}

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(tc netem; root) and compare star with push (meshd/benchmarks/wan.py)")
     parser.add_argument("--backend", choices=("torch", "llama.cpp"), default="torch",
                         help="swarm, pipeline: the daemons' backend (default torch)")
+    parser.add_argument("--lane", choices=("llama.cpp", "torch", "llama.cpp-shared"),
+                        help="serve: run this lane only (default: all three, side by side)")
     parser.add_argument("--sim", action="store_true",
                         help="dht: the deterministic simulation on a virtual clock instead of real hosts")
     parser.add_argument("--nodes", type=int, help="dht --sim: simulated nodes (default 1000; --quick 200)")
@@ -61,6 +63,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("only bench swarm takes --rtt-ms", 2)
     if args.name not in MODEL_OPTIONS and (args.model or args.layers or args.backend != "torch"):
         return fail(f"bench {args.name} takes no --model/--layers/--backend (only {', '.join(MODEL_OPTIONS)} do)", 2)
+    if args.lane is not None and args.name != "serve":
+        return fail("only bench serve takes --lane", 2)
     if args.sim and args.name != "dht":
         return fail("only bench dht takes --sim", 2)
     if (args.nodes is not None or args.seed is not None) and not args.sim:
